@@ -1,0 +1,438 @@
+"""The KV-transfer settings and their environment contract (shared/docs/api.md).
+
+One model, written as env by the operator and read back by `dllm-serve` in the engine pod, so the two
+sides cannot drift. Pure: pydantic only, no vLLM, torch or Kubernetes imports (the operator imports it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from enum import StrEnum
+from typing import Annotated, Any, Self, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class Connector(StrEnum):
+    MOONCAKE = "mooncake"
+    PYNCCL = "pynccl"
+    CUSTOM = "custom"
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class Compression(StrEnum):
+    NONE = "none"
+    FP8 = "fp8"
+    INT8 = "int8"
+
+
+class Protocol(StrEnum):
+    RDMA = "rdma"
+    TCP = "tcp"
+
+
+class LoadFailurePolicy(StrEnum):
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
+
+
+# vLLM's kv_role for each of our roles.
+VLLM_KV_ROLE: Mapping[Role, str] = {
+    Role.PREFILL: "kv_producer",
+    Role.DECODE: "kv_consumer",
+    Role.BOTH: "kv_both",
+}
+
+# This project's vLLM connector classes (dllm_connector.vllm), one per transport.
+CONNECTOR_MODULE = "dllm_connector.vllm"
+CONNECTOR_CLASS: Mapping[Connector, str] = {
+    Connector.MOONCAKE: "DllmMooncakeConnector",
+    Connector.PYNCCL: "DllmNcclConnector",
+}
+
+_E = TypeVar("_E", bound=StrEnum)
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class CustomConnector(_Frozen):
+    """A user's connector class: vLLM built-ins need no module path."""
+
+    connector_class: str = Field(min_length=1)
+    module_path: str | None = None
+    extra_config: dict[str, Any] = Field(default_factory=dict)
+
+
+class KVTransferSettings(_Frozen):
+    """Everything one engine needs to know about KV transfer."""
+
+    connector: Connector
+    role: Role
+    listen_port: Port
+    buffer_size_gb: PositiveFloat
+    compression: Compression = Compression.NONE
+    transfer_threshold_tokens: PositiveInt = 1024
+    transfer_timeout_ms: PositiveInt = 5000
+    prefill_wait_ms: PositiveInt | None = None
+    hold_seconds: PositiveInt | None = None
+    async_transfer: bool = True
+    load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
+    protocol: Protocol = Protocol.TCP
+    decode_host: str | None = None
+    decode_port: Port | None = None
+    rdma_devices: tuple[str, ...] = ()
+    gid_index: Annotated[int, Field(ge=0)] | None = None
+    custom: CustomConnector | None = None
+    # Known only inside the pod (downward API); the operator renders them as fieldRefs.
+    host_ip: str | None = None
+    engine_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> Self:
+        if (self.connector is Connector.CUSTOM) != (self.custom is not None):
+            raise ValueError("a custom connector class is required iff connector is custom")
+        if self.role is Role.PREFILL and self.connector is not Connector.CUSTOM:
+            if not self.decode_host or self.decode_port is None:
+                raise ValueError("prefill needs the decode peer (decode_host and decode_port)")
+        return self
+
+    @property
+    def sends(self) -> bool:
+        return self.role in (Role.PREFILL, Role.BOTH)
+
+    @property
+    def receives(self) -> bool:
+        return self.role in (Role.DECODE, Role.BOTH)
+
+
+class ConnectorExtraConfig(_Frozen):
+    """kv_connector_extra_config of this project's connectors: the settings vLLM has no field for.
+
+    Strict (unknown keys and bad values are refused at engine start), because vLLM itself accepts any
+    extra config.
+    """
+
+    compression: Compression
+    buffer_size_gb: PositiveFloat
+    transfer_threshold_tokens: PositiveInt
+    transfer_timeout_ms: PositiveInt
+    prefill_wait_ms: PositiveInt
+    hold_seconds: PositiveInt
+    async_transfer: bool
+    protocol: Protocol
+    decode_host: str | None = None
+    decode_port: Port | None = None
+    rdma_devices: tuple[str, ...] = ()
+    gid_index: Annotated[int, Field(ge=0)] | None = None
+    host_ip: str | None = None
+
+
+DEFAULT_PREFILL_WAIT_MS = 60000
+DEFAULT_HOLD_SECONDS = 480
+
+
+# ---- the environment contract -------------------------------------------------------------------
+
+
+class EnvContractError(ValueError):
+    """One environment variable is missing or invalid; the message names it and what it allows."""
+
+    def __init__(self, variable: str, reason: str) -> None:
+        super().__init__(f"{variable}: {reason}")
+        self.variable = variable
+
+
+ENV_CONNECTOR = "VLLM_KV_CONNECTOR"
+ENV_ROLE = "VLLM_KV_ROLE"
+ENV_DECODE_IP = "VLLM_KV_DECODE_IP"
+ENV_DECODE_PORT = "VLLM_KV_DECODE_PORT"
+ENV_LISTEN_PORT = "VLLM_KV_LISTEN_PORT"
+ENV_BUFFER_SIZE_GB = "VLLM_KV_BUFFER_SIZE_GB"
+ENV_COMPRESSION = "VLLM_KV_COMPRESSION"
+ENV_THRESHOLD = "VLLM_KV_TRANSFER_THRESHOLD"
+ENV_TIMEOUT_MS = "VLLM_KV_TRANSFER_TIMEOUT_MS"
+ENV_PREFILL_WAIT_MS = "VLLM_KV_PREFILL_WAIT_MS"
+ENV_HOLD_SECONDS = "VLLM_KV_HOLD_SECONDS"
+ENV_ASYNC = "VLLM_KV_ASYNC"
+ENV_LOAD_FAILURE_POLICY = "VLLM_KV_LOAD_FAILURE_POLICY"
+ENV_PROTOCOL = "MOONCAKE_PROTOCOL"
+ENV_RDMA_DEVICE = "MOONCAKE_RDMA_DEVICE"
+ENV_GID_INDEX = "MC_GID_INDEX"
+ENV_HOST_IP = "VLLM_HOST_IP"
+ENV_ENGINE_ID = "DLLM_ENGINE_ID"
+# Not in the compose file: how a custom connector is named (api.md's kvTransfer.custom).
+ENV_CUSTOM_CLASS = "VLLM_KV_CONNECTOR_CLASS"
+ENV_CUSTOM_MODULE = "VLLM_KV_CONNECTOR_MODULE_PATH"
+ENV_CUSTOM_EXTRA = "VLLM_KV_CONNECTOR_EXTRA_CONFIG"
+
+# Every name the operator owns: a role's `env` may not set one of these.
+CONTRACT_ENV_NAMES: tuple[str, ...] = (
+    ENV_CONNECTOR,
+    ENV_ROLE,
+    ENV_DECODE_IP,
+    ENV_DECODE_PORT,
+    ENV_LISTEN_PORT,
+    ENV_BUFFER_SIZE_GB,
+    ENV_COMPRESSION,
+    ENV_THRESHOLD,
+    ENV_TIMEOUT_MS,
+    ENV_PREFILL_WAIT_MS,
+    ENV_HOLD_SECONDS,
+    ENV_ASYNC,
+    ENV_LOAD_FAILURE_POLICY,
+    ENV_PROTOCOL,
+    ENV_RDMA_DEVICE,
+    ENV_GID_INDEX,
+    ENV_HOST_IP,
+    ENV_ENGINE_ID,
+    ENV_CUSTOM_CLASS,
+    ENV_CUSTOM_MODULE,
+    ENV_CUSTOM_EXTRA,
+)
+
+# Filled from the pod itself (downward API), not from the spec.
+DOWNWARD_API_ENV: Mapping[str, str] = {ENV_HOST_IP: "status.podIP", ENV_ENGINE_ID: "metadata.name"}
+
+
+def _format_bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def _format_float(value: float) -> str:
+    return repr(float(value)).removesuffix(".0") if float(value).is_integer() else repr(value)
+
+
+def to_env(settings: KVTransferSettings) -> dict[str, str]:
+    """The env an engine container gets, in api.md's table order; unset optionals are left out."""
+    env: dict[str, str | None] = {
+        ENV_CONNECTOR: settings.connector.value,
+        ENV_ROLE: settings.role.value,
+        ENV_DECODE_IP: settings.decode_host,
+        ENV_DECODE_PORT: None if settings.decode_port is None else str(settings.decode_port),
+        ENV_LISTEN_PORT: str(settings.listen_port),
+        ENV_BUFFER_SIZE_GB: _format_float(settings.buffer_size_gb),
+        ENV_COMPRESSION: settings.compression.value,
+        ENV_THRESHOLD: str(settings.transfer_threshold_tokens),
+        ENV_TIMEOUT_MS: str(settings.transfer_timeout_ms),
+        ENV_PREFILL_WAIT_MS: None if settings.prefill_wait_ms is None else str(settings.prefill_wait_ms),
+        ENV_HOLD_SECONDS: None if settings.hold_seconds is None else str(settings.hold_seconds),
+        ENV_ASYNC: _format_bool(settings.async_transfer),
+        ENV_LOAD_FAILURE_POLICY: settings.load_failure_policy.value,
+        ENV_PROTOCOL: settings.protocol.value,
+        ENV_RDMA_DEVICE: ",".join(settings.rdma_devices) or None,
+        ENV_GID_INDEX: None if settings.gid_index is None else str(settings.gid_index),
+        ENV_HOST_IP: settings.host_ip,
+        ENV_ENGINE_ID: settings.engine_id,
+    }
+    if settings.custom is not None:
+        env[ENV_CUSTOM_CLASS] = settings.custom.connector_class
+        env[ENV_CUSTOM_MODULE] = settings.custom.module_path
+        env[ENV_CUSTOM_EXTRA] = json.dumps(settings.custom.extra_config, sort_keys=True) or None
+    return {name: value for name, value in env.items() if value is not None}
+
+
+def _choice(enum: type[_E]) -> Callable[[str], _E]:
+    def parse(raw: str) -> _E:
+        try:
+            return enum(raw.strip().lower())
+        except ValueError:
+            allowed = ", ".join(member.value for member in enum)
+            raise ValueError(f"must be one of {allowed}") from None
+
+    return parse
+
+
+def _port(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("must be a port number in 1..65535") from None
+    if not 1 <= value <= 65535:
+        raise ValueError("must be a port number in 1..65535")
+    return value
+
+
+def _positive_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("must be a whole number greater than 0") from None
+    if value <= 0:
+        raise ValueError("must be a whole number greater than 0")
+    return value
+
+
+def _non_negative_int(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError("must be a whole number, 0 or more") from None
+    if value < 0:
+        raise ValueError("must be a whole number, 0 or more")
+    return value
+
+
+def _positive_float(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError("must be a number of GB greater than 0") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise ValueError("must be a number of GB greater than 0")
+    return value
+
+
+def _bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("true", "1", "yes"):
+        return True
+    if lowered in ("false", "0", "no"):
+        return False
+    raise ValueError("must be true or false")
+
+
+def _non_empty(raw: str) -> str:
+    if not raw.strip():
+        raise ValueError("must not be empty")
+    return raw.strip()
+
+
+def _device_list(raw: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in raw.split(",") if part.strip())
+
+
+def _json_object(raw: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        raise ValueError("must be a JSON object") from None
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
+    return value
+
+
+# variable -> (settings field, parser); read in this order so the first bad variable is reported.
+_ENV_FIELDS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
+    (ENV_CONNECTOR, "connector", _choice(Connector)),
+    (ENV_ROLE, "role", _choice(Role)),
+    (ENV_LISTEN_PORT, "listen_port", _port),
+    (ENV_DECODE_IP, "decode_host", _non_empty),
+    (ENV_DECODE_PORT, "decode_port", _port),
+    (ENV_BUFFER_SIZE_GB, "buffer_size_gb", _positive_float),
+    (ENV_COMPRESSION, "compression", _choice(Compression)),
+    (ENV_THRESHOLD, "transfer_threshold_tokens", _positive_int),
+    (ENV_TIMEOUT_MS, "transfer_timeout_ms", _positive_int),
+    (ENV_PREFILL_WAIT_MS, "prefill_wait_ms", _positive_int),
+    (ENV_HOLD_SECONDS, "hold_seconds", _positive_int),
+    (ENV_ASYNC, "async_transfer", _bool),
+    (ENV_LOAD_FAILURE_POLICY, "load_failure_policy", _choice(LoadFailurePolicy)),
+    (ENV_PROTOCOL, "protocol", _choice(Protocol)),
+    (ENV_RDMA_DEVICE, "rdma_devices", _device_list),
+    (ENV_GID_INDEX, "gid_index", _non_negative_int),
+    (ENV_HOST_IP, "host_ip", _non_empty),
+    (ENV_ENGINE_ID, "engine_id", _non_empty),
+)
+_REQUIRED_ENV = (ENV_CONNECTOR, ENV_ROLE, ENV_LISTEN_PORT, ENV_BUFFER_SIZE_GB)
+
+
+def _parse_custom(env: Mapping[str, str]) -> CustomConnector | None:
+    if env.get(ENV_CONNECTOR, "").strip().lower() != Connector.CUSTOM.value:
+        return None
+    connector_class = env.get(ENV_CUSTOM_CLASS, "").strip()
+    if not connector_class:
+        raise EnvContractError(
+            ENV_CUSTOM_CLASS, "required when VLLM_KV_CONNECTOR=custom: a connector class name"
+        )
+    extra: dict[str, Any] = {}
+    if env.get(ENV_CUSTOM_EXTRA):
+        try:
+            extra = _json_object(env[ENV_CUSTOM_EXTRA])
+        except ValueError as error:
+            raise EnvContractError(ENV_CUSTOM_EXTRA, str(error)) from None
+    module = env.get(ENV_CUSTOM_MODULE, "").strip() or None
+    return CustomConnector(connector_class=connector_class, module_path=module, extra_config=extra)
+
+
+def from_env(env: Mapping[str, str]) -> KVTransferSettings:
+    """Parse the contract from an environment; raises EnvContractError naming the variable."""
+    for name in _REQUIRED_ENV:
+        if not env.get(name, "").strip():
+            raise EnvContractError(name, "required but not set")
+    values: dict[str, Any] = {}
+    for name, field, parse in _ENV_FIELDS:
+        raw = env.get(name)
+        if raw is None or raw == "":
+            continue
+        try:
+            values[field] = parse(raw)
+        except ValueError as error:
+            raise EnvContractError(name, f"{raw!r} {error}") from None
+    values["custom"] = _parse_custom(env)
+    _require_peer_for_prefill(values)
+    try:
+        return KVTransferSettings(**values)
+    except ValidationError as error:  # pragma: no cover - every field was checked above
+        raise EnvContractError("VLLM_KV_*", str(error)) from None
+
+
+def _require_peer_for_prefill(values: Mapping[str, Any]) -> None:
+    if values["role"] is not Role.PREFILL or values["connector"] is Connector.CUSTOM:
+        return
+    if "decode_host" not in values:
+        raise EnvContractError(ENV_DECODE_IP, "required when VLLM_KV_ROLE=prefill: the decode peer address")
+    if "decode_port" not in values:
+        raise EnvContractError(ENV_DECODE_PORT, "required when VLLM_KV_ROLE=prefill: the decode KV port")
+
+
+# ---- vLLM's --kv-transfer-config ---------------------------------------------------------------
+
+
+def extra_config(settings: KVTransferSettings) -> ConnectorExtraConfig:
+    """The kv_connector_extra_config of this project's connectors for these settings."""
+    return ConnectorExtraConfig(
+        compression=settings.compression,
+        buffer_size_gb=settings.buffer_size_gb,
+        transfer_threshold_tokens=settings.transfer_threshold_tokens,
+        transfer_timeout_ms=settings.transfer_timeout_ms,
+        prefill_wait_ms=settings.prefill_wait_ms or DEFAULT_PREFILL_WAIT_MS,
+        hold_seconds=settings.hold_seconds or DEFAULT_HOLD_SECONDS,
+        async_transfer=settings.async_transfer,
+        protocol=settings.protocol,
+        decode_host=settings.decode_host,
+        decode_port=settings.decode_port,
+        rdma_devices=settings.rdma_devices,
+        gid_index=settings.gid_index,
+        host_ip=settings.host_ip,
+    )
+
+
+def kv_transfer_config(settings: KVTransferSettings, engine_id: str) -> dict[str, Any]:
+    """vLLM's KVTransferConfig as a dict, with only the fields vLLM really has."""
+    config: dict[str, Any] = {
+        "kv_role": VLLM_KV_ROLE[settings.role],
+        "kv_port": settings.listen_port,
+        "engine_id": engine_id,
+        "kv_load_failure_policy": settings.load_failure_policy.value,
+    }
+    if settings.custom is not None:
+        config["kv_connector"] = settings.custom.connector_class
+        if settings.custom.module_path:
+            config["kv_connector_module_path"] = settings.custom.module_path
+        config["kv_connector_extra_config"] = dict(settings.custom.extra_config)
+    else:
+        config["kv_connector"] = CONNECTOR_CLASS[settings.connector]
+        config["kv_connector_module_path"] = CONNECTOR_MODULE
+        config["kv_connector_extra_config"] = extra_config(settings).model_dump(mode="json")
+    return config

