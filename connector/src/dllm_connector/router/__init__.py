@@ -1,0 +1,1 @@
+"""dllm-router: one OpenAI-compatible endpoint that drives prefill then decode (docs/router.md)."""

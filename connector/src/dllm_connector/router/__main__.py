@@ -1,0 +1,55 @@
+"""`dllm-router`: parse flags (and DLLM_ROUTER_* variables), then serve until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from dllm_connector.router.config import ConfigError, RouterConfig, parse_config
+from dllm_connector.router.server import Router, serve
+
+log = logging.getLogger("dllm.router")
+
+
+async def run(config: RouterConfig) -> None:
+    router = Router(config)
+    await router.start()
+    runner = await serve(router, config.host, config.port)
+    log.info(
+        "dllm-router on %s:%d, flow %s, prefill %s, decode %s",
+        config.host,
+        config.port,
+        config.flow,
+        config.prefill.dns or ",".join(config.prefill.urls),
+        config.decode.dns or ",".join(config.decode.urls),
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        await router.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = parse_config(sys.argv[1:] if argv is None else argv, os.environ)
+    except ConfigError as e:
+        print(f"dllm-router: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    asyncio.run(run(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

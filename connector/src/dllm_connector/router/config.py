@@ -1,0 +1,188 @@
+"""The router's command line: flags, their DLLM_ROUTER_* environment twins, and validation.
+
+Pure: `parse_config(argv, environ)` turns strings into a frozen `RouterConfig` or raises `ConfigError`
+naming the flag (and its variable). A flag given on the command line wins over its variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+Flow = Literal["dllm", "mooncake", "nixl"]
+FLOWS: tuple[Flow, ...] = ("dllm", "mooncake", "nixl")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+ENV_PREFIX = "DLLM_ROUTER_"
+Address = tuple[str, int]
+
+
+class ConfigError(ValueError):
+    """A flag or variable with a bad value; the message names both."""
+
+
+@dataclass(frozen=True)
+class Upstreams:
+    """Where one role's pods are: a headless Service (re-resolved) or a static list of base URLs."""
+
+    dns: Address | None = None
+    urls: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    flow: Flow
+    prefill: Upstreams
+    decode: Upstreams
+    host: str = "0.0.0.0"
+    port: int = 8000
+    decode_kv_port: int = 50051
+    prefill_tp_size: int = 1
+    decode_tp_size: int = 1
+    mooncake_bootstrap_port: int = 8998
+    resolve_interval_s: float = 5.0
+    health_interval_s: float = 5.0
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 600.0
+    retries: int = 1
+    log_level: str = "info"
+
+
+def env_name(flag: str) -> str:
+    """`--prefill-dns` -> `DLLM_ROUTER_PREFILL_DNS`."""
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dllm-router",
+        description="OpenAI-compatible PD router: prefill then decode with KV-transfer parameters.",
+        epilog=f"Every flag can also be set by {ENV_PREFIX}<FLAG> (e.g. {env_name('--prefill-dns')}); "
+        "repeatable flags take a comma-separated list there. Flags win.",
+    )
+    add = p.add_argument
+    add("--host", help="listen address (default 0.0.0.0)")
+    add("--port", help="listen port (default 8000)")
+    add("--flow", help="PD request protocol: " + " | ".join(FLOWS))
+    add("--prefill-dns", metavar="HOST:PORT", help="prefill headless Service and engine HTTP port")
+    add("--prefill-url", action="append", metavar="URL", help="static prefill base URL (repeatable)")
+    add("--decode-dns", metavar="HOST:PORT", help="decode headless Service and engine HTTP port")
+    add("--decode-url", action="append", metavar="URL", help="static decode base URL (repeatable)")
+    add("--decode-kv-port", help="decode engines' KV listen port, dllm flow (default 50051)")
+    add("--prefill-tp-size", help="prefill tensor-parallel size (default 1)")
+    add("--decode-tp-size", help="decode tensor-parallel size (default 1)")
+    add("--mooncake-bootstrap-port", help="prefill bootstrap server port, mooncake flow (default 8998)")
+    add("--resolve-interval-s", help="seconds between DNS re-resolutions (default 5)")
+    add("--health-interval-s", help="seconds between health checks of each pod (default 5)")
+    add("--connect-timeout-s", help="upstream connect and health-check timeout (default 5)")
+    add("--request-timeout-s", help="whole upstream request timeout, streams included (default 600)")
+    add("--retries", help="extra attempts on another pod when no byte reached the client (default 1)")
+    add("--log-level", help="debug | info | warning | error (default info)")
+    return p
+
+
+def _raw_values(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str, str | list[str]]:
+    """Flags as strings, each missing one taken from its environment variable."""
+    parsed = vars(_parser().parse_args(list(argv)))
+    values: dict[str, str | list[str]] = {}
+    for key, value in parsed.items():
+        flag = "--" + key.replace("_", "-")
+        if value is None and env_name(flag) in environ:
+            raw = environ[env_name(flag)]
+            value = [u for u in raw.replace(",", " ").split() if u] if key.endswith("_url") else raw
+        if value is not None:
+            values[key] = value
+    return values
+
+
+def _where(key: str) -> str:
+    flag = "--" + key.replace("_", "-")
+    return f"{flag} (or {env_name(flag)})"
+
+
+def _int(values: Mapping[str, object], key: str, default: int, lo: int, hi: int) -> int:
+    raw = values.get(key)
+    if raw is None:
+        return default
+    try:
+        n = int(str(raw))
+    except ValueError:
+        raise ConfigError(f"{_where(key)}: {raw!r} is not an integer") from None
+    if not lo <= n <= hi:
+        raise ConfigError(f"{_where(key)}: {n} is outside {lo}..{hi}")
+    return n
+
+
+def _seconds(values: Mapping[str, object], key: str, default: float) -> float:
+    raw = values.get(key)
+    if raw is None:
+        return default
+    try:
+        s = float(str(raw))
+    except ValueError:
+        raise ConfigError(f"{_where(key)}: {raw!r} is not a number of seconds") from None
+    if not s > 0:
+        raise ConfigError(f"{_where(key)}: must be > 0, got {raw!r}")
+    return s
+
+
+def parse_dns_target(key: str, raw: str) -> Address:
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{_where(key)}: {raw!r} is not HOST:PORT (e.g. llm-prefill:8000)")
+    return host.strip("[]"), int(port)
+
+
+def parse_base_url(key: str, raw: str) -> str:
+    parts = urlsplit(raw)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None:
+        raise ConfigError(f"{_where(key)}: {raw!r} is not a base URL like http://10.0.0.5:8000")
+    if parts.path.strip("/") or parts.query:
+        raise ConfigError(f"{_where(key)}: {raw!r} must have no path (the router adds /v1/...)")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _upstreams(values: Mapping[str, object], role: str) -> Upstreams:
+    dns, urls = values.get(f"{role}_dns"), values.get(f"{role}_url")
+    if dns is not None and urls:
+        raise ConfigError(f"{role}: give either {_where(role + '_dns')} or {_where(role + '_url')}, not both")
+    if dns is not None:
+        return Upstreams(dns=parse_dns_target(f"{role}_dns", str(dns)))
+    if urls:
+        assert isinstance(urls, list)
+        return Upstreams(urls=tuple(parse_base_url(f"{role}_url", str(u)) for u in urls))
+    raise ConfigError(f"{role}: no pods configured; set {_where(role + '_dns')} or {_where(role + '_url')}")
+
+
+def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> RouterConfig:
+    values = _raw_values(argv, environ)
+    flow = str(values.get("flow", ""))
+    if flow not in FLOWS:
+        raise ConfigError(f"{_where('flow')}: {flow!r} is not one of {', '.join(FLOWS)}")
+    level = str(values.get("log_level", "info")).lower()
+    if level not in LOG_LEVELS:
+        raise ConfigError(f"{_where('log_level')}: {level!r} is not one of {', '.join(LOG_LEVELS)}")
+    port_range = (1, 65535)
+    return RouterConfig(
+        flow=flow,
+        prefill=_upstreams(values, "prefill"),
+        decode=_upstreams(values, "decode"),
+        host=str(values.get("host", "0.0.0.0")),
+        port=_int(values, "port", 8000, *port_range),
+        decode_kv_port=_int(values, "decode_kv_port", 50051, *port_range),
+        prefill_tp_size=_int(values, "prefill_tp_size", 1, 1, 1024),
+        decode_tp_size=_int(values, "decode_tp_size", 1, 1, 1024),
+        mooncake_bootstrap_port=_int(values, "mooncake_bootstrap_port", 8998, *port_range),
+        resolve_interval_s=_seconds(values, "resolve_interval_s", 5.0),
+        health_interval_s=_seconds(values, "health_interval_s", 5.0),
+        connect_timeout_s=_seconds(values, "connect_timeout_s", 5.0),
+        request_timeout_s=_seconds(values, "request_timeout_s", 600.0),
+        retries=_int(values, "retries", 1, 0, 10),
+        log_level=level,
+    )

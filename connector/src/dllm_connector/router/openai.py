@@ -1,0 +1,182 @@
+"""Pure shaping of OpenAI-style requests and responses for the two PD calls.
+
+Nothing here does I/O: it splits a multi-prompt request, builds the prefill and decode bodies, decides
+whether prefill already finished the answer, turns such an answer into a stream when the client asked
+for one, and merges per-prompt answers back into one response.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+JsonObject = dict[str, Any]
+DONE = b"[DONE]"
+
+
+def dumps(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def error_body(message: str, kind: str, code: int) -> bytes:
+    """vLLM's / OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+class BadRequest(ValueError):
+    """The client's body is not a request the router can route."""
+
+
+def parse_request(raw: bytes, route: str) -> JsonObject:
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadRequest(f"request body is not JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    if route == COMPLETIONS and "prompt" not in body:
+        raise BadRequest("'prompt' is required")
+    if route == CHAT and not isinstance(body.get("messages"), list):
+        raise BadRequest("'messages' must be a list")
+    n = body.get("n", 1)
+    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+        raise BadRequest("'n' must be a positive integer")
+    return body
+
+
+def split_prompts(route: str, body: JsonObject) -> list[JsonObject]:
+    """One body per prompt: a completions `prompt` list of strings or of token-id lists is split."""
+    prompt = body.get("prompt") if route == COMPLETIONS else None
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return [body]
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return [{**body, "prompt": p} for p in prompt]
+    return [body]  # a single prompt given as token ids
+
+
+def choices_per_prompt(body: JsonObject) -> int:
+    n = body.get("n")
+    return n if isinstance(n, int) and n > 0 else 1
+
+
+def asks_one_token(body: JsonObject) -> bool:
+    """max_tokens (or max_completion_tokens) of 1: prefill alone is the whole answer."""
+    return body.get("max_completion_tokens", body.get("max_tokens")) == 1
+
+
+def prefill_request(body: JsonObject, kv_params: JsonObject) -> JsonObject:
+    """The prefill call: one token, one choice, not streamed, with the flow's kv_transfer_params."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+    out.update(stream=False, max_tokens=1, n=1, kv_transfer_params=kv_params)
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+# stream_options needs stream; min_tokens above max_tokens=1 would be refused by the engine.
+_PREFILL_DROPS = frozenset({"stream_options", "min_tokens", "min_completion_tokens"})
+
+
+def decode_request(body: JsonObject, kv_params: JsonObject | None) -> JsonObject:
+    if kv_params is None:
+        return body
+    return {**body, "kv_transfer_params": kv_params}
+
+
+def finished_at_prefill(answer: JsonObject, body: JsonObject) -> bool:
+    """Prefill's single token ended the request (EOS or a stop string) and one choice was asked."""
+    if choices_per_prompt(body) != 1:
+        return False
+    choices = answer.get("choices")
+    return (
+        isinstance(choices, list)
+        and len(choices) == 1
+        and isinstance(choices[0], dict)
+        and choices[0].get("finish_reason") == "stop"
+    )
+
+
+def public_answer(answer: JsonObject) -> JsonObject:
+    """An engine's answer as the client sees it: the KV-transfer bookkeeping removed."""
+    return {k: v for k, v in answer.items() if k != "kv_transfer_params"}
+
+
+def _chunk_choice(route: str, choice: JsonObject) -> JsonObject:
+    base = {"index": choice.get("index", 0), "logprobs": None, "finish_reason": choice.get("finish_reason")}
+    if route == CHAT:
+        message = choice.get("message") or {}
+        base["delta"] = {"role": message.get("role", "assistant"), "content": message.get("content", "")}
+    else:
+        base["text"] = choice.get("text", "")
+    return base
+
+
+def answer_as_events(route: str, answer: JsonObject, body: JsonObject) -> list[bytes]:
+    """A finished non-streamed answer as the SSE data payloads a streamed one would have had."""
+    head = {
+        "id": answer.get("id", ""),
+        "object": "chat.completion.chunk" if route == CHAT else "text_completion",
+        "created": answer.get("created", int(time.time())),
+        "model": answer.get("model", ""),
+    }
+    choices = [_chunk_choice(route, c) for c in answer.get("choices", []) if isinstance(c, dict)]
+    events = [dumps({**head, "choices": choices})]
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") and answer.get("usage"):
+        events.append(dumps({**head, "choices": [], "usage": answer["usage"]}))
+    return events
+
+
+def sse(payloads: list[bytes]) -> bytes:
+    return b"".join(b"data: " + p + b"\n\n" for p in [*payloads, DONE])
+
+
+class SseSplitter:
+    """Splits an upstream SSE byte stream into the payloads of its `data:` events."""
+
+    def __init__(self) -> None:
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> Iterator[bytes]:
+        self._buffer += chunk
+        while True:
+            end = self._buffer.find(b"\n\n")
+            if end < 0:
+                return
+            event, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    yield line[5:].strip()
+
+
+def add_usage(total: JsonObject, usage: object) -> None:
+    if isinstance(usage, dict):
+        for key, value in usage.items():
+            if isinstance(value, int):
+                total[key] = total.get(key, 0) + value
+
+
+def shift_choices(payload: JsonObject, offset: int) -> JsonObject:
+    """Renumber choices of prompt i as vLLM does for a multi-prompt request: i * n + index."""
+    for choice in payload.get("choices") or []:
+        if isinstance(choice, dict):
+            choice["index"] = offset + int(choice.get("index", 0))
+    return payload
+
+
+def merge_answers(answers: list[JsonObject], n: int) -> JsonObject:
+    """Per-prompt completions answers merged into one, choices in prompt order."""
+    merged = public_answer(answers[0])
+    choices: list[Any] = []
+    usage: JsonObject = {}
+    for i, answer in enumerate(answers):
+        choices.extend(shift_choices(answer, i * n).get("choices") or [])
+        add_usage(usage, answer.get("usage"))
+    merged["choices"] = choices
+    if usage:
+        merged["usage"] = usage
+    return merged

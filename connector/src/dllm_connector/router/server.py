@@ -1,0 +1,635 @@
+"""The router's I/O: the aiohttp server, one shared upstream ClientSession, discovery and health loops.
+
+Per prompt the router picks a prefill and a decode pod (least outstanding requests), sends the two calls
+of the configured flow, and relays decode's answer. Nothing reaches the client before prefill has
+answered, so a prefill error, a prefill that already finished, or an unreachable pod is still handled
+cleanly (with a retry on other pods when the failure was a connection one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from dataclasses import dataclass, field
+from functools import partial
+from time import perf_counter
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from dllm_connector.router import flows
+from dllm_connector.router import openai as oa
+from dllm_connector.router.config import RouterConfig
+from dllm_connector.router.endpoints import AddressSource, Endpoint, Pool, scheme_of, source_for
+from dllm_connector.router.metrics import Metrics
+
+log = logging.getLogger("dllm.router")
+JsonObject = dict[str, Any]
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class RouterError(Exception):
+    """An answer the client gets instead of a generation; `kind` is the metrics' error kind."""
+
+    def __init__(self, status: int, kind: str, message: str, body: bytes | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind = status, kind
+        self.body = body if body is not None else oa.error_body(message, kind, status)
+
+
+class Unreachable(Exception):
+    """A connection-level failure before any answer: safe to retry on another pod."""
+
+    def __init__(self, endpoint: Endpoint, cause: BaseException, connect_failed: bool) -> None:
+        super().__init__(f"{endpoint.role} pod {endpoint.name} unreachable: {cause!r}")
+        self.endpoint, self.connect_failed = endpoint, connect_failed
+
+
+@dataclass
+class Answer:
+    """One prompt's answer: prefill's finished JSON, decode's full body, or decode's open stream."""
+
+    prefill: Endpoint
+    decode: Endpoint | None = None
+    finished: JsonObject | None = None
+    body: bytes | None = None
+    stream: aiohttp.ClientResponse | None = None
+    prefill_done: float = field(default_factory=perf_counter)
+
+    def release(self) -> None:
+        if self.stream is not None:
+            self.stream.close()  # not read to the end: closing tells the engine to abort
+            self.stream = None
+            if self.decode is not None:
+                self.decode.inflight -= 1
+
+
+class Router:
+    def __init__(
+        self,
+        config: RouterConfig,
+        *,
+        prefill_source: AddressSource | None = None,
+        decode_source: AddressSource | None = None,
+    ) -> None:
+        self.config = config
+        self.prefill = Pool("prefill", scheme_of(config.prefill))
+        self.decode = Pool("decode", scheme_of(config.decode))
+        self._sources = {
+            "prefill": prefill_source or source_for(config.prefill),
+            "decode": decode_source or source_for(config.decode),
+        }
+        self.metrics = Metrics()
+        self._session: aiohttp.ClientSession | None = None
+        self._loops: list[asyncio.Task[None]] = []
+        self._probe_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s)
+        self.app = web.Application()
+        self.app.router.add_post(oa.COMPLETIONS, partial(self.generate, oa.COMPLETIONS))
+        self.app.router.add_post(oa.CHAT, partial(self.generate, oa.CHAT))
+        self.app.router.add_get("/v1/models", self.models)
+        self.app.router.add_get("/health", self.health)
+        self.app.router.add_get("/ready", self.ready)
+        self.app.router.add_get("/metrics", self.metrics_page)
+
+    # ---- lifecycle ----
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "Router.start() was not called"
+        return self._session
+
+    async def start(self, *, background: bool = True) -> None:
+        """Open the upstream pool, discover and probe pods once, then keep doing so in the background."""
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+            timeout=aiohttp.ClientTimeout(
+                total=self.config.request_timeout_s, sock_connect=self.config.connect_timeout_s
+            ),
+            auto_decompress=False,
+            skip_auto_headers=("User-Agent",),
+        )
+        await self.refresh()
+        if background:
+            self._loops = [
+                asyncio.create_task(self._every(self.config.resolve_interval_s, self.discover)),
+                asyncio.create_task(self._every(self.config.health_interval_s, self.check_health)),
+            ]
+
+    async def close(self) -> None:
+        for task in self._loops:
+            task.cancel()
+        await asyncio.gather(*self._loops, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+
+    @staticmethod
+    async def _every(seconds: float, job: Callable[[], Awaitable[None]]) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await job()
+            except Exception:
+                log.exception("background %s failed", getattr(job, "__name__", job))
+
+    # ---- discovery and health ----
+
+    async def refresh(self) -> None:
+        await self.discover()
+        await self.check_health()
+
+    async def discover(self) -> None:
+        """Re-read both sources; new pods are probed at once and join when healthy."""
+        new: list[Endpoint] = []
+        for pool in (self.prefill, self.decode):
+            added, removed = pool.update(await self._sources[pool.role]())
+            for ep in added:
+                log.info("%s pod %s discovered", pool.role, ep.name)
+            for ep in removed:
+                log.info("%s pod %s gone (%d requests still in flight)", pool.role, ep.name, ep.inflight)
+            new += added
+        await asyncio.gather(*(self._probe(ep) for ep in new))
+
+    async def check_health(self) -> None:
+        pods = [*self.prefill.endpoints.values(), *self.decode.endpoints.values()]
+        await asyncio.gather(*(self._probe(ep) for ep in pods))
+
+    async def _probe(self, ep: Endpoint) -> None:
+        healthy, why = await self._is_healthy(ep)
+        if healthy != ep.healthy:
+            if healthy:
+                log.info("%s pod %s is ready", ep.role, ep.name)
+            else:
+                log.warning("%s pod %s taken out: %s", ep.role, ep.name, why)
+        ep.healthy = healthy
+
+    async def _is_healthy(self, ep: Endpoint) -> tuple[bool, str]:
+        try:
+            async with self.session.get(ep.url + "/health", timeout=self._probe_timeout) as r:
+                if r.status != 200:
+                    return False, f"/health answered {r.status}"
+            if ep.role == "prefill" and self.config.flow == "mooncake":
+                url = flows.bootstrap_url(ep.host, self.config.mooncake_bootstrap_port) + "/query"
+                async with self.session.get(url, timeout=self._probe_timeout) as r:
+                    r.raise_for_status()
+                    ep.engine_ids = flows.parse_bootstrap_query(await r.json(content_type=None))
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
+            return False, repr(e)
+        return True, ""
+
+    # ---- the generation endpoints ----
+
+    async def generate(self, route: str, request: web.Request) -> web.StreamResponse:
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        started = perf_counter()
+        answers: list[Answer] = []
+        try:
+            body = oa.parse_request(await request.read(), route)
+            response = await self._serve(request, route, body, rid, started, answers)
+        except oa.BadRequest as e:
+            response = self._error_response(RouterError(400, "bad_request", str(e)), rid)
+        except RouterError as e:
+            response = self._error_response(e, rid)
+        except asyncio.CancelledError:
+            self.metrics.errors["client_disconnect"] += 1
+            log.info("%s %s client went away; upstream requests cancelled", rid, route)
+            raise
+        finally:
+            for answer in answers:
+                answer.release()
+        self.metrics.requests[(route, response.status)] += 1
+        if log.isEnabledFor(logging.INFO):
+            log.info(
+                "%s %s %d prefill=%s decode=%s %.1fms",
+                rid,
+                route,
+                response.status,
+                ",".join(a.prefill.name for a in answers) or "-",
+                ",".join(a.decode.name if a.decode else "-" for a in answers) or "-",
+                (perf_counter() - started) * 1000,
+            )
+        return response
+
+    def _error_response(self, error: RouterError, rid: str) -> web.Response:
+        self.metrics.errors[error.kind] += 1
+        log.warning("%s %s: %s", rid, error.kind, error)
+        return web.Response(
+            status=error.status,
+            body=error.body,
+            content_type="application/json",
+            headers={"X-Request-Id": rid},
+        )
+
+    async def _serve(
+        self,
+        request: web.Request,
+        route: str,
+        body: JsonObject,
+        rid: str,
+        started: float,
+        answers: list[Answer],
+    ) -> web.StreamResponse:
+        stream = bool(body.get("stream"))
+        prompts = oa.split_prompts(route, body)
+        headers = {"Content-Type": "application/json"}
+        if "Authorization" in request.headers:
+            headers["Authorization"] = request.headers["Authorization"]
+        if len(prompts) == 1:
+            answers.append(await self._exchange(route, body, rid, 0, headers, read_all=not stream))
+        else:
+            answers += await self._exchange_all(route, prompts, rid, headers, read_all=not stream)
+        if not stream:
+            payload = self._joined_body(answers, body)
+            self.metrics.ttft_seconds.observe(perf_counter() - started)
+            return web.Response(body=payload, content_type="application/json", headers={"X-Request-Id": rid})
+        response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": rid})
+        await response.prepare(request)
+        if len(answers) == 1:
+            chunks = self._relay_one(route, answers[0], body)
+        else:
+            chunks = self._relay_many(route, answers, body)
+        first = True
+        try:
+            async for chunk in chunks:
+                await response.write(chunk)
+                if first:
+                    self.metrics.ttft_seconds.observe(perf_counter() - started)
+                    first = False
+            await response.write_eof()
+        except ConnectionResetError:
+            self.metrics.errors["client_disconnect"] += 1
+            log.info("%s %s client went away mid-stream; upstream requests cancelled", rid, route)
+        finally:
+            await chunks.aclose()
+        return response
+
+    async def _exchange_all(
+        self, route: str, prompts: list[JsonObject], rid: str, headers: dict[str, str], read_all: bool
+    ) -> list[Answer]:
+        tasks = [
+            asyncio.create_task(self._exchange(route, p, f"{rid}-{i}", i, headers, read_all))
+            for i, p in enumerate(prompts)
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            done = await asyncio.gather(*tasks, return_exceptions=True)
+            for result in done:
+                if isinstance(result, Answer):
+                    result.release()
+            raise
+
+    def _joined_body(self, answers: list[Answer], body: JsonObject) -> bytes:
+        if len(answers) == 1:
+            answer = answers[0]
+            if answer.body is not None:
+                return answer.body  # decode's bytes as they came: no re-encoding
+            assert answer.finished is not None
+            return oa.dumps(oa.public_answer(answer.finished))
+        parsed = [a.finished if a.finished is not None else _json(a.body) for a in answers]
+        return oa.dumps(oa.merge_answers(parsed, oa.choices_per_prompt(body)))
+
+    # ---- one prompt: pick, call, retry ----
+
+    async def _exchange(
+        self, route: str, body: JsonObject, rid: str, index: int, headers: dict[str, str], read_all: bool
+    ) -> Answer:
+        tried: list[Endpoint] = []
+        last: Unreachable | None = None
+        for attempt in range(self.config.retries + 1):
+            if attempt:
+                self.metrics.retries += 1
+            try:
+                return await self._attempt(route, body, rid, index, headers, read_all, tried)
+            except Unreachable as e:
+                tried.append(e.endpoint)
+                if e.connect_failed and e.endpoint.healthy:
+                    e.endpoint.healthy = False
+                    log.warning("%s %s pod %s taken out: %s", rid, e.endpoint.role, e.endpoint.name, e)
+                last = e
+        assert last is not None
+        role = last.endpoint.role
+        raise RouterError(502, f"{role}_unreachable", str(last))
+
+    def _pick(self, pool: Pool, tried: list[Endpoint]) -> Endpoint:
+        ep = pool.pick(tried)
+        if ep is None:
+            raise RouterError(503, f"no_{pool.role}", f"no ready {pool.role} pod", None)
+        return ep
+
+    async def _attempt(
+        self,
+        route: str,
+        body: JsonObject,
+        rid: str,
+        index: int,
+        headers: dict[str, str],
+        read_all: bool,
+        tried: list[Endpoint],
+    ) -> Answer:
+        p = self._pick(self.prefill, tried)
+        up_headers = {**headers, "X-Request-Id": rid}
+        if oa.asks_one_token(body):  # prefill alone answers; no KV moves
+            self.metrics.prefill_answers += 1
+            answer = Answer(prefill=p, decode=p)
+            await self._open(answer, p, route, oa.dumps(body), up_headers, read_all)
+            return answer
+        d = self._pick(self.decode, tried)
+        plan = self._plan(rid, index, p, d)
+        prefill_call = self._call_prefill(
+            p,
+            route,
+            oa.dumps(oa.prefill_request(body, plan.prefill_kv)),
+            {**up_headers, **plan.prefill_headers},
+        )
+        answer = Answer(prefill=p, decode=d)
+        if plan.concurrent:
+            assert plan.decode_kv is not None
+            decode_call = self._open(
+                answer, d, route, oa.dumps(oa.decode_request(body, plan.decode_kv)), up_headers, read_all
+            )
+            return await self._concurrently(answer, prefill_call, decode_call, body)
+        finished = await prefill_call
+        answer.prefill_done = perf_counter()
+        if oa.finished_at_prefill(finished, body):
+            self.metrics.prefill_answers += 1
+            answer.finished, answer.decode = finished, None
+            return answer
+        kv = finished.get("kv_transfer_params")
+        await self._open(
+            answer, d, route, oa.dumps(oa.decode_request(body, kv or None)), up_headers, read_all
+        )
+        return answer
+
+    def _plan(self, rid: str, index: int, p: Endpoint, d: Endpoint) -> flows.PairPlan:
+        flow = self.config.flow
+        if flow == "dllm":
+            return flows.dllm_plan(self.config, rid, index, p.host, d.host)
+        if flow == "mooncake":
+            rank = p.next_dp_rank % max(len(p.engine_ids), 1)
+            p.next_dp_rank += 1
+            addr = flows.bootstrap_url(p.host, self.config.mooncake_bootstrap_port)
+            return flows.mooncake_plan(rid, index, addr, p.engine_ids[rank], rank, len(p.engine_ids))
+        return flows.nixl_plan()
+
+    async def _concurrently(
+        self,
+        answer: Answer,
+        prefill_call: Awaitable[JsonObject],
+        decode_call: Awaitable[None],
+        body: JsonObject,
+    ) -> Answer:
+        """Prefill and decode at once; decode's answer is used only once prefill has answered well."""
+        ptask = asyncio.ensure_future(prefill_call)
+        dtask = asyncio.ensure_future(decode_call)
+        try:
+            done, _ = await asyncio.wait((ptask, dtask), return_when=asyncio.FIRST_COMPLETED)
+            if ptask not in done and dtask.exception() is not None:
+                await _cancel(ptask)
+                dtask.result()  # raises decode's failure
+            finished = await ptask
+            answer.prefill_done = perf_counter()
+            if oa.finished_at_prefill(finished, body):
+                self.metrics.prefill_answers += 1
+                await _cancel(dtask)
+                answer.release()
+                answer.finished, answer.decode = finished, None
+                return answer
+            await dtask
+            return answer
+        except BaseException:
+            await _cancel(ptask)
+            await _cancel(dtask)
+            answer.release()
+            raise
+
+    async def _call_prefill(
+        self, ep: Endpoint, route: str, payload: bytes, headers: dict[str, str]
+    ) -> JsonObject:
+        started = perf_counter()
+        ep.inflight += 1
+        try:
+            async with self.session.post(ep.url + route, data=payload, headers=headers) as r:
+                data = await r.read()
+                status = r.status
+        except (TimeoutError, aiohttp.ClientError) as e:
+            raise self._upstream_failure(ep, e) from e
+        finally:
+            ep.inflight -= 1
+        if status != 200:
+            raise RouterError(
+                status, "prefill_error", f"prefill pod {ep.name} answered {status}", _as_error(data)
+            )
+        self.metrics.prefill_seconds.observe(perf_counter() - started)
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered non-JSON") from None
+        if not isinstance(answer, dict):
+            raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered a non-object")
+        return answer
+
+    async def _open(
+        self,
+        answer: Answer,
+        ep: Endpoint,
+        route: str,
+        payload: bytes,
+        headers: dict[str, str],
+        read_all: bool,
+    ) -> None:
+        """Send the answering call (decode; prefill for one-token requests): read it all, or keep it open."""
+        ep.inflight += 1
+        response: aiohttp.ClientResponse | None = None
+        try:
+            response = await self.session.post(ep.url + route, data=payload, headers=headers)
+            if response.status != 200 or read_all:
+                data = await response.read()
+                if response.status != 200:
+                    kind = f"{ep.role}_error"
+                    msg = f"{ep.role} pod {ep.name} answered {response.status}"
+                    raise RouterError(response.status, kind, msg, _as_error(data))
+                answer.body = data
+                self._observe_first_byte(answer)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            ep.inflight -= 1
+            if response is not None:
+                response.close()
+            raise self._upstream_failure(ep, e) from e
+        except BaseException:
+            ep.inflight -= 1
+            if response is not None:
+                response.close()
+            raise
+        if read_all:
+            ep.inflight -= 1
+            response.release()
+        else:
+            answer.stream = response
+
+    def _upstream_failure(self, ep: Endpoint, error: BaseException) -> Exception:
+        if isinstance(error, aiohttp.ConnectionTimeoutError | aiohttp.ClientConnectorError):
+            return Unreachable(ep, error, connect_failed=True)
+        if isinstance(error, asyncio.TimeoutError):
+            return RouterError(504, "timeout", f"{ep.role} pod {ep.name} timed out: {error!r}")
+        return Unreachable(ep, error, connect_failed=False)
+
+    def _observe_first_byte(self, answer: Answer) -> None:
+        self.metrics.decode_first_byte_seconds.observe(max(perf_counter() - answer.prefill_done, 0.0))
+
+    # ---- relaying streams ----
+
+    async def _relay_one(self, route: str, answer: Answer, body: JsonObject) -> AsyncGenerator[bytes]:
+        if answer.finished is not None:
+            yield oa.sse(oa.answer_as_events(route, answer.finished, body))
+            return
+        assert answer.stream is not None
+        first = True
+        try:
+            async for chunk in answer.stream.content.iter_any():
+                if first:
+                    self._observe_first_byte(answer)
+                    first = False
+                yield chunk
+        except (TimeoutError, aiohttp.ClientError) as e:
+            yield self._broken_stream(answer, e)
+
+    def _broken_stream(self, answer: Answer, error: BaseException) -> bytes:
+        self.metrics.errors["stream_broken"] += 1
+        name = answer.decode.name if answer.decode else answer.prefill.name
+        log.warning("stream from %s broke: %r", name, error)
+        return (
+            b"data: "
+            + oa.error_body(f"upstream {name} stream broke: {error!r}", "stream_broken", 502)
+            + b"\n\n"
+        )
+
+    async def _relay_many(self, route: str, answers: list[Answer], body: JsonObject) -> AsyncGenerator[bytes]:
+        """Several prompts' streams interleaved, choices renumbered, one usage chunk and one [DONE]."""
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        usage: JsonObject = {}
+        n = oa.choices_per_prompt(body)
+
+        async def pump(i: int, answer: Answer) -> None:
+            try:
+                async for payload in self._payloads(route, answer, body):
+                    if payload == oa.DONE:
+                        continue
+                    event = json.loads(payload)
+                    if event.get("choices"):
+                        await queue.put(b"data: " + oa.dumps(oa.shift_choices(event, i * n)) + b"\n\n")
+                    else:
+                        oa.add_usage(usage, event.get("usage"))
+            except (TimeoutError, aiohttp.ClientError) as e:
+                await queue.put(self._broken_stream(answer, e))
+            finally:
+                await queue.put(None)
+
+        pumps = [asyncio.create_task(pump(i, a)) for i, a in enumerate(answers)]
+        try:
+            open_streams = len(pumps)
+            while open_streams:
+                item = await queue.get()
+                if item is None:
+                    open_streams -= 1
+                else:
+                    yield item
+            if usage:
+                yield b"data: " + oa.dumps({"object": "usage", "choices": [], "usage": usage}) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+
+    async def _payloads(self, route: str, answer: Answer, body: JsonObject) -> AsyncGenerator[bytes]:
+        if answer.finished is not None:
+            for payload in oa.answer_as_events(route, answer.finished, body):
+                yield payload
+            return
+        assert answer.stream is not None
+        splitter = oa.SseSplitter()
+        async for chunk in answer.stream.content.iter_any():
+            for payload in splitter.feed(chunk):
+                yield payload
+
+    # ---- the other endpoints ----
+
+    async def models(self, request: web.Request) -> web.Response:
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        try:
+            ep = self._pick(self.decode, [])
+            try:
+                async with self.session.get(ep.url + "/v1/models", timeout=self._probe_timeout) as r:
+                    return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+            except (TimeoutError, aiohttp.ClientError) as e:
+                raise RouterError(502, "decode_unreachable", f"decode pod {ep.name}: {e!r}") from e
+        except RouterError as e:
+            return self._error_response(e, rid)
+
+    def _pool_state(self) -> JsonObject:
+        return {
+            pool.role: {"ready": len(pool.ready()), "pods": len(pool.endpoints)}
+            for pool in (self.prefill, self.decode)
+        }
+
+    async def health(self, _: web.Request) -> web.Response:
+        """Liveness: the router itself is up (200), with each role's ready and known pods."""
+        state = self._pool_state()
+        ok = all(role["ready"] for role in state.values())
+        status = "ok" if ok else "degraded"
+        return web.json_response({"status": status, "flow": self.config.flow, **state})
+
+    async def ready(self, _: web.Request) -> web.Response:
+        """Readiness: 200 only when both roles have a ready pod; else 503 naming the missing roles."""
+        state = self._pool_state()
+        missing = [role for role, s in state.items() if not s["ready"]]
+        if missing:
+            message = "no ready " + " or ".join(missing) + " pod"
+            return web.Response(
+                status=503,
+                body=oa.error_body(message, "service_unavailable", 503),
+                content_type="application/json",
+            )
+        return web.json_response({"status": "ok", **state})
+
+    async def metrics_page(self, _: web.Request) -> web.Response:
+        text = self.metrics.render((self.prefill, self.decode))
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    if not task.done():
+        task.cancel()
+    await asyncio.wait((task,))
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
+def _as_error(data: bytes) -> bytes:
+    """An upstream error body, kept when it is JSON (vLLM's own error), wrapped otherwise."""
+    with contextlib.suppress(ValueError):
+        if isinstance(json.loads(data), dict):
+            return data
+    return oa.error_body(data.decode(errors="replace")[:500] or "upstream error", "upstream_error", 502)
+
+
+def _json(data: bytes | None) -> JsonObject:
+    parsed = json.loads(data or b"{}")
+    if not isinstance(parsed, dict):
+        raise RouterError(502, "decode_error", "decode answered a non-object")
+    return parsed
+
+
+async def serve(router: Router, host: str, port: int) -> web.AppRunner:
+    """Start listening; handler cancellation makes a client disconnect cancel both upstream calls."""
+    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port, backlog=1024).start()
+    return runner
