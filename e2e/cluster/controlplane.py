@@ -17,6 +17,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -27,6 +28,8 @@ HERE = Path(__file__).resolve().parent
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 GPU_RESOURCE = "nvidia.com/gpu"
 RDMA_RESOURCE = "rdma/hca_shared_devices_a"
+
+_PAUSE = threading.Event()  # never set: wait(t) is an interruptible pause
 
 
 class ClusterError(RuntimeError):
@@ -129,7 +132,7 @@ def wait_for(check: Callable[[], bool], timeout: float, what: str, interval: flo
     while time.monotonic() < deadline:
         if check():
             return
-        time.sleep(interval)
+        _PAUSE.wait(interval)  # poll interval of a bounded wait
     raise ClusterError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 

@@ -1,0 +1,170 @@
+"""Pytest fixtures for suites that need Kubernetes: a session-wide cluster, a namespace per test.
+
+By default the cluster is the local control plane (e2e/cluster), started if it is not running and
+stopped afterwards if this session started it. Any other cluster is refused unless the user opts in:
+DLLM_E2E_KUBECONFIG=path plus DLLM_E2E_ALLOW_CONTEXT=<its current context> (kind, a GPU cluster).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.cluster import controlplane as cp
+
+LOCAL_CONTEXT = "dllm-local"
+
+_PAUSE = threading.Event()  # never set: wait(t) is an interruptible pause
+
+
+class WaitTimeout(AssertionError):
+    pass
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll `check` until it returns a truthy value; fail naming `what` and the last value."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        last = check()
+        if last:
+            return last
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+        _PAUSE.wait(interval)  # poll interval of a bounded wait
+
+
+@dataclass
+class Cluster:
+    """A cluster the tests may use: its kubeconfig, kubectl and (for the local one) its layout."""
+
+    kubeconfig: Path
+    layout: cp.Layout | None
+
+    @property
+    def kubectl_path(self) -> str:
+        return str(self.layout.kubectl) if self.layout else "kubectl"
+
+    @property
+    def helm_path(self) -> str:
+        return str(self.layout.tools_bin / "helm") if self.layout else "helm"
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
+        if self.layout:
+            env["PATH"] = f"{self.layout.tools_bin}:{env['PATH']}"
+        return env
+
+    def run(self, *args: str, input_text: str | None = None, check: bool = True,
+            timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([self.kubectl_path, *args], input=input_text, capture_output=True, text=True,
+                                env=self.env(), timeout=timeout)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}")
+        return result
+
+    def helm(self, *args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run([self.helm_path, *args], capture_output=True, text=True, env=self.env(),
+                                timeout=timeout)
+        if check and result.returncode != 0:
+            raise AssertionError(f"helm {' '.join(args)} failed ({result.returncode}): {result.stderr}")
+        return result
+
+    def get_json(self, *args: str) -> dict[str, Any]:
+        return dict(json.loads(self.run("get", *args, "-o", "json").stdout))
+
+    def apply(self, manifest: dict[str, Any] | str, *extra: str) -> subprocess.CompletedProcess[str]:
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        return self.run("apply", "--server-side", "--field-manager=e2e", "-f", "-", *extra, input_text=text)
+
+    def exists(self, *args: str) -> bool:
+        return self.run("get", *args, "--ignore-not-found", "-o", "name", check=False).stdout.strip() != ""
+
+    def token_kubeconfig(self, token: str, path: Path) -> Path:
+        """A kubeconfig for the same server that authenticates with only this bearer token."""
+        config = json.loads(self.run("config", "view", "--raw", "--minify", "-o", "json").stdout)
+        cluster_entry = config["clusters"][0]
+        config["users"] = [{"name": "token-user", "user": {"token": token}}]
+        config["contexts"] = [{"name": "token", "context": {"cluster": cluster_entry["name"],
+                                                            "user": "token-user"}}]
+        config["current-context"] = "token"
+        path.write_text(json.dumps(config))
+        path.chmod(0o600)
+        return path
+
+    def as_token(self, token: str, path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        kubeconfig = self.token_kubeconfig(token, path)
+        return subprocess.run([self.kubectl_path, f"--kubeconfig={kubeconfig}", *args], capture_output=True,
+                              text=True, timeout=60, env=self.env())
+
+    def audit_entries(self) -> list[dict[str, Any]]:
+        if self.layout is None:
+            raise pytest.skip.Exception("the audit log is only readable on the local control plane")
+        lines = self.layout.audit_log.read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def _current_context(kubeconfig: str) -> str:
+    result = subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "config", "current-context"],
+                            capture_output=True, text=True, check=False)
+    return result.stdout.strip()
+
+
+def _foreign_cluster() -> Cluster | None:
+    kubeconfig = os.environ.get("DLLM_E2E_KUBECONFIG")
+    if not kubeconfig:
+        return None
+    allowed = os.environ.get("DLLM_E2E_ALLOW_CONTEXT", "")
+    context = _current_context(kubeconfig)
+    if not allowed or context != allowed:
+        raise pytest.UsageError(
+            f"refusing to run against kube context {context!r} of {kubeconfig}: set "
+            f"DLLM_E2E_ALLOW_CONTEXT={context} to allow it (tests create and delete objects)")
+    return Cluster(Path(kubeconfig), None)
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[Cluster]:
+    foreign = _foreign_cluster()
+    if foreign is not None:
+        yield foreign
+        return
+    layout = cp.Layout.from_env()
+    started = set(cp.running_components(layout)) != set(cp.COMPONENTS)
+    try:
+        cp.up()
+    except cp.ClusterError as error:
+        pytest.fail(f"local control plane: {error}")
+    if _current_context(str(layout.kubeconfig)) != LOCAL_CONTEXT:
+        pytest.fail(f"{layout.kubeconfig} is not the local control plane's kubeconfig")
+    yield Cluster(layout.kubeconfig, layout)
+    if started and not os.environ.get("DLLM_E2E_KEEP_CLUSTER"):
+        cp.down()
+
+
+def namespace_name(nodeid: str) -> str:
+    digest = hashlib.sha256(nodeid.encode()).hexdigest()[:8]
+    stem = "".join(ch if ch.isalnum() else "-" for ch in nodeid.rsplit("::", 1)[-1].lower())[:40].strip("-")
+    return f"t-{stem}-{digest}"
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace per test, deleted (without waiting) afterwards."""
+    name = namespace_name(request.node.nodeid)
+    cluster.run("delete", "namespace", name, "--ignore-not-found", "--wait=true", "--timeout=60s")
+    cluster.run("create", "namespace", name)
+    wait_until(lambda: cluster.exists("serviceaccount", "default", "-n", name), 30,
+               f"the default ServiceAccount in {name}")
+    yield name
+    cluster.run("delete", "namespace", name, "--wait=false", check=False)
