@@ -399,7 +399,7 @@ class Router:
                 self.metrics.prefill_answers += 1
                 await _cancel(dtask)
                 answer.release()
-                answer.finished, answer.decode = finished, None
+                answer.finished, answer.decode, answer.body = finished, None, None
                 return answer
             await dtask
             return answer
@@ -627,9 +627,12 @@ def _json(data: bytes | None) -> JsonObject:
     return parsed
 
 
-async def serve(router: Router, host: str, port: int) -> web.AppRunner:
-    """Start listening; handler cancellation makes a client disconnect cancel both upstream calls."""
-    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None)
+async def serve(router: Router, host: str, port: int, *, drain_s: float = 30.0) -> web.AppRunner:
+    """Start listening; handler cancellation makes a client disconnect cancel both upstream calls.
+
+    On cleanup, in-flight requests get `drain_s` seconds to finish.
+    """
+    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_s)
     await runner.setup()
     await web.TCPSite(runner, host, port, backlog=1024).start()
     return runner
