@@ -201,12 +201,12 @@ class FakeVllmEngine:
             for c in range(n):
                 finish = "length" if i == count - 1 else None
                 await response.write(self._chunk(seen, c, fake_tokens(key, count, c)[i], finish))
+            if i == 0 and self.hold_after_first_chunk is not None:
+                await self.hold_after_first_chunk.wait()
             if i == 0 and self.break_after_first_chunk:
                 assert request.transport is not None
                 request.transport.close()
                 return response
-            if i == 0 and self.hold_after_first_chunk is not None:
-                await self.hold_after_first_chunk.wait()
         options = seen.body.get("stream_options") or {}
         if options.get("include_usage"):
             usage = {**self._head(seen, chunk=True), "choices": [], "usage": self._usage(seen, count * n)}

@@ -1,0 +1,147 @@
+"""Pods coming and going, least-outstanding balancing, concurrency, metrics: real HTTP on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import pytest
+from conftest import EngineFactory, MutableSource, RouterFactory, wait_until
+from router_engine_double import expected_text
+
+from dllm_connector.router.openai import COMPLETIONS
+
+pytestmark = pytest.mark.timeout(30)
+
+
+async def test_pod_added_gets_traffic_and_removed_pod_gets_none(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
+    p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
+    decode = MutableSource([d0])
+    r = await start_router("dllm", [p], [], decode_source=decode)
+    assert (await r.text_of(COMPLETIONS, {"prompt": "a"}))[0] == 200
+    assert len(d0.generations) == 1
+
+    decode.add(d1)
+    await r.router.discover()
+    for i in range(4):
+        assert (await r.text_of(COMPLETIONS, {"prompt": f"b{i}"}))[0] == 200
+    assert (len(d0.generations), len(d1.generations)) == (3, 2)  # idle pods share sequential load
+
+    decode.remove(d0)
+    await r.router.discover()
+    for i in range(3):
+        assert (await r.text_of(COMPLETIONS, {"prompt": f"c{i}"}))[0] == 200
+    assert (len(d0.generations), len(d1.generations)) == (3, 5)
+
+    decode.remove(d1)
+    await r.router.discover()
+    status, text = await r.text_of(COMPLETIONS, {"prompt": "d"})
+    assert status == 503
+    assert json.loads(text)["error"]["message"] == "no ready decode pod"
+
+
+async def test_new_pod_joins_only_after_its_health_check(engines: EngineFactory, start_router: RouterFactory) -> None:
+    p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
+    d1.healthy = False
+    decode = MutableSource([d0])
+    r = await start_router("dllm", [p], [], decode_source=decode)
+    decode.add(d1)
+    await r.router.discover()
+    for _ in range(3):
+        await r.text_of(COMPLETIONS, {"prompt": "x"})
+    assert len(d1.generations) == 0
+
+
+async def test_least_outstanding_pod_is_chosen(engines: EngineFactory, start_router: RouterFactory) -> None:
+    p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
+    hold = asyncio.Event()
+    d0.hold = d1.hold = hold
+    r = await start_router("dllm", [p], [d0, d1])
+    stuck = asyncio.create_task(r.text_of(COMPLETIONS, {"prompt": "stuck"}))
+    await wait_until(lambda: len(d0.generations) + len(d1.generations) == 1, "first request at a decode pod")
+    busy, idle = (d0, d1) if d0.generations else (d1, d0)
+    idle.hold = None  # the busy pod keeps its one request outstanding
+    for i in range(3):
+        assert (await r.text_of(COMPLETIONS, {"prompt": f"q{i}"}))[0] == 200
+    assert len(idle.generations) == 3
+    assert len(busy.generations) == 1
+    hold.set()
+    assert (await stuck)[0] == 200
+
+
+async def test_200_requests_at_concurrency_50_none_lost_none_duplicated(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
+    prefill = [await engines(f"p{i}") for i in range(2)]
+    decode = [await engines(f"d{i}") for i in range(2)]
+    r = await start_router("dllm", prefill, decode)
+    gate = asyncio.Semaphore(50)
+
+    async def one(i: int) -> tuple[int, str]:
+        async with gate:
+            body = {"prompt": f"prompt-{i}", "max_tokens": 3, "stream": i % 2 == 0}
+            return await r.text_of(COMPLETIONS, body)
+
+    results = await asyncio.gather(*(one(i) for i in range(200)))
+    for i, (status, text) in enumerate(results):
+        assert status == 200
+        if i % 2:
+            assert json.loads(text)["choices"][0]["text"] == expected_text(f"prompt-{i}", 3)
+        else:
+            pieces = [json.loads(x[6:]) for x in text.split("\n") if x.startswith("data: {")]
+            assert "".join(c["text"] for x in pieces for c in x["choices"]) == expected_text(f"prompt-{i}", 3)
+    prefill_seen = [s for e in prefill for s in e.generations]
+    decode_seen = [s for e in decode for s in e.generations]
+    assert Counter(s.body["prompt"] for s in prefill_seen) == Counter(f"prompt-{i}" for i in range(200))
+    assert Counter(s.body["prompt"] for s in decode_seen) == Counter(f"prompt-{i}" for i in range(200))
+    assert len({s.kv["transfer_id"] for s in prefill_seen}) == 200
+    assert all(len(e.generations) > 40 for e in (*prefill, *decode))  # both pods of each role worked
+    pods = [*r.router.prefill.endpoints.values(), *r.router.decode.endpoints.values()]
+    assert all(ep.inflight == 0 for ep in pods)
+    assert r.router.metrics.requests[(COMPLETIONS, 200)] == 200
+
+
+async def test_metrics_count_requests_errors_ttft_and_inflight(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    r = await start_router("dllm", [p], [d])
+    for _ in range(3):
+        await r.text_of(COMPLETIONS, {"prompt": "m", "stream": True})
+    await r.text_of(COMPLETIONS, {"prompt": "m", "n": -1})
+    d.hold = asyncio.Event()
+    held = asyncio.create_task(r.text_of(COMPLETIONS, {"prompt": "m"}))
+    await wait_until(lambda: len(d.generations) == 4, "held request at decode")
+    async with r.client.get(r.url + "/metrics") as resp:
+        text = await resp.text()
+    d.hold.set()
+    await held
+    lines = set(text.splitlines())
+    assert 'dllm_router_requests_total{route="/v1/completions",code="200"} 3' in lines
+    assert 'dllm_router_requests_total{route="/v1/completions",code="400"} 1' in lines
+    assert 'dllm_router_errors_total{kind="bad_request"} 1' in lines
+    assert 'dllm_router_errors_total{kind="no_decode"} 0' in lines
+    assert "dllm_router_prefill_seconds_count{} 4" in lines
+    assert "dllm_router_decode_first_byte_seconds_count{} 3" in lines
+    assert "dllm_router_ttft_seconds_count{} 3" in lines
+    assert f'dllm_router_inflight{{role="decode",pod="127.0.0.1:{d.port}"}} 1' in lines
+    assert f'dllm_router_inflight{{role="prefill",pod="127.0.0.1:{p.port}"}} 0' in lines
+    assert f'dllm_router_pod_ready{{role="decode",pod="127.0.0.1:{d.port}"}} 1' in lines
+
+
+async def test_health_reports_pods_per_role(engines: EngineFactory, start_router: RouterFactory) -> None:
+    p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
+    d1.healthy = False
+    r = await start_router("nixl", [p], [d0, d1])
+    async with r.client.get(r.url + "/health") as resp:
+        assert await resp.json() == {
+            "status": "ok",
+            "flow": "nixl",
+            "prefill": {"ready": 1, "pods": 1},
+            "decode": {"ready": 1, "pods": 2},
+        }
+    async with r.client.get(r.url + "/ready") as resp:
+        assert resp.status == 200
