@@ -15,33 +15,31 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from router_engine_double import FakeBootstrapServer, FakeVllmEngine  # noqa: E402
+from router_engine_double import FakeBootstrapServer, FakeVllmEngine
 
-from dllm_connector.router.config import Address, Flow, RouterConfig, Upstreams  # noqa: E402
-from dllm_connector.router.endpoints import AddressSource  # noqa: E402
-from dllm_connector.router.server import Router, serve  # noqa: E402
+from dllm_connector.router.config import Address, Flow, RouterConfig, Upstreams
+from dllm_connector.router.endpoints import AddressSource
+from dllm_connector.router.server import Router, serve
 
 WAIT_S = 5.0
 
 
-async def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
-    """Wait for `condition` without a fixed sleep: re-checked on every loop turn, bounded by `timeout`."""
-
-    async def poll() -> None:
-        while not condition():
-            await asyncio.sleep(0)
-
+async def wait_until(condition: Callable[[], bool], what: str, limit_s: float = WAIT_S) -> None:
+    """Wait for `condition`, re-checked on every turn of the event loop, for at most `limit_s`."""
     try:
-        await asyncio.wait_for(poll(), timeout)
+        async with asyncio.timeout(limit_s):
+            while not condition():  # noqa: ASYNC110  # one loop turn per check, no fixed delay
+                await asyncio.sleep(0)
     except TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+        raise AssertionError(f"timed out after {limit_s}s waiting for {what}") from None
 
 
-async def wait_event(event: asyncio.Event, what: str, timeout: float = WAIT_S) -> None:
+async def wait_event(event: asyncio.Event, what: str, limit_s: float = WAIT_S) -> None:
     try:
-        await asyncio.wait_for(event.wait(), timeout)
+        async with asyncio.timeout(limit_s):
+            await event.wait()
     except TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+        raise AssertionError(f"timed out after {limit_s}s waiting for {what}") from None
 
 
 class MutableSource:
@@ -66,7 +64,9 @@ class RunningRouter:
     url: str
     client: aiohttp.ClientSession
 
-    async def post(self, path: str, body: Any, headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
+    async def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None
+    ) -> aiohttp.ClientResponse:
         return await self.client.post(self.url + path, json=body, headers=headers)
 
     async def text_of(self, path: str, body: Any) -> tuple[int, str]:
@@ -134,7 +134,9 @@ async def start_router(client: aiohttp.ClientSession) -> AsyncIterator[RouterFac
             connect_timeout_s=2.0,
             request_timeout_s=WAIT_S,
         )
-        router = Router(replace(config, **overrides), prefill_source=prefill_source, decode_source=decode_source)
+        router = Router(
+            replace(config, **overrides), prefill_source=prefill_source, decode_source=decode_source
+        )
         await router.start(background=False)
         runner = await serve(router, "127.0.0.1", 0, drain_s=0.2)
         made.append((router, runner))

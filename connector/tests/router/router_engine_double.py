@@ -28,7 +28,7 @@ def prompt_key(body: JsonObject) -> str:
 
 def fake_tokens(key: str, count: int, choice: int = 0) -> list[str]:
     """The double's answer: token i of choice c of a prompt."""
-    tag = hashlib.sha1(key.encode()).hexdigest()[:8]
+    tag = hashlib.sha256(key.encode()).hexdigest()[:8]
     return [f" {tag}.{choice}.{i}" for i in range(count)]
 
 
@@ -124,7 +124,9 @@ class FakeVllmEngine:
                 await self.hold.wait()
             if self.fail_status is not None:
                 error = {"message": f"{self.name} refuses", "type": "BadRequestError", "param": None}
-                return web.json_response({"error": {**error, "code": self.fail_status}}, status=self.fail_status)
+                return web.json_response(
+                    {"error": {**error, "code": self.fail_status}}, status=self.fail_status
+                )
             if seen.is_prefill:
                 return web.json_response(self._prefill_answer(seen))
             if body.get("stream"):
@@ -147,7 +149,11 @@ class FakeVllmEngine:
 
     def _choice(self, seen: Seen, index: int, text: str, finish: str | None) -> JsonObject:
         if seen.path.endswith("chat/completions"):
-            return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
+            return {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish,
+            }
         return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
 
     def _usage(self, seen: Seen, completion: int) -> JsonObject:
@@ -183,14 +189,21 @@ class FakeVllmEngine:
         count, key = self._count(seen), prompt_key(seen.body)
         n = int(seen.body.get("n") or 1)
         choices = [self._choice(seen, c, "".join(fake_tokens(key, count, c)), "length") for c in range(n)]
-        return {**self._head(seen), "choices": choices, "usage": self._usage(seen, count * n), "kv_transfer_params": None}
+        return {
+            **self._head(seen),
+            "choices": choices,
+            "usage": self._usage(seen, count * n),
+            "kv_transfer_params": None,
+        }
 
     def _chunk(self, seen: Seen, index: int, text: str, finish: str | None) -> bytes:
         if seen.path.endswith("chat/completions"):
             choice: JsonObject = {"index": index, "delta": {"content": text}, "finish_reason": finish}
         else:
             choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
-        return b"data: " + json.dumps({**self._head(seen, chunk=True), "choices": [choice]}).encode() + b"\n\n"
+        return (
+            b"data: " + json.dumps({**self._head(seen, chunk=True), "choices": [choice]}).encode() + b"\n\n"
+        )
 
     async def _stream(self, request: web.Request, seen: Seen) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -39,7 +39,9 @@ async def test_no_ready_pod_is_503_naming_the_role(
         assert (await resp.json())["status"] == "degraded"
 
 
-async def test_unhealthy_pod_is_taken_out_and_put_back(engines: EngineFactory, start_router: RouterFactory) -> None:
+async def test_unhealthy_pod_is_taken_out_and_put_back(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
     p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
     r = await start_router("dllm", [p], [d0, d1])
     d0.healthy = False
@@ -124,13 +126,17 @@ async def test_unreachable_pod_is_retried_elsewhere_and_taken_out(
     await p0.stop()  # dies after passing its health check: connections are refused now
     results = [await r.text_of(COMPLETIONS, {"prompt": f"r{i}", "max_tokens": 2}) for i in range(4)]
     assert [s for s, _ in results] == [200] * 4
-    assert [json.loads(t)["choices"][0]["text"] for _, t in results] == [expected_text(f"r{i}", 2) for i in range(4)]
+    assert [json.loads(t)["choices"][0]["text"] for _, t in results] == [
+        expected_text(f"r{i}", 2) for i in range(4)
+    ]
     assert len(p1.generations) == 4
     assert r.router.metrics.retries <= 1
     assert not r.router.prefill.endpoints[("127.0.0.1", p0.port)].healthy
 
 
-async def test_no_retry_once_bytes_reached_the_client(engines: EngineFactory, start_router: RouterFactory) -> None:
+async def test_no_retry_once_bytes_reached_the_client(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
     p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
     for d in (d0, d1):
         d.break_after_first_chunk, d.hold_after_first_chunk = True, asyncio.Event()

@@ -56,7 +56,9 @@ async def test_dllm_non_streaming_sends_protocol_params_to_both_pods(
     assert pre.headers["X-Request-Id"] == dec.headers["X-Request-Id"] == "req-42"
 
 
-async def test_dllm_streaming_completions_and_chat(engines: EngineFactory, start_router: RouterFactory) -> None:
+async def test_dllm_streaming_completions_and_chat(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
     p, d = await engines("p0"), await engines("d0")
     r = await start_router("dllm", [p], [d])
     body = {"prompt": "stream me", "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
@@ -86,7 +88,11 @@ async def test_mooncake_flow_uses_bootstrap_address_and_engine_id(
     assert status == 200
     assert json.loads(text)["choices"][0]["text"] == expected_text("moon", 3)
     [pre], [dec] = p.generations, d.generations
-    assert pre.kv == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": pre.kv["transfer_id"]}
+    assert pre.kv == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "transfer_id": pre.kv["transfer_id"],
+    }
     assert dec.kv == {
         "do_remote_decode": False,
         "do_remote_prefill": True,
@@ -112,10 +118,14 @@ async def test_mooncake_prefill_without_bootstrap_is_not_ready(
     assert status == 200
 
 
-async def test_nixl_forwards_what_prefill_returns(engines: EngineFactory, start_router: RouterFactory) -> None:
+async def test_nixl_forwards_what_prefill_returns(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
     p, d = await engines("p0", nixl=True), await engines("d0")
     r = await start_router("nixl", [p], [d])
-    status, text = await r.text_of(COMPLETIONS, {"prompt": "pull", "max_tokens": 6, "min_tokens": 2, "stream": True})
+    status, text = await r.text_of(
+        COMPLETIONS, {"prompt": "pull", "max_tokens": 6, "min_tokens": 2, "stream": True}
+    )
     assert status == 200
     assert streamed_text(text) == {0: expected_text("pull", 6)}
     [pre], [dec] = p.generations, d.generations
@@ -146,7 +156,12 @@ async def test_multi_prompt_is_split_per_prompt_and_merged_in_order(
     assert ids == {s.kv["transfer_id"] for s in d.generations}
     assert len(ids) == 3
 
-    body = {"prompt": [[1, 2], [3, 4]], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "prompt": [[1, 2], [3, 4]],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     status, text = await r.text_of(COMPLETIONS, body)
     assert streamed_text(text) == {0: expected_text([1, 2], 3), 1: expected_text([3, 4], 3)}
     usage = [json.loads(x)["usage"] for x in sse_payloads(text)[:-1] if not json.loads(x)["choices"]]
@@ -187,7 +202,9 @@ async def test_eos_at_prefill_is_answered_without_decode(
     assert r.router.decode.endpoints[("127.0.0.1", d.port)].inflight == 0
 
 
-async def test_max_tokens_one_goes_to_prefill_alone(engines: EngineFactory, start_router: RouterFactory) -> None:
+async def test_max_tokens_one_goes_to_prefill_alone(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
     p, d = await engines("p0"), await engines("d0")
     r = await start_router("dllm", [p], [d])
     body = {"prompt": "one", "max_tokens": 1, "stream": True}

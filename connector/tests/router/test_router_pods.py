@@ -43,7 +43,9 @@ async def test_pod_added_gets_traffic_and_removed_pod_gets_none(
     assert json.loads(text)["error"]["message"] == "no ready decode pod"
 
 
-async def test_new_pod_joins_only_after_its_health_check(engines: EngineFactory, start_router: RouterFactory) -> None:
+async def test_new_pod_joins_only_after_its_health_check(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
     p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
     d1.healthy = False
     decode = MutableSource([d0])

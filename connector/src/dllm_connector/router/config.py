@@ -58,6 +58,7 @@ def env_name(flag: str) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dllm-router",
+        allow_abbrev=False,
         description="OpenAI-compatible PD router: prefill then decode with KV-transfer parameters.",
         epilog=f"Every flag can also be set by {ENV_PREFIX}<FLAG> (e.g. {env_name('--prefill-dns')}); "
         "repeatable flags take a comma-separated list there. Flags win.",

@@ -1,0 +1,76 @@
+"""`dllm-router` as a process: configured by flags and variables, serves, stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+
+import aiohttp
+import pytest
+from conftest import EngineFactory
+from router_engine_double import expected_text
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def wait_for_listening(proc: asyncio.subprocess.Process) -> None:
+    """The router logs one line once it listens: wait for it (bounded), reading its stderr."""
+
+    async def read() -> None:
+        assert proc.stderr is not None
+        async for line in proc.stderr:
+            if b"dllm-router on 127.0.0.1:" in line:
+                return
+        raise AssertionError("the router exited before listening")
+
+    await asyncio.wait_for(read(), 15)
+
+
+async def test_router_process_serves_and_stops_on_sigterm(
+    engines: EngineFactory, client: aiohttp.ClientSession
+) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    port = free_port()
+    env = {**os.environ, "DLLM_ROUTER_DECODE_URL": d.url, "DLLM_ROUTER_LOG_LEVEL": "info"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dllm_connector.router",
+        "--host", "127.0.0.1", "--port", str(port), "--flow", "dllm", "--prefill-url", p.url,
+        env=env, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        await wait_for_listening(proc)
+        async with client.get(url + "/ready") as r:
+            assert r.status == 200
+        async with client.post(url + "/v1/completions", json={"prompt": "cli", "max_tokens": 2}) as r:
+            assert r.status == 200
+            assert json.loads(await r.text())["choices"][0]["text"] == expected_text("cli", 2)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_router_process_refuses_bad_config_with_exit_2() -> None:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dllm_connector.router", "--flow", "dllm", "--prefill-dns", "p:8000",
+        env={**os.environ, "DLLM_ROUTER_DECODE_DNS": "bad"}, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), 15)
+    assert proc.returncode == 2
+    assert err.decode().strip() == (
+        "dllm-router: --decode-dns (or DLLM_ROUTER_DECODE_DNS): 'bad' is not HOST:PORT"
+        " (e.g. llm-prefill:8000)"
+    )

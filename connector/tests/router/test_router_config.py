@@ -1,0 +1,132 @@
+"""The dllm-router command line: flags, DLLM_ROUTER_* variables, and a clear error for each bad value."""
+
+from __future__ import annotations
+
+import pytest
+
+from dllm_connector.router.__main__ import main
+from dllm_connector.router.config import ConfigError, RouterConfig, Upstreams, env_name, parse_config
+
+pytestmark = pytest.mark.timeout(10)
+
+OPERATOR_ARGS = [
+    "--host", "0.0.0.0", "--port", "8000", "--flow", "dllm",
+    "--prefill-dns", "llm-prefill:8000", "--decode-dns", "llm-decode:8001",
+    "--decode-kv-port", "50051", "--prefill-tp-size", "4", "--decode-tp-size", "2",
+    "--resolve-interval-s", "5", "--health-interval-s", "5", "--connect-timeout-s", "5",
+    "--request-timeout-s", "600", "--log-level", "info",
+]  # fmt: skip
+
+
+def test_operator_command_line_parses() -> None:
+    config = parse_config(OPERATOR_ARGS, {})
+    assert config == RouterConfig(
+        flow="dllm",
+        prefill=Upstreams(dns=("llm-prefill", 8000)),
+        decode=Upstreams(dns=("llm-decode", 8001)),
+        prefill_tp_size=4,
+        decode_tp_size=2,
+    )
+
+
+def test_static_urls_repeat_and_variables_fill_missing_flags() -> None:
+    env = {
+        "DLLM_ROUTER_FLOW": "mooncake",
+        "DLLM_ROUTER_PREFILL_URL": "http://10.0.0.1:8000, http://10.0.0.2:8000",
+        "DLLM_ROUTER_DECODE_URL": "http://10.0.0.3:8001",
+        "DLLM_ROUTER_MOONCAKE_BOOTSTRAP_PORT": "8998",
+        "DLLM_ROUTER_PORT": "9000",
+    }
+    config = parse_config(
+        ["--port", "9100", "--decode-url", "http://d:1", "--decode-url", "http://e:2/"], env
+    )
+    assert config.flow == "mooncake"
+    assert config.prefill.urls == ("http://10.0.0.1:8000", "http://10.0.0.2:8000")
+    assert config.decode.urls == ("http://d:1", "http://e:2")  # the flags win over the variable
+    assert config.port == 9100
+    assert config.mooncake_bootstrap_port == 8998
+
+
+def test_env_names() -> None:
+    assert env_name("--prefill-dns") == "DLLM_ROUTER_PREFILL_DNS"
+    assert env_name("--request-timeout-s") == "DLLM_ROUTER_REQUEST_TIMEOUT_S"
+
+
+BASE = ["--flow", "nixl", "--prefill-url", "http://p:8000", "--decode-url", "http://d:8000"]
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (
+            ["--flow", "auto", *BASE[2:]],
+            {},
+            "--flow (or DLLM_ROUTER_FLOW): 'auto' is not one of dllm, mooncake",
+        ),
+        (BASE[2:], {}, "--flow (or DLLM_ROUTER_FLOW): '' is not one of"),
+        (
+            ["--flow", "dllm", "--decode-url", "http://d:1"],
+            {},
+            "prefill: no pods configured; set --prefill-dns",
+        ),
+        ([*BASE, "--prefill-dns", "p:8000"], {}, "prefill: give either --prefill-dns"),
+        (["--flow", "dllm", "--prefill-dns", "nope", "--decode-url", "http://d:1"], {}, "is not HOST:PORT"),
+        (
+            ["--flow", "dllm", "--prefill-dns", "p:0", "--decode-url", "http://d:1"],
+            {},
+            "'p:0' is not HOST:PORT",
+        ),
+        (
+            ["--flow", "dllm", "--prefill-url", "p:8000", "--decode-url", "http://d:1"],
+            {},
+            "is not a base URL",
+        ),
+        (
+            ["--flow", "dllm", "--prefill-url", "http://p", "--decode-url", "http://d:1"],
+            {},
+            "is not a base URL",
+        ),
+        (
+            ["--flow", "dllm", "--prefill-url", "http://p:1/v1", "--decode-url", "http://d:1"],
+            {},
+            "must have no path",
+        ),
+        ([*BASE, "--port", "70000"], {}, "--port (or DLLM_ROUTER_PORT): 70000 is outside 1..65535"),
+        (
+            [*BASE, "--decode-kv-port", "x"],
+            {},
+            "--decode-kv-port (or DLLM_ROUTER_DECODE_KV_PORT): 'x' is not an",
+        ),
+        (
+            [*BASE, "--decode-tp-size", "0"],
+            {},
+            "--decode-tp-size (or DLLM_ROUTER_DECODE_TP_SIZE): 0 is outside",
+        ),
+        (
+            BASE,
+            {"DLLM_ROUTER_HEALTH_INTERVAL_S": "-1"},
+            "--health-interval-s (or DLLM_ROUTER_HEALTH_INTERVAL_S)",
+        ),
+        ([*BASE, "--request-timeout-s", "soon"], {}, "'soon' is not a number of seconds"),
+        ([*BASE, "--log-level", "loud"], {}, "--log-level (or DLLM_ROUTER_LOG_LEVEL): 'loud' is not one of"),
+    ],
+)
+def test_bad_values_are_refused_naming_flag_and_variable(
+    args: list[str], env: dict[str, str], message: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_config(args, env)
+    assert message in str(refused.value)
+
+
+def test_main_exits_2_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--flow", "auto", *BASE[2:]]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "dllm-router: --flow (or DLLM_ROUTER_FLOW): 'auto' is not one of dllm, mooncake, nixl"
+
+
+def test_unknown_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_config(["--prefil-url", "http://p:1"], {})
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --prefil-url" in capsys.readouterr().err
