@@ -168,3 +168,15 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
                f"the default ServiceAccount in {name}")
     yield name
     cluster.run("delete", "namespace", name, "--wait=false", check=False)
+
+
+CRD_FILE = Path(__file__).resolve().parents[1] / "crds" / "disaggregatedllms.disagg.dev.yaml"
+
+
+@pytest.fixture(scope="session")
+def crd(cluster: Cluster) -> str:
+    """The DisaggregatedLLM CRD, applied server-side (it is large) and Established."""
+    cluster.run("apply", "--server-side", "--force-conflicts", "--field-manager=e2e", "-f", str(CRD_FILE))
+    name = "disaggregatedllms.disagg.dev"
+    cluster.run("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    return name

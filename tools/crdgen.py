@@ -215,7 +215,7 @@ def kv_transfer_schema() -> Schema:
         },
         default={},
         **{"x-kubernetes-validations": [{
-            "rule": "(self.connector == 'custom') == has(self.custom)",
+            "rule": "(has(self.connector) && self.connector == 'custom') == has(self.custom)",
             "message": "custom is required when connector is custom, and only then",
             "fieldPath": ".custom",
         }]},
@@ -243,7 +243,7 @@ def rdma_schema() -> Schema:
         },
         default={},
         **{"x-kubernetes-validations": [{
-            "rule": "self.mode != 'hostDevices' || self.enabled",
+            "rule": "!has(self.mode) || self.mode != 'hostDevices' || (has(self.enabled) && self.enabled)",
             "message": "mode hostDevices requires enabled: true",
             "fieldPath": ".mode",
         }]},
@@ -379,8 +379,9 @@ def router_schema() -> Schema:
 def spec_schema() -> Schema:
     chunked_rules = [
         {
-            "rule": f"!has(self.model.maxModelLen) || !has(self.{role}.enableChunkedPrefill) || "
-                    f"self.{role}.enableChunkedPrefill || "
+            "rule": f"!has(self.model.maxModelLen) || !has(self.{role}) || "
+                    f"!has(self.{role}.enableChunkedPrefill) || self.{role}.enableChunkedPrefill || "
+                    f"!has(self.{role}.maxNumBatchedTokens) || "
                     f"self.{role}.maxNumBatchedTokens >= self.model.maxModelLen",
             "message": f"{role}.maxNumBatchedTokens must be at least model.maxModelLen when "
                        f"{role}.enableChunkedPrefill is false",
@@ -411,7 +412,8 @@ def spec_schema() -> Schema:
         required=["model"],
         **{"x-kubernetes-validations": [
             {
-                "rule": "self.kvTransfer.protocol != 'rdma' || self.rdma.enabled",
+                "rule": "!has(self.kvTransfer) || !has(self.kvTransfer.protocol) || self.kvTransfer.protocol != 'rdma' "
+                        "|| (has(self.rdma) && has(self.rdma.enabled) && self.rdma.enabled)",
                 "message": "kvTransfer.protocol rdma requires rdma.enabled: true",
                 "fieldPath": ".kvTransfer.protocol",
             },

@@ -7,6 +7,7 @@ would refuse is refused here too (the operator parses every CR through it; `rend
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -343,7 +344,8 @@ def parse(body: Mapping[str, Any]) -> DisaggregatedLLM:
     if body.get("spec") is None:
         raise SpecInvalid([*errors, FieldError("spec", "Required value")])
     try:
-        spec = Spec.model_validate(body["spec"])
+        # Strict JSON validation: "8" is not an integer and "yes" is not a boolean, as for the API server.
+        spec = Spec.model_validate_json(json.dumps(body["spec"]), strict=True)
     except ValidationError as error:
         located = [FieldError(f"spec.{e.path}", e.message) for e in _pydantic_errors(error)]
         raise SpecInvalid(errors + located) from None

@@ -115,9 +115,9 @@ def engine_args(cr: DisaggregatedLLM, role: EngineRole) -> list[str]:
         ("--block-size", model.block_size),
     ]
     args += [item for flag, value in optional if value for item in (flag, str(value))]
+    args += [flag for name, value in (("--dtype", model.dtype), ("--kv-cache-dtype", model.kv_cache_dtype))
+             if value != "auto" for flag in (name, value)]
     args += [
-        "--dtype", model.dtype,
-        "--kv-cache-dtype", model.kv_cache_dtype,
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--max-num-seqs", str(spec.max_num_seqs),
         "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
@@ -137,11 +137,19 @@ def engine_resources(cr: DisaggregatedLLM, role: EngineRole) -> dict[str, Any]:
     extended = {GPU_RESOURCE: str(spec.tensor_parallel_size)}
     if rdma.enabled and rdma.mode is RDMAMode.DEVICE_PLUGIN:
         extended[rdma.resource_name] = str(rdma.resources_per_pod)
-    requests: dict[str, Any] = {**extended, **spec.resources.requests}
-    limits: dict[str, Any] = {**extended, **spec.resources.limits}
+    user_gpus = {**spec.resources.limits, **spec.resources.requests}.get(GPU_RESOURCE)
+    if user_gpus is not None:  # the user's GPU count wins, in requests and limits alike
+        extended[GPU_RESOURCE] = str(user_gpus)
+    requests: dict[str, Any] = {**spec.resources.requests, **extended}
+    limits: dict[str, Any] = {**spec.resources.limits, **extended}
     base_memory = to_bytes(spec.resources.requests.get("memory", 0))
     requests["memory"] = mebibytes(base_memory + gigabytes_to_bytes(buffer_size_gb(cr, role)))
-    return {"requests": requests, "limits": limits}
+    return {"requests": _without_zero_gpus(requests), "limits": _without_zero_gpus(limits)}
+
+
+def _without_zero_gpus(resources: dict[str, Any]) -> dict[str, Any]:
+    """`nvidia.com/gpu: 0` (in requests or limits) is how a CPU deployment turns the GPU request off."""
+    return {k: v for k, v in resources.items() if not (k == GPU_RESOURCE and str(v) == "0")}
 
 
 def security_context(cr: DisaggregatedLLM) -> dict[str, Any]:

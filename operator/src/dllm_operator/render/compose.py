@@ -1,0 +1,69 @@
+"""docker-compose for one host, mirroring the same topology (the seed started there). Pure text."""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+import jinja2
+from dllm_connector.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, to_env
+
+from dllm_operator.api import DisaggregatedLLM, RDMAMode
+from dllm_operator.config import OperatorConfig
+from dllm_operator.render import engine
+from dllm_operator.render.router import router_flow
+
+# The seed's service names and host ports: both engines share one host, so decode moves to 8001.
+SERVICE = {"prefill": "prefill-server", "decode": "decode-server"}
+HOST_PORT = {"prefill": 8000, "decode": 8001}
+
+
+def _engine_service(cr: DisaggregatedLLM, role: engine.EngineRole, first_gpu: int,
+                    config: OperatorConfig) -> dict[str, Any]:
+    spec = engine.role_spec(cr, role)
+    env = to_env(engine.kv_settings(cr, role))
+    if ENV_DECODE_IP in env:
+        env[ENV_DECODE_IP] = SERVICE["decode"]
+    env[ENV_HOST_IP] = SERVICE[role]
+    env[ENV_ENGINE_ID] = SERVICE[role]
+    env |= {var.name: var.value for var in spec.env if var.value is not None}
+    tp = spec.tensor_parallel_size
+    return {
+        "service": SERVICE[role],
+        "image": spec.image or cr.spec.image or config.engine_image,
+        "command": ["dllm-serve", "--", *engine.engine_args(cr, role)],
+        "env": env,
+        "gpus": [str(i) for i in range(first_gpu, first_gpu + tp)],
+        "rdma": cr.spec.rdma.enabled,
+        "shm": str(spec.shm_size_limit).replace("Gi", "g").replace("Mi", "m"),
+        "port": spec.port,
+        "host_port": HOST_PORT[role] if spec.port == 8000 else spec.port,
+    }
+
+
+def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any] | None:
+    if not cr.spec.router.enabled:
+        return None
+    spec = cr.spec
+    port = spec.router.port if spec.router.port not in HOST_PORT.values() else 9000
+    command = [
+        "dllm-router", "--host", "0.0.0.0", "--port", str(port), "--flow", router_flow(cr),
+        "--prefill-url", f"http://{SERVICE['prefill']}:{spec.prefill.port}",
+        "--decode-url", f"http://{SERVICE['decode']}:{spec.decode.port}",
+        "--decode-kv-port", str(spec.kv_transfer.port),
+        "--prefill-tp-size", str(spec.prefill.tensor_parallel_size),
+        "--decode-tp-size", str(spec.decode.tensor_parallel_size),
+    ]  # fmt: skip
+    return {"image": spec.router.image or config.router_image, "command": command, "port": port,
+            "depends": list(SERVICE.values())}
+
+
+def render_compose(cr: DisaggregatedLLM, config: OperatorConfig | None = None) -> str:
+    config = config or OperatorConfig()
+    prefill_gpus = cr.spec.prefill.tensor_parallel_size
+    engines = [_engine_service(cr, "prefill", 0, config), _engine_service(cr, "decode", prefill_gpus, config)]
+    template_text = resources.files("dllm_operator").joinpath("templates/compose.yaml.j2").read_text()
+    environment = jinja2.Environment(autoescape=False, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)  # noqa: S701
+    template = environment.from_string(template_text)
+    return template.render(name=cr.name, engines=engines, router=_router_service(cr, config),
+                           host_devices=cr.spec.rdma.mode is RDMAMode.HOST_DEVICES)

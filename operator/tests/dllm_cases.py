@@ -1,0 +1,93 @@
+"""DisaggregatedLLM inputs shared by the model tests and the real API server tests."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "disaggregatedllms.disagg.dev.yaml"
+SAMPLES = sorted((ROOT / "crds" / "samples").glob("*.yaml"))
+
+
+def load_cr(path: Path) -> dict[str, Any]:
+    return next(d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "DisaggregatedLLM")
+
+
+def minimal(name: str = "minimal") -> dict[str, Any]:
+    return {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedLLM",
+            "metadata": {"name": name}, "spec": {"model": {"name": "m"}}}
+
+
+def merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def spec(**fields: Any) -> dict[str, Any]:
+    return {"spec": fields}
+
+
+# (id, patch over minimal(), the field path both the API server and the model must name)
+INVALID: list[tuple[str, dict[str, Any], str]] = [
+    ("missing-model", {"spec": {"image": "x"}, "_drop_model": True}, "spec.model"),
+    ("missing-model-name", spec(model={"name": None}), "spec.model.name"),
+    ("empty-model-name", spec(model={"name": ""}), "spec.model.name"),
+    ("port-too-high", spec(kvTransfer={"port": 70000}), "spec.kvTransfer.port"),
+    ("port-zero", spec(kvTransfer={"port": 0}), "spec.kvTransfer.port"),
+    ("port-not-a-number", spec(kvTransfer={"port": "fifty"}), "spec.kvTransfer.port"),
+    ("port-as-string-number", spec(kvTransfer={"port": "50051"}), "spec.kvTransfer.port"),
+    ("negative-replicas", spec(prefill={"replicas": -1}), "spec.prefill.replicas"),
+    ("tp-not-power-of-two", spec(decode={"tensorParallelSize": 3}), "spec.decode.tensorParallelSize"),
+    ("unknown-connector", spec(kvTransfer={"connector": "rdma-magic"}), "spec.kvTransfer.connector"),
+    ("unknown-compression", spec(kvTransfer={"compression": "zstd"}), "spec.kvTransfer.compression"),
+    ("zero-buffer", spec(kvTransfer={"bufferSizeGB": 0}), "spec.kvTransfer.bufferSizeGB"),
+    ("negative-role-buffer", spec(decode={"bufferSizeGB": -1}), "spec.decode.bufferSizeGB"),
+    ("zero-timeout", spec(kvTransfer={"timeoutMs": 0}), "spec.kvTransfer.timeoutMs"),
+    ("zero-max-num-seqs", spec(prefill={"maxNumSeqs": 0}), "spec.prefill.maxNumSeqs"),
+    ("zero-batched-tokens", spec(decode={"maxNumBatchedTokens": 0}), "spec.decode.maxNumBatchedTokens"),
+    ("async-not-boolean", spec(kvTransfer={"async": "yes"}), "spec.kvTransfer.async"),
+    ("custom-connector-without-class", spec(kvTransfer={"connector": "custom"}), "spec.kvTransfer.custom"),
+    ("custom-block-with-mooncake", spec(kvTransfer={"custom": {"connectorClass": "X"}}), "spec.kvTransfer.custom"),
+    ("two-model-sources", spec(model={"name": "m", "source": {"pvc": {"claimName": "a"},
+                                                             "huggingFace": {}}}), "spec.model.source"),
+    ("host-devices-without-rdma", spec(rdma={"mode": "hostDevices"}), "spec.rdma.mode"),
+    ("rdma-protocol-without-rdma", spec(kvTransfer={"protocol": "rdma"}), "spec.kvTransfer.protocol"),
+    ("no-chunked-prefill-short-batch", spec(model={"name": "m", "maxModelLen": 4096},
+                                            decode={"maxNumBatchedTokens": 1024}),
+     "spec.decode.maxNumBatchedTokens"),
+    ("name-too-long", {"metadata": {"name": "a" * 45}}, "metadata.name"),
+    ("name-not-dns-1035", {"metadata": {"name": "1llama"}}, "metadata.name"),
+    ("unknown-role-field", spec(prefill={"replicaz": 2}), "spec.prefill.replicaz"),
+    ("seed-field-name-kv-buffer-size", spec(kvTransfer={"kv_buffer_size": 2.0}), "spec.kvTransfer.kv_buffer_size"),
+    ("env-reuses-contract-name", spec(decode={"env": [{"name": "VLLM_KV_ROLE", "value": "prefill"}]}),
+     "spec.decode.env"),
+    ("unknown-service-type", spec(router={"serviceType": "Ingress"}), "spec.router.serviceType"),
+    ("unknown-router-flow", spec(router={"flow": "grpc"}), "spec.router.flow"),
+    ("gid-index-too-high", spec(rdma={"enabled": True, "gidIndex": 300}), "spec.rdma.gidIndex"),
+    ("unknown-dtype", spec(model={"name": "m", "dtype": "int4"}), "spec.model.dtype"),
+    ("bad-shm-quantity", spec(prefill={"shmSizeLimit": "lots"}), "spec.prefill.shmSizeLimit"),
+    ("bad-toleration-operator", spec(prefill={"tolerations": [{"key": "k", "operator": "Maybe"}]}),
+     "spec.prefill.tolerations[0].operator"),
+    ("unknown-load-failure-policy", spec(kvTransfer={"loadFailurePolicy": "retry"}),
+     "spec.kvTransfer.loadFailurePolicy"),
+]
+
+
+def invalid_body(patch: dict[str, Any], name: str) -> dict[str, Any]:
+    patch = copy.deepcopy(patch)
+    drop_model = patch.pop("_drop_model", False)
+    body = merged(minimal(name), patch)
+    if drop_model:
+        del body["spec"]["model"]
+    if body["spec"].get("model", {}).get("name", "") is None:
+        del body["spec"]["model"]["name"]
+    return body

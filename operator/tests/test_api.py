@@ -1,0 +1,106 @@
+"""The typed model accepts what the CRD accepts and refuses what it refuses, naming the same field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from dllm_cases import CRD_PATH, INVALID, ROOT, SAMPLES, invalid_body, load_cr, minimal
+from dllm_connector.kvconfig import Compression, Connector
+from dllm_operator.api import SpecInvalid, parse
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
+def test_every_sample_parses(path: Path) -> None:
+    cr = parse(load_cr(path))
+    assert cr.name == load_cr(path)["metadata"]["name"]
+
+
+def test_minimal_resource_gets_the_documented_defaults() -> None:
+    cr = parse(minimal())
+    kv = cr.spec.kv_transfer
+    assert (kv.connector, kv.compression, kv.port, kv.buffer_size_gb) == (Connector.MOONCAKE, Compression.NONE,
+                                                                          50051, 4.0)
+    assert (kv.transfer_threshold_tokens, kv.timeout_ms, kv.prefill_wait_ms, kv.hold_seconds) == (1024, 5000,
+                                                                                                 60000, 480)
+    assert (cr.spec.prefill.max_num_seqs, cr.spec.prefill.max_num_batched_tokens) == (64, 8192)
+    assert (cr.spec.decode.max_num_seqs, cr.spec.decode.max_num_batched_tokens) == (256, 2048)
+    assert cr.spec.decode.enable_chunked_prefill is False
+    assert cr.spec.prefill.enable_chunked_prefill is None
+    assert cr.spec.prefill.replicas is None  # left to an autoscaler
+    assert cr.spec.router.enabled and cr.spec.router.flow == "auto"
+
+
+def test_seed_sample_matches_the_seed_topology() -> None:
+    cr = parse(load_cr(ROOT / "crds" / "samples" / "seed-llama2-70b.yaml"))
+    p, d = cr.spec.prefill, cr.spec.decode
+    assert (p.tensor_parallel_size, p.max_num_seqs, p.max_num_batched_tokens) == (4, 64, 8192)
+    assert (d.tensor_parallel_size, d.max_num_seqs, d.max_num_batched_tokens) == (4, 256, 2048)
+    assert d.enable_chunked_prefill is False
+    assert cr.spec.model.max_model_len == 2048
+    assert cr.spec.kv_transfer.compression is Compression.FP8
+    assert cr.spec.rdma.enabled and cr.spec.rdma.devices == ("mlx5_0",)
+    assert (p.buffer_size_gb, d.buffer_size_gb) == (4.0, 8.0)
+
+
+@pytest.mark.parametrize(("case", "patch", "path"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_resource_is_refused_naming_the_field(case: str, patch: dict[str, object], path: str) -> None:
+    with pytest.raises(SpecInvalid) as refused:
+        parse(invalid_body(patch, "bad"))
+    paths = [error.path for error in refused.value.errors]
+    assert path in paths, f"{case}: expected {path} in {paths}"
+
+
+def test_at_least_25_invalid_cases() -> None:
+    assert len(INVALID) >= 25
+
+
+def test_missing_spec_is_refused() -> None:
+    with pytest.raises(SpecInvalid, match=r"^spec: Required value$"):
+        parse({"metadata": {"name": "x"}})
+
+
+def test_committed_crd_is_what_the_generator_writes() -> None:
+    sys.path.insert(0, str(ROOT / "tools"))
+    import crdgen  # type: ignore[import-not-found]
+
+    assert CRD_PATH.read_text() == crdgen.render(), "run `make crds` and commit the result"
+
+
+def test_crd_shape() -> None:
+    crd = yaml.safe_load(CRD_PATH.read_text())
+    version = crd["spec"]["versions"][0]
+    assert crd["spec"]["names"]["shortNames"] == ["dllm"]
+    assert crd["spec"]["names"]["categories"] == ["all", "llm"]
+    assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.decode.replicas"
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Prefill", "Decode", "Ready",
+                                                                         "Connector", "Age"]
+    text = CRD_PATH.read_text()
+    # Unknown fields are kept only where a core type or a free-form map is passed through: per role
+    # env[].valueFrom, affinity and topologySpreadConstraints[]; and kvTransfer.custom.extraConfig.
+    assert text.count("x-kubernetes-preserve-unknown-fields") == 2 * 3 + 1
+
+
+def test_render_cli_refuses_an_invalid_file_without_partial_output(tmp_path: Path) -> None:
+    good = yaml.safe_dump(minimal("good"))
+    bad = yaml.safe_dump(invalid_body({"spec": {"kvTransfer": {"port": 70000}}}, "bad"))
+    path = tmp_path / "two.yaml"
+    path.write_text(good + "---\n" + bad)
+    result = subprocess.run([sys.executable, "-m", "dllm_operator", "render", "-f", str(path)],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "spec.kvTransfer.port" in result.stderr
+    assert "less than or equal to 65535" in result.stderr
+
+
+def test_render_cli_refuses_a_file_without_a_resource(tmp_path: Path) -> None:
+    path = tmp_path / "empty.yaml"
+    path.write_text("kind: ConfigMap\n")
+    result = subprocess.run([sys.executable, "-m", "dllm_operator", "render", "-f", str(path)],
+                            capture_output=True, text=True, check=False)
+    assert (result.returncode, result.stdout) == (2, "")
+    assert "no DisaggregatedLLM resource found" in result.stderr

@@ -1,0 +1,182 @@
+"""Rendering: reviewable snapshots of every sample, plus the invariants a user relies on."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from dllm_cases import ROOT, SAMPLES, load_cr, merged, minimal
+from dllm_connector.kvconfig import CONTRACT_ENV_NAMES, DOWNWARD_API_ENV
+from dllm_operator.api import parse
+from dllm_operator.render import HASH_ANNOTATION, render_all
+from dllm_operator.render.compose import render_compose
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+UID = "11111111-2222-3333-4444-555555555555"
+ENV_BY_ROLE = {
+    "prefill": set(CONTRACT_ENV_NAMES) - {"VLLM_KV_PREFILL_WAIT_MS"},
+    "decode": set(CONTRACT_ENV_NAMES) - {"VLLM_KV_DECODE_IP", "VLLM_KV_DECODE_PORT", "VLLM_KV_HOLD_SECONDS"},
+}
+OPTIONAL_ENV = {"MOONCAKE_RDMA_DEVICE", "MC_GID_INDEX", "VLLM_KV_CONNECTOR_CLASS", "VLLM_KV_CONNECTOR_MODULE_PATH",
+                "VLLM_KV_CONNECTOR_EXTRA_CONFIG"}
+
+
+def rendered(body: dict[str, Any]) -> list[dict[str, Any]]:
+    body = merged(body, {"metadata": {"namespace": "serving", "uid": UID}})
+    return render_all(parse(body))
+
+
+def of_kind(manifests: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def env_of(statefulset: dict[str, Any]) -> dict[str, Any]:
+    container = statefulset["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
+def test_snapshot(path: Path) -> None:
+    text = yaml.safe_dump_all(rendered(load_cr(path)), sort_keys=False, width=120)
+    snapshot = SNAPSHOTS / f"{path.stem}.yaml"
+    if os.environ.get("UPDATE_SNAPSHOTS") or not snapshot.exists():
+        snapshot.write_text(text)
+    assert text == snapshot.read_text(), f"{snapshot} differs: review, then UPDATE_SNAPSHOTS=1"
+
+
+@pytest.mark.parametrize("path", [*SAMPLES, None], ids=lambda p: p.stem if p else "minimal")
+def test_invariants(path: Path | None) -> None:
+    body = load_cr(path) if path else minimal()
+    manifests = rendered(body)
+    user_labels = set()
+    for role in ("prefill", "decode"):
+        user_labels |= set(body["spec"].get(role, {}).get("podLabels", {}))
+    for m in manifests:
+        assert len(m["metadata"]["name"]) <= 63
+        assert m["metadata"]["ownerReferences"][0]["uid"] == UID
+        assert HASH_ANNOTATION in m["metadata"]["annotations"]
+        selector = m["spec"].get("selector", {})
+        selector = selector.get("matchLabels", selector)
+        if m["kind"] in ("StatefulSet", "Deployment"):
+            pod_labels = m["spec"]["template"]["metadata"]["labels"]
+            assert selector.items() <= pod_labels.items()
+            assert not user_labels & set(selector)
+            assert len(m["metadata"]["name"]) <= 52
+            for container in m["spec"]["template"]["spec"]["containers"]:
+                assert container["securityContext"].get("privileged") in (None, False)
+    for sts in of_kind(manifests, "StatefulSet"):
+        role = sts["metadata"]["name"].rsplit("-", 1)[1]
+        present = set(env_of(sts))
+        assert ENV_BY_ROLE[role] - OPTIONAL_ENV <= present
+
+
+def test_downward_api_fills_host_ip_and_engine_id() -> None:
+    for sts in of_kind(rendered(minimal()), "StatefulSet"):
+        env = env_of(sts)
+        for name, path in DOWNWARD_API_ENV.items():
+            assert env[name] == {"fieldRef": {"fieldPath": path}}
+
+
+def test_seed_resources_security_and_network() -> None:
+    manifests = rendered(load_cr(ROOT / "crds/samples/seed-llama2-70b.yaml"))
+    prefill = next(m for m in of_kind(manifests, "StatefulSet") if m["metadata"]["name"] == "llama2-70b-prefill")
+    pod = prefill["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert container["resources"]["limits"]["rdma/hca_shared_devices_a"] == "1"
+    assert container["resources"]["requests"]["memory"] == "4096Mi"  # the 4 GB pinned buffer
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}} in pod["volumes"]
+    assert "hostNetwork" not in pod
+    assert container["startupProbe"]["httpGet"] == {"path": "/health", "port": 8000}
+    assert prefill["spec"]["podManagementPolicy"] == "Parallel"
+    hf = next(e for e in container["env"] if e["name"] == "HF_TOKEN")
+    assert hf["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert "--tensor-parallel-size" in container["args"]
+
+
+def test_host_devices_get_narrow_capabilities_not_privileged() -> None:
+    body = merged(minimal(), {"spec": {"rdma": {"enabled": True, "mode": "hostDevices", "hostNetwork": True,
+                                                "networks": ["roce-net"]}}})
+    for sts in of_kind(rendered(body), "StatefulSet"):
+        pod = sts["spec"]["template"]["spec"]
+        security = pod["containers"][0]["securityContext"]
+        assert security["privileged"] is False
+        assert security["capabilities"]["add"] == ["IPC_LOCK", "SYS_RESOURCE"]
+        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+        anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+        assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
+        assert sts["spec"]["template"]["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "roce-net"
+        assert {"name": "infiniband", "mountPath": "/dev/infiniband"} in pod["containers"][0]["volumeMounts"]
+
+
+def test_unset_replicas_are_not_written() -> None:
+    for sts in of_kind(rendered(load_cr(ROOT / "crds/samples/autoscaled.yaml")), "StatefulSet"):
+        assert "replicas" not in sts["spec"]
+
+
+def test_pdb_only_with_more_than_one_replica() -> None:
+    manifests = rendered(load_cr(ROOT / "crds/samples/tcp-no-rdma.yaml"))
+    assert {m["metadata"]["name"] for m in of_kind(manifests, "PodDisruptionBudget")} == {
+        "llama3-8b-tcp-prefill", "llama3-8b-tcp-decode"}
+    assert of_kind(rendered(minimal()), "PodDisruptionBudget") == []
+
+
+def test_router_disabled_renders_no_router() -> None:
+    manifests = rendered(merged(minimal(), {"spec": {"router": {"enabled": False}}}))
+    assert [m["metadata"]["name"] for m in manifests if "router" in m["metadata"]["name"]] == []
+
+
+def test_user_labels_never_reach_selectors() -> None:
+    body = merged(minimal(), {"spec": {"decode": {"podLabels": {"team": "a", "app.kubernetes.io/name": "x"}}}})
+    decode = next(m for m in of_kind(rendered(body), "StatefulSet") if m["metadata"]["name"].endswith("decode"))
+    assert "team" not in decode["spec"]["selector"]["matchLabels"]
+    labels = decode["spec"]["template"]["metadata"]["labels"]
+    assert labels["team"] == "a"
+    assert labels["app.kubernetes.io/name"] == "dllm"  # ours win over a user's clash
+
+
+def compose_kv_vars(text: str) -> dict[str, dict[str, str]]:
+    """The seed's docker-compose: KV variables per service (its indentation is lost in the seed file)."""
+    services: dict[str, dict[str, str]] = {}
+    current = ""
+    for line in text.splitlines():
+        if re.match(r"^[a-z-]+-server:$|^mooncake-transfer:$", line.strip()):
+            current = line.strip().rstrip(":")
+            services[current] = {}
+        match = re.match(r"^- ((?:VLLM_KV|MOONCAKE)_[A-Z_]+)=(.*)$", line.strip())
+        if current and match:
+            services[current][match.group(1)] = match.group(2)
+    return services
+
+
+def test_seed_compose_kv_variables_are_a_subset_of_the_rendered_env() -> None:
+    seed_text = next((ROOT.parent / "shared" / "seed").glob("*.txt")).read_text()
+    seed = compose_kv_vars(seed_text)
+    assert seed["prefill-server"]["VLLM_KV_ROLE"] == "prefill"
+    manifests = rendered(load_cr(ROOT / "crds/samples/seed-llama2-70b.yaml"))
+    by_role = {m["metadata"]["name"].rsplit("-", 1)[1]: env_of(m) for m in of_kind(manifests, "StatefulSet")}
+    renamed = {"VLLM_KV_DECODE_IP": "llama2-70b-decode"}  # decode-server there, the decode Service here
+    for service, role in (("prefill-server", "prefill"), ("decode-server", "decode")):
+        for name, value in seed[service].items():
+            assert by_role[role][name] == renamed.get(name, value), (service, name)
+    # The mooncake-transfer container's device is now in-process, on each engine; its one 16G buffer
+    # became the per-role 4 GB / 8 GB VLLM_KV_BUFFER_SIZE_GB.
+    assert seed["mooncake-transfer"]["MOONCAKE_RDMA_DEVICE"] == by_role["decode"]["MOONCAKE_RDMA_DEVICE"]
+    assert (by_role["prefill"]["VLLM_KV_BUFFER_SIZE_GB"], by_role["decode"]["VLLM_KV_BUFFER_SIZE_GB"]) == ("4", "8")
+
+
+def test_compose_mirrors_the_seed_topology() -> None:
+    text = render_compose(parse(load_cr(ROOT / "crds/samples/seed-llama2-70b.yaml")))
+    compose = yaml.safe_load(text)
+    prefill, decode = compose["services"]["prefill-server"], compose["services"]["decode-server"]
+    assert prefill["environment"]["VLLM_KV_DECODE_IP"] == "decode-server"
+    assert prefill["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["0", "1", "2", "3"]
+    assert decode["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["4", "5", "6", "7"]
+    assert decode["ports"] == ["8001:8000"]
+    assert "--no-enable-chunked-prefill" in decode["command"]
+    assert compose["services"]["router"]["command"][0] == "dllm-router"
