@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.timeout(60)
+
+
 ROOT = Path(__file__).resolve().parents[3]
 IMAGES = ROOT / "images"
 NAMES = ["operator", "router", "vllm", "vllm-cpu"]

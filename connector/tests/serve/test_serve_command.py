@@ -11,6 +11,9 @@ import pytest
 
 from dllm_connector import kvconfig, serve
 
+pytestmark = pytest.mark.timeout(60)
+
+
 API_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 
 PREFILL_JSON = (

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.timeout(60)
+
+
 PREFILL = "seed_prefill"
 DECODE = "seed_decode"
 CUSTOM = {"VLLM_KV_CONNECTOR": "custom", "VLLM_KV_CONNECTOR_CLASS": "MyConnector"}

@@ -21,7 +21,7 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from dllm_connector import kvconfig, serve
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
 VLLM_ADAPTER: TypeAdapter[Any] = TypeAdapter(KVTransferConfig)
 
