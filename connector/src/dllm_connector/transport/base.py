@@ -1,0 +1,91 @@
+"""The one small interface every KV transport implements, and its errors."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+class TransportError(RuntimeError):
+    """A transfer did not complete: the peer is unreachable, refused it, or it broke midway."""
+
+
+class TransferTimeout(TransportError):
+    """A transfer, or a wait for the peer, ran past its deadline."""
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """A span of the peer's registered memory, as the peer announced it."""
+
+    addr: int
+    nbytes: int
+
+    def to_list(self) -> list[int]:
+        return [self.addr, self.nbytes]
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor."""
+    if not tensor.is_contiguous():
+        raise TransportError("transport regions must be contiguous tensors")
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class Transport(ABC):
+    """Moves bytes from local tensors to a peer.
+
+    One-sided transports (Mooncake) write straight into `dst`, the peer's announced regions, and the
+    peer posts nothing. Two-sided ones (NCCL, gloo) need the peer to call `recv` with matching sizes
+    and the same tag; `dst` then only carries the sizes.
+    """
+
+    name: ClassVar[str]
+    one_sided: ClassVar[bool]
+
+    @abstractmethod
+    def register(self, tensor: torch.Tensor) -> None:
+        """Make a tensor's memory transferable; registering the same memory again is a no-op."""
+
+    @abstractmethod
+    def unregister(self, tensor: torch.Tensor) -> None:
+        """Undo register before the memory is freed."""
+
+    @abstractmethod
+    def endpoint(self) -> dict[str, Any]:
+        """What a peer needs to reach this side (sent in the side-channel handshake)."""
+
+    @abstractmethod
+    def send(
+        self,
+        peer: Mapping[str, Any],
+        src: Sequence[torch.Tensor],
+        dst: Sequence[RemoteRegion],
+        tag: int,
+        timeout: float,
+    ) -> None:
+        """Deliver each src tensor's bytes to the matching dst region, or raise TransportError."""
+
+    @abstractmethod
+    def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
+        """Two-sided transports: receive into dst; one-sided ones return at once."""
+
+    def forget_peer(self, peer: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
+        """Drop per-peer state after a failure, so the next transfer starts clean."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release registrations and connections."""
+
+
+def check_sizes(src: Sequence[torch.Tensor], dst: Sequence[RemoteRegion]) -> None:
+    if len(src) != len(dst):
+        raise TransportError(f"{len(src)} source regions for {len(dst)} destination regions")
+    for index, (tensor, region) in enumerate(zip(src, dst, strict=True)):
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes != region.nbytes:
+            raise TransportError(f"region {index}: {nbytes} bytes to send, peer expects {region.nbytes}")

@@ -1,0 +1,69 @@
+"""A registered staging buffer for compressed KV, with a first-fit range allocator.
+
+The buffer is allocated and registered once (bufferSizeGB). Reservations wait for space up to a
+deadline, which is the back-pressure when the buffer is full; every reservation is released on
+every path, and `in_use` lets tests prove it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+
+import torch
+
+from dllm_connector.transport.base import TransferTimeout, TransportError
+
+_ALIGN = 64
+
+
+class StagingBuffer:
+    def __init__(self, nbytes: int) -> None:
+        if nbytes <= 0:
+            raise TransportError("the staging buffer needs a positive size")
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        self._spans: list[tuple[int, int]] = []  # sorted (offset, length) in use
+        self._cond = threading.Condition()
+
+    @property
+    def capacity(self) -> int:
+        return self.tensor.numel()
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return sum(length for _, length in self._spans)
+
+    def reserve(self, nbytes: int, timeout: float) -> torch.Tensor:
+        """A view of nbytes of the buffer; waits for space until timeout (back-pressure)."""
+        length = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        if length > self.capacity:
+            raise TransportError(f"{nbytes} bytes of KV exceed the {self.capacity}-byte staging buffer")
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (offset := self._first_fit(length)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(f"staging buffer full: no {nbytes} bytes within {timeout:.1f}s")
+                self._cond.wait(left)
+            bisect.insort(self._spans, (offset, length))
+        return self.tensor[offset : offset + nbytes]
+
+    def _first_fit(self, length: int) -> int | None:
+        cursor = 0
+        for offset, used in self._spans:
+            if offset - cursor >= length:
+                return cursor
+            cursor = offset + used
+        return cursor if self.capacity - cursor >= length else None
+
+    def release(self, view: torch.Tensor) -> None:
+        offset = view.data_ptr() - self.tensor.data_ptr()
+        with self._cond:
+            for index, (start, _) in enumerate(self._spans):
+                if start == offset:
+                    del self._spans[index]
+                    self._cond.notify_all()
+                    return
+        raise TransportError(f"no staging reservation at offset {offset}")

@@ -1,0 +1,96 @@
+"""A prefill worker in its own process for the two-process KV tests, and the shared test KV.
+
+Run as a script: `python kv_peer.py '<json>'` sends the listed jobs and prints one JSON line per
+job ({"transfer_id", "error"}). Two test doubles live here, named as such: CorruptingSender flips one
+payload byte after its checksum was taken; a sender with "exit_after_accept" dies mid-transfer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dllm_connector.kv_layout import Geometry, PagedKV
+from dllm_connector.kvconfig import Compression
+from dllm_connector.pipe import KVSender, PipeConfig, SendJob
+from dllm_connector.transport.base import Transport
+from dllm_connector.transport.mooncake import MooncakeTransport
+from dllm_connector.transport.torchdist import TorchDistTransport
+
+HOST = "127.0.0.1"
+LAYERS = 4
+NUM_BLOCKS = 512
+GEOMETRY = Geometry(block_size=16, num_kv_heads=2, head_dim=64, model="tiny-test")
+
+
+def cpu_layer_shape(geometry: Geometry = GEOMETRY) -> tuple[int, ...]:
+    """vLLM's CPU backend: [num_blocks, kv_heads, block_size, 2 * head_dim]."""
+    return (NUM_BLOCKS, geometry.num_kv_heads, geometry.block_size, 2 * geometry.head_dim)
+
+
+def make_caches(seed: int | None, geometry: Geometry = GEOMETRY) -> dict[str, torch.Tensor]:
+    """Per-layer paged KV: deterministic random values for a seed, zeros for None."""
+    caches = {}
+    for layer in range(LAYERS):
+        if seed is None:
+            caches[f"model.layers.{layer}.self_attn"] = torch.zeros(
+                cpu_layer_shape(geometry), dtype=torch.bfloat16
+            )
+        else:
+            generator = torch.Generator().manual_seed(seed * 1000 + layer)
+            values = torch.randn(cpu_layer_shape(geometry), generator=generator) * (layer + 1)
+            caches[f"model.layers.{layer}.self_attn"] = values.to(torch.bfloat16)
+    return caches
+
+
+def make_transport(kind: str) -> Transport:
+    if kind == "mooncake":
+        return MooncakeTransport(HOST)
+    return TorchDistTransport(HOST, backend="gloo", connect_timeout=10)
+
+
+class CorruptingSender(KVSender):
+    """Test double: flips one byte of the outgoing KV after the checksum was computed."""
+
+    def _before_write(self, src: Sequence[torch.Tensor]) -> None:
+        src[len(src) // 2][7] ^= 0x40
+
+
+class DyingSender(KVSender):
+    """Test double: exits the process right after decode accepted, before writing anything."""
+
+    def _before_write(self, src: Sequence[torch.Tensor]) -> None:
+        os._exit(3)
+
+
+def main(spec: dict[str, Any]) -> None:
+    geometry = Geometry(**spec.get("geometry", vars(GEOMETRY)))
+    kv = PagedKV(make_caches(spec["seed"], geometry), NUM_BLOCKS, geometry)
+    config = PipeConfig(
+        compression=Compression(spec["compression"]),
+        buffer_bytes=64 << 20,
+        transfer_timeout_s=spec.get("timeout_s", 10.0),
+        hold_s=spec.get("hold_s", 10.0),
+        async_transfer=False,
+    )
+    sender_class = {"corrupt": CorruptingSender, "die": DyingSender}.get(spec.get("double", ""), KVSender)
+    sender = sender_class(make_transport(spec["transport"]), kv, config)
+    for job in spec["jobs"]:
+        sender.submit(
+            SendJob(job["transfer_id"], tuple(job["block_ids"]), HOST, spec["port"], job.get("hash", ""))
+        )
+        for transfer_id, error in sender.finished().items():
+            print(json.dumps({"transfer_id": transfer_id, "error": error}), flush=True)
+    print(json.dumps({"stats": sender.stats.snapshot(), "staging_in_use": sender.staging.in_use}), flush=True)
+    # Exit without tearing down native engines (their destructors may block on peers).
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

@@ -1,0 +1,248 @@
+"""Two processes on 127.0.0.1 move a multi-layer paged KV through the real transports.
+
+The decode side (a KVReceiver) runs in the test process, the prefill side (kv_peer.py) in its own
+process, with the real Mooncake transfer engine over TCP or a real gloo pair group.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches, make_transport
+
+from dllm_connector.kv_layout import PagedKV
+from dllm_connector.kvconfig import Compression
+from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, prompt_hash
+from dllm_connector.transport.base import Transport
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(90)]
+
+PEER = Path(__file__).with_name("kv_peer.py")
+TRANSPORTS = ["mooncake", "gloo"]
+SRC_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1))[:300]]
+DST_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(2))[:300]]
+RELATIVE_ERROR = {Compression.NONE: 0.0, Compression.FP8: 0.04, Compression.INT8: 0.01}
+
+
+def receiver_config(**changes: Any) -> PipeConfig:
+    base = {"buffer_bytes": 64 << 20, "transfer_timeout_s": 10.0, "prefill_wait_s": 30.0, "hold_s": 10.0}
+    return PipeConfig(**(base | changes))
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def transport(request: pytest.FixtureRequest) -> Iterator[Transport]:
+    engine = make_transport(request.param)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture
+def decode(transport: Transport) -> Iterator[tuple[KVReceiver, PagedKV]]:
+    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
+    receiver = KVReceiver(transport, kv, receiver_config(), HOST, 0)
+    yield receiver, kv
+    receiver.close()
+    assert receiver.staging.in_use == 0
+    assert not receiver.pending
+
+
+def transport_kind(transport: Transport) -> str:
+    return "mooncake" if transport.one_sided else "gloo"
+
+
+def start_prefill(
+    transport: Transport, port: int, jobs: list[dict[str, Any]], **spec: Any
+) -> subprocess.Popen[str]:
+    spec = {
+        "seed": 7,
+        "compression": "none",
+        "transport": transport_kind(transport),
+        "port": port,
+        "jobs": jobs,
+    } | spec
+    return subprocess.Popen(
+        [sys.executable, str(PEER), json.dumps(spec)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def prefill_report(process: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, Any]]:
+    out, _ = process.communicate(timeout=timeout)
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+@pytest.mark.parametrize("compression", list(Compression))
+def test_paged_kv_arrives_in_scattered_blocks(
+    decode: tuple[KVReceiver, PagedKV], transport: Transport, compression: Compression
+) -> None:
+    receiver, kv = decode
+    receiver.expect("t-1", DST_BLOCKS, prompt_hash=prompt_hash([1, 2, 3]))
+    prefill = start_prefill(
+        transport,
+        receiver.port,
+        [{"transfer_id": "t-1", "block_ids": SRC_BLOCKS, "hash": prompt_hash([1, 2, 3])}],
+        compression=compression.value,
+    )
+    assert receiver.wait_for("t-1", timeout=60) == ""
+    report = prefill_report(prefill)
+    assert report[0] == {"transfer_id": "t-1", "error": None}
+    assert report[-1]["staging_in_use"] == 0
+    source = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY)
+    want, got = source.gather(SRC_BLOCKS), kv.gather(DST_BLOCKS)
+    assert relative_error(got, want) <= RELATIVE_ERROR[compression]
+    untouched = sorted(set(range(NUM_BLOCKS)) - set(DST_BLOCKS))
+    assert not bool(kv.gather(untouched).any())
+    wire = report[-1]["stats"]["bytes_on_wire"] / report[-1]["stats"]["raw_bytes"]
+    assert wire <= (1.0 if compression is Compression.NONE else 0.55)
+
+
+def test_decode_prefix_hits_are_skipped_and_never_overwritten(
+    decode: tuple[KVReceiver, PagedKV], transport: Transport
+) -> None:
+    receiver, kv = decode
+    cached = DST_BLOCKS[:10]
+    kv.scatter(cached, torch.full(kv.batch_shape(10), 3.0, dtype=torch.bfloat16))
+    receiver.expect("t-skip", DST_BLOCKS[10:40], skip=10)
+    prefill = start_prefill(
+        transport, receiver.port, [{"transfer_id": "t-skip", "block_ids": SRC_BLOCKS[:40]}]
+    )
+    assert receiver.wait_for("t-skip", timeout=60) == ""
+    assert prefill_report(prefill)[0]["error"] is None
+    source = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY)
+    assert torch.equal(kv.gather(DST_BLOCKS[10:40]), source.gather(SRC_BLOCKS[10:40]))
+    assert bool((kv.gather(cached) == 3.0).all())
+
+
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.FP8])
+def test_corrupted_payload_fails_on_both_sides(
+    decode: tuple[KVReceiver, PagedKV], transport: Transport, compression: Compression
+) -> None:
+    receiver, _ = decode
+    receiver.expect("t-bad", DST_BLOCKS[:50])
+    prefill = start_prefill(
+        transport,
+        receiver.port,
+        [{"transfer_id": "t-bad", "block_ids": SRC_BLOCKS[:50]}],
+        compression=compression.value,
+        double="corrupt",
+    )
+    outcome = receiver.wait_for("t-bad", timeout=60)
+    assert outcome is not None
+    assert "checksum" in outcome
+    report = prefill_report(prefill)
+    assert "checksum" in report[0]["error"]
+    assert report[-1]["staging_in_use"] == 0
+    assert receiver.stats.checksum_failures == 1
+
+
+def test_prefill_dying_mid_transfer_fails_within_the_timeout(transport: Transport) -> None:
+    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
+    receiver = KVReceiver(transport, kv, receiver_config(transfer_timeout_s=1.5), HOST, 0)
+    try:
+        receiver.expect("t-die", DST_BLOCKS[:20])
+        prefill = start_prefill(
+            transport,
+            receiver.port,
+            [{"transfer_id": "t-die", "block_ids": SRC_BLOCKS[:20]}],
+            compression="int8",
+            double="die",
+        )
+        assert prefill.wait(timeout=60) == 3
+        started = time.monotonic()
+        outcome = receiver.wait_for("t-die", timeout=30)
+        assert outcome is not None
+        assert outcome.startswith("KV load failed")
+        assert time.monotonic() - started < 5
+        assert receiver.staging.in_use == 0
+    finally:
+        receiver.close()
+
+
+def test_prefill_that_never_sends_times_out(transport: Transport) -> None:
+    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
+    receiver = KVReceiver(transport, kv, receiver_config(prefill_wait_s=0.3), HOST, 0)
+    try:
+        started = time.monotonic()
+        receiver.expect("t-never", DST_BLOCKS[:5])
+        outcome = receiver.wait_for("t-never", timeout=10)
+        assert outcome == "prefill sent nothing within 0.3s"
+        assert 0.25 < time.monotonic() - started < 3
+        assert receiver.stats.timeouts == 1
+        assert not receiver.pending
+    finally:
+        receiver.close()
+
+
+def test_unreachable_decode_fails_the_send_within_the_timeout(transport: Transport) -> None:
+    kv = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY)
+    sender = KVSender(
+        transport, kv, PipeConfig(buffer_bytes=1 << 20, transfer_timeout_s=0.5, async_transfer=True)
+    )
+    with socket_port() as port:
+        started = time.monotonic()
+        sender.submit(SendJob("t-nobody", tuple(SRC_BLOCKS[:4]), HOST, port))
+        assert sender.wait_idle(timeout=10)
+    sender.close()
+    outcome = sender.finished()
+    assert "cannot reach the KV side channel" in str(outcome["t-nobody"])
+    assert time.monotonic() - started < 3
+    assert sender.staging.in_use == 0
+    assert sender.stats.failed_sends == 1
+
+
+def test_mismatched_cache_geometry_is_refused_clearly(
+    decode: tuple[KVReceiver, PagedKV], transport: Transport
+) -> None:
+    receiver, _ = decode
+    receiver.expect("t-geo", DST_BLOCKS[:4])
+    other = vars(GEOMETRY) | {"model": "another-model"}
+    prefill = start_prefill(
+        transport, receiver.port, [{"transfer_id": "t-geo", "block_ids": SRC_BLOCKS[:4]}], geometry=other
+    )
+    outcome = receiver.wait_for("t-geo", timeout=60)
+    assert outcome is not None
+    assert "KV cache mismatch" in outcome
+    assert "model: ours 'tiny-test', peer 'another-model'" in outcome
+    assert "KV cache mismatch" in prefill_report(prefill)[0]["error"]
+
+
+def test_tokenization_mismatch_is_refused(decode: tuple[KVReceiver, PagedKV], transport: Transport) -> None:
+    receiver, _ = decode
+    receiver.expect("t-tok", DST_BLOCKS[:4], prompt_hash=prompt_hash([1, 2]))
+    prefill = start_prefill(
+        transport,
+        receiver.port,
+        [{"transfer_id": "t-tok", "block_ids": SRC_BLOCKS[:4], "hash": prompt_hash([1, 3])}],
+    )
+    outcome = receiver.wait_for("t-tok", timeout=60)
+    assert outcome is not None
+    assert "tokenization mismatch" in outcome
+    assert prefill_report(prefill)[0]["error"] is not None
+
+
+class socket_port:
+    """A free local port with nothing listening on it (bound, never listened, then closed)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        self._sock = socket.socket()
+        self._sock.bind((HOST, 0))
+        return int(self._sock.getsockname()[1])
+
+    def __exit__(self, *_: object) -> None:
+        self._sock.close()
