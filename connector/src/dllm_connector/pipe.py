@@ -511,7 +511,8 @@ class KVPipe:
     def send_kv_cache(self, request_id: str, kv: torch.Tensor, metadata: Mapping[str, Any]) -> bool:
         """Push `kv` to metadata's peer ({"host", "port"}); True once decode verified and loaded it."""
         paged = _single_tensor_kv(kv)
-        staging = codec.payload_nbytes(self.config.compression, kv.dtype, paged.batch_shape(kv.shape[0]), 1)
+        shape = paged.batch_shape(kv.shape[0])
+        staging = codec.payload_nbytes(self.config.compression, kv.dtype, shape, paged.layout.groups)
         config = replace(self.config, async_transfer=False, buffer_bytes=staging + 64)
         sender = KVSender(self.transport, paged, config)
         job = SendJob(request_id, tuple(range(kv.shape[0])), str(metadata["host"]), int(metadata["port"]))

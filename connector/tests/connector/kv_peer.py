@@ -1,8 +1,9 @@
 """A prefill worker in its own process for the two-process KV tests, and the shared test KV.
 
-Run as a script: `python kv_peer.py '<json>'` sends the listed jobs and prints one JSON line per
-job ({"transfer_id", "error"}). Two test doubles live here, named as such: CorruptingSender flips one
-payload byte after its checksum was taken; a sender with "exit_after_accept" dies mid-transfer.
+Run as a script: `python kv_peer.py mooncake|gloo` reads one JSON spec per stdin line, sends its
+jobs and answers with one JSON line: {"transfer_id", "error"} per job, then the sender's stats.
+Two test doubles live here, named as such: CorruptingSender flips one payload byte after its
+checksum was taken; DyingSender exits the process after decode accepted, before writing.
 """
 
 from __future__ import annotations
@@ -68,29 +69,39 @@ class DyingSender(KVSender):
         os._exit(3)
 
 
-def main(spec: dict[str, Any]) -> None:
+def run_spec(transport: Transport, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Send one spec's jobs with a fresh sender; the report lines for them."""
     geometry = Geometry(**spec.get("geometry", vars(GEOMETRY)))
-    kv = PagedKV(make_caches(spec["seed"], geometry), NUM_BLOCKS, geometry)
+    kv = PagedKV(make_caches(spec.get("seed", 7), geometry), NUM_BLOCKS, geometry)
     config = PipeConfig(
-        compression=Compression(spec["compression"]),
+        compression=Compression(spec.get("compression", "none")),
         buffer_bytes=64 << 20,
         transfer_timeout_s=spec.get("timeout_s", 10.0),
         hold_s=spec.get("hold_s", 10.0),
         async_transfer=False,
     )
     sender_class = {"corrupt": CorruptingSender, "die": DyingSender}.get(spec.get("double", ""), KVSender)
-    sender = sender_class(make_transport(spec["transport"]), kv, config)
+    sender = sender_class(transport, kv, config)
+    lines: list[dict[str, Any]] = []
     for job in spec["jobs"]:
         sender.submit(
             SendJob(job["transfer_id"], tuple(job["block_ids"]), HOST, spec["port"], job.get("hash", ""))
         )
-        for transfer_id, error in sender.finished().items():
-            print(json.dumps({"transfer_id": transfer_id, "error": error}), flush=True)
-    print(json.dumps({"stats": sender.stats.snapshot(), "staging_in_use": sender.staging.in_use}), flush=True)
+        lines.extend({"transfer_id": tid, "error": error} for tid, error in sender.finished().items())
+    sender.close()
+    lines.append({"stats": sender.stats.snapshot(), "staging_in_use": sender.staging.in_use})
+    return lines
+
+
+def main(kind: str) -> None:
+    """Serve specs, one JSON line each on stdin, answering each with one JSON list line."""
+    transport = make_transport(kind)
+    print(json.dumps({"ready": kind}), flush=True)
+    for line in sys.stdin:
+        print(json.dumps(run_spec(transport, json.loads(line))), flush=True)
     # Exit without tearing down native engines (their destructors may block on peers).
-    sys.stdout.flush()
     os._exit(0)
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    main(sys.argv[1])

@@ -7,8 +7,10 @@ process, with the real Mooncake transfer engine over TCP or a real gloo pair gro
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,27 +60,47 @@ def transport_kind(transport: Transport) -> str:
     return "mooncake" if transport.one_sided else "gloo"
 
 
-def start_prefill(
-    transport: Transport, port: int, jobs: list[dict[str, Any]], **spec: Any
-) -> subprocess.Popen[str]:
-    spec = {
-        "seed": 7,
-        "compression": "none",
-        "transport": transport_kind(transport),
-        "port": port,
-        "jobs": jobs,
-    } | spec
-    return subprocess.Popen(
-        [sys.executable, str(PEER), json.dumps(spec)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+class Prefill:
+    """The prefill process (kv_peer.py), kept for the module: specs in on stdin, reports out."""
+
+    def __init__(self, kind: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(PEER), kind],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self._replies: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert json.loads(self._replies.get(timeout=60)) == {"ready": kind}
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith(("{", "[")):
+                self._replies.put(line)
+
+    def send(self, port: int, jobs: list[dict[str, Any]], **spec: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"port": port, "jobs": jobs} | spec) + "\n")
+        self.process.stdin.flush()
+
+    def report(self, timeout: float = 60) -> list[dict[str, Any]]:
+        lines: list[dict[str, Any]] = json.loads(self._replies.get(timeout=timeout))
+        return lines
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(timeout=30)
 
 
-def prefill_report(process: subprocess.Popen[str], timeout: float = 60) -> list[dict[str, Any]]:
-    out, _ = process.communicate(timeout=timeout)
-    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+@pytest.fixture(scope="module")
+def prefill(transport: Transport) -> Iterator[Prefill]:
+    peer = Prefill(transport_kind(transport))
+    yield peer
+    peer.close()
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -87,18 +109,17 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("compression", list(Compression))
 def test_paged_kv_arrives_in_scattered_blocks(
-    decode: tuple[KVReceiver, PagedKV], transport: Transport, compression: Compression
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression
 ) -> None:
     receiver, kv = decode
     receiver.expect("t-1", DST_BLOCKS, prompt_hash=prompt_hash([1, 2, 3]))
-    prefill = start_prefill(
-        transport,
+    prefill.send(
         receiver.port,
         [{"transfer_id": "t-1", "block_ids": SRC_BLOCKS, "hash": prompt_hash([1, 2, 3])}],
         compression=compression.value,
     )
     assert receiver.wait_for("t-1", timeout=60) == ""
-    report = prefill_report(prefill)
+    report = prefill.report()
     assert report[0] == {"transfer_id": "t-1", "error": None}
     assert report[-1]["staging_in_use"] == 0
     source = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY)
@@ -111,17 +132,15 @@ def test_paged_kv_arrives_in_scattered_blocks(
 
 
 def test_decode_prefix_hits_are_skipped_and_never_overwritten(
-    decode: tuple[KVReceiver, PagedKV], transport: Transport
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill
 ) -> None:
     receiver, kv = decode
     cached = DST_BLOCKS[:10]
     kv.scatter(cached, torch.full(kv.batch_shape(10), 3.0, dtype=torch.bfloat16))
     receiver.expect("t-skip", DST_BLOCKS[10:40], skip=10)
-    prefill = start_prefill(
-        transport, receiver.port, [{"transfer_id": "t-skip", "block_ids": SRC_BLOCKS[:40]}]
-    )
+    prefill.send(receiver.port, [{"transfer_id": "t-skip", "block_ids": SRC_BLOCKS[:40]}])
     assert receiver.wait_for("t-skip", timeout=60) == ""
-    assert prefill_report(prefill)[0]["error"] is None
+    assert prefill.report()[0]["error"] is None
     source = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY)
     assert torch.equal(kv.gather(DST_BLOCKS[10:40]), source.gather(SRC_BLOCKS[10:40]))
     assert bool((kv.gather(cached) == 3.0).all())
@@ -129,12 +148,11 @@ def test_decode_prefix_hits_are_skipped_and_never_overwritten(
 
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.FP8])
 def test_corrupted_payload_fails_on_both_sides(
-    decode: tuple[KVReceiver, PagedKV], transport: Transport, compression: Compression
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression
 ) -> None:
     receiver, _ = decode
     receiver.expect("t-bad", DST_BLOCKS[:50])
-    prefill = start_prefill(
-        transport,
+    prefill.send(
         receiver.port,
         [{"transfer_id": "t-bad", "block_ids": SRC_BLOCKS[:50]}],
         compression=compression.value,
@@ -143,7 +161,7 @@ def test_corrupted_payload_fails_on_both_sides(
     outcome = receiver.wait_for("t-bad", timeout=60)
     assert outcome is not None
     assert "checksum" in outcome
-    report = prefill_report(prefill)
+    report = prefill.report()
     assert "checksum" in report[0]["error"]
     assert report[-1]["staging_in_use"] == 0
     assert receiver.stats.checksum_failures == 1
@@ -154,14 +172,14 @@ def test_prefill_dying_mid_transfer_fails_within_the_timeout(transport: Transpor
     receiver = KVReceiver(transport, kv, receiver_config(transfer_timeout_s=1.5), HOST, 0)
     try:
         receiver.expect("t-die", DST_BLOCKS[:20])
-        prefill = start_prefill(
-            transport,
+        dying = Prefill(transport_kind(transport))
+        dying.send(
             receiver.port,
             [{"transfer_id": "t-die", "block_ids": SRC_BLOCKS[:20]}],
             compression="int8",
             double="die",
         )
-        assert prefill.wait(timeout=60) == 3
+        assert dying.process.wait(timeout=60) == 3
         started = time.monotonic()
         outcome = receiver.wait_for("t-die", timeout=30)
         assert outcome is not None
@@ -205,33 +223,30 @@ def test_unreachable_decode_fails_the_send_within_the_timeout(transport: Transpo
 
 
 def test_mismatched_cache_geometry_is_refused_clearly(
-    decode: tuple[KVReceiver, PagedKV], transport: Transport
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill
 ) -> None:
     receiver, _ = decode
     receiver.expect("t-geo", DST_BLOCKS[:4])
     other = vars(GEOMETRY) | {"model": "another-model"}
-    prefill = start_prefill(
-        transport, receiver.port, [{"transfer_id": "t-geo", "block_ids": SRC_BLOCKS[:4]}], geometry=other
-    )
+    prefill.send(receiver.port, [{"transfer_id": "t-geo", "block_ids": SRC_BLOCKS[:4]}], geometry=other)
     outcome = receiver.wait_for("t-geo", timeout=60)
     assert outcome is not None
     assert "KV cache mismatch" in outcome
     assert "model: ours 'tiny-test', peer 'another-model'" in outcome
-    assert "KV cache mismatch" in prefill_report(prefill)[0]["error"]
+    assert "KV cache mismatch" in prefill.report()[0]["error"]
 
 
-def test_tokenization_mismatch_is_refused(decode: tuple[KVReceiver, PagedKV], transport: Transport) -> None:
+def test_tokenization_mismatch_is_refused(decode: tuple[KVReceiver, PagedKV], prefill: Prefill) -> None:
     receiver, _ = decode
     receiver.expect("t-tok", DST_BLOCKS[:4], prompt_hash=prompt_hash([1, 2]))
-    prefill = start_prefill(
-        transport,
+    prefill.send(
         receiver.port,
         [{"transfer_id": "t-tok", "block_ids": SRC_BLOCKS[:4], "hash": prompt_hash([1, 3])}],
     )
     outcome = receiver.wait_for("t-tok", timeout=60)
     assert outcome is not None
     assert "tokenization mismatch" in outcome
-    assert prefill_report(prefill)[0]["error"] is not None
+    assert prefill.report()[0]["error"] is not None
 
 
 class socket_port:

@@ -1,0 +1,167 @@
+"""Paged-layout addressing, the staging buffer's back-pressure, pipe settings and the seed tensor API."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from kv_peer import HOST
+
+from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, layer_layout, regions_checksum
+from dllm_connector.kvconfig import Compression, ConnectorExtraConfig, Protocol
+from dllm_connector.pipe import KVPipe, PipeConfig, prompt_hash
+from dllm_connector.transport.base import TransferTimeout, TransportError
+from dllm_connector.transport.mooncake import MooncakeTransport
+from dllm_connector.transport.staging import StagingBuffer
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(60)]
+
+GEOMETRY = Geometry(block_size=16, num_kv_heads=4, head_dim=32)
+NUM_BLOCKS = 10
+
+
+@pytest.mark.parametrize(
+    ("shape", "block_dim", "segments", "groups"),
+    [
+        ((NUM_BLOCKS, 4, 16, 64), 0, 1, 8),  # CPU: per head K rows then V rows
+        ((2, NUM_BLOCKS, 16, 4, 32), 1, 2, 1),  # GPU flash NHD, K and V apart
+        ((2, NUM_BLOCKS, 4, 16, 32), 1, 2, 4),  # GPU HND
+        ((NUM_BLOCKS, 2, 16, 4, 32), 0, 1, 2),  # block-major NHD
+        ((NUM_BLOCKS, 2, 4, 16, 32), 0, 1, 8),  # block-major HND
+    ],
+)
+def test_layouts_are_read_from_shapes(
+    shape: tuple[int, ...], block_dim: int, segments: int, groups: int
+) -> None:
+    layout = layer_layout(torch.zeros(shape), NUM_BLOCKS, GEOMETRY)
+    assert (layout.block_dim, layout.segments, layout.groups) == (block_dim, segments, groups)
+
+
+@pytest.mark.parametrize("shape", [(NUM_BLOCKS, 4, 16, 64), (2, NUM_BLOCKS, 16, 4, 32)])
+def test_gather_scatter_and_regions_agree(shape: tuple[int, ...]) -> None:
+    source = PagedKV({"a": torch.randn(shape), "b": torch.randn(shape)}, NUM_BLOCKS, GEOMETRY)
+    target = PagedKV({"a": torch.zeros(shape), "b": torch.zeros(shape)}, NUM_BLOCKS, GEOMETRY)
+    batch = source.gather([7, 2, 5])
+    target.scatter([0, 9, 4], batch)
+    assert torch.equal(target.gather([0, 9, 4]), batch)
+    assert not bool(target.gather([1, 2, 3]).any())
+    flat = torch.cat(source.regions([7, 2, 5]))
+    assert torch.equal(flat, batch.reshape(-1).view(torch.uint8))
+    assert regions_checksum(source.regions([7, 2, 5])) == regions_checksum([flat])
+
+
+def test_non_contiguous_blocks_are_refused() -> None:
+    strided = torch.zeros(NUM_BLOCKS, 64, 16, 4).transpose(1, 3)
+    with pytest.raises(LayoutError, match="a block is not contiguous"):
+        layer_layout(strided, NUM_BLOCKS, GEOMETRY)
+
+
+def test_missing_block_axis_is_refused() -> None:
+    with pytest.raises(LayoutError, match="no block axis of size 10"):
+        layer_layout(torch.zeros(3, 4, 16, 64), NUM_BLOCKS, GEOMETRY)
+
+
+def test_out_of_range_block_ids_are_refused() -> None:
+    kv = PagedKV({"a": torch.zeros(NUM_BLOCKS, 4, 16, 64)}, NUM_BLOCKS, GEOMETRY)
+    with pytest.raises(LayoutError, match=r"block ids outside 0\.\.9"):
+        kv.gather([3, 10])
+
+
+def test_layers_with_different_layouts_are_refused() -> None:
+    caches = {
+        "a": torch.zeros(NUM_BLOCKS, 4, 16, 64),
+        "b": torch.zeros(NUM_BLOCKS, 4, 16, 64, dtype=torch.half),
+    }
+    with pytest.raises(LayoutError, match="share one KV layout and dtype"):
+        PagedKV(caches, NUM_BLOCKS, GEOMETRY)
+
+
+def test_staging_applies_back_pressure_until_space_is_released() -> None:
+    staging = StagingBuffer(1024)
+    first = staging.reserve(700, timeout=1)
+    released = threading.Timer(0.2, staging.release, args=(first,))
+    released.start()
+    started = time.monotonic()
+    second = staging.reserve(700, timeout=5)
+    assert time.monotonic() - started >= 0.15
+    staging.release(second)
+    assert staging.in_use == 0
+
+
+def test_full_staging_times_out_and_oversize_is_refused() -> None:
+    staging = StagingBuffer(1024)
+    held = staging.reserve(1000, timeout=1)
+    with pytest.raises(TransferTimeout, match="staging buffer full"):
+        staging.reserve(100, timeout=0.05)
+    with pytest.raises(TransportError, match="exceed the 1024-byte staging buffer"):
+        staging.reserve(2048, timeout=1)
+    staging.release(held)
+    with pytest.raises(TransportError, match="no staging reservation"):
+        staging.release(held)
+
+
+def test_pipe_config_honours_the_connector_extra_config() -> None:
+    extra = ConnectorExtraConfig(
+        compression=Compression.INT8,
+        buffer_size_gb=0.5,
+        transfer_threshold_tokens=256,
+        transfer_timeout_ms=2500,
+        prefill_wait_ms=30000,
+        hold_seconds=120,
+        async_transfer=False,
+        protocol=Protocol.TCP,
+    )
+    config = PipeConfig.from_extra(extra)
+    assert config == PipeConfig(Compression.INT8, 1 << 29, 2.5, 30.0, 120.0, False, 256)
+
+
+def test_prompt_hash_tells_token_sequences_apart() -> None:
+    assert prompt_hash([1, 2, 3]) == prompt_hash([1, 2, 3])
+    assert prompt_hash([1, 2, 3]) != prompt_hash([1, 2, 4])
+
+
+@pytest.fixture(scope="module")
+def mooncake() -> Iterator[MooncakeTransport]:
+    engine = MooncakeTransport(HOST)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("compression", list(Compression))
+def test_seed_api_moves_a_tensor(mooncake: MooncakeTransport, compression: Compression) -> None:
+    kv = torch.randn(32, 2, 16, 64, dtype=torch.bfloat16)
+    config = PipeConfig(
+        compression=compression, buffer_bytes=8 << 20, transfer_timeout_s=5, prefill_wait_s=10
+    )
+    decode = KVPipe(mooncake, config, host=HOST, port=0).receiver_for(kv)
+    try:
+        port = decode.receiver.port
+        sent: list[bool] = []
+        pipe = KVPipe(mooncake, config, host=HOST, port=0)
+        sender = threading.Thread(
+            target=lambda: sent.append(pipe.send_kv_cache("r-1", kv, {"host": HOST, "port": port}))
+        )
+        sender.start()
+        received = decode.receive_kv_cache("r-1", timeout=20)
+        sender.join(timeout=20)
+    finally:
+        decode.close()
+    assert sent == [True]
+    assert received is not None
+    error = float((received.float() - kv.float()).norm() / kv.float().norm())
+    assert error <= {Compression.NONE: 0.0, Compression.FP8: 0.04, Compression.INT8: 0.01}[compression]
+
+
+def test_seed_api_receive_times_out_with_none(mooncake: MooncakeTransport) -> None:
+    like = torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)
+    decode = KVPipe(mooncake, PipeConfig(prefill_wait_s=30), host=HOST, port=0).receiver_for(like)
+    try:
+        started = time.monotonic()
+        assert decode.receive_kv_cache("r-late", timeout=0.3) is None
+        assert time.monotonic() - started < 2
+        assert not decode.receiver.pending
+    finally:
+        decode.close()
