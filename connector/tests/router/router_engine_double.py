@@ -73,6 +73,7 @@ class FakeVllmEngine:
         self.hold_after_first_chunk: asyncio.Event | None = None
         self.break_after_first_chunk = False
         self.seen: list[Seen] = []
+        self.record = True  # False: keep no history (benchmarks)
         self.arrived = asyncio.Event()
         self.cancelled: list[str] = []
         self.cancelled_event = asyncio.Event()
@@ -117,7 +118,8 @@ class FakeVllmEngine:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         seen = Seen(request.path, body, CIMultiDict(request.headers))
-        self.seen.append(seen)
+        if self.record:
+            self.seen.append(seen)
         self.arrived.set()
         try:
             if self.hold is not None:

@@ -146,8 +146,8 @@ def test_mooncake_plan_and_data_parallel_header() -> None:
         "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": "http://10.0.0.1:8998",
         "remote_engine_id": "eng-1", "transfer_id": "xfer-rid-0",
     }  # fmt: skip
-    assert plan.prefill_headers == {"X-data-parallel-rank": "1"}
-    assert flows.mooncake_plan("r", 0, "a", "e", 0, 1).prefill_headers == {}
+    assert plan.prefill_headers == b"X-data-parallel-rank: 1\r\n"
+    assert flows.mooncake_plan("r", 0, "a", "e", 0, 1).prefill_headers == b""
     assert flows.bootstrap_url("fd00::1", 8998) == "http://[fd00::1]:8998"
 
 

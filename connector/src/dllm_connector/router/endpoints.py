@@ -11,9 +11,13 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from dllm_connector.router.config import Address, Upstreams
+
+if TYPE_CHECKING:
+    from dllm_connector.router.upstream import UpstreamPool
 
 log = logging.getLogger("dllm.router")
 
@@ -34,6 +38,7 @@ class Endpoint:
     last_pick: int = 0
     engine_ids: tuple[str, ...] = ()  # mooncake: engine id per data-parallel rank
     next_dp_rank: int = 0
+    upstream: UpstreamPool | None = None  # keep-alive connections, attached by the router
     url: str = field(init=False)
 
     def __post_init__(self) -> None:

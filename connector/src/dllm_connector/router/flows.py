@@ -27,7 +27,7 @@ class PairPlan:
     prefill_kv: JsonObject
     decode_kv: JsonObject | None
     concurrent: bool
-    prefill_headers: dict[str, str]
+    prefill_headers: bytes
     transfer_id: str | None = None
 
 
@@ -50,7 +50,7 @@ def dllm_plan(
         prefill_kv=prefill.model_dump(exclude_none=True),
         decode_kv=decode.model_dump(exclude_none=True),
         concurrent=True,
-        prefill_headers={},
+        prefill_headers=b"",
         transfer_id=tid,
     )
 
@@ -63,7 +63,7 @@ def mooncake_plan(
     request_id: str, index: int, bootstrap_addr: str, engine_id: str, dp_rank: int, dp_size: int
 ) -> PairPlan:
     tid = f"xfer-{request_id}-{index}"
-    headers = {"X-data-parallel-rank": str(dp_rank)} if dp_size > 1 else {}
+    headers = f"X-data-parallel-rank: {dp_rank}\r\n".encode() if dp_size > 1 else b""
     return PairPlan(
         prefill_kv={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid},
         decode_kv={
@@ -90,7 +90,7 @@ NIXL_PREFILL_KV: JsonObject = {
 
 
 def nixl_plan() -> PairPlan:
-    return PairPlan(prefill_kv=dict(NIXL_PREFILL_KV), decode_kv=None, concurrent=False, prefill_headers={})
+    return PairPlan(prefill_kv=dict(NIXL_PREFILL_KV), decode_kv=None, concurrent=False, prefill_headers=b"")
 
 
 class BootstrapError(ValueError):

@@ -27,6 +27,7 @@ from dllm_connector.router import openai as oa
 from dllm_connector.router.config import RouterConfig
 from dllm_connector.router.endpoints import AddressSource, Endpoint, Pool, scheme_of, source_for
 from dllm_connector.router.metrics import Metrics
+from dllm_connector.router.upstream import ConnectFailed, Response, UpstreamError, UpstreamPool
 
 log = logging.getLogger("dllm.router")
 JsonObject = dict[str, Any]
@@ -58,7 +59,7 @@ class Answer:
     decode: Endpoint | None = None
     finished: JsonObject | None = None
     body: bytes | None = None
-    stream: aiohttp.ClientResponse | None = None
+    stream: Response | None = None
     prefill_done: float = field(default_factory=perf_counter)
 
     def release(self) -> None:
@@ -126,6 +127,10 @@ class Router:
         await asyncio.gather(*self._loops, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+        for pool in (self.prefill, self.decode):
+            for ep in pool.endpoints.values():
+                if ep.upstream is not None:
+                    ep.upstream.close()
 
     @staticmethod
     async def _every(seconds: float, job: Callable[[], Awaitable[None]]) -> None:
@@ -149,8 +154,13 @@ class Router:
             added, removed = pool.update(await self._sources[pool.role]())
             for ep in added:
                 log.info("%s pod %s discovered", pool.role, ep.name)
+                ep.upstream = UpstreamPool(
+                    ep.host, ep.port, self.config.connect_timeout_s, ep.scheme == "https"
+                )
             for ep in removed:
                 log.info("%s pod %s gone (%d requests still in flight)", pool.role, ep.name, ep.inflight)
+                if ep.upstream is not None:
+                    ep.upstream.close()
             new += added
         await asyncio.gather(*(self._probe(ep) for ep in new))
 
@@ -235,9 +245,9 @@ class Router:
     ) -> web.StreamResponse:
         stream = bool(body.get("stream"))
         prompts = oa.split_prompts(route, body)
-        headers = {"Content-Type": "application/json"}
+        headers = b"Content-Type: application/json\r\n"
         if "Authorization" in request.headers:
-            headers["Authorization"] = request.headers["Authorization"]
+            headers += b"Authorization: " + _header_value(request.headers["Authorization"]) + b"\r\n"
         if len(prompts) == 1:
             answers.append(await self._exchange(route, body, rid, 0, headers, read_all=not stream))
         else:
@@ -268,7 +278,7 @@ class Router:
         return response
 
     async def _exchange_all(
-        self, route: str, prompts: list[JsonObject], rid: str, headers: dict[str, str], read_all: bool
+        self, route: str, prompts: list[JsonObject], rid: str, headers: bytes, read_all: bool
     ) -> list[Answer]:
         tasks = [
             asyncio.create_task(self._exchange(route, p, f"{rid}-{i}", i, headers, read_all))
@@ -298,7 +308,7 @@ class Router:
     # ---- one prompt: pick, call, retry ----
 
     async def _exchange(
-        self, route: str, body: JsonObject, rid: str, index: int, headers: dict[str, str], read_all: bool
+        self, route: str, body: JsonObject, rid: str, index: int, headers: bytes, read_all: bool
     ) -> Answer:
         tried: list[Endpoint] = []
         last: Unreachable | None = None
@@ -329,12 +339,12 @@ class Router:
         body: JsonObject,
         rid: str,
         index: int,
-        headers: dict[str, str],
+        headers: bytes,
         read_all: bool,
         tried: list[Endpoint],
     ) -> Answer:
         p = self._pick(self.prefill, tried)
-        up_headers = {**headers, "X-Request-Id": rid}
+        up_headers = headers + b"X-Request-Id: " + _header_value(rid) + b"\r\n"
         if oa.asks_one_token(body):  # prefill alone answers; no KV moves
             self.metrics.prefill_answers += 1
             answer = Answer(prefill=p, decode=p)
@@ -346,7 +356,7 @@ class Router:
             p,
             route,
             oa.dumps(oa.prefill_request(body, plan.prefill_kv)),
-            {**up_headers, **plan.prefill_headers},
+            up_headers + plan.prefill_headers,
         )
         answer = Answer(prefill=p, decode=d)
         if plan.concurrent:
@@ -409,23 +419,22 @@ class Router:
             answer.release()
             raise
 
-    async def _call_prefill(
-        self, ep: Endpoint, route: str, payload: bytes, headers: dict[str, str]
-    ) -> JsonObject:
+    async def _call_prefill(self, ep: Endpoint, route: str, payload: bytes, headers: bytes) -> JsonObject:
         started = perf_counter()
         ep.inflight += 1
         try:
-            async with self.session.post(ep.url + route, data=payload, headers=headers) as r:
-                data = await r.read()
-                status = r.status
-        except (TimeoutError, aiohttp.ClientError) as e:
+            response = await self._upstream(ep).post(route, headers, payload, self.config.request_timeout_s)
+            try:
+                data = await response.read()
+            finally:
+                response.close()
+        except (UpstreamError, TimeoutError) as e:
             raise self._upstream_failure(ep, e) from e
         finally:
             ep.inflight -= 1
-        if status != 200:
-            raise RouterError(
-                status, "prefill_error", f"prefill pod {ep.name} answered {status}", _as_error(data)
-            )
+        if response.status != 200:
+            message = f"prefill pod {ep.name} answered {response.status}"
+            raise RouterError(response.status, "prefill_error", message, _as_error(data))
         self.metrics.prefill_seconds.observe(perf_counter() - started)
         try:
             answer = json.loads(data)
@@ -441,14 +450,14 @@ class Router:
         ep: Endpoint,
         route: str,
         payload: bytes,
-        headers: dict[str, str],
+        headers: bytes,
         read_all: bool,
     ) -> None:
         """Send the answering call (decode; prefill for one-token requests): read it all, or keep it open."""
         ep.inflight += 1
-        response: aiohttp.ClientResponse | None = None
+        response: Response | None = None
         try:
-            response = await self.session.post(ep.url + route, data=payload, headers=headers)
+            response = await self._upstream(ep).post(route, headers, payload, self.config.request_timeout_s)
             if response.status != 200 or read_all:
                 data = await response.read()
                 if response.status != 200:
@@ -457,28 +466,28 @@ class Router:
                     raise RouterError(response.status, kind, msg, _as_error(data))
                 answer.body = data
                 self._observe_first_byte(answer)
-        except (TimeoutError, aiohttp.ClientError) as e:
+        except BaseException as e:
             ep.inflight -= 1
             if response is not None:
                 response.close()
-            raise self._upstream_failure(ep, e) from e
-        except BaseException:
-            ep.inflight -= 1
-            if response is not None:
-                response.close()
+            if isinstance(e, UpstreamError | TimeoutError):
+                raise self._upstream_failure(ep, e) from e
             raise
         if read_all:
             ep.inflight -= 1
-            response.release()
         else:
             answer.stream = response
 
+    @staticmethod
+    def _upstream(ep: Endpoint) -> UpstreamPool:
+        assert ep.upstream is not None, "discover() attaches a pool to every endpoint"
+        return ep.upstream
+
     def _upstream_failure(self, ep: Endpoint, error: BaseException) -> Exception:
-        if isinstance(error, aiohttp.ConnectionTimeoutError | aiohttp.ClientConnectorError):
-            return Unreachable(ep, error, connect_failed=True)
-        if isinstance(error, asyncio.TimeoutError):
-            return RouterError(504, "timeout", f"{ep.role} pod {ep.name} timed out: {error!r}")
-        return Unreachable(ep, error, connect_failed=False)
+        if isinstance(error, TimeoutError):
+            limit = self.config.request_timeout_s
+            return RouterError(504, "timeout", f"{ep.role} pod {ep.name} timed out after {limit}s")
+        return Unreachable(ep, error, connect_failed=isinstance(error, ConnectFailed))
 
     def _observe_first_byte(self, answer: Answer) -> None:
         self.metrics.decode_first_byte_seconds.observe(max(perf_counter() - answer.prefill_done, 0.0))
@@ -492,12 +501,12 @@ class Router:
         assert answer.stream is not None
         first = True
         try:
-            async for chunk in answer.stream.content.iter_any():
+            async for chunk in answer.stream.chunks():
                 if first:
                     self._observe_first_byte(answer)
                     first = False
                 yield chunk
-        except (TimeoutError, aiohttp.ClientError) as e:
+        except (UpstreamError, TimeoutError) as e:
             yield self._broken_stream(answer, e)
 
     def _broken_stream(self, answer: Answer, error: BaseException) -> bytes:
@@ -526,7 +535,7 @@ class Router:
                         await queue.put(b"data: " + oa.dumps(oa.shift_choices(event, i * n)) + b"\n\n")
                     else:
                         oa.add_usage(usage, event.get("usage"))
-            except (TimeoutError, aiohttp.ClientError) as e:
+            except (UpstreamError, TimeoutError) as e:
                 await queue.put(self._broken_stream(answer, e))
             finally:
                 await queue.put(None)
@@ -555,7 +564,7 @@ class Router:
             return
         assert answer.stream is not None
         splitter = oa.SseSplitter()
-        async for chunk in answer.stream.content.iter_any():
+        async for chunk in answer.stream.chunks():
             for payload in splitter.feed(chunk):
                 yield payload
 
@@ -610,6 +619,12 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
     await asyncio.wait((task,))
     if not task.cancelled():
         task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
+def _header_value(value: str) -> bytes:
+    if "\r" in value or "\n" in value:
+        raise RouterError(400, "bad_request", "a header value contains a line break")
+    return value.encode("latin-1", errors="replace")
 
 
 def _as_error(data: bytes) -> bytes:

@@ -1,0 +1,364 @@
+"""A lean HTTP/1.1 client for the hot path: keep-alive connections per engine pod, on asyncio protocols.
+
+The router makes two upstream calls per prompt, so the client's cost per call is most of the router's
+own. aiohttp's client spent about half of the router's CPU time in profiles (request objects, header
+multidicts, URL handling, stream readers); this one writes each request with one `write` and parses
+answers incrementally (Content-Length, chunked, or until close), handing body bytes to the reader as
+they come. Health checks and /v1/models still use aiohttp.
+
+Errors: `ConnectFailed` (nothing was sent: the pod is down), `Disconnected` (the connection ended before
+the whole answer), `BadResponse`; a timeout raises TimeoutError. A request that meets a keep-alive
+connection the pod had already closed is resent once on a fresh connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator
+
+MAX_HEAD = 64 * 1024
+PAUSE_AT = 1024 * 1024  # bytes buffered for a slow reader before the socket is paused
+IDLE_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive, so an idle connection is not reused as it closes
+MAX_IDLE = 512
+
+
+class UpstreamError(Exception):
+    pass
+
+
+class ConnectFailed(UpstreamError):
+    pass
+
+
+class Disconnected(UpstreamError):
+    def __init__(self, message: str, before_head: bool) -> None:
+        super().__init__(message)
+        self.before_head = before_head
+
+
+class BadResponse(UpstreamError):
+    pass
+
+
+class Response:
+    """One answer: `status` and `headers` are known; the body arrives through read() or chunks()."""
+
+    def __init__(self, conn: _Connection, deadline: float) -> None:
+        self._conn: _Connection | None = conn
+        self._deadline = deadline
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self._head: asyncio.Future[None] = conn.loop.create_future()
+        self._pieces: deque[bytes] = deque()
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self.done = False
+        self._error: BaseException | None = None
+
+    # called by the connection
+    def _head_ready(self, status: int, headers: dict[str, str]) -> None:
+        self.status, self.headers = status, headers
+        if not self._head.done():
+            self._head.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        self._pieces.append(data)
+        self._buffered += len(data)
+        if self._buffered > PAUSE_AT and self._conn is not None:
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self) -> None:
+        self.done = True
+        self._conn = None
+        self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._conn = None
+        if not self._head.done():
+            self._head.set_exception(error)
+            self._head.exception()  # retrieved by wait_head, or never needed
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    # used by the router
+    async def wait_head(self) -> None:
+        async with asyncio.timeout_at(self._deadline):
+            await self._head
+
+    def _take(self) -> bytes:
+        data = self._pieces.popleft() if len(self._pieces) == 1 else b"".join(self._pieces)
+        self._pieces.clear()
+        self._buffered = 0
+        if self._conn is not None:
+            self._conn.resume()
+        return data
+
+    async def _wait(self) -> None:
+        if self._conn is None:
+            raise RuntimeError("the body ended without data or an error")  # cannot happen
+        self._waiter = self._conn.loop.create_future()
+        async with asyncio.timeout_at(self._deadline):
+            await self._waiter
+        self._waiter = None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """Body bytes as they arrive (chunked framing removed), joined per wake-up."""
+        while True:
+            if self._pieces:
+                yield self._take()
+            elif self.done:
+                return
+            elif self._error is not None:
+                raise self._error
+            else:
+                await self._wait()
+
+    async def read(self) -> bytes:
+        while not self.done:
+            if self._error is not None:
+                raise self._error
+            await self._wait()
+        return self._take() if self._pieces else b""
+
+    def close(self) -> None:
+        """Drop the connection unless the answer is complete (the engine then aborts the request)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, pool: UpstreamPool) -> None:
+        self.pool = pool
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self._buf = bytearray()
+        self._sink: Response | None = None
+        self._state = _IDLE
+        self._remaining = 0
+        self._keep_alive = True
+        self._paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
+
+    def send(self, data: bytes, sink: Response) -> None:
+        assert self.transport is not None
+        self._sink, self._state, self._keep_alive = sink, _HEAD, True
+        self.transport.write(data)
+
+    def pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self._paused and self.transport is not None and not self.closed:
+            self._paused = False
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._sink is None:  # nothing was asked: a broken or chatty server
+            self.close()
+            return
+        self._buf += data
+        try:
+            self._parse()
+        except BadResponse as e:
+            self._fail(e)
+
+    def eof_received(self) -> bool:
+        return False  # close our side too; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self._sink is None:
+            return
+        if self._state == _UNTIL_CLOSE:
+            self._done()
+            return
+        before_head = self._state == _HEAD
+        where = "before its answer" if before_head else "in the middle of its answer"
+        self._fail(Disconnected(f"{self.pool.name} closed the connection {where}: {exc!r}", before_head))
+
+    def _fail(self, error: BaseException) -> None:
+        sink, self._sink = self._sink, None
+        self.close()
+        if sink is not None:
+            sink._fail(error)
+
+    def _done(self) -> None:
+        sink, self._sink = self._sink, None
+        self._state = _IDLE
+        if sink is not None:
+            sink._finish()
+        if self._keep_alive and not self.closed and not self._buf:
+            self.pool.put_back(self)
+        else:
+            self.close()
+
+    def _parse(self) -> None:
+        buf = self._buf
+        while buf or self._state in (_DONE_LENGTH,):
+            state = self._state
+            if state == _HEAD:
+                end = buf.find(b"\r\n\r\n")
+                if end < 0:
+                    if len(buf) > MAX_HEAD:
+                        raise BadResponse(f"{self.pool.name}: response head over {MAX_HEAD} bytes")
+                    return
+                head = bytes(buf[:end])
+                del buf[: end + 4]
+                self._start_body(head)
+            elif state in (_LENGTH, _CHUNK_DATA, _UNTIL_CLOSE):
+                take = len(buf) if state == _UNTIL_CLOSE else min(len(buf), self._remaining)
+                assert self._sink is not None
+                self._sink._feed(bytes(buf[:take]))
+                del buf[:take]
+                self._remaining -= take
+                if self._remaining == 0 and state != _UNTIL_CLOSE:
+                    self._state = _DONE_LENGTH if state == _LENGTH else _CHUNK_END
+            elif state == _DONE_LENGTH:
+                self._done()
+                return
+            elif state == _CHUNK_SIZE:
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    return
+                try:
+                    size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
+                except ValueError:
+                    raise BadResponse(f"{self.pool.name}: bad chunk size {bytes(buf[:end])[:20]!r}") from None
+                del buf[: end + 2]
+                self._state, self._remaining = (_TRAILERS, 0) if size == 0 else (_CHUNK_DATA, size)
+            elif state == _CHUNK_END:
+                if len(buf) < 2:
+                    return
+                del buf[:2]
+                self._state = _CHUNK_SIZE
+            elif state == _TRAILERS:
+                end = buf.find(b"\r\n")
+                if end < 0:
+                    return
+                del buf[: end + 2]
+                if end == 0:
+                    self._done()
+                    return
+            else:
+                raise BadResponse(f"{self.pool.name}: bytes after the answer")
+
+    def _start_body(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        parts = lines[0].split(b" ", 2)
+        if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+            raise BadResponse(f"{self.pool.name}: not an HTTP/1.x answer: {lines[0][:40]!r}")
+        status = int(parts[1])
+        headers: dict[str, str] = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(b":")
+            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+        if 100 <= status < 200:
+            return  # an interim answer (100 Continue): the real head follows
+        connection = headers.get("connection", "").lower()
+        self._keep_alive = "close" not in connection and (
+            parts[0] == b"HTTP/1.1" or "keep-alive" in connection
+        )
+        if status in (204, 304):
+            self._state, self._remaining = _DONE_LENGTH, 0
+        elif "chunked" in headers.get("transfer-encoding", "").lower():
+            self._state = _CHUNK_SIZE
+        elif "content-length" in headers:
+            self._remaining = int(headers["content-length"])
+            self._state = _LENGTH if self._remaining else _DONE_LENGTH
+        else:
+            self._state, self._keep_alive = _UNTIL_CLOSE, False
+        assert self._sink is not None
+        self._sink._head_ready(status, headers)
+
+
+_IDLE, _HEAD, _LENGTH, _DONE_LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE = range(9)
+
+
+class UpstreamPool:
+    """Keep-alive connections to one engine pod."""
+
+    def __init__(self, host: str, port: int, connect_timeout_s: float, tls: bool = False) -> None:
+        self.host, self.port, self.connect_timeout_s = host, port, connect_timeout_s
+        self._ssl = ssl.create_default_context() if tls else None
+        self.name = f"{host}:{port}"
+        authority = f"[{host}]:{port}" if ":" in host else self.name
+        self._host_header = b"Host: " + authority.encode() + b"\r\n"
+        self._idle: list[_Connection] = []
+
+    def put_back(self, conn: _Connection) -> None:
+        if len(self._idle) < MAX_IDLE:
+            conn.idle_since = conn.loop.time()
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def _checkout(self, now: float) -> _Connection | None:
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.idle_since < IDLE_S:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self), self.host, self.port, ssl=self._ssl
+                )
+        except (OSError, TimeoutError) as e:
+            raise ConnectFailed(f"cannot connect to {self.name}: {e!r}") from e
+        return conn
+
+    async def post(self, path: str, headers: bytes, body: bytes, timeout_s: float) -> Response:
+        """Send a POST (headers: preformatted `Name: value\\r\\n` lines); returns once the head is in."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        deadline = now + timeout_s
+        message = (
+            b"POST " + path.encode() + b" HTTP/1.1\r\n" + self._host_header
+            + b"Content-Length: " + str(len(body)).encode() + b"\r\n" + headers + b"\r\n" + body
+        )  # fmt: skip
+        for attempt in range(2):
+            conn = self._checkout(now)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect()
+            response = Response(conn, deadline)
+            conn.send(message, response)
+            try:
+                await response.wait_head()
+            except Disconnected as e:
+                if reused and e.before_head and attempt == 0:
+                    continue  # the pod had closed this idle connection: send again on a new one
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            return response
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
