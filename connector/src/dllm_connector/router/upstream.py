@@ -47,7 +47,8 @@ class Response:
 
     def __init__(self, conn: _Connection, deadline: float) -> None:
         self._conn: _Connection | None = conn
-        self._deadline = deadline
+        # one timer for the whole exchange: cheaper than a timeout context around every wait
+        self._timer = conn.loop.call_at(deadline, conn.expire)
         self.status = 0
         self.headers: dict[str, str] = {}
         self._head: asyncio.Future[None] = conn.loop.create_future()
@@ -73,11 +74,13 @@ class Response:
     def _finish(self) -> None:
         self.done = True
         self._conn = None
+        self._timer.cancel()
         self._wake()
 
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._conn = None
+        self._timer.cancel()
         if not self._head.done():
             self._head.set_exception(error)
             self._head.exception()  # retrieved by wait_head, or never needed
@@ -89,8 +92,7 @@ class Response:
 
     # used by the router
     async def wait_head(self) -> None:
-        async with asyncio.timeout_at(self._deadline):
-            await self._head
+        await self._head
 
     def _take(self) -> bytes:
         data = self._pieces.popleft() if len(self._pieces) == 1 else b"".join(self._pieces)
@@ -104,9 +106,10 @@ class Response:
         if self._conn is None:
             raise RuntimeError("the body ended without data or an error")  # cannot happen
         self._waiter = self._conn.loop.create_future()
-        async with asyncio.timeout_at(self._deadline):
+        try:
             await self._waiter
-        self._waiter = None
+        finally:
+            self._waiter = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive (chunked framing removed), joined per wake-up."""
@@ -129,6 +132,7 @@ class Response:
 
     def close(self) -> None:
         """Drop the connection unless the answer is complete (the engine then aborts the request)."""
+        self._timer.cancel()
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -170,6 +174,9 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+    def expire(self) -> None:
+        self._fail(TimeoutError(f"{self.pool.name} did not answer in time"))
 
     def data_received(self, data: bytes) -> None:
         if self._sink is None:  # nothing was asked: a broken or chatty server
