@@ -36,8 +36,9 @@ async def wait_for_listening(proc: asyncio.subprocess.Process) -> None:
     await asyncio.wait_for(read(), 15)
 
 
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
 async def test_router_process_serves_and_stops_on_sigterm(
-    engines: EngineFactory, client: aiohttp.ClientSession
+    engines: EngineFactory, client: aiohttp.ClientSession, event_loop: str
 ) -> None:
     p, d = await engines("p0"), await engines("d0")
     port = free_port()
@@ -45,7 +46,7 @@ async def test_router_process_serves_and_stops_on_sigterm(
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dllm_connector.router",
         "--host", "127.0.0.1", "--port", str(port), "--flow", "dllm", "--prefill-url", p.url,
-        env=env, stderr=asyncio.subprocess.PIPE,
+        "--event-loop", event_loop, env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"

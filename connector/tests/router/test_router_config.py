@@ -109,6 +109,11 @@ BASE = ["--flow", "nixl", "--prefill-url", "http://p:8000", "--decode-url", "htt
         ),
         ([*BASE, "--request-timeout-s", "soon"], {}, "'soon' is not a number of seconds"),
         ([*BASE, "--log-level", "loud"], {}, "--log-level (or DLLM_ROUTER_LOG_LEVEL): 'loud' is not one of"),
+        (
+            [*BASE, "--event-loop", "trio"],
+            {},
+            "--event-loop (or DLLM_ROUTER_EVENT_LOOP): 'trio' is not one of",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_flag_and_variable(

@@ -45,8 +45,11 @@ class RawServer:
         return int(self.server.sockets[0].getsockname()[1])
 
 
+RawFactory = Callable[[Handler], Awaitable[tuple[RawServer, UpstreamPool]]]
+
+
 @pytest.fixture
-async def raw() -> AsyncIterator[Callable[[Handler], Awaitable[tuple[RawServer, UpstreamPool]]]]:
+async def raw() -> AsyncIterator[RawFactory]:
     servers: list[RawServer] = []
 
     async def make(handler: Handler) -> tuple[RawServer, UpstreamPool]:
@@ -63,7 +66,7 @@ def answer(body: bytes, extra: bytes = b"") -> bytes:
     return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
 
 
-async def test_content_length_bytes_one_by_one_and_connection_reuse(raw) -> None:  # type: ignore[no-untyped-def]
+async def test_content_length_bytes_one_by_one_and_connection_reuse(raw: RawFactory) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         while True:
             server.requests.append(await read_request(reader))
@@ -82,7 +85,7 @@ async def test_content_length_bytes_one_by_one_and_connection_reuse(raw) -> None
     assert server.requests[0].endswith(b"Content-Length: 2\r\nX-Request-Id: r1\r\n\r\n{}")
 
 
-async def test_chunked_body_with_extensions_and_trailers(raw) -> None:  # type: ignore[no-untyped-def]
+async def test_chunked_body_with_extensions_and_trailers(raw: RawFactory) -> None:
     wire = b"5;ext=1\r\nhello\r\n1\r\n \r\n5\r\nworld\r\n0\r\nX-Trailer: t\r\n\r\n"
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
@@ -101,7 +104,7 @@ async def test_chunked_body_with_extensions_and_trailers(raw) -> None:  # type: 
     assert server.connections == 1
 
 
-async def test_body_until_close_is_read_and_not_reused(raw) -> None:  # type: ignore[no-untyped-def]
+async def test_body_until_close_is_read_and_not_reused(raw: RawFactory) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it")
@@ -112,7 +115,7 @@ async def test_body_until_close_is_read_and_not_reused(raw) -> None:  # type: ig
     assert server.connections == 2
 
 
-async def test_interim_100_continue_is_skipped(raw) -> None:  # type: ignore[no-untyped-def]
+async def test_interim_100_continue_is_skipped(raw: RawFactory) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 100 Continue\r\n\r\n" + answer(b"x"))
@@ -122,7 +125,7 @@ async def test_interim_100_continue_is_skipped(raw) -> None:  # type: ignore[no-
     assert (response.status, await response.read()) == (200, b"x")
 
 
-async def test_stale_keep_alive_connection_is_resent_on_a_new_one(raw) -> None:  # type: ignore[no-untyped-def]
+async def test_stale_keep_alive_connection_is_resent_on_a_new_one(raw: RawFactory) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
         await read_request(reader)
         writer.write(answer(b"first" if index == 1 else b"fresh"))
@@ -145,7 +148,7 @@ async def test_connect_refused_is_connect_failed() -> None:
         await UpstreamPool("127.0.0.1", port, 2.0).post("/x", b"", b"", 5.0)
 
 
-async def test_silent_pod_times_out_and_the_connection_is_dropped(raw) -> None:  # type: ignore[no-untyped-def]
+async def test_silent_pod_times_out_and_the_connection_is_dropped(raw: RawFactory) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         if not await reader.read():  # never answers; b"" once the client gives up
@@ -157,7 +160,7 @@ async def test_silent_pod_times_out_and_the_connection_is_dropped(raw) -> None: 
     await asyncio.wait_for(server.closed_by_client.wait(), 5)
 
 
-async def test_close_mid_body_is_disconnected(raw) -> None:  # type: ignore[no-untyped-def]
+async def test_close_mid_body_is_disconnected(raw: RawFactory) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
@@ -169,7 +172,7 @@ async def test_close_mid_body_is_disconnected(raw) -> None:  # type: ignore[no-u
     assert not broken.value.before_head
 
 
-async def test_not_http_is_bad_response(raw) -> None:  # type: ignore[no-untyped-def]
+async def test_not_http_is_bad_response(raw: RawFactory) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"SSH-2.0-OpenSSH\r\n\r\n")
@@ -180,7 +183,7 @@ async def test_not_http_is_bad_response(raw) -> None:  # type: ignore[no-untyped
         await pool.post("/x", b"", b"", 5.0)
 
 
-async def test_closing_an_unfinished_answer_drops_the_connection(raw) -> None:  # type: ignore[no-untyped-def]
+async def test_closing_an_unfinished_answer_drops_the_connection(raw: RawFactory) -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 Flow = Literal["dllm", "mooncake", "nixl"]
 FLOWS: tuple[Flow, ...] = ("dllm", "mooncake", "nixl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+EVENT_LOOPS = ("asyncio", "uvloop")
 ENV_PREFIX = "DLLM_ROUTER_"
 Address = tuple[str, int]
 
@@ -48,6 +49,7 @@ class RouterConfig:
     request_timeout_s: float = 600.0
     retries: int = 1
     log_level: str = "info"
+    event_loop: str = "asyncio"
 
 
 def env_name(flag: str) -> str:
@@ -81,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--request-timeout-s", help="whole upstream request timeout, streams included (default 600)")
     add("--retries", help="extra attempts on another pod when no byte reached the client (default 1)")
     add("--log-level", help="debug | info | warning | error (default info)")
+    add("--event-loop", help="asyncio | uvloop (uvloop must be installed; default asyncio)")
     return p
 
 
@@ -169,6 +172,9 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> RouterConfi
     level = str(values.get("log_level", "info")).lower()
     if level not in LOG_LEVELS:
         raise ConfigError(f"{_where('log_level')}: {level!r} is not one of {', '.join(LOG_LEVELS)}")
+    event_loop = str(values.get("event_loop", "asyncio"))
+    if event_loop not in EVENT_LOOPS:
+        raise ConfigError(f"{_where('event_loop')}: {event_loop!r} is not one of {', '.join(EVENT_LOOPS)}")
     port_range = (1, 65535)
     return RouterConfig(
         flow=flow,
@@ -186,4 +192,5 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> RouterConfi
         request_timeout_s=_seconds(values, "request_timeout_s", 600.0),
         retries=_int(values, "retries", 1, 0, 10),
         log_level=level,
+        event_loop=event_loop,
     )
