@@ -118,3 +118,11 @@ def test_engine_args_without_the_separator_are_refused(seed_decode, run_serve, f
     assert "unrecognized arguments: --model m" in result.stderr
     assert "engine args go after `--`" in result.stderr
     assert not fake_vllm.started()
+
+
+def test_print_refuses_a_bad_env_the_same_way(seed_prefill, run_serve):
+    env = {**seed_prefill.env, "VLLM_KV_COMPRESSION": "int4"}
+    result = run_serve(["--print", "--", *seed_prefill.args], env)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr == "dllm-serve: VLLM_KV_COMPRESSION: 'int4' must be one of none, fp8, int8\n"
