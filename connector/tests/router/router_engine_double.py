@@ -89,7 +89,7 @@ class FakeVllmEngine:
         return [s for s in self.seen if s.path.startswith("/v1/") and s.path != "/v1/models"]
 
     async def start(self, port: int = 0) -> FakeVllmEngine:
-        app = web.Application()
+        app = web.Application(client_max_size=64 * 1024 * 1024)  # vLLM sets no body limit
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/health", self._health)

@@ -227,3 +227,14 @@ async def test_request_id_is_made_when_absent_and_models_are_relayed(
     assert p.generations[0].headers["X-Request-Id"] == rid
     async with r.client.get(r.url + "/v1/models") as resp:
         assert (await resp.json())["data"][0]["id"] == "fake-model"
+
+
+async def test_prompt_over_aiohttp_default_body_limit(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    r = await start_router("dllm", [p], [d])
+    prompt = "x" * (3 * 1024 * 1024)
+    status, text = await r.text_of(COMPLETIONS, {"prompt": prompt, "max_tokens": 2})
+    assert status == 200
+    assert json.loads(text)["choices"][0]["text"] == expected_text(prompt, 2)

@@ -196,3 +196,18 @@ async def test_closing_an_unfinished_answer_drops_the_connection(raw: RawFactory
     assert await anext(response.chunks()) == b"abc"
     response.close()
     await asyncio.wait_for(server.closed_by_client.wait(), 5)
+
+
+async def test_large_bodies_whole_and_streamed_with_back_pressure(raw: RawFactory) -> None:
+    big = bytes(range(256)) * (12 * 1024)  # 3 MiB, over the pause threshold
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(answer(big))
+            await writer.drain()
+
+    _, pool = await raw(handler)
+    assert await (await pool.post("/x", b"", b"", 5.0)).read() == big
+    pieces = [piece async for piece in (await pool.post("/x", b"", b"", 5.0)).chunks()]
+    assert b"".join(pieces) == big

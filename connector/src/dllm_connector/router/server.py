@@ -31,6 +31,7 @@ from dllm_connector.router.upstream import ConnectFailed, Response, UpstreamErro
 
 log = logging.getLogger("dllm.router")
 JsonObject = dict[str, Any]
+MAX_REQUEST_BYTES = 64 * 1024 * 1024  # long prompts and inline images; aiohttp's default is 1 MiB
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -89,7 +90,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._loops: list[asyncio.Task[None]] = []
         self._probe_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s)
-        self.app = web.Application()
+        self.app = web.Application(client_max_size=MAX_REQUEST_BYTES)
         self.app.router.add_post(oa.COMPLETIONS, partial(self.generate, oa.COMPLETIONS))
         self.app.router.add_post(oa.CHAT, partial(self.generate, oa.CHAT))
         self.app.router.add_get("/v1/models", self.models)

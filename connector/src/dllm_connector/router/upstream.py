@@ -57,6 +57,7 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
         self.done = False
         self._error: BaseException | None = None
+        self._streaming = False  # a reader of chunks() gets back-pressure; read() takes the body whole
 
     # called by the connection
     def _head_ready(self, status: int, headers: dict[str, str]) -> None:
@@ -67,7 +68,7 @@ class Response:
     def _feed(self, data: bytes) -> None:
         self._pieces.append(data)
         self._buffered += len(data)
-        if self._buffered > PAUSE_AT and self._conn is not None:
+        if self._streaming and self._buffered > PAUSE_AT and self._conn is not None:
             self._conn.pause()
         self._wake()
 
@@ -113,6 +114,7 @@ class Response:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as they arrive (chunked framing removed), joined per wake-up."""
+        self._streaming = True
         while True:
             if self._pieces:
                 yield self._take()
