@@ -44,6 +44,16 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: fl
         _PAUSE.wait(interval)  # poll interval of a bounded wait
 
 
+def holds_for(check: Callable[[], Any], seconds: float, interval: float = 1.0) -> Any:
+    """Watch `check` for `seconds`; return its first truthy value (a violation) or the last falsy one."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        _PAUSE.wait(interval)
+
+
 @dataclass
 class Cluster:
     """A cluster the tests may use: its kubeconfig, kubectl and (for the local one) its layout."""

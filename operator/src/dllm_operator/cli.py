@@ -64,8 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     run.add_argument("--health-port", type=int, default=8080, help="/healthz and /metrics port")
     run.add_argument("--health-host", default="0.0.0.0")
-    run.add_argument("--peering", default="", help="kopf peering name for leader election (2+ replicas)")
-    run.add_argument("--priority", type=int, default=0, help="this replica's peering priority")
+    run.add_argument("--no-leader-elect", dest="leader_elect", action="store_false",
+                     help="act without holding the leader Lease (one replica only)")
+    run.add_argument("--lease-namespace", default="", help="namespace of the leader Lease (default: "
+                     "POD_NAMESPACE, else the first watched namespace, else default)")
+    run.add_argument("--lease-name", default="dllm-operator")
+    run.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then KUBECONFIG)")
     run.add_argument("--log-level", default="", help="DEBUG, INFO, WARNING, ERROR")
     return parser
 

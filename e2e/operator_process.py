@@ -1,0 +1,83 @@
+"""The real operator (`python -m dllm_operator run`) as a subprocess, for tests and the demo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import IO
+
+from e2e.fixtures import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class OperatorProcess:
+    def __init__(self, kubeconfig: Path, namespaces: list[str], log_path: Path, lease_namespace: str,
+                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        self.kubeconfig, self.namespaces, self.log_path = kubeconfig, namespaces, log_path
+        self.lease_namespace, self.extra_args = lease_namespace, extra_args
+        self.env = env or {}
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> OperatorProcess:
+        args = [sys.executable, "-m", "dllm_operator", "run", "--kubeconfig", str(self.kubeconfig),
+                "--health-host", "127.0.0.1", "--health-port", str(self.port),
+                "--lease-namespace", self.lease_namespace, *self.extra_args]
+        for namespace in self.namespaces:
+            args += ["--namespace", namespace]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
+        env |= {"KUBECONFIG": str(self.kubeconfig), "PYTHONUNBUFFERED": "1", **self.env}
+        self._log = self.log_path.open("ab")
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        wait_until(self.ready, 60, f"the operator's /readyz (log: {self.log_path})")
+        return self
+
+    def _get(self, path: str) -> str | None:
+        if self.process is None or self.process.poll() is not None:
+            raise AssertionError(f"the operator exited; log:\n{self.log_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as response:  # noqa: S310
+                return str(response.read().decode())
+        except OSError:
+            return None
+
+    def ready(self) -> bool:
+        return self._get("/readyz") == "ok"
+
+    def metric(self, name: str) -> float:
+        text = self._get("/metrics") or ""
+        values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+        return values[0] if values else 0.0
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def kill(self) -> None:
+        """SIGKILL, as an OOM kill or a node loss would."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._log is not None:
+            self._log.close()
+            self._log = None

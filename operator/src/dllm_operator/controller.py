@@ -1,0 +1,298 @@
+"""The reconcile loop: caches fed by watch events, a de-duplicating work queue, one reconcile per CR.
+
+kopf delivers watch events (handlers.py) into `Store`; every event enqueues the owning CR; workers take
+CR keys from the queue and run `reconcile`, which renders, plans (pure), writes only what the plan says,
+and patches status only when it changed. A key enqueued while it is being reconciled runs once more
+afterwards, never twice at once. Failures retry with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import secrets
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dllm_operator import metrics
+from dllm_operator.api import API_VERSION, KIND, SpecInvalid, parse
+from dllm_operator.config import OperatorConfig
+from dllm_operator.kube import ApiError, KubeClient
+from dllm_operator.plan import Key, key_of, only_replicas_changed, plan
+from dllm_operator.render import labels, render_all
+from dllm_operator.status import Observed, compute_status, invalid_spec_status, pods_by_component, without_times
+
+log = logging.getLogger("dllm_operator")
+CRKey = tuple[str, str]  # (namespace, name)
+
+
+def _resource_version(obj: dict[str, Any]) -> int:
+    try:
+        return int(obj.get("metadata", {}).get("resourceVersion", "0"))
+    except ValueError:
+        return 0
+
+
+@dataclass
+class Store:
+    """The last seen state of every CR and every child, by owning CR."""
+
+    resources: dict[CRKey, dict[str, Any]] = field(default_factory=dict)
+    children: dict[CRKey, dict[Key, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
+    pods: dict[CRKey, dict[str, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
+
+    @staticmethod
+    def owner_key(obj: dict[str, Any]) -> CRKey | None:
+        meta = obj.get("metadata", {})
+        instance = meta.get("labels", {}).get(labels.INSTANCE)
+        return (meta.get("namespace", ""), instance) if instance else None
+
+    def put_resource(self, body: dict[str, Any], deleted: bool = False) -> CRKey:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        if deleted:
+            self.resources.pop(key, None)
+        else:
+            self.resources[key] = body
+        return key
+
+    def put_child(self, obj: dict[str, Any], deleted: bool = False) -> CRKey | None:
+        key = self.owner_key(obj)
+        if key is None:
+            return None
+        if obj.get("kind") == "Pod":
+            bucket: dict[Any, dict[str, Any]] = self.pods[key]
+            child_key: Any = obj["metadata"]["name"]
+        else:
+            bucket, child_key = self.children[key], key_of(obj)
+        if deleted:
+            bucket.pop(child_key, None)
+        elif _resource_version(obj) >= _resource_version(bucket.get(child_key, {})):
+            bucket[child_key] = obj
+        return key
+
+
+class WorkQueue:
+    """Keys to reconcile; each at most once in the queue and once in flight."""
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[CRKey] = asyncio.Queue()
+        self._queued: set[CRKey] = set()
+        self._active: set[CRKey] = set()
+        self._dirty: set[CRKey] = set()
+        self._failures: dict[CRKey, int] = defaultdict(int)
+
+    def add(self, key: CRKey) -> None:
+        if key in self._active:
+            self._dirty.add(key)
+        elif key not in self._queued:
+            self._queued.add(key)
+            self._queue.put_nowait(key)
+
+    def add_after(self, key: CRKey, delay: float) -> None:
+        asyncio.get_running_loop().call_later(delay, self.add, key)
+
+    async def get(self) -> CRKey:
+        key = await self._queue.get()
+        self._queued.discard(key)
+        self._active.add(key)
+        return key
+
+    def done(self, key: CRKey, failed: bool) -> float | None:
+        """Finish a key; returns the retry delay after a failure."""
+        self._active.discard(key)
+        delay = None
+        if failed:
+            self._failures[key] += 1
+            delay = min(0.5 * 2 ** (self._failures[key] - 1), 60.0)
+        else:
+            self._failures.pop(key, None)
+        if key in self._dirty:
+            self._dirty.discard(key)
+            self.add(key)
+        return delay
+
+    def __len__(self) -> int:
+        return len(self._queued) + len(self._active)
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def cr_event(body: dict[str, Any], reason: str, message: str, warning: bool = False) -> dict[str, Any]:
+    meta = body["metadata"]
+    stamp = now_iso()
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": meta["namespace"]},
+        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
+                           "namespace": meta["namespace"], "uid": meta.get("uid", ""),
+                           "resourceVersion": meta.get("resourceVersion", "")},
+        "reason": reason,
+        "message": message[:1000],
+        "type": "Warning" if warning else "Normal",
+        "source": {"component": "dllm-operator"},
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "count": 1,
+    }
+
+
+def _describe(obj: dict[str, Any]) -> str:
+    return f"{obj['kind']} {obj['metadata']['name']}"
+
+
+@dataclass
+class Controller:
+    client: KubeClient
+    config: OperatorConfig
+    store: Store = field(default_factory=Store)
+    queue: WorkQueue = field(default_factory=WorkQueue)
+    is_leader: Callable[[], bool] = lambda: True
+    resync_seconds: float = 600.0
+    _apply_errors: dict[CRKey, tuple[str, ...]] = field(default_factory=dict)
+
+    # ---- inputs ----
+
+    def on_resource(self, body: dict[str, Any], deleted: bool) -> None:
+        key = self.store.put_resource(body, deleted)
+        metrics.MANAGED.set(len(self.store.resources))
+        if not deleted:
+            self.queue.add(key)
+        else:
+            self._forget(key)
+
+    def on_child(self, obj: dict[str, Any], deleted: bool) -> None:
+        key = self.store.put_child(obj, deleted)
+        if key is not None and key in self.store.resources:
+            self.queue.add(key)
+
+    def _forget(self, key: CRKey) -> None:
+        self.store.children.pop(key, None)
+        self.store.pods.pop(key, None)
+        self._apply_errors.pop(key, None)
+
+    async def seed(self, namespaces: tuple[str, ...]) -> None:
+        """Fill the caches before the first reconcile, so a restart makes no needless writes."""
+        selector = f"{labels.MANAGED_BY}={labels.MANAGER}"
+        for namespace in namespaces or (None,):
+            for kind in ("Service", "StatefulSet", "PodDisruptionBudget", "Deployment", "Pod"):
+                for obj in await self.client.list(kind, selector, namespace):
+                    self.store.put_child(obj)
+            for body in await self.client.list(KIND, "", namespace):
+                self.store.put_resource(body)
+
+    # ---- workers ----
+
+    async def run_workers(self, count: int = 4) -> None:
+        await asyncio.gather(*(self._worker() for _ in range(count)), self._resync())
+
+    async def _resync(self) -> None:
+        while True:
+            await asyncio.sleep(self.resync_seconds)
+            for key in list(self.store.resources):
+                self.queue.add(key)
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            failed = False
+            started = time.perf_counter()
+            try:
+                if self.is_leader():  # a follower drops the key; it re-queues everything when elected
+                    metrics.RECONCILES.inc()
+                    await self.reconcile(key)
+                    metrics.DURATION.observe(time.perf_counter() - started)
+            except Exception as error:  # retried with backoff; the error is in the log and the metrics
+                failed = True
+                metrics.ERRORS.labels(type(error).__name__).inc()
+                log.warning("reconcile %s/%s failed: %s", key[0], key[1], error)
+            finally:
+                delay = self.queue.done(key, failed)
+                if delay is not None:
+                    self.queue.add_after(key, delay)
+
+    # ---- one reconcile ----
+
+    async def reconcile(self, key: CRKey) -> None:
+        body = self.store.resources.get(key)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return  # deleted or being deleted: the garbage collector removes the children
+        try:
+            cr = parse(body)
+        except SpecInvalid as invalid:
+            await self._write_status(body, invalid_spec_status(body["metadata"].get("generation", 0), str(invalid),
+                                                               body.get("status"), now_iso()))
+            return
+        desired = render_all(cr, self.config)
+        actual = self.store.children[key]
+        writes = plan(desired, actual, cr.metadata.uid)
+        errors = [message for obj in writes.apply if (message := await self._apply(body, obj, actual))]
+        for kind, name in writes.delete:
+            await self.client.delete(kind, key[0], name, actual[(kind, name)]["metadata"].get("uid"))
+            actual.pop((kind, name), None)
+            await self._event(body, "Deleted", f"{kind} {name} is no longer wanted by the spec")
+        self._apply_errors[key] = tuple(errors)
+        await self._update_status(key, body, cr)
+
+    async def _apply(self, body: dict[str, Any], obj: dict[str, Any], actual: dict[Key, dict[str, Any]]) -> str | None:
+        """Apply one child; returns an error message for status, or None."""
+        key = key_of(obj)
+        before = actual.get(key)
+        try:
+            result = await self._apply_or_replace(body, obj, before)
+        except ApiError as error:
+            if error.status >= 500 or error.status in (401, 403, 409, 429):
+                raise  # transient or permission: retry with backoff
+            message = f"{_describe(obj)}: {error.message}"
+            await self._event(body, "FailedApply", message, warning=True)
+            return message
+        result.setdefault("kind", obj["kind"])
+        actual[key] = result
+        if before is None:
+            await self._event(body, "Created", f"created {_describe(obj)}")
+        elif only_replicas_changed(obj, before):
+            await self._event(body, "Scaled", f"scaled {_describe(obj)} from {before['spec'].get('replicas')} "
+                                              f"to {obj['spec']['replicas']}")
+        return None
+
+    async def _apply_or_replace(self, body: dict[str, Any], obj: dict[str, Any],
+                                before: dict[str, Any] | None) -> dict[str, Any]:
+        try:
+            return await self.client.apply(obj)
+        except ApiError as error:
+            if not error.immutable_field or before is None:
+                raise
+        meta = obj["metadata"]
+        await self.client.delete(obj["kind"], meta["namespace"], meta["name"], before["metadata"].get("uid"))
+        await self._event(body, "Replaced", f"replaced {_describe(obj)}: an immutable field changed")
+        return await self.client.apply(obj)
+
+    async def _update_status(self, key: CRKey, body: dict[str, Any], cr: Any) -> None:
+        children = self.store.children[key]
+        workloads = {component: obj for (kind, name), obj in children.items()
+                     if kind in ("StatefulSet", "Deployment")
+                     and (component := name.removeprefix(f"{cr.name}-")) in ("prefill", "decode", "router")}
+        observed = Observed(workloads=workloads, pods=pods_by_component(self.store.pods[key].values()),
+                            apply_errors=self._apply_errors.get(key, ()))
+        status = compute_status(cr, observed, body.get("status"), now_iso())
+        await self._write_status(body, status)
+
+    async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
+        if without_times(status) == without_times(body.get("status")):
+            return
+        meta = body["metadata"]
+        await self.client.patch_status(meta["namespace"], meta["name"], status)
+        body["status"] = status  # until the watch brings the new version
+
+    async def _event(self, body: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
+        try:
+            await self.client.create_event(cr_event(body, reason, message, warning))
+        except ApiError as error:  # an Event is best effort
+            log.info("could not post event %s: %s", reason, error)
+

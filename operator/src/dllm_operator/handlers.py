@@ -1,0 +1,81 @@
+"""kopf registrations, kept thin: watch events go into the controller's caches and queue.
+
+Only watching handlers (@kopf.on.event) are registered: kopf then writes nothing to the resources it
+watches (no finalizer, no progress or last-handled-configuration annotations, no per-handler Events).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import kopf
+
+from dllm_operator.api import GROUP, PLURAL, VERSION
+from dllm_operator.controller import Controller
+from dllm_operator.kube import Credentials
+from dllm_operator.render import labels
+
+CHILD_RESOURCES = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("", "v1", "services"),
+                   ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "pods"))
+CHILD_KINDS = {"statefulsets": "StatefulSet", "deployments": "Deployment", "services": "Service",
+               "poddisruptionbudgets": "PodDisruptionBudget", "pods": "Pod"}
+
+
+def configure(settings: kopf.OperatorSettings) -> None:
+    """Every kopf setting the operator depends on, chosen on purpose."""
+    settings.posting.enabled = False  # our own Events, with reasons, from controller.py; kopf's are noise
+    settings.peering.standalone = True  # leader election is our Lease (leader.py), not kopf peering
+    settings.scanning.disabled = True  # no CRD/namespace scanning: no RBAC on CRDs or namespaces needed
+    settings.batching.batch_window = 0.02  # coalesce bursts of events per object; small for fast status
+    settings.watching.server_timeout = 300  # re-list and re-watch every 5 min: a safety net
+    settings.watching.reconnect_backoff = 1.0  # after an API server restart, retry the watch every second
+    # Unused (no changing handlers), but named so no kopf default ever writes under another prefix.
+    settings.persistence.finalizer = f"{GROUP}/kopf-finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP, key="last-handled")
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+
+
+def connection_info(credentials: Credentials) -> kopf.ConnectionInfo:
+    """kopf's watches use the same identity as our writes (kubeconfig, or the in-cluster token)."""
+    cfg = credentials.configuration
+    authorization = credentials.authorization()
+    return kopf.ConnectionInfo(
+        server=credentials.host,
+        ca_path=cfg.ssl_ca_cert,
+        insecure=not cfg.verify_ssl,
+        certificate_path=cfg.cert_file,
+        private_key_path=cfg.key_file,
+        scheme="Bearer" if authorization else None,
+        token=authorization.split(" ", 1)[1] if authorization else None,
+    )
+
+
+def build_registry(controller: Controller, credentials: Credentials) -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+
+    @kopf.on.login(registry=registry)
+    def login(**_: Any) -> kopf.ConnectionInfo:
+        return connection_info(credentials)
+
+    @kopf.on.startup(registry=registry)
+    def startup(settings: kopf.OperatorSettings, **_: Any) -> None:
+        configure(settings)
+
+    @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
+    def resource_event(event: kopf.RawEvent, **_: Any) -> None:
+        body = dict(event["object"])
+        body.setdefault("kind", "DisaggregatedLLM")
+        controller.on_resource(body, deleted=event.get("type") == "DELETED")
+
+    for group, version, plural in CHILD_RESOURCES:
+
+        @kopf.on.event(group, version, plural, registry=registry, id=f"child-{plural}",
+                       labels={labels.MANAGED_BY: labels.MANAGER})
+        def child_event(event: kopf.RawEvent, kind: str = CHILD_KINDS[plural], **_: Any) -> None:
+            obj = dict(event["object"])
+            obj.setdefault("kind", kind)
+            controller.on_child(obj, deleted=event.get("type") == "DELETED")
+
+    return registry

@@ -1,0 +1,105 @@
+"""`python -m dllm_operator run`: kopf's watches, the reconcile workers, the leader Lease and the
+health/metrics server, in one event loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+from typing import Any
+
+import kopf
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from dllm_operator import metrics
+from dllm_operator.config import OperatorConfig
+from dllm_operator.controller import Controller
+from dllm_operator.handlers import build_registry
+from dllm_operator.kube import KubeClient, load_credentials
+from dllm_operator.leader import LeaderElector
+
+log = logging.getLogger("dllm_operator")
+
+
+def operator_config(args: argparse.Namespace) -> OperatorConfig:
+    config = OperatorConfig.from_env()
+    namespaces = () if args.all_namespaces else tuple(args.namespace) or config.namespaces
+    return OperatorConfig(engine_image=config.engine_image, router_image=config.router_image,
+                          cluster_domain=config.cluster_domain, namespaces=namespaces,
+                          log_level=(args.log_level or config.log_level).upper())
+
+
+def health_app(controller: Controller, ready: asyncio.Event) -> web.Application:
+    async def healthz(_: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def readyz(_: web.Request) -> web.Response:
+        return web.Response(text="ok") if ready.is_set() else web.Response(status=503, text="starting")
+
+    async def metrics_page(_: web.Request) -> web.Response:
+        body = generate_latest(metrics.REGISTRY)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics_page)])
+    return app
+
+
+async def seed_until_reachable(controller: Controller, namespaces: tuple[str, ...]) -> None:
+    delay = 0.5
+    while True:
+        try:
+            await controller.seed(namespaces)
+            return
+        except Exception as error:  # the API server may not be up yet
+            log.warning("initial listing failed (%s); retrying in %.1fs", error, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10)
+
+
+async def operate(args: argparse.Namespace) -> None:
+    config = operator_config(args)
+    credentials = load_credentials(args.kubeconfig)
+    client = KubeClient(credentials)
+    controller = Controller(client=client, config=config)
+    ready = asyncio.Event()
+    runner = web.AppRunner(health_app(controller, ready), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.health_host, args.health_port).start()
+    tasks: list[asyncio.Task[Any]] = []
+    if args.leader_elect:
+        namespace = args.lease_namespace or os.environ.get("POD_NAMESPACE") or (
+            config.namespaces[0] if config.namespaces else "default")
+        identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}-{os.getpid()}"
+        elector = LeaderElector(client, namespace, args.lease_name, identity,
+                                on_elected=lambda: [controller.queue.add(k) for k in list(controller.store.resources)])
+        controller.is_leader = elector.is_leader
+        tasks.append(asyncio.create_task(elector.run(), name="leader"))
+    await seed_until_reachable(controller, config.namespaces)
+    ready.set()
+    log.info("watching %s", ", ".join(config.namespaces) or "all namespaces")
+    tasks.append(asyncio.create_task(controller.run_workers(), name="workers"))
+    try:
+        await kopf.operator(registry=build_registry(controller, credentials), clusterwide=not config.namespaces,
+                            namespaces=list(config.namespaces), standalone=True)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await client.close()
+        await runner.cleanup()
+
+
+def run_operator(args: argparse.Namespace) -> int:
+    level = (args.log_level or os.environ.get("DLLM_LOG_LEVEL", "INFO")).upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(operate(args))
+    return 0

@@ -1,0 +1,183 @@
+"""Pure status: what the children and their pods say, as api.md's status with conditions.
+
+lastTransitionTime moves only when a condition's status flips; everything else is recomputed from the
+observed objects every time, so the status is level-based and a repeated computation is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dllm_operator.api import DisaggregatedLLM
+from dllm_operator.render import labels
+from dllm_operator.render.router import endpoint
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "PrefillReady", "DecodeReady", "RouterReady")
+_WAITING_FAILURES = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
+                     "CreateContainerError", "InvalidImageName")
+
+
+@dataclass(frozen=True)
+class Condition:
+    type: str
+    status: bool
+    reason: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Observed:
+    """The CR's children as last seen: workloads by component, pods by component, apply failures."""
+
+    workloads: Mapping[str, dict[str, Any]]
+    pods: Mapping[str, list[dict[str, Any]]]
+    apply_errors: tuple[str, ...] = ()
+
+
+def _pod_condition(pod: dict[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in pod.get("status", {}).get("conditions", []) if c.get("type") == kind), None)
+
+
+def pod_problem(pod: dict[str, Any]) -> str | None:
+    """Why a pod is broken (not merely starting), or None."""
+    name = pod["metadata"]["name"]
+    scheduled = _pod_condition(pod, "PodScheduled")
+    if scheduled and scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        return f"{name} Unschedulable: {scheduled.get('message', '')}".strip()
+    statuses = pod.get("status", {}).get("containerStatuses", [])
+    for status in statuses:
+        waiting = status.get("state", {}).get("waiting", {})
+        if waiting.get("reason") in _WAITING_FAILURES:
+            return f"{name} {waiting['reason']}: {waiting.get('message', '')}".strip()
+    ready = _pod_condition(pod, "Ready")
+    # The kubelet reports started=false until the startup probe passes (a loading model is not broken).
+    started = bool(statuses) and all(s.get("started", True) for s in statuses)
+    if ready and ready.get("status") == "False" and started and pod.get("status", {}).get("phase") == "Running":
+        return f"{name} not ready: {ready.get('message') or ready.get('reason') or 'readiness probe failing'}"
+    return None
+
+
+def _counts(workload: dict[str, Any] | None) -> tuple[int, int, int, int, bool]:
+    """desired, existing, ready, updated, and whether the controller has seen the latest spec."""
+    if workload is None:
+        return 0, 0, 0, 0, False
+    spec, status = workload.get("spec", {}), workload.get("status", {})
+    desired = int(spec.get("replicas", 1))
+    current = status.get("observedGeneration", 0) >= workload.get("metadata", {}).get("generation", 0)
+    return (desired, int(status.get("replicas", 0)), int(status.get("readyReplicas", 0)),
+            int(status.get("updatedReplicas", 0)), current)
+
+
+def role_status(cr: DisaggregatedLLM, component: labels.Component, workload: dict[str, Any] | None,
+                with_selector: bool = True) -> dict[str, Any]:
+    desired, existing, ready, updated, _ = _counts(workload)
+    status: dict[str, Any] = {"replicas": existing, "readyReplicas": ready, "updatedReplicas": updated,
+                              "ready": f"{ready}/{desired}"}
+    if with_selector:
+        status["selector"] = labels.selector_string(cr, component)
+    return status
+
+
+def role_condition(kind: str, component: str, workload: dict[str, Any] | None) -> Condition:
+    if workload is None:
+        return Condition(kind, False, "NotCreated", f"the {component} workload does not exist yet")
+    desired, existing, ready, updated, current = _counts(workload)
+    if desired == 0:
+        return Condition(kind, False, "ScaledToZero", f"{component} has 0 replicas")
+    if not current:
+        return Condition(kind, False, "Updating", f"the {component} controller has not seen the latest spec")
+    if ready >= desired and updated >= desired and existing == desired:
+        return Condition(kind, True, "AllReplicasReady", f"{ready}/{desired} {component} pods ready")
+    return Condition(kind, False, "ReplicasNotReady",
+                     f"{ready}/{desired} {component} pods ready, {updated} updated")
+
+
+def _degraded(observed: Observed) -> Condition:
+    problems = list(observed.apply_errors)
+    for component in ("prefill", "decode", "router"):
+        problems += [p for pod in observed.pods.get(component, []) if (p := pod_problem(pod))]
+    if not problems:
+        return Condition("Degraded", False, "AsExpected")
+    reason = "ApplyFailed" if observed.apply_errors else (
+        "Unschedulable" if any("Unschedulable" in p for p in problems) else "PodsNotHealthy")
+    return Condition("Degraded", True, reason, "; ".join(problems)[:4000])
+
+
+def conditions(cr: DisaggregatedLLM, observed: Observed) -> list[Condition]:
+    prefill = role_condition("PrefillReady", "prefill", observed.workloads.get("prefill"))
+    decode = role_condition("DecodeReady", "decode", observed.workloads.get("decode"))
+    if cr.spec.router.enabled:
+        router = role_condition("RouterReady", "router", observed.workloads.get("router"))
+    else:
+        router = Condition("RouterReady", True, "Disabled", "router.enabled is false")
+    degraded = _degraded(observed)
+    not_ready = [c for c in (prefill, decode, router) if not c.status]
+    ready = (Condition("Ready", True, "AllRolesReady", "prefill, decode and router are ready") if not not_ready
+             else Condition("Ready", False, not_ready[0].reason, "; ".join(c.message for c in not_ready)))
+    if ready.status:
+        progressing = Condition("Progressing", False, "Complete", "every role is at the current spec")
+    elif degraded.status:
+        progressing = Condition("Progressing", False, "Stalled", degraded.message)
+    else:
+        progressing = Condition("Progressing", True, "RollingOut", ready.message)
+    return [ready, progressing, degraded, prefill, decode, router]
+
+
+def _as_dict(condition: Condition, generation: int, previous: Mapping[str, dict[str, Any]],
+             now: str) -> dict[str, Any]:
+    status = "True" if condition.status else "False"
+    before = previous.get(condition.type)
+    flipped = before is None or before.get("status") != status
+    return {
+        "type": condition.type,
+        "status": status,
+        "reason": condition.reason,
+        "message": condition.message,
+        "lastTransitionTime": now if flipped else before["lastTransitionTime"],  # type: ignore[index]
+        "observedGeneration": generation,
+    }
+
+
+def compute_status(cr: DisaggregatedLLM, observed: Observed, previous: Mapping[str, Any] | None,
+                   now: str) -> dict[str, Any]:
+    before = {c["type"]: c for c in (previous or {}).get("conditions", []) if "type" in c}
+    generation = cr.metadata.generation
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "prefill": role_status(cr, "prefill", observed.workloads.get("prefill")),
+        "decode": role_status(cr, "decode", observed.workloads.get("decode")),
+        "router": role_status(cr, "router", observed.workloads.get("router"), with_selector=False),
+        "endpoint": endpoint(cr) if cr.spec.router.enabled else "",
+        "conditions": [_as_dict(c, generation, before, now) for c in conditions(cr, observed)],
+    }
+    return status
+
+
+def invalid_spec_status(generation: int, message: str, previous: Mapping[str, Any] | None,
+                        now: str) -> dict[str, Any]:
+    """A spec the operator refuses (it passed admission, e.g. an older CRD): say why, change nothing."""
+    before = {c["type"]: c for c in (previous or {}).get("conditions", []) if "type" in c}
+    found = [Condition("Ready", False, "InvalidSpec", message), Condition("Degraded", True, "InvalidSpec", message),
+             Condition("Progressing", False, "InvalidSpec", message)]
+    kept = [c for c in (previous or {}).get("conditions", []) if c.get("type") not in ("Ready", "Degraded",
+                                                                                       "Progressing")]
+    return {**(previous or {}), "observedGeneration": generation,
+            "conditions": [_as_dict(c, generation, before, now) for c in found] + list(kept)}
+
+
+def without_times(status: Mapping[str, Any] | None) -> dict[str, Any]:
+    """For comparing two statuses: transition times aside."""
+    status = dict(status or {})
+    status["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"}
+                            for c in status.get("conditions", [])]
+    return status
+
+
+def pods_by_component(pods: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for pod in pods:
+        component = pod.get("metadata", {}).get("labels", {}).get(labels.COMPONENT, "")
+        grouped.setdefault(component, []).append(pod)
+    return grouped
