@@ -20,7 +20,6 @@ exactly once (loaded, failed, timed out or cancelled) and every staging reservat
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import logging
 import socket
@@ -34,11 +33,14 @@ import torch
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, regions_checksum, signature_mismatches
+from dllm_connector.kv_scheduler import prompt_hash
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import RemoteRegion, TransferTimeout, Transport, TransportError
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_connector.transport.torchdist import TorchDistTransport
+
+__all__ = ["KVPipe", "KVReceiver", "KVSender", "PipeConfig", "SendJob", "TransferFailed", "prompt_hash"]
 
 _log = logging.getLogger(__name__)
 _GB = 1 << 30
@@ -67,13 +69,6 @@ class PipeConfig:
             async_transfer=extra.async_transfer,
             threshold_tokens=extra.transfer_threshold_tokens,
         )
-
-
-def prompt_hash(token_ids: Sequence[int]) -> str:
-    """Both engines hash the prompt's token ids: a tokenization mismatch is refused, not loaded."""
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(torch.tensor(list(token_ids), dtype=torch.int64).numpy().tobytes())
-    return digest.hexdigest()
 
 
 @dataclass
@@ -339,6 +334,19 @@ class KVReceiver:
                 left = min(deadline, self._next_deadline()) - time.monotonic()
                 if time.monotonic() >= deadline:
                     return None
+                self._cond.wait(max(0.001, left))
+
+    def wait_settled(self, transfer_id: str, timeout: float) -> bool:
+        """Block until this transfer has ended, without consuming its outcome."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._expire_unclaimed_locked()
+                if transfer_id in self._results:
+                    return True
+                left = min(deadline, self._next_deadline()) - time.monotonic()
+                if time.monotonic() >= deadline:
+                    return False
                 self._cond.wait(max(0.001, left))
 
     def _next_deadline(self) -> float:

