@@ -1,0 +1,285 @@
+"""Router overhead, side by side: a two-call client (the floor) vs the same load through dllm-router.
+
+Both runs hit the same engine doubles (FakeVllmEngine from connector/tests/router, one process per role).
+The floor client does what the router does: prefill with max_tokens=1 (stream false), then decode with
+the kv_transfer_params prefill returned (the nixl flow). Then the same requests go through the router.
+
+Reported: p50/p99 latency at concurrency 1, requests/s at concurrency 64 (added ms and ratio to the floor),
+the router's CPU time per request, and the floor with 1 and 2 load-generator processes (if 2 processes do
+not raise it, the generator is not what limits it).
+
+    .venv/bin/python bench/router.py --quick        # under 50 s
+    .venv/bin/python bench/router.py --pin          # taskset: engines on CPU 0, router on CPU 1
+
+The load generator is a minimal keep-alive HTTP/1.1 client on asyncio streams, cheaper than aiohttp's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DOUBLES = ROOT / "connector" / "tests" / "router"
+PROMPT = "Explain disaggregated prefill and decode serving in one paragraph, please. " * 2
+BODY = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 16}
+NIXL_PREFILL_KV = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+# ---- a minimal HTTP/1.1 keep-alive client ----
+
+
+class Conn:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, host: str) -> None:
+        self.reader, self.writer, self.host = reader, writer, host.encode()
+
+    @classmethod
+    async def open(cls, url: str) -> Conn:
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(reader, writer, f"{host}:{port}")
+
+    async def post(self, path: bytes, body: bytes) -> tuple[int, bytes]:
+        head = b"POST %s HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+        self.writer.write(head % (path, self.host, len(body)) + body)
+        status = int((await self.reader.readline()).split(b" ", 2)[1])
+        length = -1
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        if length < 0:
+            raise RuntimeError("the bench client needs Content-Length answers")
+        return status, await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+async def floor_request(prefill: Conn, decode: Conn) -> None:
+    """The two calls without a router: prefill (one token), then decode with what prefill returned."""
+    pbody = {**BODY, "max_tokens": 1, "n": 1, "stream": False, "kv_transfer_params": NIXL_PREFILL_KV}
+    status, data = await prefill.post(b"/v1/completions", json.dumps(pbody).encode())
+    assert status == 200, data
+    kv = json.loads(data).get("kv_transfer_params")
+    dbody = {**BODY, "kv_transfer_params": kv}
+    status, data = await decode.post(b"/v1/completions", json.dumps(dbody).encode())
+    assert status == 200, data
+    json.loads(data)
+
+
+async def router_request(router: Conn) -> None:
+    status, data = await router.post(b"/v1/completions", json.dumps(BODY).encode())
+    assert status == 200, data
+    json.loads(data)
+
+
+async def run_load(
+    mode: str, urls: list[str], concurrency: int, count: int, seconds: float
+) -> dict[str, Any]:
+    """`count` requests one by one (latencies), or as many as fit in `seconds` at `concurrency`."""
+
+    async def worker(latencies: list[float], stop_at: float, quota: int) -> int:
+        conns = [await Conn.open(u) for u in urls]
+        done = 0
+        try:
+            while (quota and done < quota) or (not quota and time.perf_counter() < stop_at):
+                t = time.perf_counter()
+                if mode == "floor":
+                    await floor_request(conns[0], conns[1])
+                else:
+                    await router_request(conns[0])
+                latencies.append(time.perf_counter() - t)
+                done += 1
+        finally:
+            for c in conns:
+                c.close()
+        return done
+
+    latencies: list[float] = []
+    warm: list[float] = []
+    await asyncio.gather(*(worker(warm, 0.0, 20) for _ in range(concurrency)))  # open, warm pools
+    started = time.perf_counter()
+    stop_at = started + seconds
+    done = await asyncio.gather(*(worker(latencies, stop_at, count) for _ in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    return {"requests": sum(done), "seconds": elapsed, "latencies": latencies if count else []}
+
+
+# ---- processes ----
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def taskset(cpu: str | None) -> list[str]:
+    return ["taskset", "-c", cpu] if cpu else []
+
+
+def start(cmd: list[str], cpu: str | None = None, quiet: bool = True) -> subprocess.Popen[bytes]:
+    out = subprocess.DEVNULL if quiet else None
+    return subprocess.Popen([*taskset(cpu), *cmd], stdout=out, stderr=out, cwd=ROOT)
+
+
+async def wait_http(url: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
+            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            line = await reader.readline()
+            writer.close()
+            if b" 200 " in line:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} did not come up")
+        await asyncio.sleep(0.05)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def load_cmd(mode: str, urls: list[str], concurrency: int, count: int, seconds: float) -> list[str]:
+    return [
+        sys.executable,
+        __file__,
+        "load",
+        mode,
+        ",".join(urls),
+        str(concurrency),
+        str(count),
+        str(seconds),
+    ]
+
+
+def generate(mode: str, urls: list[str], concurrency: int, count: int, seconds: float) -> Any:
+    cmd = load_cmd(mode, urls, concurrency, count, seconds)
+    return json.loads(subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT).stdout)
+
+
+def generate_parallel(mode: str, urls: list[str], procs: int, concurrency: int, seconds: float) -> float:
+    cmd = load_cmd(mode, urls, concurrency // procs, 0, seconds)
+    running = [subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=ROOT) for _ in range(procs)]
+    results = [json.loads(p.communicate()[0]) for p in running]
+    return float(sum(r["requests"] for r in results) / max(r["seconds"] for r in results))
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
+
+
+def row(name: str, floor: float, router: float, unit: str = "ms") -> str:
+    fmt = ".3f" if unit == "ms" else ".0f"
+    return f"{name:<30}{floor:>10{fmt}}{router:>10{fmt}}{router - floor:>+10{fmt}}{router / floor:>8.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="fewer requests, shorter runs (under 50 s)")
+    ap.add_argument("--pin", action="store_true", help="taskset engines to CPU 0, router to CPU 1")
+    ap.add_argument("--router-log-level", default="info")
+    ap.add_argument("--event-loop", default="asyncio", choices=["asyncio", "uvloop"])
+    args = ap.parse_args()
+    rounds, n1, secs = (2, 300, 3.0) if args.quick else (3, 2000, 8.0)
+    pin_engines, pin_router = ("0", "1") if args.pin else (None, None)
+    ports = {role: free_port() for role in ("prefill", "decode", "router")}
+    url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
+    procs = [
+        start([sys.executable, __file__, "engine", "prefill", str(ports["prefill"])], pin_engines),
+        start([sys.executable, __file__, "engine", "decode", str(ports["decode"])], pin_engines),
+    ]
+    router_cmd = [
+        sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1", "--port", str(ports["router"]),
+        "--flow", "nixl", "--prefill-url", url["prefill"], "--decode-url", url["decode"],
+        "--log-level", args.router_log_level, "--event-loop", args.event_loop,
+    ]  # fmt: skip
+    router = start(router_cmd, pin_router)
+    procs.append(router)
+    direct, via = [url["prefill"], url["decode"]], [url["router"]]
+    lat: dict[str, list[float]] = {"floor": [], "router": []}
+    rps: dict[str, list[float]] = {"floor": [], "router": []}
+    cpu_per_request: list[float] = []
+    try:
+        for u in url.values():
+            asyncio.run(wait_http(u))
+        for _ in range(rounds):  # interleaved, so drifting machine load hits both sides alike
+            lat["floor"] += generate("floor", direct, 1, n1, 0)["latencies"]
+            lat["router"] += generate("router", via, 1, n1, 0)["latencies"]
+            floor64 = generate("floor", direct, 64, 0, secs)
+            cpu0 = cpu_seconds(router.pid)
+            via64 = generate("router", via, 64, 0, secs)
+            cpu_per_request.append((cpu_seconds(router.pid) - cpu0) / via64["requests"])
+            rps["floor"].append(floor64["requests"] / floor64["seconds"])
+            rps["router"].append(via64["requests"] / via64["seconds"])
+        floor_2gen = generate_parallel("floor", direct, 2, 64, secs)
+        router_2gen = generate_parallel("router", via, 2, 64, secs)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+
+    f_rps, r_rps = statistics.median(rps["floor"]), statistics.median(rps["router"])
+    print(
+        f"dllm-router bench: nixl flow, non-streaming, {os.cpu_count()} CPUs, pin={args.pin}, "
+        f"router --log-level {args.router_log_level} --event-loop {args.event_loop}, {rounds} rounds"
+    )
+    print(f"{'':<30}{'floor':>10}{'router':>10}{'added':>10}{'ratio':>8}")
+    print(row("p50 latency c=1 (ms)", pct(lat["floor"], 0.5), pct(lat["router"], 0.5)))
+    print(row("p99 latency c=1 (ms)", pct(lat["floor"], 0.99), pct(lat["router"], 0.99)))
+    print(row("req/s c=64, 1 generator", f_rps, r_rps, "req/s"))
+    print(row("req/s c=64, 2 generators", floor_2gen, router_2gen, "req/s"))
+    print(f"router CPU time per request (c=64): {statistics.median(cpu_per_request) * 1e6:.0f} us")
+    print(
+        f"generator check: floor with 2 generator processes / with 1 = {floor_2gen / f_rps:.2f} "
+        "(near 1.0: one generator is not what limits the floor)"
+    )
+
+
+def serve_engine(role: str, port: int) -> None:
+    sys.path.insert(0, str(DOUBLES))
+    from router_engine_double import FakeVllmEngine  # type: ignore[import-not-found]
+
+    async def run() -> None:
+        engine = FakeVllmEngine(role, nixl=role == "prefill")
+        engine.record = False
+        await engine.start(port)
+        await asyncio.Event().wait()
+
+    asyncio.run(run())
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "engine":
+        serve_engine(sys.argv[2], int(sys.argv[3]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "load":
+        mode, urls, conc, count, secs = sys.argv[2:7]
+        result = asyncio.run(run_load(mode, urls.split(","), int(conc), int(count), float(secs)))
+        print(json.dumps(result))
+    else:
+        main()
