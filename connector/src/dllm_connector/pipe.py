@@ -6,7 +6,8 @@ One transfer, keyed by the router's transfer id (never a vLLM request id):
     offer {id, cache signature, blocks} ->   checks the signature; waits (up to hold) for decode to
                                              expect the id; reserves staging or names its KV blocks
                                      <-      accept {skip, count, destination regions, tag}
-    gathers + encodes, transport writes ->   (two-sided transports receive here)
+    gathers + encodes [sending, if two-sided]
+    transport writes                    ->   (two-sided transports receive here)
     done {KV header with checksum}      ->   verifies the checksum, decodes, scatters into blocks
                                      <-      ack, or nack {reason}
 
@@ -180,8 +181,10 @@ class KVSender:
             blocks = job.block_ids[plan.skip : plan.skip + plan.count]
             staged: torch.Tensor | None = None
             try:
-                header, src, staged = self._prepare(blocks, plan)
+                header, src, staged = self._prepare_or_abort(sock, blocks, plan)
                 self._before_write(src)
+                if not self.transport.one_sided:  # the receiver posts its receive only now
+                    sidechannel.send_message(sock, {"type": "sending"})
                 try:
                     self.transport.send(plan.peer, src, plan.dst, plan.tag, self.config.transfer_timeout_s)
                 except TransportError:
@@ -227,6 +230,17 @@ class KVSender:
         peer = dict(reply.get("endpoint", {})) | {"pair": offer["endpoint"].get("pair")}
         dst = [RemoteRegion(int(addr), int(nbytes)) for addr, nbytes in reply["dst"]]
         return _Plan(int(reply["skip"]), int(reply["count"]), dst, int(offer["tag"]), peer)
+
+    def _prepare_or_abort(
+        self, sock: socket.socket, blocks: Sequence[int], plan: _Plan
+    ) -> tuple[codec.KVHeader, list[torch.Tensor], torch.Tensor | None]:
+        """Encode for the accepted plan; if that fails, tell decode at once instead of letting it wait."""
+        try:
+            return self._prepare(blocks, plan)
+        except (codec.CodecError, TransportError, LayoutError) as error:
+            with contextlib.suppress(TransportError):
+                sidechannel.send_message(sock, {"type": "abort", "reason": str(error)})
+            raise
 
     def _prepare(
         self, blocks: Sequence[int], plan: _Plan
@@ -439,6 +453,7 @@ class KVReceiver:
             peer = dict(offer["endpoint"])
             tag = int(offer["tag"])
             if not self.transport.one_sided:
+                sidechannel.expect(sock, "sending", self.config.transfer_timeout_s)
                 try:
                     self.transport.recv(peer, dst, tag, self.config.transfer_timeout_s)
                 except TransportError:

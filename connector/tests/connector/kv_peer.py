@@ -69,10 +69,20 @@ class DyingSender(KVSender):
         os._exit(3)
 
 
+class NaNKV:
+    """Test double input: the prefill KV holds a NaN, which fp8/int8 cannot encode."""
+
+    @staticmethod
+    def poison(kv: PagedKV) -> None:
+        kv.caches[0].view(-1)[:: 1 << 14] = float("nan")
+
+
 def run_spec(transport: Transport, spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Send one spec's jobs with a fresh sender; the report lines for them."""
     geometry = Geometry(**spec.get("geometry", vars(GEOMETRY)))
     kv = PagedKV(make_caches(spec.get("seed", 7), geometry), NUM_BLOCKS, geometry)
+    if spec.get("nan"):
+        NaNKV.poison(kv)
     config = PipeConfig(
         compression=Compression(spec.get("compression", "none")),
         buffer_bytes=64 << 20,

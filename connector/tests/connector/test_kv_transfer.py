@@ -249,6 +249,24 @@ def test_tokenization_mismatch_is_refused(decode: tuple[KVReceiver, PagedKV], pr
     assert prefill.report()[0]["error"] is not None
 
 
+def test_nan_kv_under_int8_fails_fast_on_both_sides(
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill
+) -> None:
+    receiver, _ = decode
+    receiver.expect("t-nan", DST_BLOCKS[:20])
+    started = time.monotonic()
+    prefill.send(
+        receiver.port, [{"transfer_id": "t-nan", "block_ids": SRC_BLOCKS[:20]}], compression="int8", nan=True
+    )
+    outcome = receiver.wait_for("t-nan", timeout=30)
+    assert outcome is not None
+    assert "hold NaN or inf" in outcome
+    assert time.monotonic() - started < 5  # not the 10 s transfer timeout: decode was told
+    report = prefill.report()
+    assert "hold NaN or inf" in report[0]["error"]
+    assert report[-1]["staging_in_use"] == 0
+
+
 class socket_port:
     """A free local port with nothing listening on it (bound, never listened, then closed)."""
 
