@@ -11,6 +11,7 @@ from conftest import EngineFactory, RouterFactory, wait_event, wait_until
 from router_engine_double import expected_text
 
 from dllm_connector.router.openai import CHAT, COMPLETIONS
+from dllm_connector.router.server import MAX_REQUEST_BYTES
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -200,3 +201,11 @@ async def test_chat_without_messages_is_400(engines: EngineFactory, start_router
     status, text = await r.text_of(CHAT, {"prompt": "x"})
     assert status == 400
     assert error_of(text)["message"] == "'messages' must be a list"
+
+
+async def test_body_over_the_limit_is_413(engines: EngineFactory, start_router: RouterFactory) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    r = await start_router("dllm", [p], [d])
+    async with r.client.post(r.url + COMPLETIONS, data=b" " * (MAX_REQUEST_BYTES + 1)) as resp:
+        assert resp.status == 413
+        assert "request body over" in str(error_of(await resp.text())["message"])

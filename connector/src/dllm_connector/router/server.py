@@ -199,7 +199,7 @@ class Router:
         started = perf_counter()
         answers: list[Answer] = []
         try:
-            body = oa.parse_request(await request.read(), route)
+            body = oa.parse_request(await _read_body(request), route)
             response = await self._serve(request, route, body, rid, started, answers)
         except oa.BadRequest as e:
             response = self._error_response(RouterError(400, "bad_request", str(e)), rid)
@@ -620,6 +620,13 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
     await asyncio.wait((task,))
     if not task.cancelled():
         task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise RouterError(413, "bad_request", f"request body over {MAX_REQUEST_BYTES} bytes") from None
 
 
 def _header_value(value: str) -> bytes:
