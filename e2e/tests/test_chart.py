@@ -1,0 +1,194 @@
+"""The Helm chart on the real local control plane: lint, server dry-run, install/upgrade/uninstall,
+least-privilege RBAC proven by running the operator as the chart's ServiceAccount, Pod Security, the RDMA
+device plugin's placement, and values.schema.json refusals."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from e2e.fixtures import Cluster, wait_until
+from e2e.operator_process import OperatorProcess
+
+pytestmark = pytest.mark.k8s
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "dllm-operator"
+CPU_SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
+
+
+@pytest.fixture
+def watched(cluster: Cluster, namespace: str) -> Iterator[str]:
+    """A second namespace: the one the operator manages (the test namespace holds the release)."""
+    name = f"{namespace[:50]}-w"
+    cluster.run("create", "namespace", name)
+    yield name
+    cluster.run("delete", "namespace", name, "--wait=false", check=False)
+
+
+def release(namespace: str) -> str:
+    return f"r{namespace[-8:]}"  # unique per test: cluster-scoped RBAC names include it
+
+
+def sa_token(cluster: Cluster, namespace: str) -> str:
+    sa = f"{release(namespace)}-dllm-operator"
+    return cluster.run("create", "token", sa, "-n", namespace, "--duration=1h").stdout.strip()
+
+
+def can_i(cluster: Cluster, kubeconfig: Path, *args: str) -> bool:
+    result = cluster.run(f"--kubeconfig={kubeconfig}", "auth", "can-i", *args, check=False)
+    return result.stdout.strip() == "yes"
+
+
+def test_chart_lints(cluster: Cluster) -> None:
+    result = cluster.helm("lint", "--strict", str(CHART), check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_chart_crd_is_the_source_crd() -> None:
+    source = ROOT / "crds" / "disaggregatedllms.disagg.dev.yaml"
+    assert (CHART / "crds" / source.name).read_text() == source.read_text(), "run `make crds`"
+
+
+def test_rendered_chart_passes_server_dry_run(cluster: Cluster, crd: str, namespace: str, watched: str) -> None:
+    rendered = cluster.helm("template", release(namespace), str(CHART), "-n", namespace,
+                            "--set", f"watchNamespaces={{{watched}}}", "--set", "rdmaDevicePlugin.enabled=true",
+                            "--set", "replicaCount=2").stdout
+    result = cluster.run("apply", "--dry-run=server", "-f", "-", input_text=rendered)
+    kinds = {line.split("/")[0] for line in result.stdout.splitlines()}
+    assert {"deployment.apps", "pod", "role.rbac.authorization.k8s.io", "daemonset.apps",
+            "poddisruptionbudget.policy"} <= kinds  # the helm test hook pod included
+
+
+def test_install_upgrade_uninstall(cluster: Cluster, crd: str, namespace: str) -> None:
+    name = release(namespace)
+    cluster.helm("install", name, str(CHART), "-n", namespace, "--wait", "--timeout=120s")
+    deploy = cluster.get_json("deployment", f"{name}-dllm-operator", "-n", namespace)
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:2] == ["run", "--all-namespaces"]
+    cluster.helm("upgrade", name, str(CHART), "-n", namespace, "--set", "logLevel=DEBUG", "--wait",
+                 "--timeout=120s")
+    deploy = cluster.get_json("deployment", f"{name}-dllm-operator", "-n", namespace)
+    env = {e["name"]: e.get("value") for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["DLLM_LOG_LEVEL"] == "DEBUG"
+    assert deploy["metadata"]["generation"] == 2
+    cluster.helm("uninstall", name, "-n", namespace, "--wait", "--timeout=120s")
+    assert not cluster.exists("deployment", f"{name}-dllm-operator", "-n", namespace)
+    assert not cluster.exists("clusterrole", f"{name}-dllm-operator")
+
+
+def test_chart_identity_reconciles_and_nothing_more(cluster: Cluster, crd: str, namespace: str, watched: str,
+                                                    tmp_path: Path) -> None:
+    """Namespaced mode: the chart's ServiceAccount, out of cluster, runs the operator to Ready."""
+    name = release(namespace)
+    cluster.helm("install", name, str(CHART), "-n", namespace, "--set", f"watchNamespaces={{{watched}}}")
+    kubeconfig = cluster.token_kubeconfig(sa_token(cluster, namespace), tmp_path / "sa.kubeconfig")
+    operator = OperatorProcess(kubeconfig, [watched], tmp_path / "op.log", namespace,
+                               extra_args=("--lease-name", "dllm-operator")).start()
+    try:
+        cluster.run("apply", "--server-side", "-n", watched, "-f", str(CPU_SAMPLE))
+
+        def ready() -> bool:
+            cr = cluster.get_json("dllm", "tiny-cpu", "-n", watched)
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in cr.get("status", {}).get(
+                "conditions", []))
+
+        wait_until(ready, 60, f"tiny-cpu Ready, reconciled as the chart's ServiceAccount ({operator.log_path})")
+        assert "403" not in operator.log_text()
+    finally:
+        operator.stop()
+    assert can_i(cluster, kubeconfig, "patch", "statefulsets", "-n", watched)
+    assert not can_i(cluster, kubeconfig, "get", "secrets", "-n", watched)
+    assert not can_i(cluster, kubeconfig, "list", "secrets", "-n", namespace)
+    assert not can_i(cluster, kubeconfig, "list", "statefulsets", "-n", "default")
+    assert not can_i(cluster, kubeconfig, "create", "clusterroles")
+    assert not can_i(cluster, kubeconfig, "update", "disaggregatedllms", "-n", watched)  # status only
+    assert not can_i(cluster, kubeconfig, "delete", "pods", "-n", watched)
+    assert can_i(cluster, kubeconfig, "update", "leases/dllm-operator", "-n", namespace)
+    assert not can_i(cluster, kubeconfig, "update", "leases/kube-scheduler", "-n", namespace)
+    rules = cluster.get_json("role", name + "-dllm-operator", "-n", watched)["rules"]
+    assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
+
+
+def test_cluster_mode_identity_has_no_secret_access(cluster: Cluster, crd: str, namespace: str,
+                                                    tmp_path: Path) -> None:
+    name = release(namespace)
+    cluster.helm("install", name, str(CHART), "-n", namespace)
+    try:
+        kubeconfig = cluster.token_kubeconfig(sa_token(cluster, namespace), tmp_path / "sa.kubeconfig")
+        assert can_i(cluster, kubeconfig, "watch", "disaggregatedllms", "--all-namespaces")
+        assert can_i(cluster, kubeconfig, "create", "statefulsets", "-n", "default")
+        assert not can_i(cluster, kubeconfig, "get", "secrets", "--all-namespaces")
+        assert not can_i(cluster, kubeconfig, "create", "clusterrolebindings")
+        assert not can_i(cluster, kubeconfig, "list", "nodes")
+    finally:
+        cluster.helm("uninstall", name, "-n", namespace, check=False)
+
+
+def test_operator_pod_is_admitted_under_restricted_pod_security(cluster: Cluster, crd: str,
+                                                                namespace: str) -> None:
+    cluster.run("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    name = release(namespace)
+    cluster.helm("install", name, str(CHART), "-n", namespace, "--set", f"watchNamespaces={{{namespace}}}")
+
+    def running_pod() -> bool:
+        pods = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/name=dllm-operator")["items"]
+        return any(p["status"].get("phase") == "Running" for p in pods)
+
+    wait_until(running_pod, 60, "the operator pod to be admitted and running")
+    events = cluster.get_json("events", "-n", namespace)["items"]
+    assert not [e for e in events if e["reason"] == "FailedCreate"]
+
+
+def test_device_plugin_lands_only_on_labelled_nodes(cluster: Cluster, crd: str, namespace: str) -> None:
+    label = "feature.node.kubernetes.io/rdma.capable"
+    cluster.run("label", "node", "gpu-node-1", f"{label}=true", "--overwrite")
+    name = release(namespace)
+    try:
+        cluster.helm("install", name, str(CHART), "-n", namespace, "--set", f"watchNamespaces={{{namespace}}}",
+                     "--set", "rdmaDevicePlugin.enabled=true", "--set", "rdmaDevicePlugin.deviceIds={101b}")
+        ds_name = f"{name}-dllm-operator-rdma-device-plugin"
+
+        def placed() -> list[str]:
+            pods = cluster.get_json("pods", "-n", namespace, "-l",
+                                    "app.kubernetes.io/component=rdma-device-plugin")["items"]
+            return sorted(p["spec"].get("nodeName", "") for p in pods)
+
+        assert wait_until(lambda: placed() == ["gpu-node-1"], 60, "one plugin pod on gpu-node-1")
+        ds = cluster.get_json("daemonset", ds_name, "-n", namespace)
+        assert ds["status"]["desiredNumberScheduled"] == 1
+        config = json.loads(cluster.get_json("configmap", ds_name, "-n", namespace)["data"]["config.json"])
+        selectors = config["configList"][0]["selectors"]
+        assert selectors == {"vendors": ["15b3"], "deviceIDs": ["101b"]}
+        assert f"rdma/{config['configList'][0]['resourceName']}" == "rdma/hca_shared_devices_a"
+    finally:
+        cluster.run("label", "node", "gpu-node-1", f"{label}-", check=False)
+
+
+BAD_VALUES = [
+    ("replicaCount=-1", "/replicaCount"),
+    ("replicaCount=two", "/replicaCount"),
+    ("logLevel=LOUD", "/logLevel"),
+    ("image.pullPolicy=Sometimes", "/image/pullPolicy"),
+    ("healthPort=80", "/healthPort"),
+    ("watchNamespaces={Bad_NS}", "/watchNamespaces/0"),
+    ("rbac.create=maybe", "/rbac/create"),
+    ("leaderElection.enabled=1", "/leaderElection/enabled"),
+    ("rdmaDevicePlugin.vendors={mellanox}", "/rdmaDevicePlugin/vendors/0"),
+    ("rdmaDevicePlugin.rdmaHcaMax=0", "/rdmaDevicePlugin/rdmaHcaMax"),
+    ("metrics.serviceMonitor.interval=often", "/metrics/serviceMonitor/interval"),
+    ("replicaCunt=2", "replicaCunt"),
+]
+
+
+@pytest.mark.parametrize(("value", "path"), BAD_VALUES, ids=[v for v, _ in BAD_VALUES])
+def test_bad_values_are_refused_and_install_nothing(cluster: Cluster, crd: str, namespace: str, value: str,
+                                                    path: str) -> None:
+    result = cluster.helm("install", release(namespace), str(CHART), "-n", namespace, "--set", value, check=False)
+    assert result.returncode != 0
+    assert path in result.stderr, result.stderr
+    assert cluster.helm("list", "-n", namespace, "-q").stdout.strip() == ""
+    assert cluster.get_json("deployments,serviceaccounts", "-n", namespace, "-l",
+                            "app.kubernetes.io/name=dllm-operator")["items"] == []
