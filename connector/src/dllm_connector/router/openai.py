@@ -18,8 +18,11 @@ JsonObject = dict[str, Any]
 DONE = b"[DONE]"
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # built once, not per call
+
+
 def dumps(obj: object) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    return _ENCODER.encode(obj).encode()
 
 
 def error_body(message: str, kind: str, code: int) -> bytes:

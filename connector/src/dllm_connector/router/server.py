@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import logging
-import uuid
+import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -195,7 +195,7 @@ class Router:
     # ---- the generation endpoints ----
 
     async def generate(self, route: str, request: web.Request) -> web.StreamResponse:
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        rid = request.headers.get("X-Request-Id") or os.urandom(16).hex()
         started = perf_counter()
         answers: list[Answer] = []
         try:
@@ -572,7 +572,7 @@ class Router:
     # ---- the other endpoints ----
 
     async def models(self, request: web.Request) -> web.Response:
-        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        rid = request.headers.get("X-Request-Id") or os.urandom(16).hex()
         try:
             ep = self._pick(self.decode, [])
             try:

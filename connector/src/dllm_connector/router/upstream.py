@@ -279,7 +279,9 @@ class _Connection(asyncio.Protocol):
         headers: dict[str, str] = {}
         for line in lines[1:]:
             name, _, value = line.partition(b":")
-            headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
+            key = name.strip().lower()
+            if key in _FRAMING:  # the router reads no other upstream header
+                headers[key.decode()] = value.strip().decode("latin-1")
         if 100 <= status < 200:
             return  # an interim answer (100 Continue): the real head follows
         connection = headers.get("connection", "").lower()
@@ -299,6 +301,7 @@ class _Connection(asyncio.Protocol):
         self._sink._head_ready(status, headers)
 
 
+_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"content-type"})
 _IDLE, _HEAD, _LENGTH, _DONE_LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE = range(9)
 
 
