@@ -118,17 +118,18 @@ async def start_router(client: aiohttp.ClientSession) -> AsyncIterator[RouterFac
 
     async def start(
         flow: Flow,
-        prefill: list[FakeVllmEngine],
-        decode: list[FakeVllmEngine],
+        prefill_pods: list[FakeVllmEngine],
+        decode_pods: list[FakeVllmEngine],
         *,
         prefill_source: AddressSource | None = None,
         decode_source: AddressSource | None = None,
+        background: bool = False,
         **overrides: Any,
     ) -> RunningRouter:
         config = RouterConfig(
             flow=flow,
-            prefill=Upstreams(urls=tuple(e.url for e in prefill)),
-            decode=Upstreams(urls=tuple(e.url for e in decode)),
+            prefill=Upstreams(urls=tuple(e.url for e in prefill_pods)),
+            decode=Upstreams(urls=tuple(e.url for e in decode_pods)),
             host="127.0.0.1",
             port=0,
             connect_timeout_s=2.0,
@@ -137,7 +138,7 @@ async def start_router(client: aiohttp.ClientSession) -> AsyncIterator[RouterFac
         router = Router(
             replace(config, **overrides), prefill_source=prefill_source, decode_source=decode_source
         )
-        await router.start(background=False)
+        await router.start(background=background)
         runner = await serve(router, "127.0.0.1", 0, drain_s=0.2)
         made.append((router, runner))
         return RunningRouter(router, f"http://127.0.0.1:{runner.addresses[0][1]}", client)

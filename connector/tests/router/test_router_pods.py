@@ -10,6 +10,8 @@ import pytest
 from conftest import EngineFactory, MutableSource, RouterFactory, wait_until
 from router_engine_double import expected_text
 
+from dllm_connector.router.config import Upstreams
+from dllm_connector.router.endpoints import DnsSource
 from dllm_connector.router.openai import COMPLETIONS
 
 pytestmark = pytest.mark.timeout(30)
@@ -147,3 +149,57 @@ async def test_health_reports_pods_per_role(engines: EngineFactory, start_router
         }
     async with r.client.get(r.url + "/ready") as resp:
         assert resp.status == 200
+
+
+async def test_dns_discovery_drives_the_pools(engines: EngineFactory, start_router: RouterFactory) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    answers: list[frozenset[str]] = [frozenset({"127.0.0.1"})]
+
+    async def resolver(host: str) -> frozenset[str]:
+        assert host == "llm-decode.serving.svc"
+        return answers[-1]
+
+    source = DnsSource("llm-decode.serving.svc", d.port, resolve=resolver)
+    r = await start_router("dllm", [p], [], decode_source=source)
+    assert (await r.text_of(COMPLETIONS, {"prompt": "a"}))[0] == 200
+    answers.append(frozenset())  # the Service lost its last ready pod
+    await r.router.discover()
+    assert (await r.text_of(COMPLETIONS, {"prompt": "b"}))[0] == 503
+    answers.append(frozenset({"127.0.0.1"}))
+    await r.router.discover()
+    assert (await r.text_of(COMPLETIONS, {"prompt": "c"}))[0] == 200
+    assert [s.body["prompt"] for s in d.generations] == ["a", "c"]
+
+
+async def test_real_resolver_from_the_command_line_config(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    r = await start_router("dllm", [p], [], decode=Upstreams(dns=("localhost", d.port)))
+    status, text = await r.text_of(COMPLETIONS, {"prompt": "dns", "max_tokens": 2})
+    assert status == 200
+    assert json.loads(text)["choices"][0]["text"] == expected_text("dns", 2)
+
+
+async def test_background_loops_follow_pods_and_health(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
+    p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
+    decode = MutableSource([d0])
+    r = await start_router(
+        "dllm",
+        [p],
+        [],
+        decode_source=decode,
+        resolve_interval_s=0.02,
+        health_interval_s=0.02,
+        background=True,
+    )
+    decode.add(d1)
+    await wait_until(lambda: len(r.router.decode.ready()) == 2, "d1 discovered and ready")
+    d0.healthy = False
+    await wait_until(lambda: len(r.router.decode.ready()) == 1, "d0 taken out")
+    d0.healthy = True
+    await wait_until(lambda: len(r.router.decode.ready()) == 2, "d0 put back")
+    decode.remove(d1)
+    await wait_until(lambda: len(r.router.decode.endpoints) == 1, "d1 gone")
