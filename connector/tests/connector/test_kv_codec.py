@@ -225,3 +225,11 @@ def test_encode_leaves_the_kv_untouched(compression: Compression) -> None:
     before = kv.clone()
     codec.encode(kv, compression, GROUPS)
     assert torch.equal(kv, before)
+
+
+def test_fp8_bit_pattern_decode_is_exact_for_every_finite_code() -> None:
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(1, 256)
+    want = codes.float()
+    finite = torch.isfinite(want)
+    got = codec._dequantize_fp8_bits(codes, torch.ones(1))
+    assert torch.equal(got[finite], want[finite])

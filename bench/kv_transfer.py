@@ -1,0 +1,440 @@
+"""KV transfer benchmark: a raw TCP socket against the dllm KV pipe with codecs none, fp8 and int8.
+
+Two processes (prefill sender, decode receiver) move a paged KV of realistic shape (32 layers,
+block 16, 8 KV heads, head_dim 128, bf16, vLLM's CPU layout) block by block. Every row is measured
+in the same run, side by side:
+
+    raw socket      Python sendall/recv_into of the same number of bytes: the link's limit
+    <transport> <codec>   end to end: offer, gather + encode, write, decode + scatter, ack
+
+GB/s counts uncompressed KV delivered per second (1 GB = 1e9 bytes). The codec's own GB/s per
+core is measured with torch on one thread. `--link` runs the table again over a veth pair between
+two network namespaces of our own, rate-limited with tc (needs root; 127.0.0.1 stays untouched).
+
+    python bench/kv_transfer.py --quick            # 2k tokens, under 50 s
+    python bench/kv_transfer.py --tokens 2048 32768 --link 2gbit
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+LAYERS, BLOCK, KV_HEADS, HEAD_DIM = 32, 16, 8, 128
+CODECS = ("none", "fp8", "int8")
+NS_PREFILL, NS_DECODE = "dllm-kvb-p", "dllm-kvb-d"
+VETH_PREFILL, VETH_DECODE = "dkvb-p", "dkvb-d"
+ADDR_PREFILL, ADDR_DECODE = "10.213.0.1", "10.213.0.2"
+
+
+# ---- worker processes (one prefill, one decode) ---------------------------------------------------
+
+
+def _caches(num_blocks: int, seed: int | None) -> dict[str, Any]:
+    import torch
+
+    shape = (num_blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM)
+    generator = torch.Generator().manual_seed(seed or 0)
+    caches = {}
+    for layer in range(LAYERS):
+        tensor = torch.empty(shape, dtype=torch.bfloat16)
+        if seed is None:
+            tensor.zero_()
+        else:
+            tensor.copy_(torch.randn(shape, generator=generator))
+        caches[f"layers.{layer}"] = tensor
+    return caches
+
+
+class Worker:
+    """Serves JSON commands on stdin, one JSON reply line each on stdout."""
+
+    def __init__(self, role: str, host: str, num_blocks: int, buffer_bytes: int) -> None:
+        import torch
+
+        from dllm_connector.kv_layout import Geometry, PagedKV
+        from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig
+        from dllm_connector.transport.mooncake import MooncakeTransport
+        from dllm_connector.transport.torchdist import TorchDistTransport
+
+        torch.set_num_threads(1)
+        self.host = host
+        geometry = Geometry(block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, model="bench")
+        self.kv = PagedKV(_caches(num_blocks, 1 if role == "prefill" else None), num_blocks, geometry)
+        self.transports = {"mooncake": MooncakeTransport(host), "gloo": TorchDistTransport(host)}
+        self.config = PipeConfig(
+            buffer_bytes=buffer_bytes, transfer_timeout_s=60, prefill_wait_s=120, hold_s=60
+        )
+        self.receivers: dict[str, Any] = {}
+        self.senders: dict[tuple[str, str], Any] = {}
+        if role == "decode":
+            for name, transport in self.transports.items():
+                self.receivers[name] = KVReceiver(transport, self.kv, self.config, host, 0)
+        self._sender_class, self._config_class = KVSender, PipeConfig
+        self._raw: socket.socket | None = None
+
+    def handle(self, command: dict[str, Any]) -> dict[str, Any]:
+        return dict(getattr(self, f"cmd_{command.pop('cmd')}")(**command))
+
+    def cmd_ports(self) -> dict[str, Any]:
+        self._raw = socket.create_server((self.host, 0))
+        return {"raw": self._raw.getsockname()[1]} | {name: r.port for name, r in self.receivers.items()}
+
+    def cmd_expect(self, transport: str, transfer_id: str, blocks: list[int]) -> dict[str, Any]:
+        self.receivers[transport].expect(transfer_id, blocks)
+        return {}
+
+    def cmd_wait(self, transport: str, transfer_id: str) -> dict[str, Any]:
+        return {"outcome": self.receivers[transport].wait_for(transfer_id, 120)}
+
+    def cmd_raw_recv(self, nbytes: int) -> dict[str, Any]:
+        assert self._raw is not None
+        threading.Thread(target=self._raw_recv, args=(nbytes,), daemon=True).start()
+        return {}
+
+    def _raw_recv(self, nbytes: int) -> None:
+        import torch
+
+        assert self._raw is not None
+        conn, _ = self._raw.accept()
+        with conn:
+            buffer = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy()).cast("B")
+            received = 0
+            while received < nbytes:
+                received += conn.recv_into(buffer[received:], min(nbytes - received, 1 << 22))
+            conn.sendall(b"k")
+
+    def cmd_raw_send(self, host: str, port: int, nbytes: int) -> dict[str, Any]:
+        import torch
+
+        payload = torch.ones(nbytes, dtype=torch.uint8).numpy()
+        started = time.perf_counter()
+        with socket.create_connection((host, port)) as conn:
+            conn.sendall(payload.data)
+            conn.recv(1)
+        return {"seconds": time.perf_counter() - started}
+
+    def cmd_send(
+        self, transport: str, codec: str, transfer_id: str, blocks: list[int], host: str, port: int
+    ) -> dict[str, Any]:
+        from dllm_connector.kvconfig import Compression
+        from dllm_connector.pipe import SendJob
+
+        key = (transport, codec)
+        if key not in self.senders:
+            config = self._config_class(**(vars(self.config) | {"compression": Compression(codec)}))
+            self.senders[key] = self._sender_class(self.transports[transport], self.kv, config)
+        sender = self.senders[key]
+        wire_before = sender.stats.bytes_on_wire
+        started = time.perf_counter()
+        sender.send(SendJob(transfer_id, tuple(blocks), host, port))
+        seconds = time.perf_counter() - started
+        return {"seconds": seconds, "wire": sender.stats.bytes_on_wire - wire_before}
+
+
+def serve(args: argparse.Namespace) -> None:
+    worker = Worker(args.serve, args.host, args.blocks, args.buffer_mb << 20)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        try:
+            reply = worker.handle(json.loads(line))
+        except Exception as error:  # noqa: BLE001 - reported to the driver
+            reply = {"error": f"{type(error).__name__}: {error}"}
+        print(json.dumps(reply), flush=True)
+    os._exit(0)  # native engines' destructors may wait on peers
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+
+
+class Peer:
+    def __init__(self, role: str, host: str, blocks: int, buffer_mb: int, netns: str | None) -> None:
+        prefix = ["ip", "netns", "exec", netns] if netns else []
+        command = [*prefix, sys.executable, __file__, "--serve", role, "--host", host]
+        command += ["--blocks", str(blocks), "--buffer-mb", str(buffer_mb)]
+        env = os.environ | {
+            "MC_TCP_BIND_ADDRESS": host,
+            "DLLM_KV_CODEC_COMPILE": os.environ.get("DLLM_KV_CODEC_COMPILE", "1"),
+        }
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+
+    def wait_ready(self) -> None:
+        assert self._reply() == {"ready": True}
+
+    def _reply(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        while True:
+            line = self.process.stdout.readline()
+            if not line:
+                raise RuntimeError("benchmark worker exited")
+            if line.startswith("{"):
+                reply: dict[str, Any] = json.loads(line)
+                if "error" in reply:
+                    raise RuntimeError(reply["error"])
+                return reply
+
+    def call(self, cmd: str, **kwargs: Any) -> dict[str, Any]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"cmd": cmd} | kwargs) + "\n")
+        self.process.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(timeout=30)
+
+
+@dataclass
+class Row:
+    name: str
+    seconds: float
+    raw_bytes: int
+    wire_bytes: int
+
+    @property
+    def gbps(self) -> float:
+        return self.raw_bytes / self.seconds / 1e9
+
+
+def measure_link(
+    tokens: int,
+    repeats: int,
+    transports: list[str],
+    hosts: tuple[str, str],
+    namespaces: tuple[str | None, str | None],
+) -> list[Row]:
+    blocks = -(-tokens // BLOCK)
+    kv_bytes = blocks * LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 2
+    buffer_mb = kv_bytes // (1 << 20) + 16
+    prefill = Peer("prefill", hosts[0], blocks, buffer_mb, namespaces[0])
+    decode = Peer("decode", hosts[1], blocks, buffer_mb, namespaces[1])
+    try:
+        prefill.wait_ready()
+        decode.wait_ready()
+        ports = decode.call("ports")
+        rows = [_raw_row(prefill, decode, hosts[1], ports["raw"], kv_bytes, repeats)]
+        src, dst = list(range(blocks)), list(reversed(range(blocks)))
+        for transport in transports:
+            for codec in CODECS:
+                times, wire = [], 0
+                for attempt in range(repeats + 1):  # the first run warms connections and kernels
+                    transfer_id = f"{transport}-{codec}-{attempt}"
+                    decode.call("expect", transport=transport, transfer_id=transfer_id, blocks=dst)
+                    sent = prefill.call(
+                        "send",
+                        transport=transport,
+                        codec=codec,
+                        transfer_id=transfer_id,
+                        blocks=src,
+                        host=hosts[1],
+                        port=ports[transport],
+                    )
+                    outcome = decode.call("wait", transport=transport, transfer_id=transfer_id)["outcome"]
+                    if outcome != "":
+                        raise RuntimeError(f"{transport} {codec}: {outcome}")
+                    if attempt:
+                        times.append(sent["seconds"])
+                    wire = sent["wire"]
+                rows.append(Row(f"{transport} {codec}", statistics.median(times), kv_bytes, wire))
+        return rows
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _raw_row(prefill: Peer, decode: Peer, host: str, port: int, nbytes: int, repeats: int) -> Row:
+    times = []
+    for _ in range(repeats + 1):
+        decode.call("raw_recv", nbytes=nbytes)
+        times.append(prefill.call("raw_send", host=host, port=port, nbytes=nbytes)["seconds"])
+    return Row("raw socket", statistics.median(times[1:]), nbytes, nbytes)
+
+
+def codec_per_core(tokens: int) -> list[tuple[str, float, float, bool]]:
+    """(codec, encode GB/s, decode GB/s, compiled) on one thread, for `tokens` of the KV."""
+    import torch
+
+    from dllm_connector import codec
+    from dllm_connector.kvconfig import Compression
+
+    torch.set_num_threads(1)
+    compiled = codec.kernels().compiled
+    blocks = -(-tokens // BLOCK)
+    batch = torch.randn(LAYERS * blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM).to(torch.bfloat16)
+    groups = 2 * KV_HEADS
+    results = []
+    for name in ("fp8", "int8"):
+        compression = Compression(name)
+        header, payload = codec.encode(batch, compression, groups)
+        codec.decode(header, payload)
+        encode = _best_of(3, lambda c=compression: codec.encode(batch, c, groups))
+        decode = _best_of(3, lambda h=header, p=payload: codec.decode(h, p))
+        nbytes = batch.numel() * batch.element_size()
+        results.append((name, nbytes / encode / 1e9, nbytes / decode / 1e9, compiled))
+    return results
+
+
+def _best_of(count: int, run: Any) -> float:
+    best = float("inf")
+    for _ in range(count):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+@contextlib.contextmanager
+def emulated_link(rate: str) -> Iterator[None]:
+    """Two namespaces of our own joined by a veth pair, each end limited to `rate` by tc."""
+    steps = [
+        ["ip", "netns", "add", NS_PREFILL],
+        ["ip", "netns", "add", NS_DECODE],
+        [
+            "ip",
+            "link",
+            "add",
+            VETH_PREFILL,
+            "netns",
+            NS_PREFILL,
+            "type",
+            "veth",
+            "peer",
+            VETH_DECODE,
+            "netns",
+            NS_DECODE,
+        ],
+    ]
+    for ns, dev, addr in ((NS_PREFILL, VETH_PREFILL, ADDR_PREFILL), (NS_DECODE, VETH_DECODE, ADDR_DECODE)):
+        run = ["ip", "netns", "exec", ns]
+        steps += [
+            [*run, "ip", "addr", "add", f"{addr}/24", "dev", dev],
+            [*run, "ip", "link", "set", dev, "up"],
+            [*run, "ip", "link", "set", "lo", "up"],
+            [
+                *run,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "2mb",
+                "latency",
+                "50ms",
+            ],
+        ]
+    try:
+        for step in steps:
+            subprocess.run(step, check=True, capture_output=True)
+        yield
+    finally:
+        for ns in (NS_PREFILL, NS_DECODE):
+            subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
+
+
+def print_table(title: str, rows: list[Row]) -> None:
+    raw = rows[0]
+    print(f"\n{title}")
+    print(f"  {'path':<16} {'GB/s':>7} {'x raw':>7} {'wire MB':>9} {'wire/raw':>9}")
+    for row in rows:
+        print(
+            f"  {row.name:<16} {row.gbps:7.2f} {row.gbps / raw.gbps:7.2f} "
+            f"{row.wire_bytes / 1e6:9.1f} {row.wire_bytes / row.raw_bytes:9.2f}"
+        )
+    by_name = {row.name: row for row in rows}
+    for transport in sorted({row.name.split()[0] for row in rows[1:]}):
+        none, fp8 = by_name.get(f"{transport} none"), by_name.get(f"{transport} fp8")
+        if none and fp8:
+            print(f"  {transport}: fp8 delivers {fp8.gbps / none.gbps:.2f}x the KV per second of none")
+
+
+def gpu_codec() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from dllm_connector import codec
+    from dllm_connector.kvconfig import Compression
+
+    batch = torch.randn(LAYERS * 128, KV_HEADS, BLOCK, 2 * HEAD_DIM, device="cuda").to(torch.bfloat16)
+    rows = batch.reshape(-1, BLOCK * 2 * HEAD_DIM)
+    kernel = codec.kernels().quantize
+
+    def quantize(qmax: float, integer: bool) -> None:
+        kernel(rows, qmax, integer)
+        torch.cuda.synchronize()
+
+    for name in ("fp8", "int8"):
+        qmax, integer = codec.QMAX[Compression(name)], name == "int8"
+        quantize(qmax, integer)
+        seconds = _best_of(5, lambda q=qmax, i=integer: quantize(q, i))
+        print(f"  GPU {name} quantize: {batch.numel() * 2 / seconds / 1e9:.1f} GB/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="2k tokens, 2 repeats")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 32768])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--transports", nargs="+", default=["mooncake", "gloo"], choices=["mooncake", "gloo"])
+    parser.add_argument("--link", metavar="RATE", help="also over a tc-limited veth link, e.g. 2gbit")
+    parser.add_argument("--serve", choices=["prefill", "decode"], help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--buffer-mb", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args)
+        return
+    if args.quick:
+        args.tokens, args.repeats = [2048], 2
+    started = time.perf_counter()
+    shape = f"{LAYERS} layers, block {BLOCK}, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16"
+    for tokens in args.tokens:
+        rows = measure_link(tokens, args.repeats, args.transports, ("127.0.0.1", "127.0.0.1"), (None, None))
+        print_table(f"127.0.0.1, {tokens} tokens ({shape}; {rows[0].raw_bytes / 1e6:.0f} MB of KV)", rows)
+        if args.link:
+            with emulated_link(args.link):
+                rows = measure_link(
+                    tokens,
+                    args.repeats,
+                    args.transports,
+                    (ADDR_PREFILL, ADDR_DECODE),
+                    (NS_PREFILL, NS_DECODE),
+                )
+            print_table(f"veth + tc {args.link}, {tokens} tokens", rows)
+    print("\ncodec on one core (torch threads = 1), 2k tokens:")
+    for name, encode, decode, compiled in codec_per_core(2048):
+        kernels = "torch.compile" if compiled else "plain torch"
+        print(f"  {name:<5} encode {encode:5.2f} GB/s   decode {decode:5.2f} GB/s   ({kernels})")
+    gpu_codec()
+    print(f"\ntotal {time.perf_counter() - started:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
