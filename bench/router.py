@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--router-log-level", default="info")
     ap.add_argument("--event-loop", default="asyncio", choices=["asyncio", "uvloop"])
     args = ap.parse_args()
-    rounds, n1, secs = (2, 300, 3.0) if args.quick else (3, 2000, 8.0)
+    rounds, n1, secs = (3, 200, 1.5) if args.quick else (8, 500, 3.0)
     pin_engines, pin_router = ("0", "1") if args.pin else (None, None)
     ports = {role: free_port() for role in ("prefill", "decode", "router")}
     url = {role: f"http://127.0.0.1:{port}" for role, port in ports.items()}
@@ -222,29 +222,32 @@ def main() -> None:
     procs.append(router)
     direct, via = [url["prefill"], url["decode"]], [url["router"]]
     lat: dict[str, list[float]] = {"floor": [], "router": []}
-    rps: dict[str, list[float]] = {"floor": [], "router": []}
+    rps: dict[str, list[float]] = {"floor": [], "router": [], "floor2": [], "router2": []}
     cpu_per_request: list[float] = []
+    cpu_c1: list[float] = []
     try:
         for u in url.values():
             asyncio.run(wait_http(u))
         for _ in range(rounds):  # interleaved, so drifting machine load hits both sides alike
             lat["floor"] += generate("floor", direct, 1, n1, 0)["latencies"]
+            cpu0 = cpu_seconds(router.pid)
             lat["router"] += generate("router", via, 1, n1, 0)["latencies"]
+            cpu_c1.append((cpu_seconds(router.pid) - cpu0) / (n1 + 20))  # 20 warm-up requests
             floor64 = generate("floor", direct, 64, 0, secs)
             cpu0 = cpu_seconds(router.pid)
             via64 = generate("router", via, 64, 0, secs)
             cpu_per_request.append((cpu_seconds(router.pid) - cpu0) / via64["requests"])
             rps["floor"].append(floor64["requests"] / floor64["seconds"])
             rps["router"].append(via64["requests"] / via64["seconds"])
-        floor_2gen = generate_parallel("floor", direct, 2, 64, secs)
-        router_2gen = generate_parallel("router", via, 2, 64, secs)
+            rps["floor2"].append(generate_parallel("floor", direct, 2, 64, secs))
+            rps["router2"].append(generate_parallel("router", via, 2, 64, secs))
     finally:
         for p in procs:
             p.terminate()
         for p in procs:
             p.wait(10)
 
-    f_rps, r_rps = statistics.median(rps["floor"]), statistics.median(rps["router"])
+    med = {k: statistics.median(v) for k, v in rps.items()}
     print(
         f"dllm-router bench: nixl flow, non-streaming, {os.cpu_count()} CPUs, pin={args.pin}, "
         f"router --log-level {args.router_log_level} --event-loop {args.event_loop}, {rounds} rounds"
@@ -252,11 +255,14 @@ def main() -> None:
     print(f"{'':<30}{'floor':>10}{'router':>10}{'added':>10}{'ratio':>8}")
     print(row("p50 latency c=1 (ms)", pct(lat["floor"], 0.5), pct(lat["router"], 0.5)))
     print(row("p99 latency c=1 (ms)", pct(lat["floor"], 0.99), pct(lat["router"], 0.99)))
-    print(row("req/s c=64, 1 generator", f_rps, r_rps, "req/s"))
-    print(row("req/s c=64, 2 generators", floor_2gen, router_2gen, "req/s"))
-    print(f"router CPU time per request (c=64): {statistics.median(cpu_per_request) * 1e6:.0f} us")
+    print(row("req/s c=64, 1 generator", med["floor"], med["router"], "req/s"))
+    print(row("req/s c=64, 2 generators", med["floor2"], med["router2"], "req/s"))
     print(
-        f"generator check: floor with 2 generator processes / with 1 = {floor_2gen / f_rps:.2f} "
+        f"router CPU time per request: {statistics.median(cpu_c1) * 1e6:.0f} us at c=1, "
+        f"{statistics.median(cpu_per_request) * 1e6:.0f} us at c=64"
+    )
+    print(
+        f"generator check: floor with 2 generator processes / with 1 = {med['floor2'] / med['floor']:.2f} "
         "(near 1.0: one generator is not what limits the floor)"
     )
 
