@@ -3,6 +3,8 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 PY := .venv/bin/python
 CLUSTER := e2e/cluster
+CHART := charts/dllm-operator
+CRD := crds/disaggregatedllms.disagg.dev.yaml
 
 .PHONY: help
 help: ## List the targets
@@ -14,6 +16,14 @@ help: ## List the targets
 
 .PHONY: venv
 venv: .venv/.ready ## Make .venv (pinned dependencies cached outside the clone)
+
+# ---- the main job ----
+.PHONY: demo demo-down
+demo: cluster-build .venv/.ready ## Local control plane + helm install + operator + CPU sample, shown until Ready
+	@$(PY) -m e2e.demo up
+
+demo-down: ## Stop the demo's operator, uninstall the chart, stop the control plane
+	@if [ -x $(PY) ]; then $(PY) -m e2e.demo down; else python3 -m e2e.cluster down; fi
 
 # ---- local control plane (e2e/cluster) ----
 .PHONY: cluster-build cluster-up cluster-down cluster-env
@@ -29,20 +39,41 @@ cluster-down: ## Stop the local control plane; leaves no process or port behind
 cluster-env: ## Print exports for eval "$$(make -s cluster-env)"; never builds
 	@python3 -m e2e.cluster env
 
+# ---- sources that are generated or copied ----
+.PHONY: crds
+crds: .venv/.ready ## Regenerate the CRD (tools/crdgen.py) and copy it into the chart
+	@$(PY) tools/crdgen.py
+	@cp $(CRD) $(CHART)/crds/
+
+# ---- images ----
+.PHONY: images lint-images
+images: ## Build the container images (docker or podman; says so and exits 0 without one)
+	@bash images/build.sh
+
+lint-images: .venv/.ready ## hadolint 2.15.1 on every Dockerfile
+	@bash images/lint.sh
+
 # ---- quality ----
 .PHONY: lint typecheck
-lint: .venv/.ready ## ruff, import contracts
+lint: .venv/.ready ## ruff, import contracts, hadolint, helm lint
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -c 'import sys; from importlinter.cli import lint_imports_command as c; sys.argv=["lint-imports"]; c()'
+	@bash images/lint.sh
 
 typecheck: .venv/.ready ## mypy --strict
 	$(PY) -m mypy
 
 # ---- tests ----
-.PHONY: test test-unit
-test-unit: .venv/.ready ## Tests that need no cluster
+.PHONY: test test-unit test-k8s test-dataplane
+test-unit: .venv/.ready ## Tests that need no cluster and start no engine
 	$(PY) -m pytest -m "not k8s and not dataplane" -q
 
-test: .venv/.ready cluster-build lint typecheck ## Every test (builds what it needs on a fresh machine)
-	$(PY) -m pytest -q
+test-k8s: .venv/.ready cluster-build ## Tests on the local control plane
+	$(PY) -m pytest -m k8s -q
+
+test-dataplane: .venv/.ready ## The CPU PD pipeline with real vLLM engines
+	$(PY) -m pytest -m dataplane -q
+
+test: .venv/.ready cluster-build lint typecheck ## Every test (installs and builds what it needs on a fresh machine)
+	$(PY) -m pytest -q -p no:cacheprovider --timeout=900

@@ -75,17 +75,31 @@ class Cluster:
             env["PATH"] = f"{self.layout.tools_bin}:{env['PATH']}"
         return env
 
-    def run(self, *args: str, input_text: str | None = None, check: bool = True,
-            timeout: float = 120) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([self.kubectl_path, *args], input=input_text, capture_output=True, text=True,
-                                env=self.env(), timeout=timeout)
+    def run(
+        self, *args: str, input_text: str | None = None, check: bool = True, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [self.kubectl_path, *args],
+            input=input_text,
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=timeout,
+            check=False,
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}")
         return result
 
     def helm(self, *args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run([self.helm_path, *args], capture_output=True, text=True, env=self.env(),
-                                timeout=timeout)
+        result = subprocess.run(
+            [self.helm_path, *args],
+            capture_output=True,
+            text=True,
+            env=self.env(),
+            timeout=timeout,
+            check=False,
+        )
         if check and result.returncode != 0:
             raise AssertionError(f"helm {' '.join(args)} failed ({result.returncode}): {result.stderr}")
         return result
@@ -105,8 +119,9 @@ class Cluster:
         config = json.loads(self.run("config", "view", "--raw", "--minify", "-o", "json").stdout)
         cluster_entry = config["clusters"][0]
         config["users"] = [{"name": "token-user", "user": {"token": token}}]
-        config["contexts"] = [{"name": "token", "context": {"cluster": cluster_entry["name"],
-                                                            "user": "token-user"}}]
+        config["contexts"] = [
+            {"name": "token", "context": {"cluster": cluster_entry["name"], "user": "token-user"}}
+        ]
         config["current-context"] = "token"
         path.write_text(json.dumps(config))
         path.chmod(0o600)
@@ -114,8 +129,14 @@ class Cluster:
 
     def as_token(self, token: str, path: Path, *args: str) -> subprocess.CompletedProcess[str]:
         kubeconfig = self.token_kubeconfig(token, path)
-        return subprocess.run([self.kubectl_path, f"--kubeconfig={kubeconfig}", *args], capture_output=True,
-                              text=True, timeout=60, env=self.env())
+        return subprocess.run(
+            [self.kubectl_path, f"--kubeconfig={kubeconfig}", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=self.env(),
+            check=False,
+        )
 
     def audit_entries(self) -> list[dict[str, Any]]:
         if self.layout is None:
@@ -125,8 +146,12 @@ class Cluster:
 
 
 def _current_context(kubeconfig: str) -> str:
-    result = subprocess.run(["kubectl", "--kubeconfig", kubeconfig, "config", "current-context"],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        ["kubectl", "--kubeconfig", kubeconfig, "config", "current-context"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     return result.stdout.strip()
 
 
@@ -139,7 +164,8 @@ def _foreign_cluster() -> Cluster | None:
     if not allowed or context != allowed:
         raise pytest.UsageError(
             f"refusing to run against kube context {context!r} of {kubeconfig}: set "
-            f"DLLM_E2E_ALLOW_CONTEXT={context} to allow it (tests create and delete objects)")
+            f"DLLM_E2E_ALLOW_CONTEXT={context} to allow it (tests create and delete objects)"
+        )
     return Cluster(Path(kubeconfig), None)
 
 
@@ -174,8 +200,11 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
     name = namespace_name(request.node.nodeid)
     cluster.run("delete", "namespace", name, "--ignore-not-found", "--wait=true", "--timeout=60s")
     cluster.run("create", "namespace", name)
-    wait_until(lambda: cluster.exists("serviceaccount", "default", "-n", name), 30,
-               f"the default ServiceAccount in {name}")
+    wait_until(
+        lambda: cluster.exists("serviceaccount", "default", "-n", name),
+        30,
+        f"the default ServiceAccount in {name}",
+    )
     yield name
     cluster.run("delete", "namespace", name, "--wait=false", check=False)
 

@@ -23,8 +23,15 @@ def free_port() -> int:
 
 
 class OperatorProcess:
-    def __init__(self, kubeconfig: Path, namespaces: list[str], log_path: Path, lease_namespace: str,
-                 extra_args: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        kubeconfig: Path,
+        namespaces: list[str],
+        log_path: Path,
+        lease_namespace: str,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.kubeconfig, self.namespaces, self.log_path = kubeconfig, namespaces, log_path
         self.lease_namespace, self.extra_args = lease_namespace, extra_args
         self.env = env or {}
@@ -33,9 +40,21 @@ class OperatorProcess:
         self._log: IO[bytes] | None = None
 
     def start(self) -> OperatorProcess:
-        args = [sys.executable, "-m", "dllm_operator", "run", "--kubeconfig", str(self.kubeconfig),
-                "--health-host", "127.0.0.1", "--health-port", str(self.port),
-                "--lease-namespace", self.lease_namespace, *self.extra_args]
+        args = [
+            sys.executable,
+            "-m",
+            "dllm_operator",
+            "run",
+            "--kubeconfig",
+            str(self.kubeconfig),
+            "--health-host",
+            "127.0.0.1",
+            "--health-port",
+            str(self.port),
+            "--lease-namespace",
+            self.lease_namespace,
+            *self.extra_args,
+        ]
         for namespace in self.namespaces:
             args += ["--namespace", namespace]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
@@ -49,7 +68,7 @@ class OperatorProcess:
         if self.process is None or self.process.poll() is not None:
             raise AssertionError(f"the operator exited; log:\n{self.log_text()[-3000:]}")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as response:  # noqa: S310
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=2) as response:
                 return str(response.read().decode())
         except OSError:
             return None

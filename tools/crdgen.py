@@ -14,13 +14,18 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connector" / "src"))
-from dllm_connector.kvconfig import CONTRACT_ENV_NAMES  # noqa: E402
+from dllm_connector.kvconfig import CONTRACT_ENV_NAMES
 
 GROUP = "disagg.dev"
 OUT = Path(__file__).resolve().parents[1] / "crds" / f"disaggregatedllms.{GROUP}.yaml"
 Schema = dict[str, Any]
 
 TP_SIZES = [1, 2, 4, 8, 16, 32, 64]
+# Kubernetes' own resource.Quantity syntax.
+QUANTITY_PATTERN = (
+    r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
 MAX_ITEMS = 64
 MAX_NAME = 253
 
@@ -90,7 +95,7 @@ def quantity(description: str, **extra: Any) -> Schema:
         "description": description,
         "anyOf": [{"type": "integer"}, {"type": "string"}],
         "x-kubernetes-int-or-string": True,
-        "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+        "pattern": QUANTITY_PATTERN,
         **extra,
     }
 
@@ -113,20 +118,29 @@ def model_schema() -> Schema:
     return obj(
         "The model both roles serve, with the engine settings that must match on prefill and decode.",
         {
-            "name": string("Model name or path: vLLM --model (a hub id, or a path inside the source).", 512,
-                           minLength=1),
+            "name": string(
+                "Model name or path: vLLM --model (a hub id, or a path inside the source).", 512, minLength=1
+            ),
             "revision": string("Model revision (branch, tag or commit): vLLM --revision.", 128),
             "servedModelName": string("Name clients use in requests: vLLM --served-model-name.", 256),
             "maxModelLen": integer("Context length: vLLM --max-model-len, the same on both roles.", 1),
             "blockSize": integer(
                 "KV-cache block size in tokens: vLLM --block-size, the same on both roles "
-                "(vLLM's CPU backend needs a multiple of 32).", 1, 1024),
-            "dtype": enum("Weights and activations dtype: vLLM --dtype.",
-                          ["auto", "half", "float16", "bfloat16", "float", "float32"], "auto"),
+                "(vLLM's CPU backend needs a multiple of 32).",
+                1,
+                1024,
+            ),
+            "dtype": enum(
+                "Weights and activations dtype: vLLM --dtype.",
+                ["auto", "half", "float16", "bfloat16", "float", "float32"],
+                "auto",
+            ),
             "kvCacheDtype": enum(
                 "KV-cache dtype: vLLM --kv-cache-dtype. With fp8 the KV is already 8-bit and "
                 "kvTransfer.compression is not applied again.",
-                ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"], "auto"),
+                ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16"],
+                "auto",
+            ),
             "source": model_source_schema(),
         },
         required=["name"],
@@ -151,16 +165,22 @@ def model_source_schema() -> Schema:
                 "Download from the Hugging Face hub at start.",
                 {
                     "tokenSecretRef": secret_key_ref(
-                        "The hub token, by reference (HF_TOKEN from this Secret key; never copied)."),
+                        "The hub token, by reference (HF_TOKEN from this Secret key; never copied)."
+                    ),
                     "cacheVolumeClaim": string(
-                        "PersistentVolumeClaim for the hub cache, shared between restarts."),
+                        "PersistentVolumeClaim for the hub cache, shared between restarts."
+                    ),
                 },
             ),
         },
-        **{"x-kubernetes-validations": [{
-            "rule": "!(has(self.pvc) && has(self.huggingFace))",
-            "message": "at most one of pvc and huggingFace may be set",
-        }]},
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!(has(self.pvc) && has(self.huggingFace))",
+                    "message": "at most one of pvc and huggingFace may be set",
+                }
+            ]
+        },
     )
 
 
@@ -175,50 +195,81 @@ def kv_transfer_schema() -> Schema:
             "connector": enum(
                 "Transfer backend: mooncake (Mooncake transfer engine, RDMA or TCP), pynccl (NCCL, "
                 "single node multi-GPU) or custom (a connector class of your own or a vLLM built-in).",
-                ["mooncake", "pynccl", "custom"], "mooncake"),
-            "compression": enum("On-the-wire KV compression: none, fp8 (e4m3) or int8, with per-block "
-                                "scales.", ["none", "fp8", "int8"], "none"),
-            "port": port("Each engine's own KV listen port (vLLM kv_port); TP rank r uses port + r.",
-                         default=50051),
+                ["mooncake", "pynccl", "custom"],
+                "mooncake",
+            ),
+            "compression": enum(
+                "On-the-wire KV compression: none, fp8 (e4m3) or int8, with per-block scales.",
+                ["none", "fp8", "int8"],
+                "none",
+            ),
+            "port": port(
+                "Each engine's own KV listen port (vLLM kv_port); TP rank r uses port + r.", default=50051
+            ),
             "bufferSizeGB": positive_number(
                 "Registered staging buffer for (compressed) KV, in GB; a role's bufferSizeGB overrides it. "
-                "Counted in the pod's memory request.", default=4.0),
-            "transferThresholdTokens": integer("KV is sent in batches of at least this many tokens.", 1,
-                                               default=1024),
+                "Counted in the pod's memory request.",
+                default=4.0,
+            ),
+            "transferThresholdTokens": integer(
+                "KV is sent in batches of at least this many tokens.", 1, default=1024
+            ),
             "timeoutMs": integer("Timeout of one transfer, first byte to done, in ms.", 1, default=5000),
             "prefillWaitMs": integer(
-                "How long decode waits for a request's KV to arrive, in ms (covers prefill queueing).", 1,
-                default=60000),
-            "holdSeconds": integer("How long prefill keeps KV that no decode has claimed, in s.", 1,
-                                   default=480),
-            "async": boolean("Prefill overlaps sending with later work; false: a prefill request finishes "
-                             "only once its KV is delivered. Decode always loads asynchronously.",
-                             default=True),
-            "protocol": enum("Mooncake transport: rdma or tcp. Empty: rdma when rdma.enabled, else tcp.",
-                             ["", "rdma", "tcp"], ""),
+                "How long decode waits for a request's KV to arrive, in ms (covers prefill queueing).",
+                1,
+                default=60000,
+            ),
+            "holdSeconds": integer(
+                "How long prefill keeps KV that no decode has claimed, in s.", 1, default=480
+            ),
+            "async": boolean(
+                "Prefill overlaps sending with later work; false: a prefill request finishes "
+                "only once its KV is delivered. Decode always loads asynchronously.",
+                default=True,
+            ),
+            "protocol": enum(
+                "Mooncake transport: rdma or tcp. Empty: rdma when rdma.enabled, else tcp.",
+                ["", "rdma", "tcp"],
+                "",
+            ),
             "loadFailurePolicy": enum(
                 "What decode does when KV cannot be loaded: fail the request, or recompute the prompt "
-                "(vLLM kv_load_failure_policy).", ["fail", "recompute"], "fail"),
+                "(vLLM kv_load_failure_policy).",
+                ["fail", "recompute"],
+                "fail",
+            ),
             "custom": obj(
                 "The connector class, required iff connector is custom.",
                 {
-                    "connectorClass": string("Class name: yours in modulePath, or a vLLM built-in such as "
-                                             "NixlConnector or MooncakeConnector.", minLength=1),
-                    "modulePath": string("Python module that holds the class (vLLM "
-                                         "kv_connector_module_path); empty for vLLM built-ins.", 512),
+                    "connectorClass": string(
+                        "Class name: yours in modulePath, or a vLLM built-in such as "
+                        "NixlConnector or MooncakeConnector.",
+                        minLength=1,
+                    ),
+                    "modulePath": string(
+                        "Python module that holds the class (vLLM "
+                        "kv_connector_module_path); empty for vLLM built-ins.",
+                        512,
+                    ),
                     "extraConfig": passthrough(
                         "Free-form kv_connector_extra_config passed to your connector as is; the API "
-                        "server keeps any field here without checking it."),
+                        "server keeps any field here without checking it."
+                    ),
                 },
                 required=["connectorClass"],
             ),
         },
         default={},
-        **{"x-kubernetes-validations": [{
-            "rule": "(has(self.connector) && self.connector == 'custom') == has(self.custom)",
-            "message": "custom is required when connector is custom, and only then",
-            "fieldPath": ".custom",
-        }]},
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "(has(self.connector) && self.connector == 'custom') == has(self.custom)",
+                    "message": "custom is required when connector is custom, and only then",
+                    "fieldPath": ".custom",
+                }
+            ]
+        },
     )
 
 
@@ -227,26 +278,41 @@ def rdma_schema() -> Schema:
         "RDMA NICs for the Mooncake transfer engine (mlx5/InfiniBand/RoCE).",
         {
             "enabled": boolean("Give engine pods RDMA devices and use the rdma protocol.", default=False),
-            "mode": enum("devicePlugin: request resourceName from an RDMA device plugin (least privilege). "
-                         "hostDevices: mount /dev/infiniband from the host (adds IPC_LOCK and "
-                         "SYS_RESOURCE; needs a namespace that allows hostPath).",
-                         ["devicePlugin", "hostDevices"], "devicePlugin"),
-            "resourceName": string("Extended resource of the RDMA device plugin.",
-                                   default="rdma/hca_shared_devices_a"),
-            "resourcesPerPod": integer("How many of resourceName each engine pod requests.", 1, 64, default=1),
+            "mode": enum(
+                "devicePlugin: request resourceName from an RDMA device plugin (least privilege). "
+                "hostDevices: mount /dev/infiniband from the host (adds IPC_LOCK and "
+                "SYS_RESOURCE; needs a namespace that allows hostPath).",
+                ["devicePlugin", "hostDevices"],
+                "devicePlugin",
+            ),
+            "resourceName": string(
+                "Extended resource of the RDMA device plugin.", default="rdma/hca_shared_devices_a"
+            ),
+            "resourcesPerPod": integer(
+                "How many of resourceName each engine pod requests.", 1, 64, default=1
+            ),
             "devices": string_list("NIC allow-list, e.g. mlx5_0 (MOONCAKE_RDMA_DEVICE); empty: all.", 64),
             "gidIndex": integer("RoCE GID index (MC_GID_INDEX); unset: Mooncake's default.", 0, 255),
-            "networks": string_list("Multus NetworkAttachmentDefinition names for the RDMA network "
-                                    "(k8s.v1.cni.cncf.io/networks)."),
-            "hostNetwork": boolean("Use the host network; then one engine pod per node per role "
-                                   "(anti-affinity) so ports do not clash.", default=False),
+            "networks": string_list(
+                "Multus NetworkAttachmentDefinition names for the RDMA network (k8s.v1.cni.cncf.io/networks)."
+            ),
+            "hostNetwork": boolean(
+                "Use the host network; then one engine pod per node per role "
+                "(anti-affinity) so ports do not clash.",
+                default=False,
+            ),
         },
         default={},
-        **{"x-kubernetes-validations": [{
-            "rule": "!has(self.mode) || self.mode != 'hostDevices' || (has(self.enabled) && self.enabled)",
-            "message": "mode hostDevices requires enabled: true",
-            "fieldPath": ".mode",
-        }]},
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.mode) || self.mode != 'hostDevices' || "
+                    "(has(self.enabled) && self.enabled)",
+                    "message": "mode hostDevices requires enabled: true",
+                    "fieldPath": ".mode",
+                }
+            ]
+        },
     )
 
 
@@ -258,24 +324,28 @@ def env_var_schema() -> Schema:
     return {
         "type": "array",
         "description": "Extra environment variables (core/v1 EnvVar). Names the operator sets for KV "
-                       "transfer (VLLM_KV_*, MOONCAKE_*, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID) are "
-                       "refused.",
+        "transfer (VLLM_KV_*, MOONCAKE_*, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID) are "
+        "refused.",
         "maxItems": MAX_ITEMS,
         "items": obj(
             "One environment variable.",
             {
                 "name": string("Variable name.", 256, minLength=1),
                 "value": string("Literal value.", 32768),
-                "valueFrom": passthrough("A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, "
-                                         "fieldRef, resourceFieldRef); checked when the pod is created."),
+                "valueFrom": passthrough(
+                    "A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, "
+                    "fieldRef, resourceFieldRef); checked when the pod is created."
+                ),
             },
             required=["name"],
         ),
-        "x-kubernetes-validations": [{
-            "rule": f"self.all(e, !(e.name in [{reserved}]))",
-            "message": "env may not set a name the operator owns (the KV-transfer contract: VLLM_KV_*, "
-                       "MOONCAKE_PROTOCOL, MOONCAKE_RDMA_DEVICE, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID)",
-        }],
+        "x-kubernetes-validations": [
+            {
+                "rule": f"self.all(e, !(e.name in [{reserved}]))",
+                "message": "env may not set a name the operator owns (the KV-transfer contract: VLLM_KV_*, "
+                "MOONCAKE_PROTOCOL, MOONCAKE_RDMA_DEVICE, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID)",
+            }
+        ],
     }
 
 
@@ -283,10 +353,18 @@ def resources_schema() -> Schema:
     return obj(
         "core/v1 ResourceRequirements merged over the operator's defaults (GPUs, RDMA, memory).",
         {
-            "limits": {"type": "object", "description": "Resource limits.", "maxProperties": 32,
-                       "additionalProperties": quantity("A quantity.")},
-            "requests": {"type": "object", "description": "Resource requests.", "maxProperties": 32,
-                         "additionalProperties": quantity("A quantity.")},
+            "limits": {
+                "type": "object",
+                "description": "Resource limits.",
+                "maxProperties": 32,
+                "additionalProperties": quantity("A quantity."),
+            },
+            "requests": {
+                "type": "object",
+                "description": "Resource requests.",
+                "maxProperties": 32,
+                "additionalProperties": quantity("A quantity."),
+            },
         },
     )
 
@@ -296,14 +374,18 @@ def tolerations_schema() -> Schema:
         "type": "array",
         "description": "core/v1 Tolerations of the engine pods.",
         "maxItems": MAX_ITEMS,
-        "items": obj("A toleration.", {
-            "key": string("Taint key."),
-            "operator": enum("Exists or Equal.", ["Exists", "Equal"]),
-            "value": string("Taint value.", 256),
-            "effect": enum("Taint effect; empty matches all.", ["", "NoSchedule", "PreferNoSchedule",
-                                                                "NoExecute"]),
-            "tolerationSeconds": integer("For NoExecute: how long the pod stays bound.", 0),
-        }),
+        "items": obj(
+            "A toleration.",
+            {
+                "key": string("Taint key."),
+                "operator": enum("Exists or Equal.", ["Exists", "Equal"]),
+                "value": string("Taint value.", 256),
+                "effect": enum(
+                    "Taint effect; empty matches all.", ["", "NoSchedule", "PreferNoSchedule", "NoExecute"]
+                ),
+                "tolerationSeconds": integer("For NoExecute: how long the pod stays bound.", 0),
+            },
+        ),
     }
 
 
@@ -311,20 +393,27 @@ def role_schema(role: str, defaults: dict[str, Any]) -> Schema:
     chunked_default = defaults.get("enableChunkedPrefill")
     chunked: Schema = boolean(
         "vLLM --enable-chunked-prefill / --no-enable-chunked-prefill; unset: vLLM's default. "
-        "false requires maxNumBatchedTokens >= model.maxModelLen.")
+        "false requires maxNumBatchedTokens >= model.maxModelLen."
+    )
     if chunked_default is not None:
         chunked["default"] = chunked_default
     return obj(
         f"The {role} engines: a StatefulSet of vLLM servers.",
         {
-            "replicas": integer(f"Number of {role} pods. Unset: the operator leaves the count to an "
-                                "autoscaler (HPA) on the StatefulSet" +
-                                (" or the /scale subresource." if role == "decode" else "."), 0, 10000),
-            "tensorParallelSize": enum("vLLM --tensor-parallel-size; also the nvidia.com/gpu request.",
-                                       TP_SIZES, 1, "integer"),
+            "replicas": integer(
+                f"Number of {role} pods. Unset: the operator leaves the count to an "
+                "autoscaler (HPA) on the StatefulSet"
+                + (" or the /scale subresource." if role == "decode" else "."),
+                0,
+                10000,
+            ),
+            "tensorParallelSize": enum(
+                "vLLM --tensor-parallel-size; also the nvidia.com/gpu request.", TP_SIZES, 1, "integer"
+            ),
             "maxNumSeqs": integer("vLLM --max-num-seqs.", 1, default=defaults["maxNumSeqs"]),
-            "maxNumBatchedTokens": integer("vLLM --max-num-batched-tokens.", 1,
-                                           default=defaults["maxNumBatchedTokens"]),
+            "maxNumBatchedTokens": integer(
+                "vLLM --max-num-batched-tokens.", 1, default=defaults["maxNumBatchedTokens"]
+            ),
             "enableChunkedPrefill": chunked,
             "bufferSizeGB": positive_number("Overrides kvTransfer.bufferSizeGB for this role."),
             "image": string("Serving image for this role; default spec.image, then the operator's.", 512),
@@ -336,18 +425,22 @@ def role_schema(role: str, defaults: dict[str, Any]) -> Schema:
             "tolerations": tolerations_schema(),
             "affinity": passthrough(
                 "core/v1 Affinity, passed through to the pod spec as is. The API server does not check it "
-                "here: a bad affinity shows as Degraded on this resource, not as an error at apply."),
+                "here: a bad affinity shows as Degraded on this resource, not as an error at apply."
+            ),
             "topologySpreadConstraints": {
                 "type": "array",
                 "description": "core/v1 TopologySpreadConstraints, passed through as is (checked when "
-                               "the StatefulSet is applied; a bad one shows as Degraded).",
+                "the StatefulSet is applied; a bad one shows as Degraded).",
                 "maxItems": 16,
                 "items": passthrough("A topology spread constraint."),
             },
             "priorityClassName": string("PriorityClass of the engine pods."),
             "terminationGracePeriodSeconds": integer(
-                "Seconds a pod gets to drain in-flight requests on deletion (preStop first).", 0, 86400,
-                default=120),
+                "Seconds a pod gets to drain in-flight requests on deletion (preStop first).",
+                0,
+                86400,
+                default=120,
+            ),
             "shmSizeLimit": quantity("Size of the memory-backed /dev/shm.", default="16Gi"),
             "podLabels": string_map("Extra pod labels (never used in selectors)."),
             "podAnnotations": string_map("Extra pod annotations."),
@@ -360,15 +453,20 @@ def router_schema() -> Schema:
     return obj(
         "The PD router: the OpenAI-compatible endpoint that sends each request through prefill then decode.",
         {
-            "enabled": boolean("Deploy the router; false: clients talk to the engines themselves.",
-                               default=True),
+            "enabled": boolean(
+                "Deploy the router; false: clients talk to the engines themselves.", default=True
+            ),
             "replicas": integer("Router pods.", 0, 1000, default=1),
             "port": port("The router Service's port.", default=8000),
-            "serviceType": enum("Service type of the endpoint.", ["ClusterIP", "NodePort", "LoadBalancer"],
-                                "ClusterIP"),
-            "flow": enum("PD request protocol. auto: dllm for mooncake/pynccl, nixl for NixlConnector, "
-                         "mooncake for vLLM's MooncakeConnector.", ["auto", "dllm", "mooncake", "nixl"],
-                         "auto"),
+            "serviceType": enum(
+                "Service type of the endpoint.", ["ClusterIP", "NodePort", "LoadBalancer"], "ClusterIP"
+            ),
+            "flow": enum(
+                "PD request protocol. auto: dllm for mooncake/pynccl, nixl for NixlConnector, "
+                "mooncake for vLLM's MooncakeConnector.",
+                ["auto", "dllm", "mooncake", "nixl"],
+                "auto",
+            ),
             "image": string("Router image; default the operator's.", 512),
             "resources": resources_schema(),
         },
@@ -380,11 +478,11 @@ def spec_schema() -> Schema:
     chunked_rules = [
         {
             "rule": f"!has(self.model.maxModelLen) || !has(self.{role}) || "
-                    f"!has(self.{role}.enableChunkedPrefill) || self.{role}.enableChunkedPrefill || "
-                    f"!has(self.{role}.maxNumBatchedTokens) || "
-                    f"self.{role}.maxNumBatchedTokens >= self.model.maxModelLen",
+            f"!has(self.{role}.enableChunkedPrefill) || self.{role}.enableChunkedPrefill || "
+            f"!has(self.{role}.maxNumBatchedTokens) || "
+            f"self.{role}.maxNumBatchedTokens >= self.model.maxModelLen",
             "message": f"{role}.maxNumBatchedTokens must be at least model.maxModelLen when "
-                       f"{role}.enableChunkedPrefill is false",
+            f"{role}.enableChunkedPrefill is false",
             "fieldPath": f".{role}.maxNumBatchedTokens",
         }
         for role in ("prefill", "decode")
@@ -393,8 +491,11 @@ def spec_schema() -> Schema:
         "The desired prefill/decode topology.",
         {
             "model": model_schema(),
-            "image": string("Serving image (vLLM with this project's connector and Mooncake); roles may "
-                            "override; default from the operator's configuration.", 512),
+            "image": string(
+                "Serving image (vLLM with this project's connector and Mooncake); roles may "
+                "override; default from the operator's configuration.",
+                512,
+            ),
             "imagePullSecrets": {
                 "type": "array",
                 "description": "Secrets for pulling the images, by name.",
@@ -405,20 +506,24 @@ def spec_schema() -> Schema:
             "kvTransfer": kv_transfer_schema(),
             "rdma": rdma_schema(),
             "prefill": role_schema("prefill", {"maxNumSeqs": 64, "maxNumBatchedTokens": 8192}),
-            "decode": role_schema("decode", {"maxNumSeqs": 256, "maxNumBatchedTokens": 2048,
-                                             "enableChunkedPrefill": False}),
+            "decode": role_schema(
+                "decode", {"maxNumSeqs": 256, "maxNumBatchedTokens": 2048, "enableChunkedPrefill": False}
+            ),
             "router": router_schema(),
         },
         required=["model"],
-        **{"x-kubernetes-validations": [
-            {
-                "rule": "!has(self.kvTransfer) || !has(self.kvTransfer.protocol) || self.kvTransfer.protocol != 'rdma' "
-                        "|| (has(self.rdma) && has(self.rdma.enabled) && self.rdma.enabled)",
-                "message": "kvTransfer.protocol rdma requires rdma.enabled: true",
-                "fieldPath": ".kvTransfer.protocol",
-            },
-            *chunked_rules,
-        ]},
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.kvTransfer) || !has(self.kvTransfer.protocol) || "
+                    "self.kvTransfer.protocol != 'rdma' || "
+                    "(has(self.rdma) && has(self.rdma.enabled) && self.rdma.enabled)",
+                    "message": "kvTransfer.protocol rdma requires rdma.enabled: true",
+                    "fieldPath": ".kvTransfer.protocol",
+                },
+                *chunked_rules,
+            ]
+        },
     )
 
 
@@ -445,8 +550,11 @@ def status_schema() -> Schema:
             "status": enum("True, False or Unknown.", ["True", "False", "Unknown"]),
             "reason": string("CamelCase reason.", 128),
             "message": string("Human-readable detail.", 32768),
-            "lastTransitionTime": {"type": "string", "format": "date-time",
-                                   "description": "When status last changed."},
+            "lastTransitionTime": {
+                "type": "string",
+                "format": "date-time",
+                "description": "When status last changed.",
+            },
             "observedGeneration": integer("The generation this condition was computed for."),
         },
         required=["type", "status"],
@@ -483,18 +591,20 @@ def crd() -> Schema:
             "status": status_schema(),
         },
         required=["spec"],
-        **{"x-kubernetes-validations": [
-            {
-                "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
-                "message": "metadata.name must be a DNS-1035 label: lower-case letters, digits and '-', "
-                           "starting with a letter",
-            },
-            {
-                "rule": "self.metadata.name.size() <= 44",
-                "message": "metadata.name may be at most 44 characters (child StatefulSet names carry "
-                           "'-prefill' and must stay within 52)",
-            },
-        ]},
+        **{
+            "x-kubernetes-validations": [
+                {
+                    "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+                    "message": "metadata.name must be a DNS-1035 label: lower-case letters, digits and '-', "
+                    "starting with a letter",
+                },
+                {
+                    "rule": "self.metadata.name.size() <= 44",
+                    "message": "metadata.name may be at most 44 characters (child StatefulSet names carry "
+                    "'-prefill' and must stay within 52)",
+                },
+            ]
+        },
     )
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
@@ -511,27 +621,33 @@ def crd() -> Schema:
                 "shortNames": ["dllm"],
                 "categories": ["all", "llm"],
             },
-            "versions": [{
-                "name": "v1alpha1",
-                "served": True,
-                "storage": True,
-                "subresources": {
-                    "status": {},
-                    "scale": {
-                        "specReplicasPath": ".spec.decode.replicas",
-                        "statusReplicasPath": ".status.decode.replicas",
-                        "labelSelectorPath": ".status.decode.selector",
+            "versions": [
+                {
+                    "name": "v1alpha1",
+                    "served": True,
+                    "storage": True,
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.decode.replicas",
+                            "statusReplicasPath": ".status.decode.replicas",
+                            "labelSelectorPath": ".status.decode.selector",
+                        },
                     },
-                },
-                "additionalPrinterColumns": [
-                    {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.ready"},
-                    {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready"},
-                    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
-                    {"name": "Connector", "type": "string", "jsonPath": ".spec.kvTransfer.connector"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ],
-                "schema": {"openAPIV3Schema": root},
-            }],
+                    "additionalPrinterColumns": [
+                        {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.ready"},
+                        {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready"},
+                        {
+                            "name": "Ready",
+                            "type": "string",
+                            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+                        },
+                        {"name": "Connector", "type": "string", "jsonPath": ".spec.kvTransfer.connector"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                    "schema": {"openAPIV3Schema": root},
+                }
+            ],
         },
     }
 

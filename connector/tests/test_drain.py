@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+
 from dllm_connector.drain import drain, in_flight
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -63,7 +64,7 @@ def test_drain_returns_once_the_engine_is_idle(engine: MetricsDouble) -> None:
 
 def test_drain_gives_up_at_the_timeout(engine: MetricsDouble) -> None:
     engine.running = 5
-    engine.requests = -10**9  # never reaches the point where it finishes
+    engine.requests = -(10**9)  # never reaches the point where it finishes
     assert not drain(engine.port, timeout=0.2, interval=0.01)
 
 

@@ -85,7 +85,14 @@ class Layout:
 
     @property
     def kwok_stages(self) -> Path:
-        return self.cache / "gomod" / "sigs.k8s.io" / f"kwok@v{self.versions['KWOK_VERSION']}" / "kustomize" / "stage"
+        return (
+            self.cache
+            / "gomod"
+            / "sigs.k8s.io"
+            / f"kwok@v{self.versions['KWOK_VERSION']}"
+            / "kustomize"
+            / "stage"
+        )
 
     # state
     @property
@@ -109,8 +116,15 @@ class Layout:
     @property
     def ports(self) -> dict[str, int]:
         b = self.port_base
-        return {"etcd": b, "etcd-peer": b + 1, "etcd-metrics": b + 2, "kube-apiserver": b + 3,
-                "kube-controller-manager": b + 4, "kube-scheduler": b + 5, "kwok": b + 6}
+        return {
+            "etcd": b,
+            "etcd-peer": b + 1,
+            "etcd-metrics": b + 2,
+            "kube-apiserver": b + 3,
+            "kube-controller-manager": b + 4,
+            "kube-scheduler": b + 5,
+            "kwok": b + 6,
+        }
 
     @property
     def server(self) -> str:
@@ -171,8 +185,14 @@ def spawn(layout: Layout, component: str, argv: list[str]) -> None:
     """Start a component detached (own session, so it survives the caller), logging to its file."""
     layout.cmdfile(component).write_text(json.dumps(argv))
     with layout.log(component).open("ab") as out:
-        process = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                   start_new_session=True, cwd=layout.state)
+        process = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=layout.state,
+        )
     layout.pidfile(component).write_text(str(process.pid))
 
 
@@ -217,18 +237,63 @@ def openssl(*args: str, cwd: Path) -> None:
 
 def make_pki(pki: Path) -> None:
     pki.mkdir(parents=True, exist_ok=True)
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
-            "-days", "3650", "-subj", "/CN=dllm-local-ca", cwd=pki)
-    sans = ("subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
-            "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\nextendedKeyUsage=serverAuth\n")
+    openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "3650",
+        "-subj",
+        "/CN=dllm-local-ca",
+        cwd=pki,
+    )
+    sans = (
+        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+        "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\nextendedKeyUsage=serverAuth\n"
+    )
     (pki / "server.ext").write_text(sans)
     (pki / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
-    for name, subject, ext in (("apiserver", "/CN=kube-apiserver", "server.ext"),
-                               ("admin", "/O=system:masters/CN=dllm-admin", "client.ext")):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                "-subj", subject, cwd=pki)
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                "-days", "3650", "-extfile", ext, "-out", f"{name}.crt", cwd=pki)
+    for name, subject, ext in (
+        ("apiserver", "/CN=kube-apiserver", "server.ext"),
+        ("admin", "/O=system:masters/CN=dllm-admin", "client.ext"),
+    ):
+        openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            subject,
+            cwd=pki,
+        )
+        openssl(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "3650",
+            "-extfile",
+            ext,
+            "-out",
+            f"{name}.crt",
+            cwd=pki,
+        )
     openssl("genrsa", "-out", "sa.key", "2048", cwd=pki)
     openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=pki)
 
@@ -263,61 +328,102 @@ AUDIT_POLICY = {
 
 def etcd_argv(layout: Layout) -> list[str]:
     p = layout.ports
-    return [str(layout.etcd_bin), "--name=dllm", f"--data-dir={layout.state / 'etcd'}", "--unsafe-no-fsync",
-            f"--listen-client-urls=http://127.0.0.1:{p['etcd']}",
-            f"--advertise-client-urls=http://127.0.0.1:{p['etcd']}",
-            f"--listen-peer-urls=http://127.0.0.1:{p['etcd-peer']}",
-            f"--initial-advertise-peer-urls=http://127.0.0.1:{p['etcd-peer']}",
-            f"--initial-cluster=dllm=http://127.0.0.1:{p['etcd-peer']}",
-            f"--listen-metrics-urls=http://127.0.0.1:{p['etcd-metrics']}",
-            "--quota-backend-bytes=4294967296", "--log-level=warn"]
+    return [
+        str(layout.etcd_bin),
+        "--name=dllm",
+        f"--data-dir={layout.state / 'etcd'}",
+        "--unsafe-no-fsync",
+        f"--listen-client-urls=http://127.0.0.1:{p['etcd']}",
+        f"--advertise-client-urls=http://127.0.0.1:{p['etcd']}",
+        f"--listen-peer-urls=http://127.0.0.1:{p['etcd-peer']}",
+        f"--initial-advertise-peer-urls=http://127.0.0.1:{p['etcd-peer']}",
+        f"--initial-cluster=dllm=http://127.0.0.1:{p['etcd-peer']}",
+        f"--listen-metrics-urls=http://127.0.0.1:{p['etcd-metrics']}",
+        "--quota-backend-bytes=4294967296",
+        "--log-level=warn",
+    ]
 
 
 def apiserver_argv(layout: Layout) -> list[str]:
     pki, p = layout.state / "pki", layout.ports
-    return [str(layout.k8s_bin / "kube-apiserver"),
-            f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={p['kube-apiserver']}",
-            f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
-            f"--client-ca-file={pki / 'ca.crt'}",
-            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-            f"--service-account-key-file={pki / 'sa.pub'}", f"--service-account-signing-key-file={pki / 'sa.key'}",
-            "--api-audiences=https://kubernetes.default.svc.cluster.local",
-            "--service-cluster-ip-range=10.96.0.0/16",
-            "--authorization-mode=Node,RBAC", "--enable-admission-plugins=NodeRestriction",
-            "--allow-privileged=true",
-            f"--audit-policy-file={layout.state / 'audit-policy.json'}", f"--audit-log-path={layout.audit_log}",
-            "--audit-log-maxsize=200", "--audit-log-format=json",
-            "--profiling=false", "--v=1"]
+    return [
+        str(layout.k8s_bin / "kube-apiserver"),
+        f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
+        "--bind-address=127.0.0.1",
+        "--advertise-address=127.0.0.1",
+        f"--secure-port={p['kube-apiserver']}",
+        f"--tls-cert-file={pki / 'apiserver.crt'}",
+        f"--tls-private-key-file={pki / 'apiserver.key'}",
+        f"--client-ca-file={pki / 'ca.crt'}",
+        "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+        f"--service-account-key-file={pki / 'sa.pub'}",
+        f"--service-account-signing-key-file={pki / 'sa.key'}",
+        "--api-audiences=https://kubernetes.default.svc.cluster.local",
+        "--service-cluster-ip-range=10.96.0.0/16",
+        "--authorization-mode=Node,RBAC",
+        "--enable-admission-plugins=NodeRestriction",
+        "--allow-privileged=true",
+        f"--audit-policy-file={layout.state / 'audit-policy.json'}",
+        f"--audit-log-path={layout.audit_log}",
+        "--audit-log-maxsize=200",
+        "--audit-log-format=json",
+        "--profiling=false",
+        "--v=1",
+    ]
 
 
 def controller_manager_argv(layout: Layout) -> list[str]:
     pki = layout.state / "pki"
     kubeconfig = str(layout.kubeconfig)
-    return [str(layout.k8s_bin / "kube-controller-manager"), f"--kubeconfig={kubeconfig}",
-            f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
-            "--bind-address=127.0.0.1", f"--secure-port={layout.ports['kube-controller-manager']}",
-            "--leader-elect=false", "--use-service-account-credentials=true",
-            f"--root-ca-file={pki / 'ca.crt'}", f"--service-account-private-key-file={pki / 'sa.key'}",
-            f"--cluster-signing-cert-file={pki / 'ca.crt'}", f"--cluster-signing-key-file={pki / 'ca.key'}",
-            "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller",
-            "--concurrent-statefulset-syncs=10", "--concurrent-deployment-syncs=10",
-            "--kube-api-qps=200", "--kube-api-burst=400", "--v=1"]
+    return [
+        str(layout.k8s_bin / "kube-controller-manager"),
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={layout.ports['kube-controller-manager']}",
+        "--leader-elect=false",
+        "--use-service-account-credentials=true",
+        f"--root-ca-file={pki / 'ca.crt'}",
+        f"--service-account-private-key-file={pki / 'sa.key'}",
+        f"--cluster-signing-cert-file={pki / 'ca.crt'}",
+        f"--cluster-signing-key-file={pki / 'ca.key'}",
+        "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller",
+        "--concurrent-statefulset-syncs=10",
+        "--concurrent-deployment-syncs=10",
+        "--kube-api-qps=200",
+        "--kube-api-burst=400",
+        "--v=1",
+    ]
 
 
 def scheduler_argv(layout: Layout) -> list[str]:
     kubeconfig = str(layout.kubeconfig)
-    return [str(layout.k8s_bin / "kube-scheduler"), f"--kubeconfig={kubeconfig}",
-            f"--authentication-kubeconfig={kubeconfig}", f"--authorization-kubeconfig={kubeconfig}",
-            "--bind-address=127.0.0.1", f"--secure-port={layout.ports['kube-scheduler']}",
-            "--leader-elect=false", "--kube-api-qps=200", "--kube-api-burst=400", "--v=1"]
+    return [
+        str(layout.k8s_bin / "kube-scheduler"),
+        f"--kubeconfig={kubeconfig}",
+        f"--authentication-kubeconfig={kubeconfig}",
+        f"--authorization-kubeconfig={kubeconfig}",
+        "--bind-address=127.0.0.1",
+        f"--secure-port={layout.ports['kube-scheduler']}",
+        "--leader-elect=false",
+        "--kube-api-qps=200",
+        "--kube-api-burst=400",
+        "--v=1",
+    ]
 
 
 def kwok_argv(layout: Layout) -> list[str]:
-    return [str(layout.kwok_bin), f"--kubeconfig={layout.kubeconfig}", f"--config={layout.state / 'stages.yaml'}",
-            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            "--node-lease-duration-seconds=40", "--cidr=10.244.0.0/16", "--node-ip=10.244.255.1",
-            f"--server-address=127.0.0.1:{layout.ports['kwok']}"]
+    return [
+        str(layout.kwok_bin),
+        f"--kubeconfig={layout.kubeconfig}",
+        f"--config={layout.state / 'stages.yaml'}",
+        "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+        "--node-lease-duration-seconds=40",
+        "--cidr=10.244.0.0/16",
+        "--node-ip=10.244.255.1",
+        f"--server-address=127.0.0.1:{layout.ports['kwok']}",
+    ]
 
 
 ARGV: dict[str, Callable[[Layout], list[str]]] = {
@@ -349,7 +455,7 @@ def healthy(layout: Layout, component: str) -> bool:
     p = layout.ports
     if component == "etcd":
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{p['etcd-metrics']}/health", timeout=2) as r:  # noqa: S310
+            with urllib.request.urlopen(f"http://127.0.0.1:{p['etcd-metrics']}/health", timeout=2) as r:
                 return bool(r.status == 200)
         except OSError:
             return False
@@ -377,8 +483,14 @@ def wait_healthy(layout: Layout, component: str, start: float) -> None:
 
 
 def kubectl(layout: Layout, *args: str, input_text: str | None = None) -> str:
-    result = subprocess.run([str(layout.kubectl), f"--kubeconfig={layout.kubeconfig}", *args],
-                            input=input_text, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(layout.kubectl), f"--kubeconfig={layout.kubeconfig}", *args],
+        input=input_text,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     if result.returncode != 0:
         raise ClusterError(f"kubectl {' '.join(args)} failed: {result.stderr.strip()}")
     return result.stdout
@@ -391,8 +503,14 @@ def render_stages(layout: Layout) -> None:
 
 
 def fake_node(name: str, zone: str) -> dict[str, object]:
-    capacity = {"cpu": "96", "memory": "1024Gi", "pods": "110", "ephemeral-storage": "2Ti",
-                GPU_RESOURCE: "8", RDMA_RESOURCE: "64"}
+    capacity = {
+        "cpu": "96",
+        "memory": "1024Gi",
+        "pods": "110",
+        "ephemeral-storage": "2Ti",
+        GPU_RESOURCE: "8",
+        RDMA_RESOURCE: "64",
+    }
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -410,8 +528,8 @@ def fake_node(name: str, zone: str) -> dict[str, object]:
             },
         },
         "spec": {"taints": []},
-        "status": {"capacity": capacity, "allocatable": capacity,
-                   "nodeInfo": {"kubeletVersion": "fake", "architecture": "amd64", "operatingSystem": "linux"}},
+        "status": {"capacity": capacity, "allocatable": capacity, "nodeInfo": {
+            "kubeletVersion": "fake", "architecture": "amd64", "operatingSystem": "linux"}},
     }  # fmt: skip
 
 
@@ -457,8 +575,10 @@ def up(nodes: int = 2) -> Layout:
     down(quiet=True)
     busy = [f"{name} {port}" for name, port in layout.ports.items() if port_in_use(port)]
     if busy:
-        raise ClusterError(f"ports in use by another program: {', '.join(busy)}; stop it or set "
-                           "DLLM_CP_PORT_BASE to a free range")
+        raise ClusterError(
+            f"ports in use by another program: {', '.join(busy)}; stop it or set "
+            "DLLM_CP_PORT_BASE to a free range"
+        )
     for sub in ("run", "logs", "etcd"):
         (layout.state / sub).mkdir(parents=True, exist_ok=True)
     make_pki(layout.state / "pki")
@@ -494,5 +614,4 @@ def down(quiet: bool = False) -> None:
 
 def env_exports() -> str:
     layout = Layout.from_env()
-    return (f'export KUBECONFIG="{layout.kubeconfig}"\n'
-            f'export PATH="{layout.tools_bin}:$PATH"\n')
+    return f'export KUBECONFIG="{layout.kubeconfig}"\nexport PATH="{layout.tools_bin}:$PATH"\n'

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from e2e.fixtures import Cluster, wait_until
 from e2e.operator_process import OperatorProcess
 
@@ -52,14 +51,31 @@ def test_chart_crd_is_the_source_crd() -> None:
     assert (CHART / "crds" / source.name).read_text() == source.read_text(), "run `make crds`"
 
 
-def test_rendered_chart_passes_server_dry_run(cluster: Cluster, crd: str, namespace: str, watched: str) -> None:
-    rendered = cluster.helm("template", release(namespace), str(CHART), "-n", namespace,
-                            "--set", f"watchNamespaces={{{watched}}}", "--set", "rdmaDevicePlugin.enabled=true",
-                            "--set", "replicaCount=2").stdout
+def test_rendered_chart_passes_server_dry_run(
+    cluster: Cluster, crd: str, namespace: str, watched: str
+) -> None:
+    rendered = cluster.helm(
+        "template",
+        release(namespace),
+        str(CHART),
+        "-n",
+        namespace,
+        "--set",
+        f"watchNamespaces={{{watched}}}",
+        "--set",
+        "rdmaDevicePlugin.enabled=true",
+        "--set",
+        "replicaCount=2",
+    ).stdout
     result = cluster.run("apply", "--dry-run=server", "-f", "-", input_text=rendered)
     kinds = {line.split("/")[0] for line in result.stdout.splitlines()}
-    assert {"deployment.apps", "pod", "role.rbac.authorization.k8s.io", "daemonset.apps",
-            "poddisruptionbudget.policy"} <= kinds  # the helm test hook pod included
+    assert {
+        "deployment.apps",
+        "pod",
+        "role.rbac.authorization.k8s.io",
+        "daemonset.apps",
+        "poddisruptionbudget.policy",
+    } <= kinds  # the helm test hook pod included
 
 
 def test_install_upgrade_uninstall(cluster: Cluster, crd: str, namespace: str) -> None:
@@ -68,8 +84,9 @@ def test_install_upgrade_uninstall(cluster: Cluster, crd: str, namespace: str) -
     deploy = cluster.get_json("deployment", f"{name}-dllm-operator", "-n", namespace)
     container = deploy["spec"]["template"]["spec"]["containers"][0]
     assert container["args"][:2] == ["run", "--all-namespaces"]
-    cluster.helm("upgrade", name, str(CHART), "-n", namespace, "--set", "logLevel=DEBUG", "--wait",
-                 "--timeout=120s")
+    cluster.helm(
+        "upgrade", name, str(CHART), "-n", namespace, "--set", "logLevel=DEBUG", "--wait", "--timeout=120s"
+    )
     deploy = cluster.get_json("deployment", f"{name}-dllm-operator", "-n", namespace)
     env = {e["name"]: e.get("value") for e in deploy["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["DLLM_LOG_LEVEL"] == "DEBUG"
@@ -79,23 +96,29 @@ def test_install_upgrade_uninstall(cluster: Cluster, crd: str, namespace: str) -
     assert not cluster.exists("clusterrole", f"{name}-dllm-operator")
 
 
-def test_chart_identity_reconciles_and_nothing_more(cluster: Cluster, crd: str, namespace: str, watched: str,
-                                                    tmp_path: Path) -> None:
+def test_chart_identity_reconciles_and_nothing_more(
+    cluster: Cluster, crd: str, namespace: str, watched: str, tmp_path: Path
+) -> None:
     """Namespaced mode: the chart's ServiceAccount, out of cluster, runs the operator to Ready."""
     name = release(namespace)
     cluster.helm("install", name, str(CHART), "-n", namespace, "--set", f"watchNamespaces={{{watched}}}")
     kubeconfig = cluster.token_kubeconfig(sa_token(cluster, namespace), tmp_path / "sa.kubeconfig")
-    operator = OperatorProcess(kubeconfig, [watched], tmp_path / "op.log", namespace,
-                               extra_args=("--lease-name", "dllm-operator")).start()
+    operator = OperatorProcess(
+        kubeconfig, [watched], tmp_path / "op.log", namespace, extra_args=("--lease-name", "dllm-operator")
+    ).start()
     try:
         cluster.run("apply", "--server-side", "-n", watched, "-f", str(CPU_SAMPLE))
 
         def ready() -> bool:
             cr = cluster.get_json("dllm", "tiny-cpu", "-n", watched)
-            return any(c["type"] == "Ready" and c["status"] == "True" for c in cr.get("status", {}).get(
-                "conditions", []))
+            return any(
+                c["type"] == "Ready" and c["status"] == "True"
+                for c in cr.get("status", {}).get("conditions", [])
+            )
 
-        wait_until(ready, 60, f"tiny-cpu Ready, reconciled as the chart's ServiceAccount ({operator.log_path})")
+        wait_until(
+            ready, 60, f"tiny-cpu Ready, reconciled as the chart's ServiceAccount ({operator.log_path})"
+        )
         assert "403" not in operator.log_text()
     finally:
         operator.stop()
@@ -112,8 +135,9 @@ def test_chart_identity_reconciles_and_nothing_more(cluster: Cluster, crd: str, 
     assert all("*" not in r["verbs"] and "*" not in r["resources"] for r in rules)
 
 
-def test_cluster_mode_identity_has_no_secret_access(cluster: Cluster, crd: str, namespace: str,
-                                                    tmp_path: Path) -> None:
+def test_cluster_mode_identity_has_no_secret_access(
+    cluster: Cluster, crd: str, namespace: str, tmp_path: Path
+) -> None:
     name = release(namespace)
     cluster.helm("install", name, str(CHART), "-n", namespace)
     try:
@@ -127,14 +151,17 @@ def test_cluster_mode_identity_has_no_secret_access(cluster: Cluster, crd: str, 
         cluster.helm("uninstall", name, "-n", namespace, check=False)
 
 
-def test_operator_pod_is_admitted_under_restricted_pod_security(cluster: Cluster, crd: str,
-                                                                namespace: str) -> None:
+def test_operator_pod_is_admitted_under_restricted_pod_security(
+    cluster: Cluster, crd: str, namespace: str
+) -> None:
     cluster.run("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
     name = release(namespace)
     cluster.helm("install", name, str(CHART), "-n", namespace, "--set", f"watchNamespaces={{{namespace}}}")
 
     def running_pod() -> bool:
-        pods = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/name=dllm-operator")["items"]
+        pods = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/name=dllm-operator")[
+            "items"
+        ]
         return any(p["status"].get("phase") == "Running" for p in pods)
 
     wait_until(running_pod, 60, "the operator pod to be admitted and running")
@@ -147,13 +174,25 @@ def test_device_plugin_lands_only_on_labelled_nodes(cluster: Cluster, crd: str, 
     cluster.run("label", "node", "gpu-node-1", f"{label}=true", "--overwrite")
     name = release(namespace)
     try:
-        cluster.helm("install", name, str(CHART), "-n", namespace, "--set", f"watchNamespaces={{{namespace}}}",
-                     "--set", "rdmaDevicePlugin.enabled=true", "--set", "rdmaDevicePlugin.deviceIds={101b}")
+        cluster.helm(
+            "install",
+            name,
+            str(CHART),
+            "-n",
+            namespace,
+            "--set",
+            f"watchNamespaces={{{namespace}}}",
+            "--set",
+            "rdmaDevicePlugin.enabled=true",
+            "--set",
+            "rdmaDevicePlugin.deviceIds={101b}",
+        )
         ds_name = f"{name}-dllm-operator-rdma-device-plugin"
 
         def placed() -> list[str]:
-            pods = cluster.get_json("pods", "-n", namespace, "-l",
-                                    "app.kubernetes.io/component=rdma-device-plugin")["items"]
+            pods = cluster.get_json(
+                "pods", "-n", namespace, "-l", "app.kubernetes.io/component=rdma-device-plugin"
+            )["items"]
             return sorted(p["spec"].get("nodeName", "") for p in pods)
 
         assert wait_until(lambda: placed() == ["gpu-node-1"], 60, "one plugin pod on gpu-node-1")
@@ -184,11 +223,18 @@ BAD_VALUES = [
 
 
 @pytest.mark.parametrize(("value", "path"), BAD_VALUES, ids=[v for v, _ in BAD_VALUES])
-def test_bad_values_are_refused_and_install_nothing(cluster: Cluster, crd: str, namespace: str, value: str,
-                                                    path: str) -> None:
-    result = cluster.helm("install", release(namespace), str(CHART), "-n", namespace, "--set", value, check=False)
+def test_bad_values_are_refused_and_install_nothing(
+    cluster: Cluster, crd: str, namespace: str, value: str, path: str
+) -> None:
+    result = cluster.helm(
+        "install", release(namespace), str(CHART), "-n", namespace, "--set", value, check=False
+    )
     assert result.returncode != 0
     assert path in result.stderr, result.stderr
     assert cluster.helm("list", "-n", namespace, "-q").stdout.strip() == ""
-    assert cluster.get_json("deployments,serviceaccounts", "-n", namespace, "-l",
-                            "app.kubernetes.io/name=dllm-operator")["items"] == []
+    assert (
+        cluster.get_json(
+            "deployments,serviceaccounts", "-n", namespace, "-l", "app.kubernetes.io/name=dllm-operator"
+        )["items"]
+        == []
+    )

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from e2e.cluster import controlplane as cp
 from e2e.fixtures import Cluster, wait_until
 
@@ -47,11 +46,16 @@ def test_statefulset_pods_become_ready_with_stable_names(cluster: Cluster, names
 
     def ready_names() -> list[str]:
         pods = cluster.get_json("pods", "-n", namespace)["items"]
-        return sorted(p["metadata"]["name"] for p in pods if any(
-            c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", [])))
+        return sorted(
+            p["metadata"]["name"]
+            for p in pods
+            if any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+        )
 
     assert wait_until(lambda: ready_names() == ["web-0", "web-1"], 60, "2 Ready pods")
-    nodes = {cluster.get_json("pod", name, "-n", namespace)["spec"]["nodeName"] for name in ("web-0", "web-1")}
+    nodes = {
+        cluster.get_json("pod", name, "-n", namespace)["spec"]["nodeName"] for name in ("web-0", "web-1")
+    }
     assert nodes <= {"gpu-node-0", "gpu-node-1"}
 
 
@@ -59,11 +63,20 @@ def test_pod_asking_for_more_gpus_than_any_node_stays_pending(cluster: Cluster, 
     cluster.apply(statefulset("huge", namespace, replicas=1, gpus=16))
 
     def scheduling_message() -> str:
-        pod = cluster.get_json("pod", "huge-0", "-n", namespace) if cluster.exists(
-            "pod", "huge-0", "-n", namespace) else {}
+        pod = (
+            cluster.get_json("pod", "huge-0", "-n", namespace)
+            if cluster.exists("pod", "huge-0", "-n", namespace)
+            else {}
+        )
         conditions = pod.get("status", {}).get("conditions", [])
-        return next((c.get("message", "") for c in conditions if c["type"] == "PodScheduled"
-                     and c.get("reason") == "Unschedulable"), "")
+        return next(
+            (
+                c.get("message", "")
+                for c in conditions
+                if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable"
+            ),
+            "",
+        )
 
     message = wait_until(scheduling_message, 60, "PodScheduled=False")
     assert "Insufficient nvidia.com/gpu" in message
@@ -75,12 +88,23 @@ def test_pod_asking_for_more_gpus_than_any_node_stays_pending(cluster: Cluster, 
 def test_garbage_collector_deletes_dependents(cluster: Cluster, namespace: str) -> None:
     cluster.run("create", "configmap", "owner", "-n", namespace)
     uid = cluster.get_json("configmap", "owner", "-n", namespace)["metadata"]["uid"]
-    cluster.apply({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {
-        "name": "dependent", "namespace": namespace,
-        "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}]}})
+    cluster.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": "dependent",
+                "namespace": namespace,
+                "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": uid}],
+            },
+        }
+    )
     cluster.run("delete", "configmap", "owner", "-n", namespace)
-    wait_until(lambda: not cluster.exists("configmap", "dependent", "-n", namespace), 90,
-               "the garbage collector to delete the dependent")
+    wait_until(
+        lambda: not cluster.exists("configmap", "dependent", "-n", namespace),
+        90,
+        "the garbage collector to delete the dependent",
+    )
 
 
 def test_rbac_denies_a_bare_service_account(cluster: Cluster, namespace: str, tmp_path: Path) -> None:
@@ -95,8 +119,12 @@ def test_rbac_denies_a_bare_service_account(cluster: Cluster, namespace: str, tm
 
 def test_pod_security_admission_refuses_privileged_pod(cluster: Cluster, namespace: str) -> None:
     cluster.run("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
-    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "root", "namespace": namespace},
-           "spec": {"containers": [{"name": "c", "image": "x", "securityContext": {"privileged": True}}]}}
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "root", "namespace": namespace},
+        "spec": {"containers": [{"name": "c", "image": "x", "securityContext": {"privileged": True}}]},
+    }
     refused = cluster.run("apply", "-f", "-", input_text=json.dumps(pod), check=False)
     assert refused.returncode != 0
     assert 'violates PodSecurity "restricted' in refused.stderr
@@ -108,8 +136,12 @@ def test_audit_log_records_writes(cluster: Cluster, namespace: str) -> None:
     cluster.run("create", "configmap", "audited", "-n", namespace)
 
     def logged() -> bool:
-        return any(e.get("verb") == "create" and e.get("objectRef", {}).get("name") == "audited"
-                   and e.get("objectRef", {}).get("namespace") == namespace for e in cluster.audit_entries())
+        return any(
+            e.get("verb") == "create"
+            and e.get("objectRef", {}).get("name") == "audited"
+            and e.get("objectRef", {}).get("namespace") == namespace
+            for e in cluster.audit_entries()
+        )
 
     wait_until(logged, 10, "the audit log entry of the create")
 
@@ -125,8 +157,15 @@ def test_apiserver_restart_keeps_the_data(cluster: Cluster, namespace: str) -> N
 
 def _run_cluster_cli(state: Path, port_base: int, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, DLLM_CP_STATE=str(state), DLLM_CP_PORT_BASE=str(port_base))
-    return subprocess.run([sys.executable, "-m", "e2e.cluster", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "e2e.cluster", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 @pytest.mark.slow
@@ -146,8 +185,15 @@ def test_second_cluster_lifecycle_reuse_stale_and_clean_teardown(tmp_path: Path)
         assert revived.returncode == 0, revived.stderr
         assert "stale cluster" in revived.stderr or "starting" in revived.stderr
     finally:
-        down = subprocess.run([sys.executable, "-m", "e2e.cluster", "down"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=120)
+        down = subprocess.run(
+            [sys.executable, "-m", "e2e.cluster", "down"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     assert down.returncode == 0, down.stderr
     layout = cp.Layout(cp.Layout.from_env().cache, state, base, cp.read_versions())
     assert [p for p in layout.ports.values() if cp.port_in_use(p)] == []

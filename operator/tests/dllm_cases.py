@@ -18,8 +18,12 @@ def load_cr(path: Path) -> dict[str, Any]:
 
 
 def minimal(name: str = "minimal") -> dict[str, Any]:
-    return {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedLLM",
-            "metadata": {"name": name}, "spec": {"model": {"name": "m"}}}
+    return {
+        "apiVersion": "disagg.dev/v1alpha1",
+        "kind": "DisaggregatedLLM",
+        "metadata": {"name": name},
+        "spec": {"model": {"name": "m"}},
+    }
 
 
 def merged(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
@@ -56,29 +60,51 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("zero-batched-tokens", spec(decode={"maxNumBatchedTokens": 0}), "spec.decode.maxNumBatchedTokens"),
     ("async-not-boolean", spec(kvTransfer={"async": "yes"}), "spec.kvTransfer.async"),
     ("custom-connector-without-class", spec(kvTransfer={"connector": "custom"}), "spec.kvTransfer.custom"),
-    ("custom-block-with-mooncake", spec(kvTransfer={"custom": {"connectorClass": "X"}}), "spec.kvTransfer.custom"),
-    ("two-model-sources", spec(model={"name": "m", "source": {"pvc": {"claimName": "a"},
-                                                             "huggingFace": {}}}), "spec.model.source"),
+    (
+        "custom-block-with-mooncake",
+        spec(kvTransfer={"custom": {"connectorClass": "X"}}),
+        "spec.kvTransfer.custom",
+    ),
+    (
+        "two-model-sources",
+        spec(model={"name": "m", "source": {"pvc": {"claimName": "a"}, "huggingFace": {}}}),
+        "spec.model.source",
+    ),
     ("host-devices-without-rdma", spec(rdma={"mode": "hostDevices"}), "spec.rdma.mode"),
     ("rdma-protocol-without-rdma", spec(kvTransfer={"protocol": "rdma"}), "spec.kvTransfer.protocol"),
-    ("no-chunked-prefill-short-batch", spec(model={"name": "m", "maxModelLen": 4096},
-                                            decode={"maxNumBatchedTokens": 1024}),
-     "spec.decode.maxNumBatchedTokens"),
+    (
+        "no-chunked-prefill-short-batch",
+        spec(model={"name": "m", "maxModelLen": 4096}, decode={"maxNumBatchedTokens": 1024}),
+        "spec.decode.maxNumBatchedTokens",
+    ),
     ("name-too-long", {"metadata": {"name": "a" * 45}}, "metadata.name"),
     ("name-not-dns-1035", {"metadata": {"name": "1llama"}}, "metadata.name"),
     ("unknown-role-field", spec(prefill={"replicaz": 2}), "spec.prefill.replicaz"),
-    ("seed-field-name-kv-buffer-size", spec(kvTransfer={"kv_buffer_size": 2.0}), "spec.kvTransfer.kv_buffer_size"),
-    ("env-reuses-contract-name", spec(decode={"env": [{"name": "VLLM_KV_ROLE", "value": "prefill"}]}),
-     "spec.decode.env"),
+    (
+        "seed-field-name-kv-buffer-size",
+        spec(kvTransfer={"kv_buffer_size": 2.0}),
+        "spec.kvTransfer.kv_buffer_size",
+    ),
+    (
+        "env-reuses-contract-name",
+        spec(decode={"env": [{"name": "VLLM_KV_ROLE", "value": "prefill"}]}),
+        "spec.decode.env",
+    ),
     ("unknown-service-type", spec(router={"serviceType": "Ingress"}), "spec.router.serviceType"),
     ("unknown-router-flow", spec(router={"flow": "grpc"}), "spec.router.flow"),
     ("gid-index-too-high", spec(rdma={"enabled": True, "gidIndex": 300}), "spec.rdma.gidIndex"),
     ("unknown-dtype", spec(model={"name": "m", "dtype": "int4"}), "spec.model.dtype"),
     ("bad-shm-quantity", spec(prefill={"shmSizeLimit": "lots"}), "spec.prefill.shmSizeLimit"),
-    ("bad-toleration-operator", spec(prefill={"tolerations": [{"key": "k", "operator": "Maybe"}]}),
-     "spec.prefill.tolerations[0].operator"),
-    ("unknown-load-failure-policy", spec(kvTransfer={"loadFailurePolicy": "retry"}),
-     "spec.kvTransfer.loadFailurePolicy"),
+    (
+        "bad-toleration-operator",
+        spec(prefill={"tolerations": [{"key": "k", "operator": "Maybe"}]}),
+        "spec.prefill.tolerations[0].operator",
+    ),
+    (
+        "unknown-load-failure-policy",
+        spec(kvTransfer={"loadFailurePolicy": "retry"}),
+        "spec.kvTransfer.loadFailurePolicy",
+    ),
 ]
 
 

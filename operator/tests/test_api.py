@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from dllm_cases import CRD_PATH, INVALID, ROOT, SAMPLES, invalid_body, load_cr, minimal
+
 from dllm_connector.kvconfig import Compression, Connector
 from dllm_operator.api import SpecInvalid, parse
 
@@ -22,16 +23,25 @@ def test_every_sample_parses(path: Path) -> None:
 def test_minimal_resource_gets_the_documented_defaults() -> None:
     cr = parse(minimal())
     kv = cr.spec.kv_transfer
-    assert (kv.connector, kv.compression, kv.port, kv.buffer_size_gb) == (Connector.MOONCAKE, Compression.NONE,
-                                                                          50051, 4.0)
-    assert (kv.transfer_threshold_tokens, kv.timeout_ms, kv.prefill_wait_ms, kv.hold_seconds) == (1024, 5000,
-                                                                                                 60000, 480)
+    assert (kv.connector, kv.compression, kv.port, kv.buffer_size_gb) == (
+        Connector.MOONCAKE,
+        Compression.NONE,
+        50051,
+        4.0,
+    )
+    assert (kv.transfer_threshold_tokens, kv.timeout_ms, kv.prefill_wait_ms, kv.hold_seconds) == (
+        1024,
+        5000,
+        60000,
+        480,
+    )
     assert (cr.spec.prefill.max_num_seqs, cr.spec.prefill.max_num_batched_tokens) == (64, 8192)
     assert (cr.spec.decode.max_num_seqs, cr.spec.decode.max_num_batched_tokens) == (256, 2048)
     assert cr.spec.decode.enable_chunked_prefill is False
     assert cr.spec.prefill.enable_chunked_prefill is None
     assert cr.spec.prefill.replicas is None  # left to an autoscaler
-    assert cr.spec.router.enabled and cr.spec.router.flow == "auto"
+    assert cr.spec.router.enabled
+    assert cr.spec.router.flow == "auto"
 
 
 def test_seed_sample_matches_the_seed_topology() -> None:
@@ -42,7 +52,8 @@ def test_seed_sample_matches_the_seed_topology() -> None:
     assert d.enable_chunked_prefill is False
     assert cr.spec.model.max_model_len == 2048
     assert cr.spec.kv_transfer.compression is Compression.FP8
-    assert cr.spec.rdma.enabled and cr.spec.rdma.devices == ("mlx5_0",)
+    assert cr.spec.rdma.enabled
+    assert cr.spec.rdma.devices == ("mlx5_0",)
     assert (p.buffer_size_gb, d.buffer_size_gb) == (4.0, 8.0)
 
 
@@ -76,8 +87,13 @@ def test_crd_shape() -> None:
     assert crd["spec"]["names"]["shortNames"] == ["dllm"]
     assert crd["spec"]["names"]["categories"] == ["all", "llm"]
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.decode.replicas"
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Prefill", "Decode", "Ready",
-                                                                         "Connector", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == [
+        "Prefill",
+        "Decode",
+        "Ready",
+        "Connector",
+        "Age",
+    ]
     text = CRD_PATH.read_text()
     # Unknown fields are kept only where a core type or a free-form map is passed through: per role
     # env[].valueFrom, affinity and topologySpreadConstraints[]; and kvTransfer.custom.extraConfig.
@@ -89,8 +105,12 @@ def test_render_cli_refuses_an_invalid_file_without_partial_output(tmp_path: Pat
     bad = yaml.safe_dump(invalid_body({"spec": {"kvTransfer": {"port": 70000}}}, "bad"))
     path = tmp_path / "two.yaml"
     path.write_text(good + "---\n" + bad)
-    result = subprocess.run([sys.executable, "-m", "dllm_operator", "render", "-f", str(path)],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "dllm_operator", "render", "-f", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stdout == ""
     assert "spec.kvTransfer.port" in result.stderr
@@ -100,7 +120,11 @@ def test_render_cli_refuses_an_invalid_file_without_partial_output(tmp_path: Pat
 def test_render_cli_refuses_a_file_without_a_resource(tmp_path: Path) -> None:
     path = tmp_path / "empty.yaml"
     path.write_text("kind: ConfigMap\n")
-    result = subprocess.run([sys.executable, "-m", "dllm_operator", "render", "-f", str(path)],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "dllm_operator", "render", "-f", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert (result.returncode, result.stdout) == (2, "")
     assert "no DisaggregatedLLM resource found" in result.stderr

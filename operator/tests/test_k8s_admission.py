@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 from dllm_cases import INVALID, SAMPLES, invalid_body, load_cr, minimal
+from e2e.fixtures import Cluster
+
 from dllm_operator.api import parse
 from dllm_operator.render import render_all
-
-from e2e.fixtures import Cluster
 
 pytestmark = pytest.mark.k8s
 
@@ -21,8 +21,9 @@ def test_every_sample_is_admitted(cluster: Cluster, crd: str, namespace: str, pa
     cluster.run("apply", "--server-side", "-n", namespace, "-f", "-", input_text=json.dumps(load_cr(path)))
 
 
-def test_minimal_resource_is_admitted_and_defaulted_like_the_model(cluster: Cluster, crd: str,
-                                                                   namespace: str) -> None:
+def test_minimal_resource_is_admitted_and_defaulted_like_the_model(
+    cluster: Cluster, crd: str, namespace: str
+) -> None:
     cluster.run("create", "-n", namespace, "-f", "-", input_text=json.dumps(minimal()))
     stored = cluster.get_json("dllm", "minimal", "-n", namespace)
     # The API server's defaults and the model's defaults are the same values.
@@ -32,8 +33,9 @@ def test_minimal_resource_is_admitted_and_defaulted_like_the_model(cluster: Clus
 
 
 @pytest.mark.parametrize(("case", "patch", "path"), INVALID, ids=[c[0] for c in INVALID])
-def test_invalid_resource_is_refused_naming_the_field(cluster: Cluster, crd: str, namespace: str, case: str,
-                                                      patch: dict[str, object], path: str) -> None:
+def test_invalid_resource_is_refused_naming_the_field(
+    cluster: Cluster, crd: str, namespace: str, case: str, patch: dict[str, object], path: str
+) -> None:
     body = invalid_body(patch, "bad")
     result = cluster.run("create", "-n", namespace, "-f", "-", input_text=json.dumps(body), check=False)
     assert result.returncode != 0, f"{case} was admitted"
@@ -44,13 +46,24 @@ def test_invalid_resource_is_refused_naming_the_field(cluster: Cluster, crd: str
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
-def test_rendered_children_pass_server_dry_run(cluster: Cluster, crd: str, namespace: str, path: Path) -> None:
+def test_rendered_children_pass_server_dry_run(
+    cluster: Cluster, crd: str, namespace: str, path: Path
+) -> None:
     body = load_cr(path)
     body["metadata"] |= {"namespace": namespace, "uid": "00000000-0000-0000-0000-000000000001"}
     manifests = render_all(parse(body))
     text = yaml.safe_dump_all(manifests)
-    result = cluster.run("apply", "--server-side", "--dry-run=server", "--field-manager=dllm-operator",
-                         "-n", namespace, "-f", "-", input_text=text)
+    result = cluster.run(
+        "apply",
+        "--server-side",
+        "--dry-run=server",
+        "--field-manager=dllm-operator",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input_text=text,
+    )
     assert result.stdout.count("(server dry run)") == len(manifests)
 
 

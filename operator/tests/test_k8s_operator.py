@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 import yaml
 from dllm_cases import ROOT, load_cr, merged
-
 from e2e.fixtures import Cluster, holds_for, wait_until
 from e2e.operator_process import OperatorProcess
 
@@ -41,8 +40,9 @@ def get_cr(cluster: Cluster, namespace: str, name: str) -> dict[str, Any]:
     return cluster.get_json("dllm", name, "-n", namespace)
 
 
-def wait_condition(cluster: Cluster, namespace: str, name: str, kind: str, status: str,
-                   timeout: float = 60) -> dict[str, Any]:
+def wait_condition(
+    cluster: Cluster, namespace: str, name: str, kind: str, status: str, timeout: float = 60
+) -> dict[str, Any]:
     def check() -> dict[str, Any] | None:
         cr = get_cr(cluster, namespace, name)
         current = condition(cr, kind)
@@ -65,14 +65,20 @@ def operator_writes(cluster: Cluster, namespace: str, since: str) -> list[dict[s
     writes = []
     for entry in cluster.audit_entries():
         ref = entry.get("objectRef", {})
-        if (entry.get("userAgent", "").startswith(OPERATOR_AGENTS) and ref.get("namespace") == namespace
-                and ref.get("resource") != "leases" and entry.get("requestReceivedTimestamp", "") > since):
+        if (
+            entry.get("userAgent", "").startswith(OPERATOR_AGENTS)
+            and ref.get("namespace") == namespace
+            and ref.get("resource") != "leases"
+            and entry.get("requestReceivedTimestamp", "") > since
+        ):
             writes.append(entry)
     return writes
 
 
 def pod_uids(cluster: Cluster, namespace: str, component: str) -> dict[str, str]:
-    pods = cluster.get_json("pods", "-n", namespace, "-l", f"app.kubernetes.io/component={component}")["items"]
+    pods = cluster.get_json("pods", "-n", namespace, "-l", f"app.kubernetes.io/component={component}")[
+        "items"
+    ]
     return {p["metadata"]["name"]: p["metadata"]["uid"] for p in pods}
 
 
@@ -80,43 +86,58 @@ def test_cpu_sample_converges_to_ready(cluster: Cluster, namespace: str, operato
     cluster.apply(cpu_cr(), "-n", namespace)
     cr = wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
     assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"]
-    assert cr["status"]["prefill"]["ready"] == "1/1" and cr["status"]["decode"]["ready"] == "1/1"
+    assert (cr["status"]["prefill"]["ready"], cr["status"]["decode"]["ready"]) == ("1/1", "1/1")
     assert cr["status"]["endpoint"] == f"http://tiny-cpu-router.{namespace}.svc:8000"
     assert children(cluster, namespace) == {
-        "statefulsets": ["tiny-cpu-decode", "tiny-cpu-prefill"], "deployments": ["tiny-cpu-router"],
-        "services": ["tiny-cpu-decode", "tiny-cpu-prefill", "tiny-cpu-router"], "poddisruptionbudgets": []}
+        "statefulsets": ["tiny-cpu-decode", "tiny-cpu-prefill"],
+        "deployments": ["tiny-cpu-router"],
+        "services": ["tiny-cpu-decode", "tiny-cpu-prefill", "tiny-cpu-router"],
+        "poddisruptionbudgets": [],
+    }
     row = cluster.run("get", "dllm", "tiny-cpu", "-n", namespace, "--no-headers").stdout.split()
     assert row[:5] == ["tiny-cpu", "1/1", "1/1", "True", "mooncake"]
-    events = cluster.get_json("events", "-n", namespace, "--field-selector", "involvedObject.kind=DisaggregatedLLM")
+    events = cluster.get_json(
+        "events", "-n", namespace, "--field-selector", "involvedObject.kind=DisaggregatedLLM"
+    )
     assert {e["reason"] for e in events["items"]} >= {"Created"}
     for kind in ("Ready", "PrefillReady", "DecodeReady", "RouterReady"):
         assert condition(cr, kind)["status"] == "True"
     assert condition(cr, "Degraded")["status"] == "False"
 
 
-def test_scale_decode_leaves_prefill_alone(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
+def test_scale_decode_leaves_prefill_alone(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
     cluster.apply(cpu_cr(), "-n", namespace)
     wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
-    prefill_generation = cluster.get_json("sts", "tiny-cpu-prefill", "-n", namespace)["metadata"]["generation"]
+    prefill_generation = cluster.get_json("sts", "tiny-cpu-prefill", "-n", namespace)["metadata"][
+        "generation"
+    ]
     prefill_pods = pod_uids(cluster, namespace, "prefill")
     for replicas in (3, 1):
         cluster.run("scale", "dllm/tiny-cpu", "-n", namespace, f"--replicas={replicas}")
         cr = wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
         assert cr["status"]["decode"]["ready"] == f"{replicas}/{replicas}"
         assert len(pod_uids(cluster, namespace, "decode")) == replicas or replicas == 1
-    assert cluster.get_json("sts", "tiny-cpu-prefill", "-n", namespace)["metadata"]["generation"] == prefill_generation
+    assert (
+        cluster.get_json("sts", "tiny-cpu-prefill", "-n", namespace)["metadata"]["generation"]
+        == prefill_generation
+    )
     assert pod_uids(cluster, namespace, "prefill") == prefill_pods
     events = cluster.get_json("events", "-n", namespace, "--field-selector", "reason=Scaled")["items"]
     assert any("to 3" in e["message"] for e in events)
 
 
-def test_deleted_and_edited_children_are_restored(cluster: Cluster, namespace: str,
-                                                  operator: OperatorProcess) -> None:
+def test_deleted_and_edited_children_are_restored(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
     cluster.apply(cpu_cr(), "-n", namespace)
     wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
     old_uid = cluster.get_json("sts", "tiny-cpu-decode", "-n", namespace)["metadata"]["uid"]
     cluster.run("delete", "sts", "tiny-cpu-decode", "-n", namespace, "--wait=true")
-    wait_until(lambda: cluster.exists("sts", "tiny-cpu-decode", "-n", namespace), 30, "decode to be recreated")
+    wait_until(
+        lambda: cluster.exists("sts", "tiny-cpu-decode", "-n", namespace), 30, "decode to be recreated"
+    )
     assert cluster.get_json("sts", "tiny-cpu-decode", "-n", namespace)["metadata"]["uid"] != old_uid
     wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
 
@@ -130,41 +151,80 @@ def test_deleted_and_edited_children_are_restored(cluster: Cluster, namespace: s
     wait_until(lambda: compression() == "none", 30, "the operator to put VLLM_KV_COMPRESSION back")
 
 
-def test_pod_not_ready_shows_degraded_then_recovers(cluster: Cluster, namespace: str,
-                                                    operator: OperatorProcess) -> None:
+def test_pod_not_ready_shows_degraded_then_recovers(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
     cluster.apply(cpu_cr(), "-n", namespace)
     wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
-    patch = {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "ReadinessProbeFailed",
-                                        "message": "HTTP probe failed with statuscode: 503"}]}}
-    cluster.run("patch", "pod", "tiny-cpu-decode-0", "-n", namespace, "--subresource=status",
-                "--type=strategic", "-p", json.dumps(patch))
+    patch = {
+        "status": {
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "False",
+                    "reason": "ReadinessProbeFailed",
+                    "message": "HTTP probe failed with statuscode: 503",
+                }
+            ]
+        }
+    }
+    cluster.run(
+        "patch",
+        "pod",
+        "tiny-cpu-decode-0",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=strategic",
+        "-p",
+        json.dumps(patch),
+    )
     cr = wait_condition(cluster, namespace, "tiny-cpu", "Degraded", "True")
     assert "tiny-cpu-decode-0 not ready" in condition(cr, "Degraded")["message"]
     assert condition(cr, "DecodeReady")["status"] == "False"
     assert condition(cr, "Ready")["status"] == "False"
     assert condition(cr, "PrefillReady")["status"] == "True"
     patch["status"]["conditions"][0] |= {"status": "True", "reason": "", "message": ""}
-    cluster.run("patch", "pod", "tiny-cpu-decode-0", "-n", namespace, "--subresource=status",
-                "--type=strategic", "-p", json.dumps(patch))
+    cluster.run(
+        "patch",
+        "pod",
+        "tiny-cpu-decode-0",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=strategic",
+        "-p",
+        json.dumps(patch),
+    )
     cr = wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
     assert condition(cr, "Degraded")["status"] == "False"
 
 
-def test_too_many_gpus_is_degraded_with_the_scheduling_reason(cluster: Cluster, namespace: str,
-                                                              operator: OperatorProcess) -> None:
-    body = {"apiVersion": "disagg.dev/v1alpha1", "kind": "DisaggregatedLLM", "metadata": {"name": "huge"},
-            "spec": {"model": {"name": "m"}, "prefill": {"replicas": 1}, "decode": {"replicas": 1,
-                                                                                   "tensorParallelSize": 16}}}
+def test_too_many_gpus_is_degraded_with_the_scheduling_reason(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    body = {
+        "apiVersion": "disagg.dev/v1alpha1",
+        "kind": "DisaggregatedLLM",
+        "metadata": {"name": "huge"},
+        "spec": {
+            "model": {"name": "m"},
+            "prefill": {"replicas": 1},
+            "decode": {"replicas": 1, "tensorParallelSize": 16},
+        },
+    }
     cluster.apply(body, "-n", namespace)
     cr = wait_condition(cluster, namespace, "huge", "Degraded", "True")
     message = condition(cr, "Degraded")["message"]
     assert condition(cr, "Degraded")["reason"] == "Unschedulable"
-    assert "huge-decode-0 Unschedulable" in message and "Insufficient nvidia.com/gpu" in message
+    assert "huge-decode-0 Unschedulable" in message
+    assert "Insufficient nvidia.com/gpu" in message
     assert condition(cr, "Ready")["status"] == "False"
 
 
-def test_status_transition_times_move_only_on_flips(cluster: Cluster, namespace: str,
-                                                         operator: OperatorProcess) -> None:
+def test_status_transition_times_move_only_on_flips(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
     cluster.apply(cpu_cr(), "-n", namespace)
     cr = wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
     before = condition(cr, "PrefillReady")["lastTransitionTime"]
@@ -175,12 +235,15 @@ def test_status_transition_times_move_only_on_flips(cluster: Cluster, namespace:
 
 
 @pytest.mark.slow
-def test_sigkill_during_20_reconciles_then_restart_converges(cluster: Cluster, crd: str, namespace: str,
-                                                             tmp_path: Path) -> None:
+def test_sigkill_during_20_reconciles_then_restart_converges(
+    cluster: Cluster, crd: str, namespace: str, tmp_path: Path
+) -> None:
     process = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "op.log", namespace).start()
     names = [f"crash-{i:02d}" for i in range(20)]
     cluster.apply(yaml.safe_dump_all([cpu_cr(name) for name in names]), "-n", namespace)
-    wait_until(lambda: len(children(cluster, namespace)["statefulsets"]) >= 6, 60, "reconciles to be under way")
+    wait_until(
+        lambda: len(children(cluster, namespace)["statefulsets"]) >= 6, 60, "reconciles to be under way"
+    )
     process.kill()
     process = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "op2.log", namespace).start()
     try:
@@ -197,8 +260,9 @@ def test_sigkill_during_20_reconciles_then_restart_converges(cluster: Cluster, c
 
 
 @pytest.mark.slow
-def test_apiserver_restart_under_a_running_operator(cluster: Cluster, namespace: str,
-                                                    operator: OperatorProcess) -> None:
+def test_apiserver_restart_under_a_running_operator(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
     if cluster.layout is None:
         pytest.skip("restarts a component of the local control plane")
     from e2e.cluster import controlplane as cp
@@ -211,18 +275,23 @@ def test_apiserver_restart_under_a_running_operator(cluster: Cluster, namespace:
     assert cr["status"]["decode"]["ready"] == "2/2"
 
 
-def test_deleting_the_resource_deletes_every_child(cluster: Cluster, namespace: str,
-                                                   operator: OperatorProcess) -> None:
+def test_deleting_the_resource_deletes_every_child(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
     cluster.apply(cpu_cr(), "-n", namespace)
     wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
     cr = get_cr(cluster, namespace, "tiny-cpu")
     assert cr["metadata"].get("finalizers") is None  # deletion never waits for the operator
     cluster.run("delete", "dllm", "tiny-cpu", "-n", namespace)
     empty = {"statefulsets": [], "deployments": [], "services": [], "poddisruptionbudgets": []}
-    wait_until(lambda: children(cluster, namespace) == empty, 120, "the garbage collector to remove the children")
+    wait_until(
+        lambda: children(cluster, namespace) == empty, 120, "the garbage collector to remove the children"
+    )
 
 
-def test_router_disabled_prunes_the_router(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
+def test_router_disabled_prunes_the_router(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
     cluster.apply(cpu_cr(), "-n", namespace)
     wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
     cluster.apply(cpu_cr(router={"enabled": False}), "-n", namespace)
@@ -233,20 +302,25 @@ def test_router_disabled_prunes_the_router(cluster: Cluster, namespace: str, ope
 
 
 @pytest.mark.slow
-def test_two_replicas_one_leader_and_handover(cluster: Cluster, crd: str, namespace: str, tmp_path: Path) -> None:
+def test_two_replicas_one_leader_and_handover(
+    cluster: Cluster, crd: str, namespace: str, tmp_path: Path
+) -> None:
     first = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "a.log", namespace).start()
     second = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "b.log", namespace).start()
     try:
         cluster.apply(cpu_cr(), "-n", namespace)
         wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
-        leaders = wait_until(lambda: [p for p in (first, second) if p.metric("dllm_operator_leader") == 1.0], 30,
-                             "a leader")
+        leaders = wait_until(
+            lambda: [p for p in (first, second) if p.metric("dllm_operator_leader") == 1.0], 30, "a leader"
+        )
         assert len(leaders) == 1
         leader, follower = (first, second) if leaders[0] is first else (second, first)
         assert follower.metric("dllm_operator_reconciles_total") == 0
         leader.kill()
         cluster.run("scale", "dllm/tiny-cpu", "-n", namespace, "--replicas=2")
-        cr = wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True", timeout=60)  # past the 15 s lease
+        cr = wait_condition(
+            cluster, namespace, "tiny-cpu", "Ready", "True", timeout=60
+        )  # past the 15 s lease
         assert cr["status"]["decode"]["ready"] == "2/2"
         assert follower.metric("dllm_operator_leader") == 1.0
         assert follower.metric("dllm_operator_reconciles_total") > 0

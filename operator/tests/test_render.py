@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from dllm_cases import ROOT, SAMPLES, load_cr, merged, minimal
+
 from dllm_connector.kvconfig import CONTRACT_ENV_NAMES, DOWNWARD_API_ENV
 from dllm_operator.api import parse
 from dllm_operator.render import HASH_ANNOTATION, render_all
@@ -21,8 +22,13 @@ ENV_BY_ROLE = {
     "prefill": set(CONTRACT_ENV_NAMES) - {"VLLM_KV_PREFILL_WAIT_MS"},
     "decode": set(CONTRACT_ENV_NAMES) - {"VLLM_KV_DECODE_IP", "VLLM_KV_DECODE_PORT", "VLLM_KV_HOLD_SECONDS"},
 }
-OPTIONAL_ENV = {"MOONCAKE_RDMA_DEVICE", "MC_GID_INDEX", "VLLM_KV_CONNECTOR_CLASS", "VLLM_KV_CONNECTOR_MODULE_PATH",
-                "VLLM_KV_CONNECTOR_EXTRA_CONFIG"}
+OPTIONAL_ENV = {
+    "MOONCAKE_RDMA_DEVICE",
+    "MC_GID_INDEX",
+    "VLLM_KV_CONNECTOR_CLASS",
+    "VLLM_KV_CONNECTOR_MODULE_PATH",
+    "VLLM_KV_CONNECTOR_EXTRA_CONFIG",
+}
 
 
 def rendered(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -83,7 +89,9 @@ def test_downward_api_fills_host_ip_and_engine_id() -> None:
 
 def test_seed_resources_security_and_network() -> None:
     manifests = rendered(load_cr(ROOT / "crds/samples/seed-llama2-70b.yaml"))
-    prefill = next(m for m in of_kind(manifests, "StatefulSet") if m["metadata"]["name"] == "llama2-70b-prefill")
+    prefill = next(
+        m for m in of_kind(manifests, "StatefulSet") if m["metadata"]["name"] == "llama2-70b-prefill"
+    )
     pod = prefill["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
@@ -100,14 +108,25 @@ def test_seed_resources_security_and_network() -> None:
 
 
 def test_host_devices_get_narrow_capabilities_not_privileged() -> None:
-    body = merged(minimal(), {"spec": {"rdma": {"enabled": True, "mode": "hostDevices", "hostNetwork": True,
-                                                "networks": ["roce-net"]}}})
+    body = merged(
+        minimal(),
+        {
+            "spec": {
+                "rdma": {
+                    "enabled": True,
+                    "mode": "hostDevices",
+                    "hostNetwork": True,
+                    "networks": ["roce-net"],
+                }
+            }
+        },
+    )
     for sts in of_kind(rendered(body), "StatefulSet"):
         pod = sts["spec"]["template"]["spec"]
         security = pod["containers"][0]["securityContext"]
         assert security["privileged"] is False
         assert security["capabilities"]["add"] == ["IPC_LOCK", "SYS_RESOURCE"]
-        assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert (pod["hostNetwork"], pod["dnsPolicy"]) == (True, "ClusterFirstWithHostNet")
         anti = pod["affinity"]["podAntiAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
         assert anti[0]["topologyKey"] == "kubernetes.io/hostname"
         assert sts["spec"]["template"]["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "roce-net"
@@ -122,7 +141,9 @@ def test_unset_replicas_are_not_written() -> None:
 def test_pdb_only_with_more_than_one_replica() -> None:
     manifests = rendered(load_cr(ROOT / "crds/samples/tcp-no-rdma.yaml"))
     assert {m["metadata"]["name"] for m in of_kind(manifests, "PodDisruptionBudget")} == {
-        "llama3-8b-tcp-prefill", "llama3-8b-tcp-decode"}
+        "llama3-8b-tcp-prefill",
+        "llama3-8b-tcp-decode",
+    }
     assert of_kind(rendered(minimal()), "PodDisruptionBudget") == []
 
 
@@ -132,8 +153,12 @@ def test_router_disabled_renders_no_router() -> None:
 
 
 def test_user_labels_never_reach_selectors() -> None:
-    body = merged(minimal(), {"spec": {"decode": {"podLabels": {"team": "a", "app.kubernetes.io/name": "x"}}}})
-    decode = next(m for m in of_kind(rendered(body), "StatefulSet") if m["metadata"]["name"].endswith("decode"))
+    body = merged(
+        minimal(), {"spec": {"decode": {"podLabels": {"team": "a", "app.kubernetes.io/name": "x"}}}}
+    )
+    decode = next(
+        m for m in of_kind(rendered(body), "StatefulSet") if m["metadata"]["name"].endswith("decode")
+    )
     assert "team" not in decode["spec"]["selector"]["matchLabels"]
     labels = decode["spec"]["template"]["metadata"]["labels"]
     assert labels["team"] == "a"
@@ -167,7 +192,10 @@ def test_seed_compose_kv_variables_are_a_subset_of_the_rendered_env() -> None:
     # The mooncake-transfer container's device is now in-process, on each engine; its one 16G buffer
     # became the per-role 4 GB / 8 GB VLLM_KV_BUFFER_SIZE_GB.
     assert seed["mooncake-transfer"]["MOONCAKE_RDMA_DEVICE"] == by_role["decode"]["MOONCAKE_RDMA_DEVICE"]
-    assert (by_role["prefill"]["VLLM_KV_BUFFER_SIZE_GB"], by_role["decode"]["VLLM_KV_BUFFER_SIZE_GB"]) == ("4", "8")
+    assert (by_role["prefill"]["VLLM_KV_BUFFER_SIZE_GB"], by_role["decode"]["VLLM_KV_BUFFER_SIZE_GB"]) == (
+        "4",
+        "8",
+    )
 
 
 def test_compose_mirrors_the_seed_topology() -> None:

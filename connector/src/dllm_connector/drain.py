@@ -23,7 +23,7 @@ def in_flight(metrics_text: str) -> int:
 
 def read_in_flight(port: int) -> int | None:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:  # noqa: S310
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
             return in_flight(response.read().decode())
     except OSError:
         return None

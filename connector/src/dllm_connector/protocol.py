@@ -23,7 +23,7 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 class _Params(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    dllm: Literal[1] = PROTOCOL_VERSION
+    dllm: Literal[1] = 1  # PROTOCOL_VERSION
     transfer_id: str = Field(min_length=1, max_length=256)
 
 

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.alias_generators import to_camel
+
 from dllm_connector.kvconfig import (
     CONTRACT_ENV_NAMES,
     Compression,
@@ -21,8 +24,6 @@ from dllm_connector.kvconfig import (
     LoadFailurePolicy,
     Protocol,
 )
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from pydantic.alias_generators import to_camel
 
 GROUP = "disagg.dev"
 VERSION = "v1alpha1"
@@ -45,9 +46,7 @@ TensorParallelSize = Literal[1, 2, 4, 8, 16, 32, 64]
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(
-        frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True
-    )
+    model_config = ConfigDict(frozen=True, extra="forbid", alias_generator=to_camel, populate_by_name=True)
 
 
 def _check_quantity(value: Quantity) -> Quantity:
@@ -303,11 +302,20 @@ def _pydantic_errors(error: ValidationError) -> list[FieldError]:
 def _metadata_errors(metadata: Mapping[str, Any]) -> list[FieldError]:
     name = str(metadata.get("name", ""))
     if not DNS_1035.match(name):
-        return [FieldError("metadata.name", "must be a DNS-1035 label: lower-case letters, digits and "
-                                            "'-', starting with a letter")]
+        return [
+            FieldError(
+                "metadata.name",
+                "must be a DNS-1035 label: lower-case letters, digits and '-', starting with a letter",
+            )
+        ]
     if len(name) > MAX_NAME_LENGTH:
-        return [FieldError("metadata.name", f"may be at most {MAX_NAME_LENGTH} characters (child "
-                                            "StatefulSet names carry '-prefill' and must stay within 52)")]
+        return [
+            FieldError(
+                "metadata.name",
+                f"may be at most {MAX_NAME_LENGTH} characters (child "
+                "StatefulSet names carry '-prefill' and must stay within 52)",
+            )
+        ]
     return []
 
 
@@ -316,24 +324,32 @@ def _cross_field_errors(spec: Spec) -> list[FieldError]:
     errors = []
     kv = spec.kv_transfer
     if (kv.connector is Connector.CUSTOM) != (kv.custom is not None):
-        errors.append(FieldError("spec.kvTransfer.custom",
-                                 "custom is required when connector is custom, and only then"))
+        errors.append(
+            FieldError("spec.kvTransfer.custom", "custom is required when connector is custom, and only then")
+        )
     source = spec.model.source
     if source is not None and source.pvc is not None and source.hugging_face is not None:
         errors.append(FieldError("spec.model.source", "at most one of pvc and huggingFace may be set"))
     if spec.rdma.mode is RDMAMode.HOST_DEVICES and not spec.rdma.enabled:
         errors.append(FieldError("spec.rdma.mode", "mode hostDevices requires enabled: true"))
     if kv.protocol == Protocol.RDMA.value and not spec.rdma.enabled:
-        errors.append(FieldError("spec.kvTransfer.protocol", "kvTransfer.protocol rdma requires "
-                                                             "rdma.enabled: true"))
+        errors.append(
+            FieldError("spec.kvTransfer.protocol", "kvTransfer.protocol rdma requires rdma.enabled: true")
+        )
     for role_name, role in (("prefill", spec.prefill), ("decode", spec.decode)):
         max_len = spec.model.max_model_len
-        if max_len is not None and role.enable_chunked_prefill is False and role.max_num_batched_tokens < max_len:
-            errors.append(FieldError(
-                f"spec.{role_name}.maxNumBatchedTokens",
-                f"{role_name}.maxNumBatchedTokens must be at least model.maxModelLen when "
-                f"{role_name}.enableChunkedPrefill is false",
-            ))
+        if (
+            max_len is not None
+            and role.enable_chunked_prefill is False
+            and role.max_num_batched_tokens < max_len
+        ):
+            errors.append(
+                FieldError(
+                    f"spec.{role_name}.maxNumBatchedTokens",
+                    f"{role_name}.maxNumBatchedTokens must be at least model.maxModelLen when "
+                    f"{role_name}.enableChunkedPrefill is false",
+                )
+            )
     return errors
 
 

@@ -32,7 +32,7 @@ def render_text(documents: list[dict[str, Any]], output_format: str, config: Ope
 
 
 def render_command(args: argparse.Namespace) -> int:
-    source = sys.stdin if args.file == "-" else Path(args.file).open()
+    source = sys.stdin if args.file == "-" else Path(args.file).open()  # noqa: SIM115 (closed below)
     with source:
         try:
             documents = load_resources(source)
@@ -45,8 +45,8 @@ def render_command(args: argparse.Namespace) -> int:
     try:
         text = render_text(documents, args.format, OperatorConfig.from_env())
     except SpecInvalid as invalid:
-        for error in invalid.errors:
-            print(f"{args.file}: {error}", file=sys.stderr)
+        for field_error in invalid.errors:
+            print(f"{args.file}: {field_error}", file=sys.stderr)
         return 2
     sys.stdout.write(text)
     return 0
@@ -59,17 +59,32 @@ def build_parser() -> argparse.ArgumentParser:
     render.add_argument("-f", "--file", required=True, help="a YAML file, or - for stdin")
     render.add_argument("--format", choices=["yaml", "compose"], default="yaml")
     run = sub.add_parser("run", help="run the operator")
-    run.add_argument("--namespace", "-n", action="append", default=[],
-                     help="watch this namespace (repeatable); default: DLLM_WATCH_NAMESPACES or all")
+    run.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        help="watch this namespace (repeatable); default: DLLM_WATCH_NAMESPACES or all",
+    )
     run.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     run.add_argument("--health-port", type=int, default=8080, help="/healthz and /metrics port")
     run.add_argument("--health-host", default="0.0.0.0")
-    run.add_argument("--no-leader-elect", dest="leader_elect", action="store_false",
-                     help="act without holding the leader Lease (one replica only)")
-    run.add_argument("--lease-namespace", default="", help="namespace of the leader Lease (default: "
-                     "POD_NAMESPACE, else the first watched namespace, else default)")
+    run.add_argument(
+        "--no-leader-elect",
+        dest="leader_elect",
+        action="store_false",
+        help="act without holding the leader Lease (one replica only)",
+    )
+    run.add_argument(
+        "--lease-namespace",
+        default="",
+        help="namespace of the leader Lease (default: "
+        "POD_NAMESPACE, else the first watched namespace, else default)",
+    )
     run.add_argument("--lease-name", default="dllm-operator")
-    run.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then KUBECONFIG)")
+    run.add_argument(
+        "--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then KUBECONFIG)"
+    )
     run.add_argument("--log-level", default="", help="DEBUG, INFO, WARNING, ERROR")
     return parser
 

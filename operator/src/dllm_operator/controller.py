@@ -24,7 +24,13 @@ from dllm_operator.config import OperatorConfig
 from dllm_operator.kube import ApiError, KubeClient
 from dllm_operator.plan import Key, key_of, only_replicas_changed, plan
 from dllm_operator.render import labels, render_all
-from dllm_operator.status import Observed, compute_status, invalid_spec_status, pods_by_component, without_times
+from dllm_operator.status import (
+    Observed,
+    compute_status,
+    invalid_spec_status,
+    pods_by_component,
+    without_times,
+)
 
 log = logging.getLogger("dllm_operator")
 CRKey = tuple[str, str]  # (namespace, name)
@@ -130,9 +136,14 @@ def cr_event(body: dict[str, Any], reason: str, message: str, warning: bool = Fa
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": meta["namespace"]},
-        "involvedObject": {"apiVersion": API_VERSION, "kind": KIND, "name": meta["name"],
-                           "namespace": meta["namespace"], "uid": meta.get("uid", ""),
-                           "resourceVersion": meta.get("resourceVersion", "")},
+        "involvedObject": {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "uid": meta.get("uid", ""),
+            "resourceVersion": meta.get("resourceVersion", ""),
+        },
         "reason": reason,
         "message": message[:1000],
         "type": "Warning" if warning else "Normal",
@@ -172,6 +183,10 @@ class Controller:
         if key is not None and key in self.store.resources:
             self.queue.add(key)
 
+    def requeue_all(self) -> None:
+        for key in list(self.store.resources):
+            self.queue.add(key)
+
     def _forget(self, key: CRKey) -> None:
         self.store.children.pop(key, None)
         self.store.pods.pop(key, None)
@@ -195,8 +210,7 @@ class Controller:
     async def _resync(self) -> None:
         while True:
             await asyncio.sleep(self.resync_seconds)
-            for key in list(self.store.resources):
-                self.queue.add(key)
+            self.requeue_all()
 
     async def _worker(self) -> None:
         while True:
@@ -208,7 +222,7 @@ class Controller:
                     metrics.RECONCILES.inc()
                     await self.reconcile(key)
                     metrics.DURATION.observe(time.perf_counter() - started)
-            except Exception as error:  # retried with backoff; the error is in the log and the metrics
+            except Exception as error:  # noqa: BLE001 (any failure is retried with backoff, logged, counted)
                 failed = True
                 metrics.ERRORS.labels(type(error).__name__).inc()
                 log.warning("reconcile %s/%s failed: %s", key[0], key[1], error)
@@ -226,8 +240,12 @@ class Controller:
         try:
             cr = parse(body)
         except SpecInvalid as invalid:
-            await self._write_status(body, invalid_spec_status(body["metadata"].get("generation", 0), str(invalid),
-                                                               body.get("status"), now_iso()))
+            await self._write_status(
+                body,
+                invalid_spec_status(
+                    body["metadata"].get("generation", 0), str(invalid), body.get("status"), now_iso()
+                ),
+            )
             return
         desired = render_all(cr, self.config)
         actual = self.store.children[key]
@@ -240,7 +258,9 @@ class Controller:
         self._apply_errors[key] = tuple(errors)
         await self._update_status(key, body, cr)
 
-    async def _apply(self, body: dict[str, Any], obj: dict[str, Any], actual: dict[Key, dict[str, Any]]) -> str | None:
+    async def _apply(
+        self, body: dict[str, Any], obj: dict[str, Any], actual: dict[Key, dict[str, Any]]
+    ) -> str | None:
         """Apply one child; returns an error message for status, or None."""
         key = key_of(obj)
         before = actual.get(key)
@@ -257,12 +277,16 @@ class Controller:
         if before is None:
             await self._event(body, "Created", f"created {_describe(obj)}")
         elif only_replicas_changed(obj, before):
-            await self._event(body, "Scaled", f"scaled {_describe(obj)} from {before['spec'].get('replicas')} "
-                                              f"to {obj['spec']['replicas']}")
+            await self._event(
+                body,
+                "Scaled",
+                f"scaled {_describe(obj)} from {before['spec'].get('replicas')} to {obj['spec']['replicas']}",
+            )
         return None
 
-    async def _apply_or_replace(self, body: dict[str, Any], obj: dict[str, Any],
-                                before: dict[str, Any] | None) -> dict[str, Any]:
+    async def _apply_or_replace(
+        self, body: dict[str, Any], obj: dict[str, Any], before: dict[str, Any] | None
+    ) -> dict[str, Any]:
         try:
             return await self.client.apply(obj)
         except ApiError as error:
@@ -275,11 +299,17 @@ class Controller:
 
     async def _update_status(self, key: CRKey, body: dict[str, Any], cr: Any) -> None:
         children = self.store.children[key]
-        workloads = {component: obj for (kind, name), obj in children.items()
-                     if kind in ("StatefulSet", "Deployment")
-                     and (component := name.removeprefix(f"{cr.name}-")) in ("prefill", "decode", "router")}
-        observed = Observed(workloads=workloads, pods=pods_by_component(self.store.pods[key].values()),
-                            apply_errors=self._apply_errors.get(key, ()))
+        workloads = {
+            component: obj
+            for (kind, name), obj in children.items()
+            if kind in ("StatefulSet", "Deployment")
+            and (component := name.removeprefix(f"{cr.name}-")) in ("prefill", "decode", "router")
+        }
+        observed = Observed(
+            workloads=workloads,
+            pods=pods_by_component(self.store.pods[key].values()),
+            apply_errors=self._apply_errors.get(key, ()),
+        )
         status = compute_status(cr, observed, body.get("status"), now_iso())
         await self._write_status(body, status)
 
@@ -295,4 +325,3 @@ class Controller:
             await self.client.create_event(cr_event(body, reason, message, warning))
         except ApiError as error:  # an Event is best effort
             log.info("could not post event %s: %s", reason, error)
-

@@ -16,10 +16,20 @@ from dllm_operator.controller import Controller
 from dllm_operator.kube import Credentials
 from dllm_operator.render import labels
 
-CHILD_RESOURCES = (("apps", "v1", "statefulsets"), ("apps", "v1", "deployments"), ("", "v1", "services"),
-                   ("policy", "v1", "poddisruptionbudgets"), ("", "v1", "pods"))
-CHILD_KINDS = {"statefulsets": "StatefulSet", "deployments": "Deployment", "services": "Service",
-               "poddisruptionbudgets": "PodDisruptionBudget", "pods": "Pod"}
+CHILD_RESOURCES = (
+    ("apps", "v1", "statefulsets"),
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("", "v1", "pods"),
+)
+CHILD_KINDS = {
+    "statefulsets": "StatefulSet",
+    "deployments": "Deployment",
+    "services": "Service",
+    "poddisruptionbudgets": "PodDisruptionBudget",
+    "pods": "Pod",
+}
 
 
 def configure(settings: kopf.OperatorSettings) -> None:
@@ -71,8 +81,14 @@ def build_registry(controller: Controller, credentials: Credentials) -> kopf.Ope
 
     for group, version, plural in CHILD_RESOURCES:
 
-        @kopf.on.event(group, version, plural, registry=registry, id=f"child-{plural}",
-                       labels={labels.MANAGED_BY: labels.MANAGER})
+        @kopf.on.event(
+            group,
+            version,
+            plural,
+            registry=registry,
+            id=f"child-{plural}",
+            labels={labels.MANAGED_BY: labels.MANAGER},
+        )
         def child_event(event: kopf.RawEvent, kind: str = CHILD_KINDS[plural], **_: Any) -> None:
             obj = dict(event["object"])
             obj.setdefault("kind", kind)

@@ -42,7 +42,9 @@ class ApiError(Exception):
 
     @property
     def immutable_field(self) -> bool:
-        return self.status == 422 and ("field is immutable" in self.message or "Forbidden: updates to" in self.message)
+        return self.status == 422 and (
+            "field is immutable" in self.message or "Forbidden: updates to" in self.message
+        )
 
 
 @dataclass(frozen=True)
@@ -65,9 +67,9 @@ class Credentials:
 def load_credentials(kubeconfig: str | None = None) -> Credentials:
     cfg = k8s_client.Configuration()
     try:
-        k8s_config.load_incluster_config(client_configuration=cfg)
+        k8s_config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
     except k8s_config.ConfigException:
-        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        k8s_config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)  # type: ignore[no-untyped-call]
     context: ssl.SSLContext | bool
     if cfg.verify_ssl:
         context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
@@ -94,12 +96,6 @@ class KubeClient:
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
 
-    async def __aenter__(self) -> KubeClient:
-        return self
-
-    async def __aexit__(self, *_: object) -> None:
-        await self.close()
-
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -111,16 +107,24 @@ class KubeClient:
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         return self._session
 
-    async def request(self, method: str, path: str, *, params: dict[str, str] | None = None,
-                      body: Any = None, content_type: str = "application/json") -> dict[str, Any]:
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, str] | None = None,
+        body: Any = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
         headers = {"Accept": "application/json", "Content-Type": content_type, "User-Agent": USER_AGENT}
         authorization = self._credentials.authorization()
         if authorization:
             headers["Authorization"] = authorization
         data = None if body is None else json.dumps(body)
         session = self._session_for_loop()
-        async with session.request(method, self._credentials.host + path, params=params, data=data,
-                                   headers=headers) as response:
+        async with session.request(
+            method, self._credentials.host + path, params=params, data=data, headers=headers
+        ) as response:
             text = await response.text()
             if response.status >= 400:
                 raise _api_error(response.status, text)
@@ -132,11 +136,20 @@ class KubeClient:
         """Server-side apply: the operator owns every field it sets, and only those."""
         meta = obj["metadata"]
         params = {"fieldManager": FIELD_MANAGER, "force": "true", "fieldValidation": "Strict"}
-        return await self.request("PATCH", object_path(obj["kind"], meta["namespace"], meta["name"]),
-                                  params=params, body=obj, content_type="application/apply-patch+yaml")
+        return await self.request(
+            "PATCH",
+            object_path(obj["kind"], meta["namespace"], meta["name"]),
+            params=params,
+            body=obj,
+            content_type="application/apply-patch+yaml",
+        )
 
     async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
-        body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"}
+        body: dict[str, Any] = {
+            "kind": "DeleteOptions",
+            "apiVersion": "v1",
+            "propagationPolicy": "Background",
+        }
         if uid:
             body["preconditions"] = {"uid": uid}
         try:
@@ -145,7 +158,9 @@ class KubeClient:
             if error.status not in (404, 409):
                 raise
 
-    async def list(self, kind: str, label_selector: str, namespace: str | None = None) -> list[dict[str, Any]]:
+    async def list(
+        self, kind: str, label_selector: str, namespace: str | None = None
+    ) -> list[dict[str, Any]]:
         prefix, plural = RESOURCES[kind]
         path = f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
         result = await self.request("GET", path, params={"labelSelector": label_selector})
@@ -165,9 +180,13 @@ class KubeClient:
     # ---- the custom resource ----
 
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        await self.request("PATCH", object_path("DisaggregatedLLM", namespace, name, "status"),
-                           body={"status": status}, content_type="application/merge-patch+json",
-                           params={"fieldManager": FIELD_MANAGER})
+        await self.request(
+            "PATCH",
+            object_path("DisaggregatedLLM", namespace, name, "status"),
+            body={"status": status},
+            content_type="application/merge-patch+json",
+            params={"fieldManager": FIELD_MANAGER},
+        )
 
     async def create_event(self, event: dict[str, Any]) -> None:
         await self.request("POST", object_path("Event", event["metadata"]["namespace"]), body=event)

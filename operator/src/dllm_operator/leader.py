@@ -53,8 +53,13 @@ class LeaderElector:
     def _lease_body(self, existing: dict[str, Any] | None, now: dt.datetime) -> dict[str, Any]:
         spec = dict((existing or {}).get("spec", {}))
         taking_over = spec.get("holderIdentity") != self.identity
-        spec.update({"holderIdentity": self.identity, "leaseDurationSeconds": self.lease_seconds,
-                     "renewTime": _micro_time(now)})
+        spec.update(
+            {
+                "holderIdentity": self.identity,
+                "leaseDurationSeconds": self.lease_seconds,
+                "renewTime": _micro_time(now),
+            }
+        )
         if taking_over:
             spec["acquireTime"] = _micro_time(now)
             spec["leaseTransitions"] = int(spec.get("leaseTransitions", 0)) + (1 if existing else 0)
@@ -67,7 +72,7 @@ class LeaderElector:
         now = dt.datetime.now(dt.UTC)
         lease = await self.client.get_lease(self.namespace, self.name)
         holder = (lease or {}).get("spec", {}).get("holderIdentity")
-        if lease is not None and holder != self.identity and not lease_expired(lease, now):
+        if lease is not None and holder and holder != self.identity and not lease_expired(lease, now):
             return False
         try:
             if lease is None:
@@ -80,15 +85,29 @@ class LeaderElector:
             raise
         return True
 
+    async def release(self) -> None:
+        """On a clean shutdown, hand the lease over at once instead of after its expiry."""
+        if not self._leader:
+            return
+        self._leader = False
+        metrics.LEADER.set(0)
+        lease = await self.client.get_lease(self.namespace, self.name)
+        if lease is None or lease.get("spec", {}).get("holderIdentity") != self.identity:
+            return
+        lease["spec"] |= {"holderIdentity": "", "leaseDurationSeconds": 1}
+        await self.client.replace_lease(lease)
+
     async def run(self) -> None:
         while True:
             try:
                 leader = await self.try_acquire_or_renew()
-            except (ApiError, OSError, asyncio.TimeoutError) as error:
+            except (TimeoutError, ApiError, OSError) as error:
                 log.warning("lease %s/%s: %s", self.namespace, self.name, error)
                 leader = False
             if leader != self._leader:
-                log.info("%s leadership of %s/%s", "acquired" if leader else "lost", self.namespace, self.name)
+                log.info(
+                    "%s leadership of %s/%s", "acquired" if leader else "lost", self.namespace, self.name
+                )
                 self._leader = leader
                 metrics.LEADER.set(1 if leader else 0)
                 if leader:

@@ -47,8 +47,11 @@ def same(desired: object, actual: object) -> bool:
     if isinstance(desired, list):
         if _is_zero(desired) and _is_zero(actual):
             return True
-        return isinstance(actual, list) and len(desired) == len(actual) and all(
-            same(d, a) for d, a in zip(desired, actual, strict=True))
+        return (
+            isinstance(actual, list)
+            and len(desired) == len(actual)
+            and all(same(d, a) for d, a in zip(desired, actual, strict=True))
+        )
     if desired == actual or (_is_zero(desired) and actual is None):
         return True
     quantity, actual_quantity = _quantity_value(desired), _quantity_value(actual)
@@ -76,16 +79,21 @@ class Plan:
 
 
 def owned_by(obj: dict[str, Any], owner_uid: str) -> bool:
-    return any(ref.get("uid") == owner_uid and ref.get("controller")
-               for ref in obj.get("metadata", {}).get("ownerReferences", []))
+    return any(
+        ref.get("uid") == owner_uid and ref.get("controller")
+        for ref in obj.get("metadata", {}).get("ownerReferences", [])
+    )
 
 
 def plan(desired: list[dict[str, Any]], actual: dict[Key, dict[str, Any]], owner_uid: str) -> Plan:
     """Writes that bring `actual` (the CR's children as last seen) to `desired`."""
     wanted = {key_of(d): d for d in desired}
     to_apply = [d for key, d in wanted.items() if needs_apply(d, actual.get(key))]
-    to_delete = [key for key, obj in actual.items()
-                 if key[0] in MANAGED_KINDS and key not in wanted and owned_by(obj, owner_uid)]
+    to_delete = [
+        key
+        for key, obj in actual.items()
+        if key[0] in MANAGED_KINDS and key not in wanted and owned_by(obj, owner_uid)
+    ]
     return Plan(apply=to_apply, delete=sorted(to_delete))
 
 
@@ -95,4 +103,5 @@ def only_replicas_changed(desired: dict[str, Any], actual: dict[str, Any] | None
         return False
     spec_without = {k: v for k, v in desired["spec"].items() if k != "replicas"}
     return same(spec_without, actual.get("spec", {})) and desired["spec"]["replicas"] != actual["spec"].get(
-        "replicas")
+        "replicas"
+    )

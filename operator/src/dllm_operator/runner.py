@@ -28,9 +28,13 @@ log = logging.getLogger("dllm_operator")
 def operator_config(args: argparse.Namespace) -> OperatorConfig:
     config = OperatorConfig.from_env()
     namespaces = () if args.all_namespaces else tuple(args.namespace) or config.namespaces
-    return OperatorConfig(engine_image=config.engine_image, router_image=config.router_image,
-                          cluster_domain=config.cluster_domain, namespaces=namespaces,
-                          log_level=(args.log_level or config.log_level).upper())
+    return OperatorConfig(
+        engine_image=config.engine_image,
+        router_image=config.router_image,
+        cluster_domain=config.cluster_domain,
+        namespaces=namespaces,
+        log_level=(args.log_level or config.log_level).upper(),
+    )
 
 
 def health_app(controller: Controller, ready: asyncio.Event) -> web.Application:
@@ -45,7 +49,9 @@ def health_app(controller: Controller, ready: asyncio.Event) -> web.Application:
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
-    app.add_routes([web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics_page)])
+    app.add_routes(
+        [web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics_page)]
+    )
     return app
 
 
@@ -55,7 +61,7 @@ async def seed_until_reachable(controller: Controller, namespaces: tuple[str, ..
         try:
             await controller.seed(namespaces)
             return
-        except Exception as error:  # the API server may not be up yet
+        except Exception as error:  # noqa: BLE001 (the API server may not be up yet: retry)
             log.warning("initial listing failed (%s); retrying in %.1fs", error, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10)
@@ -71,12 +77,17 @@ async def operate(args: argparse.Namespace) -> None:
     await runner.setup()
     await web.TCPSite(runner, args.health_host, args.health_port).start()
     tasks: list[asyncio.Task[Any]] = []
+    elector: LeaderElector | None = None
     if args.leader_elect:
-        namespace = args.lease_namespace or os.environ.get("POD_NAMESPACE") or (
-            config.namespaces[0] if config.namespaces else "default")
+        namespace = (
+            args.lease_namespace
+            or os.environ.get("POD_NAMESPACE")
+            or (config.namespaces[0] if config.namespaces else "default")
+        )
         identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}-{os.getpid()}"
-        elector = LeaderElector(client, namespace, args.lease_name, identity,
-                                on_elected=lambda: [controller.queue.add(k) for k in list(controller.store.resources)])
+        elector = LeaderElector(
+            client, namespace, args.lease_name, identity, on_elected=controller.requeue_all
+        )
         controller.is_leader = elector.is_leader
         tasks.append(asyncio.create_task(elector.run(), name="leader"))
     await seed_until_reachable(controller, config.namespaces)
@@ -84,14 +95,21 @@ async def operate(args: argparse.Namespace) -> None:
     log.info("watching %s", ", ".join(config.namespaces) or "all namespaces")
     tasks.append(asyncio.create_task(controller.run_workers(), name="workers"))
     try:
-        await kopf.operator(registry=build_registry(controller, credentials), clusterwide=not config.namespaces,
-                            namespaces=list(config.namespaces), standalone=True)
+        await kopf.operator(
+            registry=build_registry(controller, credentials),
+            clusterwide=not config.namespaces,
+            namespaces=list(config.namespaces),
+            standalone=True,
+        )
     finally:
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if elector is not None:
+            with contextlib.suppress(Exception):
+                await elector.release()
         await client.close()
         await runner.cleanup()
 

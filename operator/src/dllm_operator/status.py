@@ -15,8 +15,14 @@ from dllm_operator.render import labels
 from dllm_operator.render.router import endpoint
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "PrefillReady", "DecodeReady", "RouterReady")
-_WAITING_FAILURES = ("CrashLoopBackOff", "ImagePullBackOff", "ErrImagePull", "CreateContainerConfigError",
-                     "CreateContainerError", "InvalidImageName")
+_WAITING_FAILURES = (
+    "CrashLoopBackOff",
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "InvalidImageName",
+)
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,12 @@ def pod_problem(pod: dict[str, Any]) -> str | None:
     ready = _pod_condition(pod, "Ready")
     # The kubelet reports started=false until the startup probe passes (a loading model is not broken).
     started = bool(statuses) and all(s.get("started", True) for s in statuses)
-    if ready and ready.get("status") == "False" and started and pod.get("status", {}).get("phase") == "Running":
+    if (
+        ready
+        and ready.get("status") == "False"
+        and started
+        and pod.get("status", {}).get("phase") == "Running"
+    ):
         return f"{name} not ready: {ready.get('message') or ready.get('reason') or 'readiness probe failing'}"
     return None
 
@@ -66,15 +77,28 @@ def _counts(workload: dict[str, Any] | None) -> tuple[int, int, int, int, bool]:
     spec, status = workload.get("spec", {}), workload.get("status", {})
     desired = int(spec.get("replicas", 1))
     current = status.get("observedGeneration", 0) >= workload.get("metadata", {}).get("generation", 0)
-    return (desired, int(status.get("replicas", 0)), int(status.get("readyReplicas", 0)),
-            int(status.get("updatedReplicas", 0)), current)
+    return (
+        desired,
+        int(status.get("replicas", 0)),
+        int(status.get("readyReplicas", 0)),
+        int(status.get("updatedReplicas", 0)),
+        current,
+    )
 
 
-def role_status(cr: DisaggregatedLLM, component: labels.Component, workload: dict[str, Any] | None,
-                with_selector: bool = True) -> dict[str, Any]:
+def role_status(
+    cr: DisaggregatedLLM,
+    component: labels.Component,
+    workload: dict[str, Any] | None,
+    with_selector: bool = True,
+) -> dict[str, Any]:
     desired, existing, ready, updated, _ = _counts(workload)
-    status: dict[str, Any] = {"replicas": existing, "readyReplicas": ready, "updatedReplicas": updated,
-                              "ready": f"{ready}/{desired}"}
+    status: dict[str, Any] = {
+        "replicas": existing,
+        "readyReplicas": ready,
+        "updatedReplicas": updated,
+        "ready": f"{ready}/{desired}",
+    }
     if with_selector:
         status["selector"] = labels.selector_string(cr, component)
     return status
@@ -90,8 +114,9 @@ def role_condition(kind: str, component: str, workload: dict[str, Any] | None) -
         return Condition(kind, False, "Updating", f"the {component} controller has not seen the latest spec")
     if ready >= desired and updated >= desired and existing == desired:
         return Condition(kind, True, "AllReplicasReady", f"{ready}/{desired} {component} pods ready")
-    return Condition(kind, False, "ReplicasNotReady",
-                     f"{ready}/{desired} {component} pods ready, {updated} updated")
+    return Condition(
+        kind, False, "ReplicasNotReady", f"{ready}/{desired} {component} pods ready, {updated} updated"
+    )
 
 
 def _degraded(observed: Observed) -> Condition:
@@ -100,8 +125,11 @@ def _degraded(observed: Observed) -> Condition:
         problems += [p for pod in observed.pods.get(component, []) if (p := pod_problem(pod))]
     if not problems:
         return Condition("Degraded", False, "AsExpected")
-    reason = "ApplyFailed" if observed.apply_errors else (
-        "Unschedulable" if any("Unschedulable" in p for p in problems) else "PodsNotHealthy")
+    reason = (
+        "ApplyFailed"
+        if observed.apply_errors
+        else ("Unschedulable" if any("Unschedulable" in p for p in problems) else "PodsNotHealthy")
+    )
     return Condition("Degraded", True, reason, "; ".join(problems)[:4000])
 
 
@@ -114,8 +142,11 @@ def conditions(cr: DisaggregatedLLM, observed: Observed) -> list[Condition]:
         router = Condition("RouterReady", True, "Disabled", "router.enabled is false")
     degraded = _degraded(observed)
     not_ready = [c for c in (prefill, decode, router) if not c.status]
-    ready = (Condition("Ready", True, "AllRolesReady", "prefill, decode and router are ready") if not not_ready
-             else Condition("Ready", False, not_ready[0].reason, "; ".join(c.message for c in not_ready)))
+    ready = (
+        Condition("Ready", True, "AllRolesReady", "prefill, decode and router are ready")
+        if not not_ready
+        else Condition("Ready", False, not_ready[0].reason, "; ".join(c.message for c in not_ready))
+    )
     if ready.status:
         progressing = Condition("Progressing", False, "Complete", "every role is at the current spec")
     elif degraded.status:
@@ -125,8 +156,9 @@ def conditions(cr: DisaggregatedLLM, observed: Observed) -> list[Condition]:
     return [ready, progressing, degraded, prefill, decode, router]
 
 
-def _as_dict(condition: Condition, generation: int, previous: Mapping[str, dict[str, Any]],
-             now: str) -> dict[str, Any]:
+def _as_dict(
+    condition: Condition, generation: int, previous: Mapping[str, dict[str, Any]], now: str
+) -> dict[str, Any]:
     status = "True" if condition.status else "False"
     before = previous.get(condition.type)
     flipped = before is None or before.get("status") != status
@@ -140,8 +172,9 @@ def _as_dict(condition: Condition, generation: int, previous: Mapping[str, dict[
     }
 
 
-def compute_status(cr: DisaggregatedLLM, observed: Observed, previous: Mapping[str, Any] | None,
-                   now: str) -> dict[str, Any]:
+def compute_status(
+    cr: DisaggregatedLLM, observed: Observed, previous: Mapping[str, Any] | None, now: str
+) -> dict[str, Any]:
     before = {c["type"]: c for c in (previous or {}).get("conditions", []) if "type" in c}
     generation = cr.metadata.generation
     status: dict[str, Any] = {
@@ -155,23 +188,34 @@ def compute_status(cr: DisaggregatedLLM, observed: Observed, previous: Mapping[s
     return status
 
 
-def invalid_spec_status(generation: int, message: str, previous: Mapping[str, Any] | None,
-                        now: str) -> dict[str, Any]:
+def invalid_spec_status(
+    generation: int, message: str, previous: Mapping[str, Any] | None, now: str
+) -> dict[str, Any]:
     """A spec the operator refuses (it passed admission, e.g. an older CRD): say why, change nothing."""
     before = {c["type"]: c for c in (previous or {}).get("conditions", []) if "type" in c}
-    found = [Condition("Ready", False, "InvalidSpec", message), Condition("Degraded", True, "InvalidSpec", message),
-             Condition("Progressing", False, "InvalidSpec", message)]
-    kept = [c for c in (previous or {}).get("conditions", []) if c.get("type") not in ("Ready", "Degraded",
-                                                                                       "Progressing")]
-    return {**(previous or {}), "observedGeneration": generation,
-            "conditions": [_as_dict(c, generation, before, now) for c in found] + list(kept)}
+    found = [
+        Condition("Ready", False, "InvalidSpec", message),
+        Condition("Degraded", True, "InvalidSpec", message),
+        Condition("Progressing", False, "InvalidSpec", message),
+    ]
+    kept = [
+        c
+        for c in (previous or {}).get("conditions", [])
+        if c.get("type") not in ("Ready", "Degraded", "Progressing")
+    ]
+    return {
+        **(previous or {}),
+        "observedGeneration": generation,
+        "conditions": [_as_dict(c, generation, before, now) for c in found] + list(kept),
+    }
 
 
 def without_times(status: Mapping[str, Any] | None) -> dict[str, Any]:
     """For comparing two statuses: transition times aside."""
     status = dict(status or {})
-    status["conditions"] = [{k: v for k, v in c.items() if k != "lastTransitionTime"}
-                            for c in status.get("conditions", [])]
+    status["conditions"] = [
+        {k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions", [])
+    ]
     return status
 
 

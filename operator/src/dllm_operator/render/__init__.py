@@ -34,8 +34,11 @@ def render_all(cr: DisaggregatedLLM, config: OperatorConfig | None = None) -> li
     config = config or OperatorConfig()
     children: list[dict[str, Any] | None] = []
     for role in ROLES:
-        children += [engine.headless_service(cr, role), engine.statefulset(cr, role, config),
-                     engine.disruption_budget(cr, role)]
+        children += [
+            engine.headless_service(cr, role),
+            engine.statefulset(cr, role, config),
+            engine.disruption_budget(cr, role),
+        ]
     if cr.spec.router.enabled:
         children += [router.router_service(cr), router.router_deployment(cr, config)]
     return [with_hash(child) for child in children if child is not None]

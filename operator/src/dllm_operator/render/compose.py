@@ -6,8 +6,8 @@ from importlib import resources
 from typing import Any
 
 import jinja2
-from dllm_connector.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, to_env
 
+from dllm_connector.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, to_env
 from dllm_operator.api import DisaggregatedLLM, RDMAMode
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import engine
@@ -18,8 +18,9 @@ SERVICE = {"prefill": "prefill-server", "decode": "decode-server"}
 HOST_PORT = {"prefill": 8000, "decode": 8001}
 
 
-def _engine_service(cr: DisaggregatedLLM, role: engine.EngineRole, first_gpu: int,
-                    config: OperatorConfig) -> dict[str, Any]:
+def _engine_service(
+    cr: DisaggregatedLLM, role: engine.EngineRole, first_gpu: int, config: OperatorConfig
+) -> dict[str, Any]:
     spec = engine.role_spec(cr, role)
     env = to_env(engine.kv_settings(cr, role))
     if ENV_DECODE_IP in env:
@@ -54,8 +55,12 @@ def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, A
         "--prefill-tp-size", str(spec.prefill.tensor_parallel_size),
         "--decode-tp-size", str(spec.decode.tensor_parallel_size),
     ]  # fmt: skip
-    return {"image": spec.router.image or config.router_image, "command": command, "port": port,
-            "depends": list(SERVICE.values())}
+    return {
+        "image": spec.router.image or config.router_image,
+        "command": command,
+        "port": port,
+        "depends": list(SERVICE.values()),
+    }
 
 
 def render_compose(cr: DisaggregatedLLM, config: OperatorConfig | None = None) -> str:
@@ -63,7 +68,16 @@ def render_compose(cr: DisaggregatedLLM, config: OperatorConfig | None = None) -
     prefill_gpus = cr.spec.prefill.tensor_parallel_size
     engines = [_engine_service(cr, "prefill", 0, config), _engine_service(cr, "decode", prefill_gpus, config)]
     template_text = resources.files("dllm_operator").joinpath("templates/compose.yaml.j2").read_text()
-    environment = jinja2.Environment(autoescape=False, keep_trailing_newline=True, undefined=jinja2.StrictUndefined)  # noqa: S701
+    # YAML, not HTML: every value goes through tojson, so HTML autoescaping does not apply.
+    environment = jinja2.Environment(
+        autoescape=False,  # noqa: S701
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+    )
     template = environment.from_string(template_text)
-    return template.render(name=cr.name, engines=engines, router=_router_service(cr, config),
-                           host_devices=cr.spec.rdma.mode is RDMAMode.HOST_DEVICES)
+    return template.render(
+        name=cr.name,
+        engines=engines,
+        router=_router_service(cr, config),
+        host_devices=cr.spec.rdma.mode is RDMAMode.HOST_DEVICES,
+    )

@@ -12,7 +12,6 @@ from dllm_connector.kvconfig import (
     Role,
     to_env,
 )
-
 from dllm_operator.api import DisaggregatedLLM, RDMAMode, RoleSpec
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import labels
@@ -75,8 +74,10 @@ def kv_settings(cr: DisaggregatedLLM, role: EngineRole) -> KVTransferSettings:
 
 def engine_env(cr: DisaggregatedLLM, role: EngineRole) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in to_env(kv_settings(cr, role)).items()]
-    env += [{"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}} for name, path in
-            DOWNWARD_API_ENV.items()]
+    env += [
+        {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+        for name, path in DOWNWARD_API_ENV.items()
+    ]
     env += _model_source_env(cr)
     env += [var.model_dump(by_alias=True, exclude_none=True) for var in role_spec(cr, role).env]
     return env
@@ -115,15 +116,21 @@ def engine_args(cr: DisaggregatedLLM, role: EngineRole) -> list[str]:
         ("--block-size", model.block_size),
     ]
     args += [item for flag, value in optional if value for item in (flag, str(value))]
-    args += [flag for name, value in (("--dtype", model.dtype), ("--kv-cache-dtype", model.kv_cache_dtype))
-             if value != "auto" for flag in (name, value)]
+    args += [
+        flag
+        for name, value in (("--dtype", model.dtype), ("--kv-cache-dtype", model.kv_cache_dtype))
+        if value != "auto"
+        for flag in (name, value)
+    ]
     args += [
         "--tensor-parallel-size", str(spec.tensor_parallel_size),
         "--max-num-seqs", str(spec.max_num_seqs),
         "--max-num-batched-tokens", str(spec.max_num_batched_tokens),
     ]  # fmt: skip
     if spec.enable_chunked_prefill is not None:
-        args.append("--enable-chunked-prefill" if spec.enable_chunked_prefill else "--no-enable-chunked-prefill")
+        args.append(
+            "--enable-chunked-prefill" if spec.enable_chunked_prefill else "--no-enable-chunked-prefill"
+        )
     args += ["--host", "0.0.0.0", "--port", str(spec.port)]
     return args + list(spec.extra_args)
 
@@ -165,20 +172,33 @@ def security_context(cr: DisaggregatedLLM) -> dict[str, Any]:
     return {"privileged": False, "allowPrivilegeEscalation": False, "capabilities": capabilities}
 
 
-def volumes_and_mounts(cr: DisaggregatedLLM, role: EngineRole) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def volumes_and_mounts(
+    cr: DisaggregatedLLM, role: EngineRole
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     spec = role_spec(cr, role)
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size_limit}}
     ]
-    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]  # noqa: S108 (the pod's own)
     source = cr.spec.model.source
     if source is not None and source.pvc is not None:
-        volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": source.pvc.claim_name, "readOnly": source.pvc.read_only}})
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {
+                    "claimName": source.pvc.claim_name,
+                    "readOnly": source.pvc.read_only,
+                },
+            }
+        )
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": source.pvc.read_only})
     if source is not None and source.hugging_face is not None and source.hugging_face.cache_volume_claim:
-        volumes.append({"name": "hf-cache", "persistentVolumeClaim": {
-            "claimName": source.hugging_face.cache_volume_claim}})
+        volumes.append(
+            {
+                "name": "hf-cache",
+                "persistentVolumeClaim": {"claimName": source.hugging_face.cache_volume_claim},
+            }
+        )
         mounts.append({"name": "hf-cache", "mountPath": HF_CACHE_MOUNT})
     if cr.spec.rdma.enabled and cr.spec.rdma.mode is RDMAMode.HOST_DEVICES:
         volumes.append({"name": "infiniband", "hostPath": {"path": "/dev/infiniband", "type": "Directory"}})
@@ -207,7 +227,10 @@ def drain_hook(spec: RoleSpec) -> dict[str, Any]:
 
 
 def _anti_affinity(cr: DisaggregatedLLM, role: EngineRole) -> dict[str, Any]:
-    term = {"labelSelector": {"matchLabels": labels.selector(cr, role)}, "topologyKey": "kubernetes.io/hostname"}
+    term = {
+        "labelSelector": {"matchLabels": labels.selector(cr, role)},
+        "topologyKey": "kubernetes.io/hostname",
+    }
     return {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [term]}}
 
 
@@ -265,8 +288,9 @@ def pod_template(cr: DisaggregatedLLM, role: EngineRole, config: OperatorConfig)
         "serviceAccountName": cr.spec.service_account_name,
         "imagePullSecrets": [{"name": s.name} for s in cr.spec.image_pull_secrets],
         "nodeSelector": dict(spec.node_selector),
-        "tolerations": [t.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
-                        for t in spec.tolerations],
+        "tolerations": [
+            t.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True) for t in spec.tolerations
+        ],
         "affinity": affinity(cr, role),
         "topologySpreadConstraints": [dict(c) for c in spec.topology_spread_constraints],
         "priorityClassName": spec.priority_class_name,
@@ -292,7 +316,12 @@ def statefulset(cr: DisaggregatedLLM, role: EngineRole, config: OperatorConfig) 
     }
     if spec.replicas is not None:  # unset: the replica count belongs to an autoscaler
         body = {"replicas": spec.replicas, **body}
-    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": labels.metadata(cr, role), "spec": body}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": labels.metadata(cr, role),
+        "spec": body,
+    }
 
 
 def headless_service(cr: DisaggregatedLLM, role: EngineRole) -> dict[str, Any]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_connector.kvconfig import Connector
-
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import labels
@@ -44,9 +43,11 @@ def router_args(cr: DisaggregatedLLM, config: OperatorConfig) -> list[str]:
 def router_deployment(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any]:
     router = cr.spec.router
     health = {"httpGet": {"path": "/health", "port": "http"}}
-    resources = router.resources.model_dump(by_alias=True) if (router.resources.limits or
-                                                               router.resources.requests) else {
-        "requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    resources = (
+        router.resources.model_dump(by_alias=True)
+        if (router.resources.limits or router.resources.requests)
+        else {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+    )
     container = {
         "name": "router",
         "image": router.image or config.router_image,
