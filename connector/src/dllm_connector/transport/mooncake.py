@@ -15,11 +15,13 @@ from typing import Any, ClassVar
 import torch
 
 from dllm_connector.transport.base import (
-    RemoteRegion,
+    Source,
+    Span,
     TransferTimeout,
     Transport,
     TransportError,
     check_sizes,
+    span_of,
 )
 
 # Entries per batch call: bounds one call's duration and its argument lists.
@@ -94,8 +96,8 @@ class MooncakeTransport(Transport):
     def send(
         self,
         peer: Mapping[str, Any],
-        src: Sequence[torch.Tensor],
-        dst: Sequence[RemoteRegion],
+        src: Sequence[Source],
+        dst: Sequence[Span],
         tag: int,
         timeout: float,
     ) -> None:
@@ -112,11 +114,11 @@ class MooncakeTransport(Transport):
             raise TransferTimeout(f"Mooncake write to {session} ran past {timeout:.1f}s") from None
 
     def _write_batches(
-        self, session: str, src: Sequence[torch.Tensor], dst: Sequence[RemoteRegion], done: Future[None]
+        self, session: str, src: Sequence[Source], dst: Sequence[Span], done: Future[None]
     ) -> None:
         try:
             for start in range(0, len(src), _BATCH):
-                local = [tensor.data_ptr() for tensor in src[start : start + _BATCH]]
+                local = [span_of(source).addr for source in src[start : start + _BATCH]]
                 remote = [region.addr for region in dst[start : start + _BATCH]]
                 lengths = [region.nbytes for region in dst[start : start + _BATCH]]
                 status = self._engine.batch_transfer_sync_write(session, local, remote, lengths)

@@ -22,6 +22,10 @@ MAX_MESSAGE_BYTES = 16 << 20
 Message = dict[str, Any]
 
 
+class PeerRefused(TransportError):
+    """The peer ended the exchange itself (abort or nack) and sends nothing more."""
+
+
 def send_message(sock: socket.socket, message: Message) -> None:
     body = json.dumps(message, separators=(",", ":")).encode()
     if len(body) > MAX_MESSAGE_BYTES:
@@ -68,7 +72,8 @@ def expect(sock: socket.socket, kind: str, timeout: float) -> Message:
     if message["type"] == kind:
         return message
     reason = message.get("reason", message["type"])
-    raise TransportError(f"peer answered {message['type']} instead of {kind}: {reason}")
+    error = PeerRefused if message["type"] in ("abort", "nack") else TransportError
+    raise error(f"peer answered {message['type']} instead of {kind}: {reason}")
 
 
 def connect(host: str, port: int, timeout: float) -> socket.socket:

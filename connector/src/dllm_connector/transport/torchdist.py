@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 from dllm_connector.transport.base import (
-    RemoteRegion,
+    Source,
+    Span,
     TransferTimeout,
     Transport,
     TransportError,
@@ -78,14 +79,17 @@ class TorchDistTransport(Transport):
     def send(
         self,
         peer: Mapping[str, Any],
-        src: Sequence[torch.Tensor],
-        dst: Sequence[RemoteRegion],
+        src: Sequence[Source],
+        dst: Sequence[Span],
         tag: int,
         timeout: float,
     ) -> None:
         check_sizes(src, dst)
+        tensors = [source for source in src if isinstance(source, torch.Tensor)]
+        if len(tensors) != len(src):
+            raise TransportError(f"{self._backend} sends tensors, not raw memory spans")
         group = self._group(str(peer["pair"]), _SENDER, peer, timeout)
-        self._run([group.send([tensor], _RECEIVER, tag) for tensor in src], peer, timeout)
+        self._run([group.send([tensor], _RECEIVER, tag) for tensor in tensors], peer, timeout)
 
     def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
         group = self._group(str(peer["pair"]), _RECEIVER, peer, timeout)
