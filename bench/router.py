@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DOUBLES = ROOT / "connector" / "tests" / "router"
 PROMPT = "Explain disaggregated prefill and decode serving in one paragraph, please. " * 2
 BODY = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 16}
+WARM = 20  # requests per connection before measuring
 NIXL_PREFILL_KV = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
@@ -95,6 +96,7 @@ async def run_load(
     mode: str, urls: list[str], concurrency: int, count: int, seconds: float
 ) -> dict[str, Any]:
     """`count` requests one by one (latencies), or as many as fit in `seconds` at `concurrency`."""
+    cpu_at_start = time.process_time()
 
     async def worker(latencies: list[float], stop_at: float, quota: int) -> int:
         conns = [await Conn.open(u) for u in urls]
@@ -115,12 +117,18 @@ async def run_load(
 
     latencies: list[float] = []
     warm: list[float] = []
-    await asyncio.gather(*(worker(warm, 0.0, 20) for _ in range(concurrency)))  # open, warm pools
+    await asyncio.gather(*(worker(warm, 0.0, WARM) for _ in range(concurrency)))  # open, warm pools
     started = time.perf_counter()
     stop_at = started + seconds
     done = await asyncio.gather(*(worker(latencies, stop_at, count) for _ in range(concurrency)))
     elapsed = time.perf_counter() - started
-    return {"requests": sum(done), "seconds": elapsed, "latencies": latencies if count else []}
+    return {
+        "requests": sum(done),
+        "all_requests": sum(done) + WARM * concurrency,  # what the CPU counters saw
+        "seconds": elapsed,
+        "latencies": latencies if count else [],
+        "cpu": time.process_time() - cpu_at_start,  # the generator's own, warm-up included
+    }
 
 
 # ---- processes ----
@@ -194,7 +202,7 @@ def pct(values: list[float], q: float) -> float:
 
 
 def row(name: str, floor: float, router: float, unit: str = "ms") -> str:
-    fmt = ".3f" if unit == "ms" else ".0f"
+    fmt = ".3f" if unit == "ms" else ".0f"  # req/s and us: whole numbers
     return f"{name:<30}{floor:>10{fmt}}{router:>10{fmt}}{router - floor:>+10{fmt}}{router / floor:>8.2f}"
 
 
@@ -223,20 +231,37 @@ def main() -> None:
     direct, via = [url["prefill"], url["decode"]], [url["router"]]
     lat: dict[str, list[float]] = {"floor": [], "router": []}
     rps: dict[str, list[float]] = {"floor": [], "router": [], "floor2": [], "router2": []}
-    cpu_per_request: list[float] = []
-    cpu_c1: list[float] = []
+    router_cpu: dict[str, list[float]] = {"c1": [], "c64": []}
+    total_cpu: dict[str, list[float]] = {"floor": [], "router": []}  # all processes, per request, c=64
+    parts: dict[str, list[tuple[float, float, float]]] = {"floor": [], "router": []}
+    engines = [p.pid for p in procs]
+
+    def run(mode: str, urls: list[str], concurrency: int, count: int, seconds: float) -> dict[str, Any]:
+        before = {pid: cpu_seconds(pid) for pid in (*engines, router.pid)}
+        result: dict[str, Any] = generate(mode, urls, concurrency, count, seconds)
+        spent = {pid: cpu_seconds(pid) - t for pid, t in before.items()}
+        n = result["all_requests"]
+        result["router_cpu"] = spent[router.pid] / n
+        result["engines_cpu"] = sum(spent[pid] for pid in engines) / n
+        result["generator_cpu"] = result["cpu"] / n
+        result["total_cpu"] = result["router_cpu"] + result["engines_cpu"] + result["generator_cpu"]
+        return result
+
     try:
         for u in url.values():
             asyncio.run(wait_http(u))
         for _ in range(rounds):  # interleaved, so drifting machine load hits both sides alike
-            lat["floor"] += generate("floor", direct, 1, n1, 0)["latencies"]
-            cpu0 = cpu_seconds(router.pid)
-            lat["router"] += generate("router", via, 1, n1, 0)["latencies"]
-            cpu_c1.append((cpu_seconds(router.pid) - cpu0) / (n1 + 20))  # 20 warm-up requests
-            floor64 = generate("floor", direct, 64, 0, secs)
-            cpu0 = cpu_seconds(router.pid)
-            via64 = generate("router", via, 64, 0, secs)
-            cpu_per_request.append((cpu_seconds(router.pid) - cpu0) / via64["requests"])
+            lat["floor"] += run("floor", direct, 1, n1, 0)["latencies"]
+            via1 = run("router", via, 1, n1, 0)
+            lat["router"] += via1["latencies"]
+            router_cpu["c1"].append(via1["router_cpu"])
+            floor64 = run("floor", direct, 64, 0, secs)
+            via64 = run("router", via, 64, 0, secs)
+            router_cpu["c64"].append(via64["router_cpu"])
+            total_cpu["floor"].append(floor64["total_cpu"])
+            total_cpu["router"].append(via64["total_cpu"])
+            for side, res in (("floor", floor64), ("router", via64)):
+                parts[side].append((res["generator_cpu"], res["engines_cpu"], res["router_cpu"]))
             rps["floor"].append(floor64["requests"] / floor64["seconds"])
             rps["router"].append(via64["requests"] / via64["seconds"])
             rps["floor2"].append(generate_parallel("floor", direct, 2, 64, secs))
@@ -257,10 +282,18 @@ def main() -> None:
     print(row("p99 latency c=1 (ms)", pct(lat["floor"], 0.99), pct(lat["router"], 0.99)))
     print(row("req/s c=64, 1 generator", med["floor"], med["router"], "req/s"))
     print(row("req/s c=64, 2 generators", med["floor2"], med["router2"], "req/s"))
+    cpu = {k: statistics.median(v) * 1e6 for k, v in (*router_cpu.items(), *total_cpu.items())}
+    print(row("CPU per request, all procs (us)", cpu["floor"], cpu["router"], "us"))
     print(
-        f"router CPU time per request: {statistics.median(cpu_c1) * 1e6:.0f} us at c=1, "
-        f"{statistics.median(cpu_per_request) * 1e6:.0f} us at c=64"
+        f"router CPU time per request: {cpu['c1']:.0f} us at c=1, {cpu['c64']:.0f} us at c=64; "
+        f"req/s ratio if CPU-bound (floor CPU / router CPU): {cpu['floor'] / cpu['router']:.2f}"
     )
+    for side in ("floor", "router"):
+        gen, eng, rtr = (statistics.median(x) * 1e6 for x in zip(*parts[side], strict=True))
+        print(
+            f"  {side} CPU per request at c=64: generator {gen:.0f} us, engines {eng:.0f} us, "
+            f"router {rtr:.0f} us"
+        )
     print(
         f"generator check: floor with 2 generator processes / with 1 = {med['floor2'] / med['floor']:.2f} "
         "(near 1.0: one generator is not what limits the floor)"
