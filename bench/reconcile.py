@@ -1,0 +1,307 @@
+"""Reconcile speed of the operator on the cluster KUBECONFIG names (the local control plane by default).
+
+Side by side in one run:
+  create-to-children  CR created -> every child seen by a watch; the operator vs the floor (the same
+                      rendered children applied directly by this client, no operator in between)
+  ready-to-status     a pod turned Ready (status patch) -> the CR's Ready=True seen by a watch
+  bulk                N CRs at once -> all Ready; operator writes per CR in an idle period after
+                      (audit log, leases excluded); the operator's peak RSS
+
+Usage: python bench/reconcile.py [--quick]   (needs `make cluster-up`; run from the repository root)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402
+from e2e.cluster import controlplane as cp  # noqa: E402
+from e2e.operator_process import OperatorProcess  # noqa: E402
+
+from dllm_operator.api import parse  # noqa: E402
+from dllm_operator.kube import KubeClient, load_credentials  # noqa: E402
+from dllm_operator.render import render_all  # noqa: E402
+
+SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
+CHILD_KINDS = ("statefulsets", "deployments", "services")
+_PAUSE = threading.Event()
+
+
+def kubectl(layout: cp.Layout, *args: str, input_text: str | None = None) -> str:
+    return cp.kubectl(layout, *args, input_text=input_text)
+
+
+class Watcher:
+    """`kubectl get --watch` per kind in one namespace; first time each name was seen, and status lines."""
+
+    def __init__(self, layout: cp.Layout, namespace: str, kind: str, fmt: str) -> None:
+        self.seen: dict[str, float] = {}
+        self.lines: list[tuple[float, str]] = []
+        self._process = subprocess.Popen(
+            [str(layout.kubectl), f"--kubeconfig={layout.kubeconfig}", "get", kind, "-n", namespace,
+             "--watch", "-o", fmt], stdout=subprocess.PIPE, text=True, bufsize=1)  # fmt: skip
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self._process.stdout is not None
+        for line in self._process.stdout:
+            now = time.monotonic()
+            name = line.split()[0] if line.split() else ""
+            self.seen.setdefault(name, now)
+            self.lines.append((now, line.strip()))
+
+    def stop(self) -> None:
+        self._process.terminate()
+
+
+def cr_body(name: str) -> dict[str, Any]:
+    body = next(d for d in yaml.safe_load_all(SAMPLE.read_text()) if d and d["kind"] == "DisaggregatedLLM")
+    body["metadata"] = {"name": name}
+    return body
+
+
+def child_names(name: str) -> list[str]:
+    return [f"{name}-prefill", f"{name}-decode", f"{name}-router"]
+
+
+def wait(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        _PAUSE.wait(0.05)
+
+
+def create_to_children(layout: cp.Layout, namespace: str, count: int, floor: bool) -> list[float]:
+    """Latency from the CR's create call returning to every child seen, per CR."""
+    watchers = [Watcher(layout, namespace, kind, "name") for kind in CHILD_KINDS]
+    client = KubeClient(load_credentials(str(layout.kubeconfig)))
+    latencies = []
+    try:
+        for index in range(count):
+            name = f"{'floor' if floor else 'op'}-{index:03d}"
+            created = json.loads(
+                kubectl(
+                    layout,
+                    "create",
+                    "-n",
+                    namespace,
+                    "-o",
+                    "json",
+                    "-f",
+                    "-",
+                    input_text=json.dumps(cr_body(name)),
+                )
+            )
+            start = time.monotonic()
+            if floor:  # the physical floor: this client renders and applies the children itself
+                children = render_all(parse(created))
+                asyncio.run(_apply_all(client, children))
+            names = child_names(name)
+            wait(lambda names=names: _all_children_seen(watchers, names), 60, f"children of {name}")
+            latencies.append(max(_child_times(watchers, names)) - start)
+    finally:
+        for watcher in watchers:
+            watcher.stop()
+    return latencies
+
+
+def _seen(watcher: Watcher, name: str) -> bool:
+    return any(key.endswith(f"/{name}") for key in watcher.seen)
+
+
+def _all_children_seen(watchers: list[Watcher], names: list[str]) -> bool:
+    """Two StatefulSets, the router Deployment, and the three Services."""
+    statefulsets, deployments, services = watchers
+    return (
+        all(_seen(statefulsets, n) for n in names[:2])
+        and _seen(deployments, names[2])
+        and all(_seen(services, n) for n in names)
+    )
+
+
+def _child_times(watchers: list[Watcher], names: list[str]) -> list[float]:
+    times = []
+    for watcher in watchers:
+        times += [t for key, t in watcher.seen.items() if key.rsplit("/", 1)[-1] in names]
+    return times
+
+
+async def _apply_all(client: KubeClient, children: list[dict[str, Any]]) -> None:
+    try:
+        await asyncio.gather(*(client.apply(child) for child in children))
+    finally:
+        await client.close()
+
+
+def ready_status(cr: dict[str, Any]) -> str:
+    return next((c["status"] for c in cr.get("status", {}).get("conditions", []) if c["type"] == "Ready"), "")
+
+
+def ready_to_status(layout: cp.Layout, namespace: str, names: list[str]) -> list[float]:
+    latencies = []
+    watcher = Watcher(
+        layout,
+        namespace,
+        "dllm",
+        'jsonpath={.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\\n"}',
+    )
+    try:
+        for name in names:
+            pod = f"{name}-decode-0"
+            for status in ("False", "True"):
+                patch = {"status": {"conditions": [{"type": "Ready", "status": status}]}}
+                mark = len(watcher.lines)
+                kubectl(
+                    layout,
+                    "patch",
+                    "pod",
+                    pod,
+                    "-n",
+                    namespace,
+                    "--subresource=status",
+                    "--type=strategic",
+                    "-p",
+                    json.dumps(patch),
+                )
+                start = time.monotonic()
+
+                def flipped(mark: int = mark, status: str = status, name: str = name) -> bool:
+                    return any(line == f"{name} {status}" for _, line in watcher.lines[mark:])
+
+                wait(flipped, 30, f"{name} Ready={status}")
+                if status == "True":
+                    seen = next(t for t, line in watcher.lines[mark:] if line == f"{name} True")
+                    latencies.append(seen - start)
+    finally:
+        watcher.stop()
+    return latencies
+
+
+def all_ready(layout: cp.Layout, namespace: str, count: int) -> bool:
+    items = json.loads(kubectl(layout, "get", "dllm", "-n", namespace, "-o", "json"))["items"]
+    return sum(ready_status(i) == "True" for i in items) == count
+
+
+def operator_writes(layout: cp.Layout, namespace: str, since: str) -> int:
+    count = 0
+    for line in layout.audit_log.read_text().splitlines():
+        entry = json.loads(line)
+        ref = entry.get("objectRef", {})
+        if (
+            entry.get("userAgent", "").startswith(("dllm-operator/", "kopf/"))
+            and ref.get("namespace") == namespace
+            and ref.get("resource") != "leases"
+            and entry.get("requestReceivedTimestamp", "") > since
+        ):
+            count += 1
+    return count
+
+
+def peak_rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def p95(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+
+
+def row(label: str, values: list[float]) -> str:
+    return (
+        f"  {label:<34} median {statistics.median(values) * 1000:7.1f} ms   p95 {p95(values) * 1000:7.1f} ms"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="small counts: finishes in under 150 s")
+    args = parser.parse_args()
+    latency_count, bulk_count, idle = (10, 30, 20.0) if args.quick else (50, 100, 120.0)
+    layout = cp.up()
+    kubectl(
+        layout,
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        str(ROOT / "crds" / "disaggregatedllms.disagg.dev.yaml"),
+    )
+    stamp = time.strftime("%H%M%S")
+    watched, floor_ns, bulk_ns = f"bench-op-{stamp}", f"bench-floor-{stamp}", f"bench-bulk-{stamp}"
+    for namespace in (watched, floor_ns, bulk_ns):
+        kubectl(layout, "create", "namespace", namespace)
+    logs = Path(tempfile.mkdtemp(prefix="bench-reconcile-"))
+    operator = OperatorProcess(layout.kubeconfig, [watched, bulk_ns], logs / "operator.log", watched).start()
+    started = time.monotonic()
+    try:
+        print(
+            f"create-to-children over {latency_count} CRs (operator log {logs / 'operator.log'})", flush=True
+        )
+        floor = create_to_children(layout, floor_ns, latency_count, floor=True)
+        through = create_to_children(layout, watched, latency_count, floor=False)
+        wait(lambda: all_ready(layout, watched, latency_count), 120, "the latency CRs to be Ready")
+        print(row("floor (client applies children)", floor))
+        print(row("operator", through))
+        print(
+            f"  ratio (median)                     "
+            f"{statistics.median(through) / statistics.median(floor):.2f}x "
+            "(goal <= 1.5x)"
+        )
+        print(f"ready-to-status over {min(latency_count, 10)} CRs", flush=True)
+        ready = ready_to_status(layout, watched, [f"op-{i:03d}" for i in range(min(latency_count, 10))])
+        print(row("pod Ready -> CR Ready=True", ready) + "   (goal: median < 1 s)")
+        print(f"bulk: {bulk_count} CRs at once", flush=True)
+        bulk_start = time.monotonic()
+        kubectl(
+            layout,
+            "create",
+            "-n",
+            bulk_ns,
+            "-f",
+            "-",
+            input_text=yaml.safe_dump_all([cr_body(f"bulk-{i:03d}") for i in range(bulk_count)]),
+        )
+        wait(lambda: all_ready(layout, bulk_ns, bulk_count), 300, "all bulk CRs Ready")
+        print(f"  all {bulk_count} Ready after              {time.monotonic() - bulk_start:7.1f} s")
+        since = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        deadline = time.monotonic() + idle
+        while time.monotonic() < deadline:
+            _PAUSE.wait(1)
+        writes = operator_writes(layout, bulk_ns, since) + operator_writes(layout, watched, since)
+        print(
+            f"  operator writes in {idle:.0f} s idle        {writes} "
+            f"({writes / bulk_count:.2f} per CR, goal 0)"
+        )
+        assert operator.process is not None
+        print(
+            f"  operator peak RSS                   "
+            f"{peak_rss_mb(operator.process.pid):7.1f} MB (goal < 200 MB)"
+        )
+        print(f"total {time.monotonic() - started:.0f} s")
+    finally:
+        operator.stop()
+        for namespace in (watched, floor_ns, bulk_ns):
+            kubectl(layout, "delete", "namespace", namespace, "--wait=false")
+
+
+if __name__ == "__main__":
+    main()
