@@ -76,13 +76,21 @@ def layer_layout(tensor: torch.Tensor, num_blocks: int, geometry: Geometry) -> L
 class PagedKV:
     """One worker's registered caches: gather, scatter and address blocks across all layers."""
 
-    def __init__(self, caches: Mapping[str, torch.Tensor], num_blocks: int, geometry: Geometry) -> None:
+    def __init__(
+        self,
+        caches: Mapping[str, torch.Tensor],
+        num_blocks: int,
+        geometry: Geometry,
+        *,
+        parallel: Mapping[str, int] | None = None,
+    ) -> None:
         if not caches:
             raise LayoutError("no KV caches registered")
         self.names = sorted(caches)
         self.caches = [caches[name] for name in self.names]
         self.num_blocks = num_blocks
         self.geometry = geometry
+        self.parallel = dict(parallel or {})  # e.g. {"tp_size": 2}: must match the peer's
         layouts = {layer_layout(tensor, num_blocks, geometry) for tensor in self.caches}
         dtypes = {tensor.dtype for tensor in self.caches}
         if len(layouts) != 1 or len(dtypes) != 1:
@@ -125,7 +133,7 @@ class PagedKV:
             "head_dim": self.geometry.head_dim,
             "kv_cache_dtype": self.geometry.kv_cache_dtype,
             "model": self.geometry.model,
-        }
+        } | self.parallel
 
     def batch_shape(self, count: int) -> tuple[int, ...]:
         """Shape of `count` blocks gathered over all layers: [layers * count * segments, *segment]."""

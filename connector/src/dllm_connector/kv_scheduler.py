@@ -63,6 +63,7 @@ class SendSpec:
     host: str
     port: int
     prompt_hash: str
+    engine_id: str | None = None
 
 
 @dataclass
@@ -160,7 +161,10 @@ class SchedulerState:
         if not host or port is None:
             return False
         wanted = tuple(block_ids[: blocks_for(prompt_len, self.block_size)])
-        self._plan.sends.append(SendSpec(request_id, prefill.transfer_id, wanted, host, port, prompt_hash))
+        spec = SendSpec(
+            request_id, prefill.transfer_id, wanted, host, port, prompt_hash, prefill.decode_engine_id
+        )
+        self._plan.sends.append(spec)
         self._sending.add(request_id)
         return True
 

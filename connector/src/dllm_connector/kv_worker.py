@@ -29,6 +29,7 @@ class WorkerIdentity:
     tp_size: int = 1
     sends: bool = True
     receives: bool = True
+    engine_id: str | None = None
 
 
 @dataclass
@@ -74,15 +75,19 @@ class ConnectorWorker:
         self._sends: dict[str, str] = {}  # transfer id -> request id
         self._load_errors: set[int] = set()
         self._settled: dict[str, str] = {}  # outcomes of synchronous loads, reported next
+        self.failures: dict[str, str] = {}  # transfer id -> why it failed (the latest 1000)
 
     def register_kv_caches(self, caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
-        self.kv = PagedKV(caches, num_blocks, self.geometry)
+        # Ranks map one to one (prefill rank r sends to decode rank r), so TP sizes must match.
+        self.kv = PagedKV(caches, num_blocks, self.geometry, parallel={"tp_size": self.identity.tp_size})
         self.transport = make_transport(self.transport_kind, self.extra, self.host, self.kv.device)
         if self.identity.sends:
             self.sender = KVSender(self.transport, self.kv, self.config)
         if self.identity.receives:
             port = self.identity.kv_port + self.identity.tp_rank
-            self.receiver = KVReceiver(self.transport, self.kv, self.config, self.host, port)
+            self.receiver = KVReceiver(
+                self.transport, self.kv, self.config, self.host, port, engine_id=self.identity.engine_id
+            )
 
     def start(self, plan: StepPlan) -> None:
         for load in plan.loads:
@@ -98,7 +103,8 @@ class ConnectorWorker:
             assert self.sender is not None, "a send was planned on a worker that does not send"
             self._sends[send.transfer_id] = send.request_id
             port = send.port + self.identity.tp_rank
-            self.sender.submit(SendJob(send.transfer_id, send.block_ids, send.host, port, send.prompt_hash))
+            job = SendJob(send.transfer_id, send.block_ids, send.host, port, send.prompt_hash, send.engine_id)
+            self.sender.submit(job)
         if not self.config.async_transfer and plan.loads:
             self._wait_for_loads([load.transfer_id for load in plan.loads])
 
@@ -114,8 +120,18 @@ class ConnectorWorker:
                 outcome = self.receiver.wait_for(transfer_id, 0) or "timed out"
             self._settled[transfer_id] = outcome
 
+    def _record_failure(self, transfer_id: str, reason: str) -> None:
+        self.failures[transfer_id] = reason
+        while len(self.failures) > 1000:
+            del self.failures[next(iter(self.failures))]
+
     def results(self) -> StepResults:
-        sending = {self._sends.pop(tid) for tid in self._sender_done() if tid in self._sends}
+        sending: set[str] = set()
+        for transfer_id, reason in self._sender_done().items():
+            if reason:
+                self._record_failure(transfer_id, reason)
+            if transfer_id in self._sends:
+                sending.add(self._sends.pop(transfer_id))
         recving: set[str] = set()
         failed: set[str] = set()
         for transfer_id, outcome in self._receiver_done().items():
@@ -124,6 +140,7 @@ class ConnectorWorker:
             request_id, blocks = self._loads.pop(transfer_id)
             recving.add(request_id)
             if outcome:
+                self._record_failure(transfer_id, outcome)
                 failed.add(request_id)
                 self._load_errors.update(blocks)
                 _log.warning(

@@ -115,6 +115,7 @@ class SendJob:
     host: str
     port: int
     prompt_hash: str = ""
+    engine_id: str | None = None  # the decode engine the router named; checked at the handshake
 
 
 @dataclass(frozen=True)
@@ -320,6 +321,7 @@ class KVSender:
             "type": "offer",
             "transfer_id": job.transfer_id,
             "prompt_hash": job.prompt_hash,
+            "engine_id": job.engine_id,
             "num_blocks": len(job.block_ids),
             "codec": self.codec.value,
             "zero_copy": self.zero_copy,
@@ -396,8 +398,18 @@ class _Expectation:
 class KVReceiver:
     """Decode side: serves the side channel and loads offered KV into expected blocks."""
 
-    def __init__(self, transport: Transport, kv: PagedKV, config: PipeConfig, host: str, port: int) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        kv: PagedKV,
+        config: PipeConfig,
+        host: str,
+        port: int,
+        *,
+        engine_id: str | None = None,
+    ) -> None:
         self.transport = transport
+        self.engine_id = engine_id
         self.kv = kv
         self.config = config
         self.stats = PipeStats()
@@ -587,6 +599,11 @@ class KVReceiver:
         if mismatches:
             raise TransferFailed("KV cache mismatch between prefill and decode: " + "; ".join(mismatches))
         expectation = self._claim(str(offer["transfer_id"]), float(offer.get("hold_s", self.config.hold_s)))
+        wanted_engine = offer.get("engine_id")
+        if wanted_engine and self.engine_id and wanted_engine != self.engine_id:
+            raise TransferFailed(
+                f"prefill was sent to decode engine {wanted_engine!r}, this is {self.engine_id!r}"
+            )
         theirs = offer.get("prompt_hash")
         if theirs and expectation.prompt_hash and theirs != expectation.prompt_hash:
             raise TransferFailed("prompt token ids differ between prefill and decode (tokenization mismatch)")

@@ -106,6 +106,7 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
                 tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
                 sends=bool(transfer.is_kv_producer),
                 receives=bool(transfer.is_kv_consumer),
+                engine_id=str(transfer.engine_id) if transfer.engine_id else None,
             )
             self._identity = identity
 

@@ -10,6 +10,7 @@ import inspect
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -259,3 +260,45 @@ def test_a_prefill_that_never_sends_fails_the_load_with_its_blocks(
     assert decode.receiver.staging.in_use == 0
     assert decode.kv is not None
     assert int(torch.count_nonzero(decode.kv.gather([10, 11]))) == 0
+
+
+@pytest.mark.parametrize(
+    ("prefill_identity", "decode_identity", "named_engine", "message"),
+    [
+        ({"tp_size": 2}, {}, None, "tp_size: ours 1, peer 2"),
+        (
+            {},
+            {"engine_id": "decode-b"},
+            "decode-a",
+            "prefill was sent to decode engine 'decode-a', this is 'decode-b'",
+        ),
+    ],
+)
+def test_handshake_refuses_mismatched_parallelism_and_engines(
+    prefill_identity: dict[str, Any], decode_identity: dict[str, Any], named_engine: str | None, message: str
+) -> None:
+    config = extra(prefill_wait_ms=5000)
+    prefill = ConnectorWorker(
+        config, GEOMETRY, WorkerIdentity(0, receives=False, **prefill_identity), "mooncake"
+    )
+    decode = ConnectorWorker(config, GEOMETRY, WorkerIdentity(0, sends=False, **decode_identity), "mooncake")
+    try:
+        prefill.register_kv_caches(make_caches(7), NUM_BLOCKS)
+        decode.register_kv_caches(make_caches(None), NUM_BLOCKS)
+        assert decode.receiver is not None
+        assert prefill.sender is not None
+        prefill_plan, decode_plan = plans(40, [1, 2, 3], [4, 5, 6], decode.receiver.port)
+        prefill_plan.sends[0] = replace(prefill_plan.sends[0], engine_id=named_engine)
+        decode.start(decode_plan)
+        prefill.start(prefill_plan)
+        assert decode.receiver.wait_settled("tx-w", timeout=30)
+        assert prefill.sender.wait_idle(timeout=30)
+        results = decode.results()
+        assert results.failed_recving == {"d-1"}
+        assert decode.take_load_errors() == {4, 5, 6}
+        assert prefill.results().finished_sending == {"p-1"}  # the send ended (failed): blocks freed
+        assert message in prefill.failures["tx-w"]
+        assert message in decode.failures["tx-w"]
+    finally:
+        prefill.close()
+        decode.close()
