@@ -10,6 +10,7 @@ in the same run, side by side:
 GB/s counts uncompressed KV delivered per second (1 GB = 1e9 bytes). The codec's own GB/s per
 core is measured with torch on one thread. `--link` runs the table again over a veth pair between
 two network namespaces of our own, rate-limited with tc (needs root; 127.0.0.1 stays untouched).
+Transfers are pipelined in batches of 256 tokens (transferThresholdTokens).
 
     python bench/kv_transfer.py --quick            # 2k tokens, under 50 s
     python bench/kv_transfer.py --tokens 2048 32768 --link 2gbit
@@ -109,7 +110,7 @@ class Worker:
         assert self._raw is not None
         conn, _ = self._raw.accept()
         with conn:
-            buffer = memoryview(torch.empty(nbytes, dtype=torch.uint8).numpy()).cast("B")
+            buffer = torch.empty(nbytes, dtype=torch.uint8).numpy().data.cast("B")
             received = 0
             while received < nbytes:
                 received += conn.recv_into(buffer[received:], min(nbytes - received, 1 << 22))

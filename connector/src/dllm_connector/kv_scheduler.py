@@ -102,19 +102,16 @@ class SchedulerState:
         self._loading: dict[str, str] = {}  # vLLM request id -> transfer id, until loaded
         self._sending: set[str] = set()
 
-    def _transfers(self, prompt_len: int) -> bool:
-        return prompt_len >= self.config.transfer_threshold_tokens
-
     # decode ------------------------------------------------------------------------------------
 
     def matched_tokens(
         self, params: Mapping[str, Any] | None, prompt_len: int, num_computed: int
     ) -> tuple[int, bool]:
-        """Side-effect free: how many prompt tokens decode will load, and whether asynchronously."""
-        if decode_params(params) is None or not self._transfers(prompt_len):
+        """Side-effect free: how many prompt tokens decode will load; decode always loads asynchronously."""
+        if decode_params(params) is None:
             return 0, False
         count = prompt_len - num_computed
-        return (count, self.config.async_transfer) if count > 0 else (0, False)
+        return (count, True) if count > 0 else (0, False)
 
     def after_alloc(
         self,
@@ -154,7 +151,7 @@ class SchedulerState:
             self._plan.cancels.append(self._loading[request_id])
             return False
         prefill = prefill_params(params)
-        if prefill is None or not length_capped or not block_ids or not self._transfers(prompt_len):
+        if prefill is None or not length_capped or not block_ids:
             return False
         host = prefill.decode_host or self.config.decode_host
         port = prefill.decode_kv_port or self.config.decode_port

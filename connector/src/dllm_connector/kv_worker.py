@@ -2,7 +2,8 @@
 
 Owns the paged caches, one transport, a KVReceiver (decode, side channel on kv_port + TP rank)
 and a KVSender (prefill). Each step it starts the scheduler's plan and reports what ended; every
-receive is reported exactly once, as loaded or failed, with the failed blocks listed.
+receive is reported exactly once, as loaded or failed, with the failed blocks listed. Decode always
+loads asynchronously; async_transfer false makes prefill sends run inline in the engine step.
 """
 
 from __future__ import annotations
@@ -74,7 +75,6 @@ class ConnectorWorker:
         self._loads: dict[str, tuple[str, tuple[int, ...]]] = {}  # transfer id -> (request id, blocks)
         self._sends: dict[str, str] = {}  # transfer id -> request id
         self._load_errors: set[int] = set()
-        self._settled: dict[str, str] = {}  # outcomes of synchronous loads, reported next
         self.failures: dict[str, str] = {}  # transfer id -> why it failed (the latest 1000)
 
     def register_kv_caches(self, caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
@@ -105,20 +105,6 @@ class ConnectorWorker:
             port = send.port + self.identity.tp_rank
             job = SendJob(send.transfer_id, send.block_ids, send.host, port, send.prompt_hash, send.engine_id)
             self.sender.submit(job)
-        if not self.config.async_transfer and plan.loads:
-            self._wait_for_loads([load.transfer_id for load in plan.loads])
-
-    def _wait_for_loads(self, transfer_ids: list[str]) -> None:
-        """Synchronous loading (async_transfer false): the step waits for its loads."""
-        assert self.receiver is not None
-        for transfer_id in transfer_ids:
-            outcome = self.receiver.wait_for(
-                transfer_id, self.config.prefill_wait_s + self.config.transfer_timeout_s
-            )
-            if outcome is None:
-                self.receiver.cancel(transfer_id)
-                outcome = self.receiver.wait_for(transfer_id, 0) or "timed out"
-            self._settled[transfer_id] = outcome
 
     def _record_failure(self, transfer_id: str, reason: str) -> None:
         self.failures[transfer_id] = reason
@@ -152,11 +138,7 @@ class ConnectorWorker:
         return self.sender.finished() if self.sender is not None else {}
 
     def _receiver_done(self) -> dict[str, str]:
-        done = dict(self._settled)
-        self._settled.clear()
-        if self.receiver is not None:
-            done |= self.receiver.results()
-        return done
+        return self.receiver.results() if self.receiver is not None else {}
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -56,8 +56,9 @@ _log = logging.getLogger(__name__)
 _GB = 1 << 30
 # Connection attempts to a decode side channel that is not up yet are retried this often.
 _CONNECT_RETRY_S = 0.05
-# A transfer is pipelined in chunks of about this much raw KV: chunk k+1 is encoded while chunk k
-# is on the wire, and decoded on the other side while k+2 arrives.
+# A transfer is pipelined in chunks (transferThresholdTokens of KV each): chunk k+1 is encoded
+# while chunk k is on the wire, and decoded on the other side while k+2 arrives. Without a block
+# size (the tensor API) chunks hold about this much raw KV.
 _CHUNK_BYTES = 32 << 20
 _ALIGN = 64
 
@@ -70,8 +71,8 @@ class PipeConfig:
     prefill_wait_s: float = 60.0
     hold_s: float = 480.0
     async_transfer: bool = True
-    threshold_tokens: int = 1024
-    chunk_bytes: int = _CHUNK_BYTES
+    threshold_tokens: int = 1024  # KV moves in batches (pipeline chunks) of this many tokens
+    chunk_bytes: int = _CHUNK_BYTES  # the batch size where the block size is unknown (tensor API)
 
     @classmethod
     def from_extra(cls, extra: ConnectorExtraConfig) -> PipeConfig:
@@ -313,6 +314,8 @@ class KVSender:
                 time.sleep(_CONNECT_RETRY_S)
 
     def _chunk_blocks(self) -> int:
+        if self.kv.geometry.block_size > 0:
+            return max(1, -(-self.config.threshold_tokens // self.kv.geometry.block_size))
         block_bytes = len(self.kv.caches) * self.kv.layout.segments * self.kv.segment_nbytes
         return max(1, self.config.chunk_bytes // max(1, block_bytes))
 

@@ -95,7 +95,7 @@ def run_spec(transport: Transport, spec: dict[str, Any]) -> list[dict[str, Any]]
         transfer_timeout_s=spec.get("timeout_s", 10.0),
         hold_s=spec.get("hold_s", 10.0),
         async_transfer=False,
-        chunk_bytes=spec.get("chunk_bytes", 1 << 20),  # several chunks per transfer: the pipeline runs
+        threshold_tokens=spec.get("threshold_tokens", 256),  # 16-block batches: the pipeline runs
     )
     sender_class = {"corrupt": CorruptingSender, "die": DyingSender}.get(spec.get("double", ""), KVSender)
     sender = sender_class(transport, kv, config)

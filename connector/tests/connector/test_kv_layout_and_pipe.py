@@ -12,7 +12,7 @@ from kv_peer import HOST
 
 from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, layer_layout, regions_checksum
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig, Protocol
-from dllm_connector.pipe import KVPipe, PipeConfig, prompt_hash
+from dllm_connector.pipe import KVPipe, KVSender, PipeConfig, chunk_ranges, prompt_hash
 from dllm_connector.transport.base import TransferTimeout, TransportError
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.staging import StagingBuffer
@@ -128,6 +128,19 @@ def mooncake() -> Iterator[MooncakeTransport]:
     engine = MooncakeTransport(HOST)
     yield engine
     engine.close()
+
+
+@pytest.mark.parametrize(("threshold", "blocks"), [(1024, 64), (256, 16), (20, 2), (1, 1)])
+def test_transfers_move_in_batches_of_the_threshold(
+    mooncake: MooncakeTransport, threshold: int, blocks: int
+) -> None:
+    kv = PagedKV({"a": torch.zeros(NUM_BLOCKS, 4, 16, 64)}, NUM_BLOCKS, GEOMETRY)
+    sender = KVSender(mooncake, kv, PipeConfig(buffer_bytes=1024, threshold_tokens=threshold))
+    try:
+        assert sender._chunk_blocks() == blocks
+    finally:
+        sender.close()
+    assert chunk_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
 
 
 @pytest.mark.parametrize("compression", list(Compression))

@@ -136,13 +136,12 @@ def test_decode_loads_asynchronously_into_the_allocated_blocks() -> None:
     assert connector.build_connector_meta(None).plan == StepPlan()
 
 
-def test_requests_without_dllm_params_or_below_threshold_load_nothing() -> None:
-    connector = create(
-        Connector.MOONCAKE, Role.DECODE, KVConnectorRole.SCHEDULER, transfer_threshold_tokens=32
-    )
+def test_only_dllm_requests_load_and_always_asynchronously() -> None:
+    connector = create(Connector.MOONCAKE, Role.DECODE, KVConnectorRole.SCHEDULER, async_transfer=False)
     assert connector.get_num_new_matched_tokens(request("plain", 70, None), 0) == (0, False)
     short = request("short", 31, DecodeParams(transfer_id="tx-2").model_dump())
-    assert connector.get_num_new_matched_tokens(short, 0) == (0, False)
+    assert connector.get_num_new_matched_tokens(short, 0) == (31, True)
+    assert connector.get_num_new_matched_tokens(short, 31) == (0, False)
     foreign = request("other", 70, {"do_remote_prefill": True, "transfer_id": "x"})
     assert connector.get_num_new_matched_tokens(foreign, 0) == (0, False)
 
