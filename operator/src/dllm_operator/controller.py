@@ -250,7 +250,14 @@ class Controller:
         desired = render_all(cr, self.config)
         actual = self.store.children[key]
         writes = plan(desired, actual, cr.metadata.uid)
-        errors = [message for obj in writes.apply if (message := await self._apply(body, obj, actual))]
+        # Children are independent objects: apply them at once (a StatefulSet may precede its Service).
+        results = await asyncio.gather(
+            *(self._apply(body, obj, actual) for obj in writes.apply), return_exceptions=True
+        )
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            raise failures[0]
+        errors = [r for r in results if isinstance(r, str)]
         for kind, name in writes.delete:
             await self.client.delete(kind, key[0], name, actual[(kind, name)]["metadata"].get("uid"))
             actual.pop((kind, name), None)
