@@ -171,3 +171,25 @@ def test_parse_bootstrap_query() -> None:
 def test_parse_bootstrap_query_refuses_unusable_answers(answer: object) -> None:
     with pytest.raises(flows.BootstrapError):
         flows.parse_bootstrap_query(answer)
+
+
+def test_decode_payload_splices_params_into_the_client_bytes() -> None:
+    raw = b' {"prompt": "p\\u00e9", "max_tokens": 9}\n'
+    body = json.loads(raw)
+    out = oa.decode_payload(body, raw, {"k": [1]})
+    assert out == b'{"prompt": "p\\u00e9", "max_tokens": 9,"kv_transfer_params":{"k":[1]}}'
+    assert json.loads(out) == {**body, "kv_transfer_params": {"k": [1]}}
+    assert oa.decode_payload(body, raw, None) is raw
+
+
+def test_decode_payload_re_encodes_when_splicing_would_be_wrong() -> None:
+    theirs = {"prompt": "p", "kv_transfer_params": {"mine": 1}}
+    out = oa.decode_payload(theirs, json.dumps(theirs).encode(), {"k": 2})
+    assert json.loads(out) == {"prompt": "p", "kv_transfer_params": {"k": 2}}  # one key, the router's
+    assert out.count(b"kv_transfer_params") == 1
+    utf16 = json.dumps({"prompt": "p"}).encode("utf-16")
+    assert json.loads(oa.decode_payload({"prompt": "p"}, utf16, {"k": 3})) == {
+        "prompt": "p",
+        "kv_transfer_params": {"k": 3},
+    }
+    assert json.loads(oa.decode_payload({"prompt": "q"}, None, {"k": 4}))["kv_transfer_params"] == {"k": 4}

@@ -90,6 +90,19 @@ def decode_request(body: JsonObject, kv_params: JsonObject | None) -> JsonObject
     return {**body, "kv_transfer_params": kv_params}
 
 
+def decode_payload(body: JsonObject, raw: bytes | None, kv_params: JsonObject | None) -> bytes:
+    """Decode's body as bytes: the client's own bytes with kv_transfer_params spliced in before the
+    closing brace, so a long prompt is not encoded again. Re-encoded when the client sent the key itself
+    (no duplicate keys), or the bytes are not plain UTF-8 JSON, or there are no client bytes."""
+    if raw is not None and "kv_transfer_params" not in body:
+        if kv_params is None:
+            return raw
+        stripped = raw.strip()
+        if stripped.startswith(b"{") and stripped.endswith(b"}") and body:
+            return stripped[:-1] + b',"kv_transfer_params":' + dumps(kv_params) + b"}"
+    return dumps(decode_request(body, kv_params))
+
+
 def finished_at_prefill(answer: JsonObject, body: JsonObject) -> bool:
     """Prefill's single token ended the request (EOS or a stop string) and one choice was asked."""
     if choices_per_prompt(body) != 1:

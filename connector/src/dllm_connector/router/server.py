@@ -71,6 +71,16 @@ class Answer:
                 self.decode.inflight -= 1
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a request: its body, the client's bytes when the body is theirs unchanged, its ids."""
+
+    body: JsonObject
+    raw: bytes | None
+    rid: str
+    index: int
+
+
 class Router:
     def __init__(
         self,
@@ -199,8 +209,9 @@ class Router:
         started = perf_counter()
         answers: list[Answer] = []
         try:
-            body = oa.parse_request(await _read_body(request), route)
-            response = await self._serve(request, route, body, rid, started, answers)
+            raw = await _read_body(request)
+            body = oa.parse_request(raw, route)
+            response = await self._serve(request, route, body, raw, rid, started, answers)
         except oa.BadRequest as e:
             response = self._error_response(RouterError(400, "bad_request", str(e)), rid)
         except RouterError as e:
@@ -240,6 +251,7 @@ class Router:
         request: web.Request,
         route: str,
         body: JsonObject,
+        raw: bytes,
         rid: str,
         started: float,
         answers: list[Answer],
@@ -250,7 +262,9 @@ class Router:
         if "Authorization" in request.headers:
             headers += b"Authorization: " + _header_value(request.headers["Authorization"]) + b"\r\n"
         if len(prompts) == 1:
-            answers.append(await self._exchange(route, body, rid, 0, headers, read_all=not stream))
+            answers.append(
+                await self._exchange(route, Prompt(body, raw, rid, 0), headers, read_all=not stream)
+            )
         else:
             answers += await self._exchange_all(route, prompts, rid, headers, read_all=not stream)
         if not stream:
@@ -282,7 +296,7 @@ class Router:
         self, route: str, prompts: list[JsonObject], rid: str, headers: bytes, read_all: bool
     ) -> list[Answer]:
         tasks = [
-            asyncio.create_task(self._exchange(route, p, f"{rid}-{i}", i, headers, read_all))
+            asyncio.create_task(self._exchange(route, Prompt(p, None, f"{rid}-{i}", i), headers, read_all))
             for i, p in enumerate(prompts)
         ]
         try:
@@ -308,21 +322,19 @@ class Router:
 
     # ---- one prompt: pick, call, retry ----
 
-    async def _exchange(
-        self, route: str, body: JsonObject, rid: str, index: int, headers: bytes, read_all: bool
-    ) -> Answer:
+    async def _exchange(self, route: str, prompt: Prompt, headers: bytes, read_all: bool) -> Answer:
         tried: list[Endpoint] = []
         last: Unreachable | None = None
         for attempt in range(self.config.retries + 1):
             if attempt:
                 self.metrics.retries += 1
             try:
-                return await self._attempt(route, body, rid, index, headers, read_all, tried)
+                return await self._attempt(route, prompt, headers, read_all, tried)
             except Unreachable as e:
                 tried.append(e.endpoint)
                 if e.connect_failed and e.endpoint.healthy:
                     e.endpoint.healthy = False
-                    log.warning("%s %s pod %s taken out: %s", rid, e.endpoint.role, e.endpoint.name, e)
+                    log.warning("%s %s pod %s taken out: %s", prompt.rid, e.endpoint.role, e.endpoint.name, e)
                 last = e
         assert last is not None
         role = last.endpoint.role
@@ -335,24 +347,20 @@ class Router:
         return ep
 
     async def _attempt(
-        self,
-        route: str,
-        body: JsonObject,
-        rid: str,
-        index: int,
-        headers: bytes,
-        read_all: bool,
-        tried: list[Endpoint],
+        self, route: str, prompt: Prompt, headers: bytes, read_all: bool, tried: list[Endpoint]
     ) -> Answer:
+        body = prompt.body
         p = self._pick(self.prefill, tried)
-        up_headers = headers + b"X-Request-Id: " + _header_value(rid) + b"\r\n"
+        up_headers = headers + b"X-Request-Id: " + _header_value(prompt.rid) + b"\r\n"
         if oa.asks_one_token(body):  # prefill alone answers; no KV moves
             self.metrics.prefill_answers += 1
             answer = Answer(prefill=p, decode=p)
-            await self._open(answer, p, route, oa.dumps(body), up_headers, read_all)
+            await self._open(
+                answer, p, route, oa.decode_payload(body, prompt.raw, None), up_headers, read_all
+            )
             return answer
         d = self._pick(self.decode, tried)
-        plan = self._plan(rid, index, p, d)
+        plan = self._plan(prompt.rid, prompt.index, p, d)
         prefill_call = self._call_prefill(
             p,
             route,
@@ -363,7 +371,7 @@ class Router:
         if plan.concurrent:
             assert plan.decode_kv is not None
             decode_call = self._open(
-                answer, d, route, oa.dumps(oa.decode_request(body, plan.decode_kv)), up_headers, read_all
+                answer, d, route, oa.decode_payload(body, prompt.raw, plan.decode_kv), up_headers, read_all
             )
             return await self._concurrently(answer, prefill_call, decode_call, body)
         finished = await prefill_call
@@ -374,7 +382,7 @@ class Router:
             return answer
         kv = finished.get("kv_transfer_params")
         await self._open(
-            answer, d, route, oa.dumps(oa.decode_request(body, kv or None)), up_headers, read_all
+            answer, d, route, oa.decode_payload(body, prompt.raw, kv or None), up_headers, read_all
         )
         return answer
 
