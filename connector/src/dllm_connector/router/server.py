@@ -1,4 +1,7 @@
-"""The router's I/O: the aiohttp server, one shared upstream ClientSession, discovery and health loops.
+"""The router's I/O: the aiohttp server, the discovery and health loops, and the upstream calls.
+
+Generation calls go through keep-alive connection pools per pod (`upstream.py`); health checks, the
+bootstrap /query and /v1/models use one aiohttp ClientSession.
 
 Per prompt the router picks a prefill and a decode pod (least outstanding requests), sends the two calls
 of the configured flow, and relays decode's answer. Nothing reaches the client before prefill has
