@@ -28,19 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dllm_connector.router.flows import NIXL_PREFILL_KV
+
 ROOT = Path(__file__).resolve().parents[1]
 DOUBLES = ROOT / "connector" / "tests" / "router"
 PROMPT = "Explain disaggregated prefill and decode serving in one paragraph, please. " * 2
 BODY = {"model": "fake-model", "prompt": PROMPT, "max_tokens": 16}
 WARM = 20  # requests per connection before measuring
-NIXL_PREFILL_KV = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 # ---- a minimal HTTP/1.1 keep-alive client ----
