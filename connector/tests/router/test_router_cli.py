@@ -23,17 +23,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def wait_for_listening(proc: asyncio.subprocess.Process) -> None:
-    """The router logs one line once it listens: wait for it (bounded), reading its stderr."""
+async def wait_for_log(proc: asyncio.subprocess.Process, text: bytes) -> None:
+    """Wait (bounded) until the router's stderr has a line containing `text`."""
 
     async def read() -> None:
         assert proc.stderr is not None
         async for line in proc.stderr:
-            if b"dllm-router on 127.0.0.1:" in line:
+            if text in line:
                 return
-        raise AssertionError("the router exited before listening")
+        raise AssertionError(f"the router exited before logging {text!r}")
 
     await asyncio.wait_for(read(), 15)
+
+
+async def wait_for_listening(proc: asyncio.subprocess.Process) -> None:
+    await wait_for_log(proc, b"dllm-router on 127.0.0.1:")
 
 
 @pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
@@ -75,3 +79,32 @@ async def test_router_process_refuses_bad_config_with_exit_2() -> None:
         "dllm-router: --decode-dns (or DLLM_ROUTER_DECODE_DNS): 'bad' is not HOST:PORT"
         " (e.g. llm-prefill:8000)"
     )
+
+
+async def test_sigterm_lets_in_flight_requests_finish(
+    engines: EngineFactory, client: aiohttp.ClientSession
+) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    d.hold = asyncio.Event()
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1", "--port", str(port),
+        "--flow", "dllm", "--prefill-url", p.url, "--decode-url", d.url,
+        env={**os.environ, "DLLM_ROUTER_LOG_LEVEL": "info"}, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        await wait_for_listening(proc)
+        body = {"prompt": "drain", "max_tokens": 2}
+        pending = asyncio.create_task(client.post(f"http://127.0.0.1:{port}/v1/completions", json=body))
+        await asyncio.wait_for(d.arrived.wait(), 10)
+        proc.send_signal(signal.SIGTERM)  # a rolling update stops the router mid-request
+        await wait_for_log(proc, b"stopping: no new connections")
+        d.hold.set()
+        async with await pending as r:
+            assert r.status == 200
+            assert json.loads(await r.text())["choices"][0]["text"] == expected_text("drain", 2)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

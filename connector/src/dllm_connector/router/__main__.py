@@ -13,12 +13,13 @@ from dllm_connector.router.config import ConfigError, RouterConfig, parse_config
 from dllm_connector.router.server import Router, serve
 
 log = logging.getLogger("dllm.router")
+DRAIN_S = 25.0  # in-flight requests finish before SIGKILL (30 s after SIGTERM by default)
 
 
 async def run(config: RouterConfig) -> None:
     router = Router(config)
     await router.start()
-    runner = await serve(router, config.host, config.port)
+    runner = await serve(router, config.host, config.port, drain_s=DRAIN_S)
     log.info(
         "dllm-router on %s:%d, flow %s, prefill %s, decode %s",
         config.host,
@@ -33,6 +34,7 @@ async def run(config: RouterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
+        log.info("stopping: no new connections; in-flight requests get up to %.0f s", DRAIN_S)
     finally:
         await runner.cleanup()
         await router.close()
