@@ -91,7 +91,8 @@ class Pool:
 
 
 async def resolve_host(host: str) -> frozenset[str]:
-    """All addresses of `host`. An unknown name (a headless Service with no ready pod) is empty."""
+    """The addresses of `host`: one per pod. An unknown name (a headless Service with no ready pod) is
+    empty. A dual-stack Service lists each pod twice (A and AAAA): then only the IPv4 addresses count."""
     loop = asyncio.get_running_loop()
     try:
         infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
@@ -99,7 +100,8 @@ async def resolve_host(host: str) -> frozenset[str]:
         if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
             return frozenset()
         raise
-    return frozenset(str(info[4][0]) for info in infos)
+    v4 = frozenset(str(i[4][0]) for i in infos if i[0] == socket.AF_INET)
+    return v4 or frozenset(str(i[4][0]) for i in infos)
 
 
 class DnsSource:
