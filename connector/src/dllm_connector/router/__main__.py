@@ -51,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(sys.argv[1:] if argv is None else argv, os.environ)
         if config.event_loop == "uvloop":
-            import uvloop  # optional: the router runs on the standard loop without it
+            import uvloop  # type: ignore[import-not-found, unused-ignore]  # optional: the standard loop works
     except ConfigError as e:
         print(f"dllm-router: {e}", file=sys.stderr)
         return 2
