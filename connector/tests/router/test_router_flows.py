@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
-from conftest import EngineFactory, RouterFactory, wait_event
+from conftest import EngineFactory, RouterFactory, wait_event, wait_until
 from router_engine_double import expected_text
 
 from dllm_connector.protocol import DecodeParams, PrefillParams
@@ -238,3 +239,19 @@ async def test_prompt_over_aiohttp_default_body_limit(
     status, text = await r.text_of(COMPLETIONS, {"prompt": prompt, "max_tokens": 2})
     assert status == 200
     assert json.loads(text)["choices"][0]["text"] == expected_text(prompt, 2)
+
+
+async def test_request_id_appears_in_the_logs(
+    engines: EngineFactory, start_router: RouterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    r = await start_router("dllm", [p], [d])
+    caplog.set_level(logging.INFO, logger="dllm.router")
+    async with await r.post(COMPLETIONS, {"prompt": "x"}, headers={"X-Request-Id": "trace-ok"}) as resp:
+        assert resp.status == 200
+    access = f"trace-ok /v1/completions 200 prefill=127.0.0.1:{p.port} decode=127.0.0.1:{d.port} "
+    await wait_until(lambda: any(m.startswith(access) for m in caplog.messages), "the access line")
+    d.fail_status = 400
+    async with await r.post(COMPLETIONS, {"prompt": "x"}, headers={"X-Request-Id": "trace-bad"}) as resp:
+        assert resp.status == 400
+    assert f"trace-bad decode_error: decode pod 127.0.0.1:{d.port} answered 400" in caplog.messages

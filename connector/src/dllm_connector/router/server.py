@@ -228,14 +228,19 @@ class Router:
                 answer.release()
         self.metrics.requests[(route, response.status)] += 1
         if log.isEnabledFor(logging.INFO):
-            log.info(
+            prefill = ",".join(a.prefill.name for a in answers) or "-"
+            decode = ",".join(a.decode.name if a.decode else "-" for a in answers) or "-"
+            ms = (perf_counter() - started) * 1000
+            # written on the next loop turn, after aiohttp has sent the answer: off the latency path
+            asyncio.get_running_loop().call_soon(
+                log.info,
                 "%s %s %d prefill=%s decode=%s %.1fms",
                 rid,
                 route,
                 response.status,
-                ",".join(a.prefill.name for a in answers) or "-",
-                ",".join(a.decode.name if a.decode else "-" for a in answers) or "-",
-                (perf_counter() - started) * 1000,
+                prefill,
+                decode,
+                ms,
             )
         return response
 
