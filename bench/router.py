@@ -2,13 +2,15 @@
 
 Both runs hit the same engine doubles (FakeVllmEngine from connector/tests/router, one process per role).
 The floor client does what the router does: prefill with max_tokens=1 (stream false), then decode with
-the kv_transfer_params prefill returned (the nixl flow). Then the same requests go through the router.
+the kv_transfer_params prefill returned (the nixl flow; `--flow dllm`: both calls at once, with the
+connector protocol's params). Then the same requests go through the router.
 
 Reported: p50/p99 latency at concurrency 1, requests/s at concurrency 64 (added ms and ratio to the floor),
 the router's CPU time per request, and the floor with 1 and 2 load-generator processes (if 2 processes do
 not raise it, the generator is not what limits it).
 
     .venv/bin/python bench/router.py --quick        # under 50 s
+    .venv/bin/python bench/router.py --quick --flow dllm   # the concurrent flow
     .venv/bin/python bench/router.py --pin          # taskset: engines on CPU 0, router on CPU 1
 
 The load generator is a minimal keep-alive HTTP/1.1 client on asyncio streams, cheaper than aiohttp's.
@@ -28,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dllm_connector.protocol import DecodeParams, PrefillParams, new_transfer_id
 from dllm_connector.router.flows import NIXL_PREFILL_KV
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,6 +83,28 @@ async def floor_request(prefill: Conn, decode: Conn) -> None:
     json.loads(data)
 
 
+async def floor_dllm_request(prefill: Conn, decode: Conn) -> None:
+    """The dllm flow's two calls without a router: both at once, with the connector protocol's params."""
+    tid = new_transfer_id("bench", 0)
+    pkv = PrefillParams(transfer_id=tid, decode_host="127.0.0.1", decode_kv_port=50051)
+    dkv = DecodeParams(transfer_id=tid, prefill_host="127.0.0.1")
+    pbody = {
+        **BODY,
+        "max_tokens": 1,
+        "n": 1,
+        "stream": False,
+        "kv_transfer_params": pkv.model_dump(exclude_none=True),
+    }
+    dbody = {**BODY, "kv_transfer_params": dkv.model_dump(exclude_none=True)}
+    (pstatus, pdata), (dstatus, ddata) = await asyncio.gather(
+        prefill.post(b"/v1/completions", json.dumps(pbody).encode()),
+        decode.post(b"/v1/completions", json.dumps(dbody).encode()),
+    )
+    assert pstatus == dstatus == 200, (pdata, ddata)
+    json.loads(pdata)
+    json.loads(ddata)
+
+
 async def router_request(router: Conn) -> None:
     status, data = await router.post(b"/v1/completions", json.dumps(BODY).encode())
     assert status == 200, data
@@ -100,6 +125,8 @@ async def run_load(
                 t = time.perf_counter()
                 if mode == "floor":
                     await floor_request(conns[0], conns[1])
+                elif mode == "floor-dllm":
+                    await floor_dllm_request(conns[0], conns[1])
                 else:
                     await router_request(conns[0])
                 latencies.append(time.perf_counter() - t)
@@ -206,6 +233,9 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true", help="taskset engines to CPU 0, router to CPU 1")
     ap.add_argument("--router-log-level", default="info")
     ap.add_argument("--event-loop", default="asyncio", choices=["asyncio", "uvloop"])
+    ap.add_argument(
+        "--flow", default="nixl", choices=["nixl", "dllm"], help="nixl: sequential; dllm: concurrent"
+    )
     args = ap.parse_args()
     rounds, n1, secs = (3, 200, 1.5) if args.quick else (8, 500, 3.0)
     pin_engines, pin_router = ("0", "1") if args.pin else (None, None)
@@ -217,12 +247,13 @@ def main() -> None:
     ]
     router_cmd = [
         sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1", "--port", str(ports["router"]),
-        "--flow", "nixl", "--prefill-url", url["prefill"], "--decode-url", url["decode"],
+        "--flow", args.flow, "--prefill-url", url["prefill"], "--decode-url", url["decode"],
         "--log-level", args.router_log_level, "--event-loop", args.event_loop,
     ]  # fmt: skip
     router = start(router_cmd, pin_router)
     procs.append(router)
     direct, via = [url["prefill"], url["decode"]], [url["router"]]
+    floor_mode = "floor" if args.flow == "nixl" else "floor-dllm"
     lat: dict[str, list[float]] = {"floor": [], "router": []}
     rps: dict[str, list[float]] = {"floor": [], "router": [], "floor2": [], "router2": []}
     router_cpu: dict[str, list[float]] = {"c1": [], "c64": []}
@@ -245,11 +276,11 @@ def main() -> None:
         for u in url.values():
             asyncio.run(wait_http(u))
         for _ in range(rounds):  # interleaved, so drifting machine load hits both sides alike
-            lat["floor"] += run("floor", direct, 1, n1, 0)["latencies"]
+            lat["floor"] += run(floor_mode, direct, 1, n1, 0)["latencies"]
             via1 = run("router", via, 1, n1, 0)
             lat["router"] += via1["latencies"]
             router_cpu["c1"].append(via1["router_cpu"])
-            floor64 = run("floor", direct, 64, 0, secs)
+            floor64 = run(floor_mode, direct, 64, 0, secs)
             via64 = run("router", via, 64, 0, secs)
             router_cpu["c64"].append(via64["router_cpu"])
             total_cpu["floor"].append(floor64["total_cpu"])
@@ -258,7 +289,7 @@ def main() -> None:
                 parts[side].append((res["generator_cpu"], res["engines_cpu"], res["router_cpu"]))
             rps["floor"].append(floor64["requests"] / floor64["seconds"])
             rps["router"].append(via64["requests"] / via64["seconds"])
-            rps["floor2"].append(generate_parallel("floor", direct, 2, 64, secs))
+            rps["floor2"].append(generate_parallel(floor_mode, direct, 2, 64, secs))
             rps["router2"].append(generate_parallel("router", via, 2, 64, secs))
     finally:
         for p in procs:
@@ -268,7 +299,7 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in rps.items()}
     print(
-        f"dllm-router bench: nixl flow, non-streaming, {os.cpu_count()} CPUs, pin={args.pin}, "
+        f"dllm-router bench: {args.flow} flow, non-streaming, {os.cpu_count()} CPUs, pin={args.pin}, "
         f"router --log-level {args.router_log_level} --event-loop {args.event_loop}, {rounds} rounds"
     )
     print(f"{'':<30}{'floor':>10}{'router':>10}{'added':>10}{'ratio':>8}")
