@@ -255,3 +255,32 @@ async def test_request_id_appears_in_the_logs(
     async with await r.post(COMPLETIONS, {"prompt": "x"}, headers={"X-Request-Id": "trace-bad"}) as resp:
         assert resp.status == 400
     assert f"trace-bad decode_error: decode pod 127.0.0.1:{d.port} answered 400" in caplog.messages
+
+
+@pytest.mark.parametrize("flow", ["dllm", "mooncake", "nixl"])
+@pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_flow_route_and_mode_answers_in_full(
+    engines: EngineFactory,
+    start_router: RouterFactory,
+    bootstrap: object,
+    flow: str,
+    route: str,
+    stream: bool,
+) -> None:
+    p, d = await engines("p0", nixl=flow == "nixl"), await engines("d0")
+    boot = await bootstrap(["e0"])  # type: ignore[operator]
+    r = await start_router(flow, [p], [d], mooncake_bootstrap_port=boot.port)
+    chat = route == CHAT
+    prompt: object = [{"role": "user", "content": "hey"}] if chat else "hey"
+    body = {("messages" if chat else "prompt"): prompt, "max_tokens": 4, "stream": stream}
+    status, text = await r.text_of(route, body)
+    assert status == 200
+    if stream:
+        assert streamed_text(text, chat=chat) == {0: expected_text(prompt, 4)}
+    else:
+        choice = json.loads(text)["choices"][0]
+        assert (choice["message"]["content"] if chat else choice["text"]) == expected_text(prompt, 4)
+    [pre], [dec] = p.generations, d.generations
+    assert pre.is_prefill
+    assert dec.kv.get("do_remote_prefill") is True
