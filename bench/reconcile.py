@@ -249,6 +249,12 @@ def main() -> None:
     watched, floor_ns, bulk_ns = f"bench-op-{stamp}", f"bench-floor-{stamp}", f"bench-bulk-{stamp}"
     for namespace in (watched, floor_ns, bulk_ns):
         kubectl(layout, "create", "namespace", namespace)
+    # Room for every pod: 110 pods and 96 CPUs per fake node (3 pods, 2.5 CPUs per CR).
+    extra_nodes = [f"bench-node-{i}" for i in range(6)]
+    for node in extra_nodes:
+        kubectl(
+            layout, "apply", "--server-side", "-f", "-", input_text=json.dumps(cp.fake_node(node, "zone-b"))
+        )
     logs = Path(tempfile.mkdtemp(prefix="bench-reconcile-"))
     operator = OperatorProcess(layout.kubeconfig, [watched, bulk_ns], logs / "operator.log", watched).start()
     started = time.monotonic()
@@ -257,6 +263,7 @@ def main() -> None:
             f"create-to-children over {latency_count} CRs (operator log {logs / 'operator.log'})", flush=True
         )
         floor = create_to_children(layout, floor_ns, latency_count, floor=True)
+        kubectl(layout, "delete", "namespace", floor_ns, "--wait=false")
         through = create_to_children(layout, watched, latency_count, floor=False)
         wait(lambda: all_ready(layout, watched, latency_count), 120, "the latency CRs to be Ready")
         print(row("floor (client applies children)", floor))
@@ -300,7 +307,8 @@ def main() -> None:
     finally:
         operator.stop()
         for namespace in (watched, floor_ns, bulk_ns):
-            kubectl(layout, "delete", "namespace", namespace, "--wait=false")
+            kubectl(layout, "delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
+        kubectl(layout, "delete", "node", *extra_nodes, "--wait=false")
 
 
 if __name__ == "__main__":

@@ -20,32 +20,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from e2e.dataplane.tiny_model import build as build_tiny_llama
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(300)]
 
 START_TIMEOUT_S = 240.0
-
-
-def _make_tiny_llama(out: Path) -> None:
-    """2 layers, head_dim 64 (CPU attention needs 64+), byte-level tokenizer: no download."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    tokenizer.decoder = decoders.ByteFallback()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
-    )
-    fast.save_pretrained(out)
-    config = LlamaConfig(
-        vocab_size=len(vocab), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
 
 
 def _free_port() -> int:
@@ -85,7 +64,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path, Path, Path]]:
     model, store, log = tmp_path / "model", tmp_path / "kv", tmp_path / "engine.log"
-    _make_tiny_llama(model)
+    build_tiny_llama(model)
     store.mkdir()
     port = _free_port()
     env = {

@@ -167,6 +167,7 @@ class Controller:
     is_leader: Callable[[], bool] = lambda: True
     resync_seconds: float = 600.0
     _apply_errors: dict[CRKey, tuple[str, ...]] = field(default_factory=dict)
+    _event_tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     # ---- inputs ----
 
@@ -261,7 +262,7 @@ class Controller:
         for kind, name in writes.delete:
             await self.client.delete(kind, key[0], name, actual[(kind, name)]["metadata"].get("uid"))
             actual.pop((kind, name), None)
-            await self._event(body, "Deleted", f"{kind} {name} is no longer wanted by the spec")
+            self._event(body, "Deleted", f"{kind} {name} is no longer wanted by the spec")
         self._apply_errors[key] = tuple(errors)
         await self._update_status(key, body, cr)
 
@@ -277,14 +278,14 @@ class Controller:
             if error.status >= 500 or error.status in (401, 403, 409, 429):
                 raise  # transient or permission: retry with backoff
             message = f"{_describe(obj)}: {error.message}"
-            await self._event(body, "FailedApply", message, warning=True)
+            self._event(body, "FailedApply", message, warning=True)
             return message
         result.setdefault("kind", obj["kind"])
         actual[key] = result
         if before is None:
-            await self._event(body, "Created", f"created {_describe(obj)}")
+            self._event(body, "Created", f"created {_describe(obj)}")
         elif only_replicas_changed(obj, before):
-            await self._event(
+            self._event(
                 body,
                 "Scaled",
                 f"scaled {_describe(obj)} from {before['spec'].get('replicas')} to {obj['spec']['replicas']}",
@@ -301,7 +302,7 @@ class Controller:
                 raise
         meta = obj["metadata"]
         await self.client.delete(obj["kind"], meta["namespace"], meta["name"], before["metadata"].get("uid"))
-        await self._event(body, "Replaced", f"replaced {_describe(obj)}: an immutable field changed")
+        self._event(body, "Replaced", f"replaced {_describe(obj)}: an immutable field changed")
         return await self.client.apply(obj)
 
     async def _update_status(self, key: CRKey, body: dict[str, Any], cr: Any) -> None:
@@ -327,8 +328,16 @@ class Controller:
         await self.client.patch_status(meta["namespace"], meta["name"], status)
         body["status"] = status  # until the watch brings the new version
 
-    async def _event(self, body: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
+    def _event(self, body: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:
+        """Post an Event in the background: best effort, and never on the reconcile's critical path."""
+        task = asyncio.get_running_loop().create_task(
+            self._post_event(cr_event(body, reason, message, warning))
+        )
+        self._event_tasks.add(task)
+        task.add_done_callback(self._event_tasks.discard)
+
+    async def _post_event(self, event: dict[str, Any]) -> None:
         try:
-            await self.client.create_event(cr_event(body, reason, message, warning))
-        except ApiError as error:  # an Event is best effort
-            log.info("could not post event %s: %s", reason, error)
+            await self.client.create_event(event)
+        except (TimeoutError, ApiError, OSError) as error:
+            log.info("could not post event %s: %s", event["reason"], error)

@@ -1,0 +1,217 @@
+"""Start the CPU PD pipeline on 127.0.0.1 from what the operator renders for crds/samples/cpu-tiny.yaml.
+
+Each engine runs `dllm-serve -- <args>` with the env and args of its rendered StatefulSet (the same code
+path as in a pod), changed only by these local overrides (everything else is as rendered):
+- addresses: VLLM_HOST_IP=127.0.0.1, VLLM_KV_DECODE_IP=127.0.0.1, `--host 127.0.0.1` (pods have their own IP)
+- ports: `--port`, VLLM_KV_LISTEN_PORT and VLLM_KV_DECODE_PORT get free ports (both engines share one host)
+- DLLM_ENGINE_ID: prefill-0 / decode-0 (the pod name in a cluster)
+- `--model`: the tiny Llama made at test time (e2e/dataplane/tiny_model.py) instead of /models/tiny-llama
+- VLLM_CPU_OMP_THREADS_BIND: one core per engine; VLLM_CPU_KVCACHE_SPACE=1 (GiB, already in the sample)
+- VLLM_KV_COMPRESSION: set per test (none, fp8, int8)
+`--block-size 32` and the 0.25 GB buffer come from the sample itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dllm_operator.api import parse
+from dllm_operator.config import OperatorConfig
+from dllm_operator.render import engine as engine_render
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
+_PAUSE = threading.Event()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def rendered_engine(
+    role: engine_render.EngineRole, compression: str = "none"
+) -> tuple[dict[str, str], list[str]]:
+    """The env (plain values) and vLLM args of a role, exactly as the operator renders them."""
+    body = next(
+        d for d in yaml.safe_load_all(SAMPLE.read_text()) if d and d.get("kind") == "DisaggregatedLLM"
+    )
+    body["spec"]["kvTransfer"]["compression"] = compression
+    cr = parse(body)
+    container = engine_render.statefulset(cr, role, OperatorConfig())["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    env = {var["name"]: var["value"] for var in container["env"] if "value" in var}
+    args = list(container["args"])
+    assert args[0] == "--", "the engine container runs dllm-serve -- <vLLM args>"
+    return env, args[1:]
+
+
+def replace_flag(args: list[str], flag: str, value: str) -> list[str]:
+    out = list(args)
+    out[out.index(flag) + 1] = value
+    return out
+
+
+@dataclass
+class Process:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> None:
+        if self.alive():
+            os.killpg(self.process.pid, sig)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=10)
+
+
+def spawn(name: str, argv: list[str], env: dict[str, str], log: Path, port: int) -> Process:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MOONCAKE_", "MC_", "DLLM_"))}
+    base |= {
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }  # nothing leaves the host
+    with log.open("ab") as out:
+        process = subprocess.Popen(
+            argv, env={**base, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
+        )
+    return Process(name, process, log, port)
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310
+            return int(response.status)
+    except urllib.error.HTTPError as error:
+        return int(error.code)
+    except OSError:
+        return None
+
+
+def wait_healthy(process: Process, timeout: float = 240) -> Process:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not process.alive():
+            raise AssertionError(f"{process.name} exited ({process.process.returncode}):\n{process.tail()}")
+        if http_status(process.url + "/health") == 200:
+            return process
+        _PAUSE.wait(0.5)
+    raise AssertionError(f"{process.name} not healthy after {timeout:.0f}s:\n{process.tail()}")
+
+
+@dataclass
+class Pipeline:
+    """Two engines and a router; engines can be restarted with the same ports."""
+
+    model: Path
+    logs: Path
+    compression: str = "none"
+    ports: dict[str, int] = field(default_factory=dict)
+    processes: dict[str, Process] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "prefill-kv", "decode-kv", "router"):
+            self.ports.setdefault(name, free_port())
+
+    def engine_config(self, role: engine_render.EngineRole) -> tuple[dict[str, str], list[str]]:
+        env, args = rendered_engine(role, self.compression)
+        env |= {
+            "VLLM_HOST_IP": "127.0.0.1",
+            "DLLM_ENGINE_ID": f"{role}-0",
+            "VLLM_KV_LISTEN_PORT": str(self.ports[f"{role}-kv"]),
+            "VLLM_CPU_OMP_THREADS_BIND": "0" if role == "prefill" else "1",
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+        }
+        if role == "prefill":
+            env |= {"VLLM_KV_DECODE_IP": "127.0.0.1", "VLLM_KV_DECODE_PORT": str(self.ports["decode-kv"])}
+        args = replace_flag(args, "--model", str(self.model))
+        args = replace_flag(replace_flag(args, "--host", "127.0.0.1"), "--port", str(self.ports[role]))
+        return env, args
+
+    def start_engine(self, role: engine_render.EngineRole) -> Process:
+        env, args = self.engine_config(role)
+        argv = [sys.executable, "-m", "dllm_connector.serve", "--", *args]
+        process = spawn(role, argv, env, self.logs / f"{role}.log", self.ports[role])
+        self.processes[role] = process
+        return process
+
+    def start_router(self) -> Process:
+        argv = [sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1",
+                "--port", str(self.ports["router"]), "--flow", "dllm",
+                "--prefill-url", f"http://127.0.0.1:{self.ports['prefill']}",
+                "--decode-url", f"http://127.0.0.1:{self.ports['decode']}",
+                "--decode-kv-port", str(self.ports["decode-kv"]),
+                "--health-interval-s", "0.5", "--connect-timeout-s", "2"]  # fmt: skip
+        process = spawn("router", argv, {}, self.logs / "router.log", self.ports["router"])
+        self.processes["router"] = process
+        return process
+
+    def start(self) -> Pipeline:
+        engines = [self.start_engine("prefill"), self.start_engine("decode")]
+        for process in engines:
+            wait_healthy(process)
+        wait_healthy(self.start_router(), 30)
+        return self
+
+    def stop(self) -> None:
+        for process in reversed(list(self.processes.values())):
+            process.stop()
+
+
+def start_single_engine(model: Path, logs: Path) -> Process:
+    """The reference: one plain vLLM engine, no KV transfer, the decode role's engine args."""
+    _, args = rendered_engine("decode")
+    port = free_port()
+    args = replace_flag(replace_flag(args, "--model", str(model)), "--host", "127.0.0.1")
+    args = replace_flag(args, "--port", str(port))
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return wait_healthy(spawn("single", argv, env, logs / "single.log", port))
+
+
+def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    request = urllib.request.Request(  # noqa: S310 (http on 127.0.0.1)
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
+            return int(response.status), dict(json.loads(response.read()))
+    except urllib.error.HTTPError as error:
+        return int(error.code), dict(json.loads(error.read() or b"{}"))
+
+
+def metrics_text(url: str) -> str:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as response:  # noqa: S310
+        return str(response.read().decode())

