@@ -114,6 +114,11 @@ BASE = ["--flow", "nixl", "--prefill-url", "http://p:8000", "--decode-url", "htt
             {},
             "--event-loop (or DLLM_ROUTER_EVENT_LOOP): 'trio' is not one of",
         ),
+        (
+            [*BASE, "--max-body-mb", "0"],
+            {},
+            "--max-body-mb (or DLLM_ROUTER_MAX_BODY_MB): 0 is outside 1..4096",
+        ),
     ],
 )
 def test_bad_values_are_refused_naming_flag_and_variable(

@@ -11,7 +11,6 @@ from conftest import EngineFactory, RouterFactory, wait_event, wait_until
 from router_engine_double import expected_text
 
 from dllm_connector.router.openai import CHAT, COMPLETIONS
-from dllm_connector.router.server import MAX_REQUEST_BYTES
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -205,7 +204,7 @@ async def test_chat_without_messages_is_400(engines: EngineFactory, start_router
 
 async def test_body_over_the_limit_is_413(engines: EngineFactory, start_router: RouterFactory) -> None:
     p, d = await engines("p0"), await engines("d0")
-    r = await start_router("dllm", [p], [d])
-    async with r.client.post(r.url + COMPLETIONS, data=b" " * (MAX_REQUEST_BYTES + 1)) as resp:
+    r = await start_router("dllm", [p], [d], max_body_mb=1)
+    async with r.client.post(r.url + COMPLETIONS, data=b" " * (1024 * 1024 + 1)) as resp:
         assert resp.status == 413
-        assert "request body over" in str(error_of(await resp.text())["message"])
+        assert error_of(await resp.text())["message"] == "request body over 1 MiB (--max-body-mb)"

@@ -48,6 +48,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     retries: int = 1
+    max_body_mb: int = 64
     log_level: str = "info"
     event_loop: str = "asyncio"
 
@@ -82,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--connect-timeout-s", help="upstream connect and health-check timeout (default 5)")
     add("--request-timeout-s", help="whole upstream request timeout, streams included (default 600)")
     add("--retries", help="extra attempts on another pod when no byte reached the client (default 1)")
+    add("--max-body-mb", help="largest request body accepted, in MiB (default 64)")
     add("--log-level", help="debug | info | warning | error (default info)")
     add("--event-loop", help="asyncio | uvloop (uvloop must be installed; default asyncio)")
     return p
@@ -191,6 +193,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> RouterConfi
         connect_timeout_s=_seconds(values, "connect_timeout_s", 5.0),
         request_timeout_s=_seconds(values, "request_timeout_s", 600.0),
         retries=_int(values, "retries", 1, 0, 10),
+        max_body_mb=_int(values, "max_body_mb", 64, 1, 4096),
         log_level=level,
         event_loop=event_loop,
     )

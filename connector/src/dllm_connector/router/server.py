@@ -34,7 +34,6 @@ from dllm_connector.router.upstream import ConnectFailed, Response, UpstreamErro
 
 log = logging.getLogger("dllm.router")
 JsonObject = dict[str, Any]
-MAX_REQUEST_BYTES = 64 * 1024 * 1024  # long prompts and inline images; aiohttp's default is 1 MiB
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
@@ -103,7 +102,8 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._loops: list[asyncio.Task[None]] = []
         self._probe_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s)
-        self.app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+        # long prompts and inline images: aiohttp's default limit is 1 MiB
+        self.app = web.Application(client_max_size=config.max_body_mb * 1024 * 1024)
         self.app.router.add_post(oa.COMPLETIONS, partial(self.generate, oa.COMPLETIONS))
         self.app.router.add_post(oa.CHAT, partial(self.generate, oa.CHAT))
         self.app.router.add_get("/v1/models", self.models)
@@ -212,7 +212,7 @@ class Router:
         started = perf_counter()
         answers: list[Answer] = []
         try:
-            raw = await _read_body(request)
+            raw = await self._read_body(request)
             body = oa.parse_request(raw, route)
             response = await self._serve(request, route, body, raw, rid, started, answers)
         except oa.BadRequest as e:
@@ -243,6 +243,13 @@ class Router:
                 ms,
             )
         return response
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            limit = self.config.max_body_mb
+            raise RouterError(413, "bad_request", f"request body over {limit} MiB (--max-body-mb)") from None
 
     def _error_response(self, error: RouterError, rid: str) -> web.Response:
         self.metrics.errors[error.kind] += 1
@@ -636,13 +643,6 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
     await asyncio.wait((task,))
     if not task.cancelled():
         task.exception()  # retrieved, so asyncio does not log it as never retrieved
-
-
-async def _read_body(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise RouterError(413, "bad_request", f"request body over {MAX_REQUEST_BYTES} bytes") from None
 
 
 def _header_value(value: str) -> bytes:
