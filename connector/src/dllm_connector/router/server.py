@@ -559,7 +559,7 @@ class Router:
                         await queue.put(b"data: " + oa.dumps(oa.shift_choices(event, i * n)) + b"\n\n")
                     else:
                         oa.add_usage(usage, event.get("usage"))
-            except (UpstreamError, TimeoutError) as e:
+            except (UpstreamError, TimeoutError, ValueError) as e:  # ValueError: an event that is not JSON
                 await queue.put(self._broken_stream(answer, e))
             finally:
                 await queue.put(None)
