@@ -203,3 +203,26 @@ async def test_background_loops_follow_pods_and_health(
     await wait_until(lambda: len(r.router.decode.ready()) == 2, "d0 put back")
     decode.remove(d1)
     await wait_until(lambda: len(r.router.decode.endpoints) == 1, "d1 gone")
+
+
+async def test_removed_pod_finishes_its_in_flight_request(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
+    p, d0, d1 = await engines("p0"), await engines("d0"), await engines("d1")
+    d0.hold = asyncio.Event()
+    decode = MutableSource([d0])
+    r = await start_router("dllm", [p], [], decode_source=decode)
+    in_flight = asyncio.create_task(r.text_of(COMPLETIONS, {"prompt": "old", "max_tokens": 2}))
+    await wait_until(lambda: len(d0.generations) == 1, "request at d0")
+    gone = r.router.decode.endpoints[("127.0.0.1", d0.port)]
+    decode.remove(d0)
+    decode.add(d1)
+    await r.router.discover()  # d0 leaves the Service (scale-down) while serving
+    assert (await r.text_of(COMPLETIONS, {"prompt": "new"}))[0] == 200
+    assert [s.body["prompt"] for s in d1.generations] == ["new"]
+    d0.hold.set()
+    status, text = await in_flight
+    assert status == 200
+    assert json.loads(text)["choices"][0]["text"] == expected_text("old", 2)
+    assert gone.upstream is not None
+    assert gone.upstream.idle == 0  # its last connection was closed, not kept for a pod that left

@@ -315,9 +315,14 @@ class UpstreamPool:
         authority = f"[{host}]:{port}" if ":" in host else self.name
         self._host_header = b"Host: " + authority.encode() + b"\r\n"
         self._idle: list[_Connection] = []
+        self._closed = False  # the pod left: connections that finish their request are closed
+
+    @property
+    def idle(self) -> int:
+        return len(self._idle)
 
     def put_back(self, conn: _Connection) -> None:
-        if len(self._idle) < MAX_IDLE:
+        if not self._closed and len(self._idle) < MAX_IDLE:
             conn.idle_since = conn.loop.time()
             self._idle.append(conn)
         else:
@@ -371,6 +376,7 @@ class UpstreamPool:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
+        self._closed = True
         for conn in self._idle:
             conn.close()
         self._idle.clear()
