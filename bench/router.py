@@ -170,12 +170,12 @@ def start(cmd: list[str], cpu: str | None = None, quiet: bool = True) -> subproc
     return subprocess.Popen([*taskset(cpu), *cmd], stdout=out, stderr=out, cwd=ROOT)
 
 
-async def wait_http(url: str, seconds: float = 20.0) -> None:
+async def wait_http(url: str, path: str = "/health", seconds: float = 20.0) -> None:
     deadline = time.monotonic() + seconds
     while True:
         try:
             reader, writer = await asyncio.open_connection(*url.removeprefix("http://").split(":"))
-            writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            writer.write(b"GET %s HTTP/1.1\r\nHost: x\r\n\r\n" % path.encode())
             line = await reader.readline()
             writer.close()
             if b" 200 " in line:
@@ -273,8 +273,9 @@ def main() -> None:
         return result
 
     try:
-        for u in url.values():
-            asyncio.run(wait_http(u))
+        asyncio.run(wait_http(url["prefill"]))
+        asyncio.run(wait_http(url["decode"]))
+        asyncio.run(wait_http(url["router"], "/ready", 30.0))  # both engines ready behind it
         for _ in range(rounds):  # interleaved, so drifting machine load hits both sides alike
             lat["floor"] += run(floor_mode, direct, 1, n1, 0)["latencies"]
             via1 = run("router", via, 1, n1, 0)
