@@ -328,7 +328,7 @@ def main() -> None:
 
 def serve_engine(role: str, port: int) -> None:
     sys.path.insert(0, str(DOUBLES))
-    from router_engine_double import FakeVllmEngine  # type: ignore[import-not-found]
+    from router_engine_double import FakeVllmEngine  # type: ignore[import-not-found, unused-ignore]
 
     async def run() -> None:
         engine = FakeVllmEngine(role, nixl=role == "prefill")
