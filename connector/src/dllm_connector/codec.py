@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -252,11 +253,27 @@ def _compile_kernels() -> _Kernels:
     return _Kernels(quantize, dequantize, compiled=True)
 
 
+_kernels_lock = threading.Lock()
+
+
 def kernels() -> _Kernels:
-    if _kernels is None:
-        use_compiled(os.environ.get("DLLM_KV_CODEC_COMPILE", "1") != "0")
-    assert _kernels is not None
-    return _kernels
+    with _kernels_lock:  # senders on several threads must not compile twice
+        if _kernels is None:
+            use_compiled(os.environ.get("DLLM_KV_CODEC_COMPILE", "1") != "0")
+        assert _kernels is not None
+        return _kernels
+
+
+def warm_up(sample: torch.Tensor, requested: Compression, groups: int) -> None:
+    """Compile (or load) the kernels now, e.g. at engine start, not on the first request's path.
+
+    Compiling took 5-17 s on two cores; in a vLLM worker that first send stalled for as long.
+    """
+    codec = effective_codec(requested, sample.dtype)
+    if codec is Compression.NONE:
+        return
+    header, payload = encode(sample.contiguous(), codec, groups)
+    decode(header, payload)
 
 
 def use_compiled(enabled: bool) -> bool:

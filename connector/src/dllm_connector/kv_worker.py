@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dllm_connector import codec
 from dllm_connector.kv_layout import Geometry, PagedKV
 from dllm_connector.kv_scheduler import StepPlan
 from dllm_connector.kvconfig import ConnectorExtraConfig, Protocol
@@ -80,6 +81,7 @@ class ConnectorWorker:
     def register_kv_caches(self, caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
         # Ranks map one to one (prefill rank r sends to decode rank r), so TP sizes must match.
         self.kv = PagedKV(caches, num_blocks, self.geometry, parallel={"tp_size": self.identity.tp_size})
+        codec.warm_up(self.kv.gather([0]), self.config.compression, self.kv.layout.groups)
         self.transport = make_transport(self.transport_kind, self.extra, self.host, self.kv.device)
         if self.identity.sends:
             self.sender = KVSender(self.transport, self.kv, self.config)
