@@ -132,7 +132,7 @@ class ConnectorExtraConfig(_Frozen):
     hold_seconds: PositiveInt
     async_transfer: bool
     protocol: Protocol
-    decode_host: str | None = None
+    decode_host: Annotated[str, Field(min_length=1)] | None = None
     decode_port: Port | None = None
     rdma_devices: tuple[str, ...] = ()
     gid_index: Annotated[int, Field(ge=0)] | None = None
@@ -345,6 +345,12 @@ _ENV_FIELDS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     (ENV_ENGINE_ID, "engine_id", _non_empty),
 )
 _REQUIRED_ENV = (ENV_CONNECTOR, ENV_ROLE, ENV_LISTEN_PORT, ENV_BUFFER_SIZE_GB)
+_REQUIRED_HINT = {
+    ENV_CONNECTOR: "one of " + ", ".join(c.value for c in Connector),
+    ENV_ROLE: "one of " + ", ".join(r.value for r in Role),
+    ENV_LISTEN_PORT: "a port number in 1..65535",
+    ENV_BUFFER_SIZE_GB: "a number of GB greater than 0",
+}
 
 
 def _parse_custom(env: Mapping[str, str]) -> CustomConnector | None:
@@ -369,7 +375,7 @@ def from_env(env: Mapping[str, str]) -> KVTransferSettings:
     """Parse the contract from an environment; raises EnvContractError naming the variable."""
     for name in _REQUIRED_ENV:
         if not env.get(name, "").strip():
-            raise EnvContractError(name, "required but not set")
+            raise EnvContractError(name, f"required but not set ({_REQUIRED_HINT[name]})")
     values: dict[str, Any] = {}
     for name, field, parse in _ENV_FIELDS:
         raw = env.get(name)

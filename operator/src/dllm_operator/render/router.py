@@ -55,6 +55,8 @@ def router_deployment(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str,
         "args": router_args(cr, config),
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
         "readinessProbe": {**health, "periodSeconds": 5},
+        # Endpoints drop a terminating pod a moment after SIGTERM: keep accepting until they have.
+        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
         "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6},
         "resources": resources,
         "securityContext": {
