@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 from e2e.cluster import controlplane as cp  # noqa: E402
+from e2e.fixtures import operator_writes  # noqa: E402
 from e2e.operator_process import OperatorProcess  # noqa: E402
 
 from dllm_operator.api import parse  # noqa: E402
@@ -198,19 +199,8 @@ def all_ready(layout: cp.Layout, namespace: str, count: int) -> bool:
     return sum(ready_status(i) == "True" for i in items) == count
 
 
-def operator_writes(layout: cp.Layout, namespace: str, since: str) -> int:
-    count = 0
-    for line in layout.audit_log.read_text().splitlines():
-        entry = json.loads(line)
-        ref = entry.get("objectRef", {})
-        if (
-            entry.get("userAgent", "").startswith(("dllm-operator/", "kopf/"))
-            and ref.get("namespace") == namespace
-            and ref.get("resource") != "leases"
-            and entry.get("requestReceivedTimestamp", "") > since
-        ):
-            count += 1
-    return count
+def audit_entries(layout: cp.Layout) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in layout.audit_log.read_text().splitlines() if line.strip()]
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -293,7 +283,7 @@ def main() -> None:
         deadline = time.monotonic() + idle
         while time.monotonic() < deadline:
             _PAUSE.wait(1)
-        writes = operator_writes(layout, bulk_ns, since) + operator_writes(layout, watched, since)
+        writes = len(operator_writes(audit_entries(layout), {bulk_ns, watched}, since))
         print(
             f"  operator writes in {idle:.0f} s idle        {writes} "
             f"({writes / bulk_count:.2f} per CR, goal 0)"

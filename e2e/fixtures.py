@@ -75,34 +75,34 @@ class Cluster:
             env["PATH"] = f"{self.layout.tools_bin}:{env['PATH']}"
         return env
 
+    def _tool(
+        self, binary: str, args: tuple[str, ...], input_text: str | None, check: bool, timeout: float
+    ) -> subprocess.CompletedProcess[str]:
+        result = subprocess.run(
+            [binary, *args], input=input_text, capture_output=True, text=True, env=self.env(),
+            timeout=timeout, check=False,
+        )  # fmt: skip
+        if check and result.returncode != 0:
+            name = Path(binary).name
+            raise AssertionError(f"{name} {' '.join(args)} failed ({result.returncode}): {result.stderr}")
+        return result
+
     def run(
         self, *args: str, input_text: str | None = None, check: bool = True, timeout: float = 120
     ) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [self.kubectl_path, *args],
-            input=input_text,
-            capture_output=True,
-            text=True,
-            env=self.env(),
-            timeout=timeout,
-            check=False,
-        )
-        if check and result.returncode != 0:
-            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}): {result.stderr}")
-        return result
+        return self._tool(self.kubectl_path, args, input_text, check, timeout)
 
     def helm(self, *args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
-            [self.helm_path, *args],
-            capture_output=True,
-            text=True,
-            env=self.env(),
-            timeout=timeout,
-            check=False,
+        return self._tool(self.helm_path, args, None, check, timeout)
+
+    def set_pod_ready(self, namespace: str, pod: str, ready: bool, message: str = "") -> None:
+        """Flip a pod's Ready condition, as a failing readiness probe would (kwok runs no probes)."""
+        condition = {"type": "Ready", "status": "True" if ready else "False",
+                     "reason": "" if ready else "ReadinessProbeFailed", "message": message}  # fmt: skip
+        patch = json.dumps({"status": {"conditions": [condition]}})
+        self.run(
+            "patch", "pod", pod, "-n", namespace, "--subresource=status", "--type=strategic", "-p", patch
         )
-        if check and result.returncode != 0:
-            raise AssertionError(f"helm {' '.join(args)} failed ({result.returncode}): {result.stderr}")
-        return result
 
     def get_json(self, *args: str) -> dict[str, Any]:
         return dict(json.loads(self.run("get", *args, "-o", "json").stdout))
@@ -143,6 +143,20 @@ class Cluster:
             raise pytest.skip.Exception("the audit log is only readable on the local control plane")
         lines = self.layout.audit_log.read_text().splitlines()
         return [json.loads(line) for line in lines if line.strip()]
+
+
+OPERATOR_AGENTS = ("dllm-operator/", "kopf/")
+
+
+def operator_writes(entries: list[dict[str, Any]], namespaces: set[str], since: str) -> list[dict[str, Any]]:
+    """Audit-log writes of the operator (its client or kopf) in `namespaces` after `since`, no leases."""
+    return [
+        e for e in entries
+        if e.get("userAgent", "").startswith(OPERATOR_AGENTS)
+        and e.get("objectRef", {}).get("namespace") in namespaces
+        and e.get("objectRef", {}).get("resource") != "leases"
+        and e.get("requestReceivedTimestamp", "") > since
+    ]  # fmt: skip
 
 
 def _current_context(kubeconfig: str) -> str:

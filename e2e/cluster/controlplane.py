@@ -372,17 +372,27 @@ def apiserver_argv(layout: Layout) -> list[str]:
     ]
 
 
-def controller_manager_argv(layout: Layout) -> list[str]:
-    pki = layout.state / "pki"
+def _client_component_flags(layout: Layout, component: str) -> list[str]:
+    """Flags shared by the controller-manager and the scheduler: identity, serving, no election."""
     kubeconfig = str(layout.kubeconfig)
     return [
-        str(layout.k8s_bin / "kube-controller-manager"),
+        str(layout.k8s_bin / component),
         f"--kubeconfig={kubeconfig}",
         f"--authentication-kubeconfig={kubeconfig}",
         f"--authorization-kubeconfig={kubeconfig}",
         "--bind-address=127.0.0.1",
-        f"--secure-port={layout.ports['kube-controller-manager']}",
+        f"--secure-port={layout.ports[component]}",
         "--leader-elect=false",
+        "--kube-api-qps=200",
+        "--kube-api-burst=400",
+        "--v=1",
+    ]
+
+
+def controller_manager_argv(layout: Layout) -> list[str]:
+    pki = layout.state / "pki"
+    return [
+        *_client_component_flags(layout, "kube-controller-manager"),
         "--use-service-account-credentials=true",
         f"--root-ca-file={pki / 'ca.crt'}",
         f"--service-account-private-key-file={pki / 'sa.key'}",
@@ -391,26 +401,11 @@ def controller_manager_argv(layout: Layout) -> list[str]:
         "--controllers=*,-nodeipam,-cloud-node-lifecycle,-service-lb-controller,-node-route-controller",
         "--concurrent-statefulset-syncs=10",
         "--concurrent-deployment-syncs=10",
-        "--kube-api-qps=200",
-        "--kube-api-burst=400",
-        "--v=1",
     ]
 
 
 def scheduler_argv(layout: Layout) -> list[str]:
-    kubeconfig = str(layout.kubeconfig)
-    return [
-        str(layout.k8s_bin / "kube-scheduler"),
-        f"--kubeconfig={kubeconfig}",
-        f"--authentication-kubeconfig={kubeconfig}",
-        f"--authorization-kubeconfig={kubeconfig}",
-        "--bind-address=127.0.0.1",
-        f"--secure-port={layout.ports['kube-scheduler']}",
-        "--leader-elect=false",
-        "--kube-api-qps=200",
-        "--kube-api-burst=400",
-        "--v=1",
-    ]
+    return _client_component_flags(layout, "kube-scheduler")
 
 
 def kwok_argv(layout: Layout) -> list[str]:

@@ -4,7 +4,6 @@ crash and API-server restarts, deletion, leader election and quiet idling."""
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,12 +12,11 @@ from typing import Any
 import pytest
 import yaml
 from dllm_cases import ROOT, load_cr, merged
-from e2e.fixtures import Cluster, holds_for, wait_until
+from e2e.fixtures import Cluster, holds_for, operator_writes, wait_until
 from e2e.operator_process import OperatorProcess
 
 pytestmark = pytest.mark.k8s
 CPU_SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
-OPERATOR_AGENTS = ("dllm-operator/", "kopf/")
 
 
 @pytest.fixture
@@ -58,21 +56,6 @@ def children(cluster: Cluster, namespace: str) -> dict[str, list[str]]:
         items = cluster.get_json(kind, "-n", namespace)["items"]
         found[kind] = sorted(i["metadata"]["name"] for i in items)
     return found
-
-
-def operator_writes(cluster: Cluster, namespace: str, since: str) -> list[dict[str, Any]]:
-    """Writes by the operator (its client or kopf) in `namespace` after `since`, leases excluded."""
-    writes = []
-    for entry in cluster.audit_entries():
-        ref = entry.get("objectRef", {})
-        if (
-            entry.get("userAgent", "").startswith(OPERATOR_AGENTS)
-            and ref.get("namespace") == namespace
-            and ref.get("resource") != "leases"
-            and entry.get("requestReceivedTimestamp", "") > since
-        ):
-            writes.append(entry)
-    return writes
 
 
 def pod_uids(cluster: Cluster, namespace: str, component: str) -> dict[str, str]:
@@ -156,46 +139,13 @@ def test_pod_not_ready_shows_degraded_then_recovers(
 ) -> None:
     cluster.apply(cpu_cr(), "-n", namespace)
     wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
-    patch = {
-        "status": {
-            "conditions": [
-                {
-                    "type": "Ready",
-                    "status": "False",
-                    "reason": "ReadinessProbeFailed",
-                    "message": "HTTP probe failed with statuscode: 503",
-                }
-            ]
-        }
-    }
-    cluster.run(
-        "patch",
-        "pod",
-        "tiny-cpu-decode-0",
-        "-n",
-        namespace,
-        "--subresource=status",
-        "--type=strategic",
-        "-p",
-        json.dumps(patch),
-    )
+    cluster.set_pod_ready(namespace, "tiny-cpu-decode-0", False, "HTTP probe failed with statuscode: 503")
     cr = wait_condition(cluster, namespace, "tiny-cpu", "Degraded", "True")
     assert "tiny-cpu-decode-0 not ready" in condition(cr, "Degraded")["message"]
     assert condition(cr, "DecodeReady")["status"] == "False"
     assert condition(cr, "Ready")["status"] == "False"
     assert condition(cr, "PrefillReady")["status"] == "True"
-    patch["status"]["conditions"][0] |= {"status": "True", "reason": "", "message": ""}
-    cluster.run(
-        "patch",
-        "pod",
-        "tiny-cpu-decode-0",
-        "-n",
-        namespace,
-        "--subresource=status",
-        "--type=strategic",
-        "-p",
-        json.dumps(patch),
-    )
+    cluster.set_pod_ready(namespace, "tiny-cpu-decode-0", True)
     cr = wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
     assert condition(cr, "Degraded")["status"] == "False"
 
@@ -335,5 +285,5 @@ def test_idle_operator_makes_no_writes(cluster: Cluster, namespace: str, operato
     wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
     converged = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     idle = float(os.environ.get("DLLM_IDLE_SECONDS", "120"))
-    writes = holds_for(lambda: operator_writes(cluster, namespace, converged), idle)
+    writes = holds_for(lambda: operator_writes(cluster.audit_entries(), {namespace}, converged), idle)
     assert writes == [], [(w["verb"], w["objectRef"]) for w in writes]

@@ -11,7 +11,7 @@ from dllm_connector.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, t
 from dllm_operator.api import DisaggregatedLLM, RDMAMode
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import engine
-from dllm_operator.render.router import router_flow
+from dllm_operator.render.router import router_command_args
 
 # The seed's service names and host ports: both engines share one host, so decode moves to 8001.
 SERVICE = {"prefill": "prefill-server", "decode": "decode-server"}
@@ -47,14 +47,9 @@ def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, A
         return None
     spec = cr.spec
     port = spec.router.port if spec.router.port not in HOST_PORT.values() else 9000
-    command = [
-        "dllm-router", "--host", "0.0.0.0", "--port", str(port), "--flow", router_flow(cr),
-        "--prefill-url", f"http://{SERVICE['prefill']}:{spec.prefill.port}",
-        "--decode-url", f"http://{SERVICE['decode']}:{spec.decode.port}",
-        "--decode-kv-port", str(spec.kv_transfer.port),
-        "--prefill-tp-size", str(spec.prefill.tensor_parallel_size),
-        "--decode-tp-size", str(spec.decode.tensor_parallel_size),
-    ]  # fmt: skip
+    endpoints = ["--prefill-url", f"http://{SERVICE['prefill']}:{spec.prefill.port}",
+                 "--decode-url", f"http://{SERVICE['decode']}:{spec.decode.port}"]  # fmt: skip
+    command = ["dllm-router", *router_command_args(cr, port, endpoints)]
     return {
         "image": spec.router.image or config.router_image,
         "command": command,

@@ -25,15 +25,22 @@ def router_flow(cr: DisaggregatedLLM) -> str:
 
 
 def router_args(cr: DisaggregatedLLM, config: OperatorConfig) -> list[str]:
-    spec = cr.spec
+    """In a cluster the router finds the engine pods through the headless Services' DNS."""
     prefill = labels.service_host(cr, "prefill", config.cluster_domain)
     decode = labels.service_host(cr, "decode", config.cluster_domain)
+    endpoints = ["--prefill-dns", f"{prefill}:{cr.spec.prefill.port}",
+                 "--decode-dns", f"{decode}:{cr.spec.decode.port}"]  # fmt: skip
+    return router_command_args(cr, cr.spec.router.port, endpoints)
+
+
+def router_command_args(cr: DisaggregatedLLM, port: int, endpoints: list[str]) -> list[str]:
+    """dllm-router's flags, given how it reaches the engines (DNS in a cluster, URLs on one host)."""
+    spec = cr.spec
     return [
         "--host", "0.0.0.0",
-        "--port", str(spec.router.port),
+        "--port", str(port),
         "--flow", router_flow(cr),
-        "--prefill-dns", f"{prefill}:{spec.prefill.port}",
-        "--decode-dns", f"{decode}:{spec.decode.port}",
+        *endpoints,
         "--decode-kv-port", str(spec.kv_transfer.port),
         "--prefill-tp-size", str(spec.prefill.tensor_parallel_size),
         "--decode-tp-size", str(spec.decode.tensor_parallel_size),
