@@ -362,7 +362,8 @@ class KVSender:
         except BaseException:
             self.staging.release(staged)
             raise
-        return _Chunk(index, header, [payload], [Span(plan.dst[0].addr + offset, nbytes)], staged)
+        base = plan.dst[0].addr if self.transport.one_sided else 0  # two-sided: only the size counts
+        return _Chunk(index, header, [payload], [Span(base + offset, nbytes)], staged)
 
     def _chunk_sizes(self, plan: _Plan) -> list[int]:
         return [
@@ -556,11 +557,20 @@ class KVReceiver:
             try:
                 for index, (a, b) in enumerate(chunks):
                     blocks = expectation.block_ids[a:b]
-                    view = None if staged is None else staged[offsets[index] : offsets[index] + sizes[index]]
+                    own: torch.Tensor | None = None
+                    if staged is not None:
+                        view: torch.Tensor | None = staged[offsets[index] : offsets[index] + sizes[index]]
+                    elif not self.transport.one_sided:  # two-sided: one batch of staging at a time
+                        view = own = self.staging.reserve(sizes[index], self.config.transfer_timeout_s)
+                    else:
+                        view = None
                     try:
                         self._receive_chunk(sock, offer, index, blocks, view, load=failure is None)
                     except (codec.CodecError, TransferFailed, LayoutError) as error:
                         failure = failure or error  # keep consuming: the sender is mid-stream
+                    finally:
+                        if own is not None:
+                            self.staging.release(own)
                 sidechannel.expect(sock, "done", self.config.transfer_timeout_s)
             except TransportError as error:
                 self._refuse_and_drain(
@@ -594,6 +604,8 @@ class KVReceiver:
         if bool(offer.get("zero_copy")) and self.transport.one_sided:
             spans = [span for a, b in chunks for span in self.kv.spans(expectation.block_ids[a:b])]
             return expectation, None, spans, sizes, offsets
+        if not self.transport.one_sided:  # the sender needs no addresses; batches reserve as they come
+            return expectation, None, [], sizes, offsets
         staged = self.staging.reserve(offsets[-1], self.config.transfer_timeout_s)
         return expectation, staged, [(staged.data_ptr(), staged.numel())], sizes, offsets
 

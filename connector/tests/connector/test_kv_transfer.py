@@ -267,6 +267,29 @@ def test_nan_kv_under_int8_fails_fast_on_both_sides(
     assert report[-1]["staging_in_use"] == 0
 
 
+def test_transfer_larger_than_decode_staging(transport: Transport, prefill: Prefill) -> None:
+    """Two-sided transports stage one batch at a time; one-sided compressed KV needs the whole payload."""
+    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
+    receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=2 << 20), HOST, 0)
+    try:
+        receiver.expect("t-big", DST_BLOCKS)  # 300 blocks: 4.9 MB as fp8, 9.8 MB raw
+        prefill.send(receiver.port, [{"transfer_id": "t-big", "block_ids": SRC_BLOCKS}], compression="fp8")
+        outcome = receiver.wait_for("t-big", timeout=60)
+        report = prefill.report()
+        if transport.one_sided:
+            assert outcome is not None
+            assert "exceed the 2097152-byte staging buffer" in outcome
+            assert "exceed the 2097152-byte staging buffer" in report[0]["error"]
+        else:
+            assert outcome == ""
+            assert report[0]["error"] is None
+            want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
+            assert relative_error(kv.gather(DST_BLOCKS), want) <= RELATIVE_ERROR[Compression.FP8]
+        assert receiver.staging.in_use == 0
+    finally:
+        receiver.close()
+
+
 class socket_port:
     """A free local port with nothing listening on it (bound, never listened, then closed)."""
 
