@@ -158,7 +158,7 @@ class PagedKV:
     def scatter(self, block_ids: Sequence[int], batch: torch.Tensor) -> None:
         ids = self.check_ids(block_ids)
         shape = (len(self.caches), len(block_ids), self.layout.segments, *self.layout.segment_shape)
-        batch = batch.view(shape)
+        batch = batch.view(shape).to(self.device, non_blocking=True)  # decoded on the host for a GPU KV
         for layer, view in enumerate(self._views):
             view.index_copy_(0, ids, batch[layer])
 

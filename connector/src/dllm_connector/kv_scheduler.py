@@ -167,16 +167,8 @@ class SchedulerState:
 
     @property
     def has_pending_sends(self) -> bool:
-        """Sends not yet handed to the workers (the engine must step once more to start them).
-
-        Sends already running need no stepping: their threads do the I/O, and an engine that
-        stepped empty meanwhile would starve them of the GIL (seen: 4 s per tiny fp8 send).
-        """
-        return bool(self._plan.sends)
-
-    @property
-    def sending(self) -> set[str]:
-        return set(self._sending)
+        """Sends not yet reported finished: the engine keeps stepping so their completions arrive."""
+        return bool(self._sending)
 
     def take_plan(self) -> StepPlan:
         plan, self._plan = self._plan, StepPlan()
