@@ -162,15 +162,6 @@ class PagedKV:
         for layer, view in enumerate(self._views):
             view.index_copy_(0, ids, batch[layer])
 
-    def regions(self, block_ids: Sequence[int]) -> list[torch.Tensor]:
-        """Byte views of every (layer, block, segment), in gather order: zero-copy transfer sources."""
-        self.check_ids(block_ids)
-        views: list[torch.Tensor] = []
-        for view in self._views:
-            for block in block_ids:
-                views.extend(segment.reshape(-1).view(torch.uint8) for segment in view[block])
-        return views
-
     def spans(self, block_ids: Sequence[int]) -> list[tuple[int, int]]:
         """(address, bytes) of every (layer, block, segment) in gather order, by stride arithmetic."""
         self.check_ids(block_ids)
@@ -219,14 +210,6 @@ def coalesce(
             merged_src.append((s_addr, length))
             merged_dst.append((d_addr, length))
     return merged_src, merged_dst
-
-
-def regions_checksum(regions: Sequence[torch.Tensor]) -> int:
-    """CRC-32 over byte regions in order, equal to the CRC of their concatenation."""
-    value = 0
-    for region in regions:
-        value = zlib.crc32(region.cpu().numpy().data, value)
-    return value
 
 
 def signature_mismatches(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:

@@ -1,14 +1,15 @@
 """KV pipes: a prefill-side sender and a decode-side receiver on codec + transport + side channel.
 
-One transfer, keyed by the router's transfer id (never a vLLM request id):
+One transfer, keyed by the router's transfer id (never a vLLM request id), in batches of
+transferThresholdTokens (docs/kv-connector.md has the whole exchange):
 
     sender                                   receiver (decode worker, side channel on kv_port + rank)
     offer {id, cache signature, blocks} ->   checks the signature; waits (up to hold) for decode to
-                                             expect the id; reserves staging or names its KV blocks
-                                     <-      accept {skip, count, destination regions, tag}
-    gathers + encodes [sending, if two-sided]
-    transport writes                    ->   (two-sided transports receive here)
-    done {KV header with checksum}      ->   verifies the checksum, decodes, scatters into blocks
+                                             expect the id; names its KV blocks or reserves staging
+                                     <-      accept {skip, count, destination spans}
+    per batch: gather, encode, write,   ->   per batch: verify the CRC, decode, scatter into blocks
+               announce {header}             (two-sided transports: announce first, then send)
+    done                                ->
                                      <-      ack, or nack {reason}
 
 Codec none over a one-sided transport writes block to block with no staging copy; compressed KV
@@ -708,8 +709,8 @@ class KVReceiver:
 class KVPipe:
     """send_kv_cache(request_id, kv, metadata) -> bool and receive_kv_cache(request_id, timeout).
 
-    A whole KV tensor ([blocks, ...] or any shape with a leading axis) moves as one transfer: the
-    receiver pre-allocates a slot shaped like `metadata` says, keyed by request id.
+    A whole KV tensor (any shape; its leading axis counts as blocks) moves as one transfer, keyed by
+    request id. The receiving end is made for a tensor like the ones it will receive.
     """
 
     def __init__(self, transport: Transport, config: PipeConfig, *, host: str, port: int) -> None:
@@ -749,7 +750,7 @@ class _TensorReceiver:
         outcome = self.receiver.wait_for(request_id, timeout)
         if outcome is None:
             self.receiver.cancel(request_id)
-            self.receiver.results()
+            self.receiver.wait_for(request_id, 0)  # consume the cancellation
             return None
         return self.buffer.clone() if outcome == "" else None
 

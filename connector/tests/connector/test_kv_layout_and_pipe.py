@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Iterator
@@ -10,7 +11,7 @@ import pytest
 import torch
 from kv_peer import HOST
 
-from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, layer_layout, regions_checksum
+from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, coalesce, layer_layout, spans_checksum
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig, Protocol
 from dllm_connector.pipe import KVPipe, KVSender, PipeConfig, chunk_ranges, prompt_hash
 from dllm_connector.transport.base import TransferTimeout, TransportError
@@ -48,9 +49,24 @@ def test_gather_scatter_and_regions_agree(shape: tuple[int, ...]) -> None:
     target.scatter([0, 9, 4], batch)
     assert torch.equal(target.gather([0, 9, 4]), batch)
     assert not bool(target.gather([1, 2, 3]).any())
-    flat = torch.cat(source.regions([7, 2, 5]))
-    assert torch.equal(flat, batch.reshape(-1).view(torch.uint8))
-    assert regions_checksum(source.regions([7, 2, 5])) == regions_checksum([flat])
+    flat = batch.reshape(-1).view(torch.uint8)
+    spans = source.spans([7, 2, 5])
+    assert sum(length for _, length in spans) == flat.numel()
+    copied = torch.cat([torch.frombuffer(_memory(addr, length), dtype=torch.uint8) for addr, length in spans])
+    assert torch.equal(copied, flat)
+    assert spans_checksum(spans) == spans_checksum([(flat.data_ptr(), flat.numel())])
+
+
+def _memory(addr: int, length: int) -> bytearray:
+    return bytearray((ctypes.c_ubyte * length).from_address(addr))
+
+
+def test_coalesce_merges_spans_contiguous_on_both_sides() -> None:
+    src = [(100, 10), (110, 10), (200, 10), (210, 10)]
+    dst = [(500, 10), (510, 10), (520, 10), (900, 10)]
+    assert coalesce(src, dst) == ([(100, 20), (200, 10), (210, 10)], [(500, 20), (520, 10), (900, 10)])
+    with pytest.raises(LayoutError, match="span of 10 bytes paired with one of 12"):
+        coalesce([(0, 10)], [(0, 12)])
 
 
 def test_non_contiguous_blocks_are_refused() -> None:
