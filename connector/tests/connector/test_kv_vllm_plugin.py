@@ -19,6 +19,7 @@ from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
@@ -38,6 +39,7 @@ from dllm_connector.kvconfig import (
     kv_transfer_config,
 )
 from dllm_connector.protocol import DecodeParams, PrefillParams
+from dllm_connector.vllm import DllmConnectorStats, DllmMooncakeConnector
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
@@ -85,6 +87,20 @@ def test_factory_loads_and_constructs_the_classes(connector: Connector, vllm_rol
     assert isinstance(instance, KVConnectorBase_V1)
     assert not inspect.isabstract(type(instance))
     assert "kv_cache_config" in inspect.signature(type(instance).__init__).parameters
+
+
+def test_connector_stats_report_what_changed_and_aggregate() -> None:
+    stats = DllmMooncakeConnector.build_kv_connector_stats({"received": 2, "timeouts": 1})
+    assert isinstance(stats, KVConnectorStats)
+    assert stats.aggregate(DllmConnectorStats(data={"received": 3})).reduce() == {
+        "received": 5,
+        "timeouts": 1,
+    }
+    assert not stats.is_empty()
+    stats.reset()
+    assert stats.is_empty()
+    worker_side = create(Connector.MOONCAKE, Role.DECODE, KVConnectorRole.WORKER)
+    assert worker_side.get_kv_connector_stats() is None  # nothing happened yet
 
 
 def test_unknown_extra_config_key_stops_the_engine() -> None:
@@ -239,6 +255,7 @@ def test_workers_move_kv_and_report_each_receive_once(
     got = decode.kv.gather(decode_blocks[:5])
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 0.04
     assert decode.stats()["received"] == 1
+    assert decode.stats()["raw_bytes"] > decode.stats()["bytes_on_wire"]  # fp8 on the wire
 
 
 def test_a_prefill_that_never_sends_fails_the_load_with_its_blocks(
