@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterator
+
+import pytest
 
 # Every test here drives torch (and most Mooncake or vLLM): without them there is nothing to collect.
 collect_ignore_glob = [] if importlib.util.find_spec("torch") else ["test_*.py"]
@@ -11,7 +14,23 @@ collect_ignore_glob = [] if importlib.util.find_spec("torch") else ["test_*.py"]
 if not importlib.util.find_spec("vllm"):
     collect_ignore_glob.append("test_kv_vllm_plugin.py")
 
-# Plain torch kernels in tests: compiling them costs tens of seconds on two shared cores. One test
-# compares the compiled kernels with these explicitly.
-os.environ.setdefault("DLLM_KV_CODEC_COMPILE", "0")
-os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+_TEST_ENV = {
+    # Plain torch kernels: compiling them costs tens of seconds on two shared cores. One test compares
+    # the compiled kernels with these explicitly.
+    "DLLM_KV_CODEC_COMPILE": "0",
+    # Mooncake binds the first LAN address unless told otherwise; everything here stays on loopback.
+    "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _connector_test_env() -> Iterator[None]:
+    """Set for this directory's tests (and the peer processes they start), restored afterwards."""
+    saved = {name: os.environ.get(name) for name in _TEST_ENV}
+    os.environ.update(_TEST_ENV)
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
