@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import Geometry, PagedKV
+from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV
 from dllm_connector.kv_scheduler import StepPlan
 from dllm_connector.kvconfig import ConnectorExtraConfig, Protocol
-from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob
+from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, TransferFailed
 from dllm_connector.transport.base import Transport
 
 _log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class ConnectorWorker:
         self._sends: dict[str, str] = {}  # transfer id -> request id
         self._load_errors: set[int] = set()
         self.failures: dict[str, str] = {}  # transfer id -> why it failed (the latest 1000)
+        self._refused: dict[str, tuple[tuple[int, ...], str]] = {}  # loads refused before starting
 
     def register_kv_caches(self, caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
         # Ranks map one to one (prefill rank r sends to decode rank r), so TP sizes must match.
@@ -94,10 +95,20 @@ class ConnectorWorker:
     def start(self, plan: StepPlan) -> None:
         for load in plan.loads:
             assert self.receiver is not None, "a load was planned on a worker that does not receive"
+            if load.transfer_id in self._loads:
+                self._refused[load.request_id] = (
+                    load.block_ids,
+                    f"transfer id {load.transfer_id} is already in use",
+                )
+                continue
+            try:
+                self.receiver.expect(
+                    load.transfer_id, load.block_ids, skip=load.skip, prompt_hash=load.prompt_hash
+                )
+            except (TransferFailed, LayoutError) as error:
+                self._refused[load.request_id] = (load.block_ids, str(error))
+                continue
             self._loads[load.transfer_id] = (load.request_id, load.block_ids)
-            self.receiver.expect(
-                load.transfer_id, load.block_ids, skip=load.skip, prompt_hash=load.prompt_hash
-            )
         for transfer_id in plan.cancels:
             if self.receiver is not None:
                 self.receiver.cancel(transfer_id)
@@ -122,6 +133,12 @@ class ConnectorWorker:
                 sending.add(self._sends.pop(transfer_id))
         recving: set[str] = set()
         failed: set[str] = set()
+        for request_id, (blocks, reason) in self._refused.items():
+            recving.add(request_id)
+            failed.add(request_id)
+            self._load_errors.update(blocks)
+            _log.warning("KV for request %s not loaded: %s", request_id, reason)
+        self._refused.clear()
         for transfer_id, outcome in self._receiver_done().items():
             if transfer_id not in self._loads:
                 continue

@@ -318,3 +318,30 @@ def test_handshake_refuses_mismatched_parallelism_and_engines(
     finally:
         prefill.close()
         decode.close()
+
+
+def test_a_reused_transfer_id_fails_only_the_second_request(
+    workers: tuple[ConnectorWorker, ConnectorWorker, int],
+) -> None:
+    _, decode, port = workers
+    _, first = plans(70, [1, 2, 3, 4, 5], [10, 11, 12, 13, 14], port)
+    _, second = plans(40, [1, 2, 3], [20, 21, 22], port)
+    second.loads[0] = replace(second.loads[0], request_id="d-2")
+    decode.start(first)
+    decode.start(second)  # same transfer id "tx-w": refused, the engine step goes on
+    results = decode.results()
+    assert (results.finished_recving, results.failed_recving) == ({"d-2"}, {"d-2"})
+    assert decode.take_load_errors() == {20, 21, 22}
+    assert decode.receiver is not None
+    assert decode.receiver.pending == {"tx-w"}  # the first request still waits for its KV
+
+
+def test_out_of_range_blocks_fail_the_load_not_the_engine(
+    workers: tuple[ConnectorWorker, ConnectorWorker, int],
+) -> None:
+    _, decode, port = workers
+    _, plan = plans(40, [1, 2, 3], [20, 21, NUM_BLOCKS + 5], port)
+    decode.start(plan)
+    results = decode.results()
+    assert results.failed_recving == {"d-1"}
+    assert decode.take_load_errors() == {20, 21, NUM_BLOCKS + 5}
