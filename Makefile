@@ -77,3 +77,14 @@ test-dataplane: .venv/.ready ## The CPU PD pipeline with real vLLM engines
 
 test: .venv/.ready cluster-build lint typecheck ## Every test (installs and builds what it needs on a fresh machine)
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
+
+# ---- benchmarks (not run by CI; each prints ratios measured side by side) ----
+.PHONY: bench-reconcile bench-router bench-kv
+bench-reconcile: .venv/.ready cluster-build ## Operator latency/quietness vs a direct-apply floor (--quick)
+	$(PY) bench/reconcile.py --quick
+
+bench-router: .venv/.ready ## Router overhead vs a client making both calls itself (--quick)
+	$(PY) bench/router.py --quick
+
+bench-kv: .venv/.ready ## KV transfer vs a raw socket, codecs none/fp8/int8 (--quick)
+	$(PY) bench/kv_transfer.py --quick
