@@ -130,6 +130,12 @@ def test_decode_loaded_the_prompt_externally(pipeline: Pipeline) -> None:
     assert counter(metrics_text(decode.url), "vllm:prefix_cache_hits") == 0
 
 
+def test_one_token_prompt(pipeline: Pipeline, reference: dict[str, Any]) -> None:
+    """A prompt of one token has no KV worth sending; decode must still answer, not wait for KV."""
+    status, body = completion(pipeline.processes["router"].url, "a")
+    assert status == 200, body
+
+
 def test_streaming_through_the_pipeline(pipeline: Pipeline) -> None:
     import json
     import urllib.request

@@ -79,6 +79,17 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def has_kv_worth_sending(prompt_len: int) -> bool:
+    """False for a one-token prompt: decode recomputes a prompt's last token anyway.
+
+    vLLM's scheduler rewinds a request whose whole prompt was loaded by one token, so that token
+    is computed again to sample the next. With one token that rewind lands on 0 computed tokens,
+    which vLLM treats as a fresh request; nothing loaded would be used. Both sides apply this rule:
+    decode does not wait and prefill does not send.
+    """
+    return prompt_len > 1
+
+
 def decode_params(params: Mapping[str, Any] | None) -> DecodeParams | None:
     if not is_dllm_params(dict(params or {})) or not (params or {}).get("do_remote_prefill"):
         return None
@@ -100,15 +111,27 @@ class SchedulerState:
         self.kv_port = kv_port
         self._plan = StepPlan()
         self._loading: dict[str, str] = {}  # vLLM request id -> transfer id, until loaded
+        self._load_ended: set[str] = set()  # loaded or failed, until request_finished
         self._sending: set[str] = set()
 
     # decode ------------------------------------------------------------------------------------
 
     def matched_tokens(
-        self, params: Mapping[str, Any] | None, prompt_len: int, num_computed: int
+        self,
+        params: Mapping[str, Any] | None,
+        prompt_len: int,
+        num_computed: int,
+        request_id: str | None = None,
     ) -> tuple[int, bool]:
-        """Side-effect free: how many prompt tokens decode will load; decode always loads asynchronously."""
-        if decode_params(params) is None:
+        """Side-effect free: how many prompt tokens decode will load; decode always loads asynchronously.
+
+        A request's transfer is loaded at most once: vLLM asks again when it resets a request to 0
+        computed tokens (preemption, a failed load under the recompute policy), and prefill sends
+        each transfer once, so such a request computes its prompt locally instead of waiting.
+        """
+        if decode_params(params) is None or not has_kv_worth_sending(prompt_len):
+            return 0, False
+        if request_id is not None and request_id in self._load_ended:
             return 0, False
         count = prompt_len - num_computed
         return (count, True) if count > 0 else (0, False)
@@ -125,6 +148,8 @@ class SchedulerState:
         decode = decode_params(params)
         if decode is None or num_external_tokens <= 0 or request_id in self._loading:
             return
+        if request_id in self._load_ended or not has_kv_worth_sending(prompt_len):
+            return
         skip = (prompt_len - num_external_tokens) // self.block_size
         wanted = tuple(block_ids[skip : blocks_for(prompt_len, self.block_size)])
         self._loading[request_id] = decode.transfer_id
@@ -132,7 +157,8 @@ class SchedulerState:
 
     def loaded(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
-            self._loading.pop(request_id, None)
+            if self._loading.pop(request_id, None) is not None:
+                self._load_ended.add(request_id)
             self._sending.discard(request_id)
 
     # prefill / both ----------------------------------------------------------------------------
@@ -147,11 +173,12 @@ class SchedulerState:
         length_capped: bool,
     ) -> bool:
         """request_finished: True when the blocks stay allocated until the send ends."""
+        self._load_ended.discard(request_id)
         if request_id in self._loading:  # decode aborted before its KV arrived
-            self._plan.cancels.append(self._loading[request_id])
+            self._plan.cancels.append(self._loading.pop(request_id))
             return False
         prefill = prefill_params(params)
-        if prefill is None or not length_capped or not block_ids:
+        if prefill is None or not length_capped or not block_ids or not has_kv_worth_sending(prompt_len):
             return False
         host = prefill.decode_host or self.config.decode_host
         port = prefill.decode_kv_port or self.config.decode_port

@@ -5,8 +5,9 @@ renders it). This module imports without vLLM (the classes then refuse to constr
 of the package and its tests do not need vLLM.
 
 Scheduler side (kv_scheduler.SchedulerState, pure): decode loads asynchronously
-(get_num_new_matched_tokens -> (N, True)); prefill sends at request_finished from the request's
-block ids and keeps them until the send ends. Worker side (kv_worker.ConnectorWorker): starts the
+(get_num_new_matched_tokens -> (N, True)), at most once per request and never for a one-token
+prompt; prefill sends at request_finished from the request's block ids (not for a one-token
+prompt) and keeps them until the send ends. Worker side (kv_worker.ConnectorWorker): starts the
 step's loads and sends, reports loaded and failed receives (failed blocks through
 get_block_ids_with_load_errors, so vLLM's kv_load_failure_policy applies).
 """
@@ -204,7 +205,7 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         prompt = request.prompt_token_ids or []
         return self._require_scheduler().matched_tokens(
-            request.kv_transfer_params, len(prompt), num_computed_tokens
+            request.kv_transfer_params, len(prompt), num_computed_tokens, request.request_id
         )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
