@@ -74,7 +74,7 @@ def build_registry(controller: Controller, credentials: Credentials) -> kopf.Ope
         configure(settings)
 
     @kopf.on.event(GROUP, VERSION, PLURAL, registry=registry)
-    def resource_event(event: kopf.RawEvent, **_: Any) -> None:
+    async def resource_event(event: kopf.RawEvent, **_: Any) -> None:
         body = dict(event["object"])
         body.setdefault("kind", "DisaggregatedLLM")
         controller.on_resource(body, deleted=event.get("type") == "DELETED")
@@ -89,7 +89,7 @@ def build_registry(controller: Controller, credentials: Credentials) -> kopf.Ope
             id=f"child-{plural}",
             labels={labels.MANAGED_BY: labels.MANAGER},
         )
-        def child_event(event: kopf.RawEvent, kind: str = CHILD_KINDS[plural], **_: Any) -> None:
+        async def child_event(event: kopf.RawEvent, kind: str = CHILD_KINDS[plural], **_: Any) -> None:
             obj = dict(event["object"])
             obj.setdefault("kind", kind)
             controller.on_child(obj, deleted=event.get("type") == "DELETED")
