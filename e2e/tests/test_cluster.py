@@ -172,30 +172,20 @@ def _run_cluster_cli(state: Path, port_base: int, *args: str) -> subprocess.Comp
 def test_second_cluster_lifecycle_reuse_stale_and_clean_teardown(tmp_path: Path) -> None:
     """A separate cluster on other ports: up twice (reuse), SIGKILL everything (stale), up, down."""
     state, base = tmp_path / "cp", 27400
-    env = dict(os.environ, DLLM_CP_STATE=str(state), DLLM_CP_PORT_BASE=str(base))
+    layout = cp.Layout(cp.Layout.from_env().cache, state, base, cp.read_versions())
     try:
         assert _run_cluster_cli(state, base, "up", "--nodes", "1").returncode == 0
         again = _run_cluster_cli(state, base, "up", "--nodes", "1")
         assert again.returncode == 0
         assert "reusing" in again.stderr
-        layout = cp.Layout(cp.Layout.from_env().cache, state, base, cp.read_versions())
         for component in cp.COMPONENTS:
             cp.kill_component(layout, component)
         revived = _run_cluster_cli(state, base, "up", "--nodes", "1")
         assert revived.returncode == 0, revived.stderr
         assert "stale cluster" in revived.stderr or "starting" in revived.stderr
     finally:
-        down = subprocess.run(
-            [sys.executable, "-m", "e2e.cluster", "down"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
+        down = _run_cluster_cli(state, base, "down")
     assert down.returncode == 0, down.stderr
-    layout = cp.Layout(cp.Layout.from_env().cache, state, base, cp.read_versions())
     assert [p for p in layout.ports.values() if cp.port_in_use(p)] == []
     assert not state.exists()
 

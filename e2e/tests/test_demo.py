@@ -14,18 +14,15 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_demo_reaches_ready_and_shows_the_kv_env(cluster: Cluster) -> None:
+def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, DLLM_DEMO_NAMESPACE="demo-test")
+    return subprocess.run([sys.executable, "-m", "e2e.demo", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+
+
+def test_demo_reaches_ready_and_shows_the_kv_env(cluster: Cluster) -> None:
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "e2e.demo", "up", "--timeout", "120"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        result = run_demo("up", "--timeout", "120")
         assert result.returncode == 0, result.stdout + result.stderr
         out = result.stdout
         assert "Ready=True" in out
@@ -41,14 +38,6 @@ def test_demo_reaches_ready_and_shows_the_kv_env(cluster: Cluster) -> None:
             assert name in out
         assert "system:serviceaccount:dllm-system:dllm-dllm-operator" in out
     finally:
-        down = subprocess.run(
-            [sys.executable, "-m", "e2e.demo", "down", "--keep-cluster"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        down = run_demo("down", "--keep-cluster")
     assert down.returncode == 0, down.stderr
     assert cluster.helm("list", "-n", "dllm-system", "-q").stdout.strip() == ""
