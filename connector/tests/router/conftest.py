@@ -11,7 +11,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -19,6 +18,7 @@ from router_engine_double import FakeBootstrapServer, FakeVllmEngine
 
 from dllm_connector.router.config import Address, Flow, RouterConfig, Upstreams
 from dllm_connector.router.endpoints import AddressSource
+from dllm_connector.router.httpserver import HttpServer
 from dllm_connector.router.server import Router, serve
 
 WAIT_S = 5.0
@@ -114,7 +114,7 @@ async def client() -> AsyncIterator[aiohttp.ClientSession]:
 
 @pytest.fixture
 async def start_router(client: aiohttp.ClientSession) -> AsyncIterator[RouterFactory]:
-    made: list[tuple[Router, web.AppRunner]] = []
+    made: list[tuple[Router, HttpServer]] = []
 
     async def start(
         flow: Flow,

@@ -1,7 +1,8 @@
-"""The router's I/O: the aiohttp server, the discovery and health loops, and the upstream calls.
+"""The router's I/O: the HTTP server's handlers, the discovery and health loops, and the upstream calls.
 
-Generation calls go through keep-alive connection pools per pod (`upstream.py`); health checks, the
-bootstrap /query and /v1/models use one aiohttp ClientSession.
+Requests arrive through the router's own HTTP/1.1 server (`httpserver.py`); generation calls go through
+keep-alive connection pools per pod (`upstream.py`); health checks, the bootstrap /query and /v1/models
+use one aiohttp ClientSession.
 
 Per prompt the router picks a prefill and a decode pod (least outstanding requests), sends the two calls
 of the configured flow, and relays decode's answer. Nothing reaches the client before prefill has
@@ -23,18 +24,20 @@ from time import perf_counter
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from dllm_connector.router import flows
 from dllm_connector.router import openai as oa
 from dllm_connector.router.config import RouterConfig
 from dllm_connector.router.endpoints import AddressSource, Endpoint, Pool, scheme_of, source_for
+from dllm_connector.router.httpserver import Handler, HttpServer, Request, Response, StreamWriter
 from dllm_connector.router.metrics import Metrics
-from dllm_connector.router.upstream import ConnectFailed, Response, UpstreamError, UpstreamPool
+from dllm_connector.router.upstream import ConnectFailed, UpstreamError, UpstreamPool
+from dllm_connector.router.upstream import Response as UpstreamResponse
 
 log = logging.getLogger("dllm.router")
 JsonObject = dict[str, Any]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+GENERATION_ROUTES = (oa.COMPLETIONS, oa.CHAT)
 
 
 class RouterError(Exception):
@@ -62,7 +65,7 @@ class Answer:
     decode: Endpoint | None = None
     finished: JsonObject | None = None
     body: bytes | None = None
-    stream: Response | None = None
+    stream: UpstreamResponse | None = None
     prefill_done: float = field(default_factory=perf_counter)
 
     def release(self) -> None:
@@ -102,14 +105,14 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._loops: list[asyncio.Task[None]] = []
         self._probe_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s)
-        # long prompts and inline images: aiohttp's default limit is 1 MiB
-        self.app = web.Application(client_max_size=config.max_body_mb * 1024 * 1024)
-        self.app.router.add_post(oa.COMPLETIONS, partial(self.generate, oa.COMPLETIONS))
-        self.app.router.add_post(oa.CHAT, partial(self.generate, oa.CHAT))
-        self.app.router.add_get("/v1/models", self.models)
-        self.app.router.add_get("/health", self.health)
-        self.app.router.add_get("/ready", self.ready)
-        self.app.router.add_get("/metrics", self.metrics_page)
+        self.routes: dict[tuple[str, str], Handler] = {
+            ("POST", oa.COMPLETIONS): partial(self.generate, oa.COMPLETIONS),
+            ("POST", oa.CHAT): partial(self.generate, oa.CHAT),
+            ("GET", "/v1/models"): self.models,
+            ("GET", "/health"): self.health,
+            ("GET", "/ready"): self.ready,
+            ("GET", "/metrics"): self.metrics_page,
+        }
 
     # ---- lifecycle ----
 
@@ -207,12 +210,12 @@ class Router:
 
     # ---- the generation endpoints ----
 
-    async def generate(self, route: str, request: web.Request) -> web.StreamResponse:
-        rid = request.headers.get("X-Request-Id") or os.urandom(16).hex()
+    async def generate(self, route: str, request: Request) -> Response | StreamWriter:
         started = perf_counter()
+        rid = _request_id(request)
         answers: list[Answer] = []
         try:
-            raw = await self._read_body(request)
+            raw = request.body
             body = oa.parse_request(raw, route)
             response = await self._serve(request, route, body, raw, rid, started, answers)
         except oa.BadRequest as e:
@@ -231,7 +234,7 @@ class Router:
             prefill = ",".join(a.prefill.name for a in answers) or "-"
             decode = ",".join(a.decode.name if a.decode else "-" for a in answers) or "-"
             ms = (perf_counter() - started) * 1000
-            # written on the next loop turn, after aiohttp has sent the answer: off the latency path
+            # written on the next loop turn, after the server has sent the answer: off the latency path
             asyncio.get_running_loop().call_soon(
                 log.info,
                 "%s %s %d prefill=%s decode=%s %.1fms",
@@ -244,38 +247,42 @@ class Router:
             )
         return response
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            limit = self.config.max_body_mb
-            raise RouterError(413, "bad_request", f"request body over {limit} MiB (--max-body-mb)") from None
-
-    def _error_response(self, error: RouterError, rid: str) -> web.Response:
+    def _error_response(self, error: RouterError, rid: str) -> Response:
         self.metrics.errors[error.kind] += 1
         log.warning("%s %s: %s", rid, error.kind, error)
-        return web.Response(
-            status=error.status,
-            body=error.body,
-            content_type="application/json",
-            headers={"X-Request-Id": rid},
-        )
+        return Response(error.body, status=error.status, headers={"X-Request-Id": rid})
+
+    def error_page(self, status: int, message: str, request: Request | None) -> Response:
+        """The HTTP server's own refusals (malformed request 400, body over the limit 413, 404, ...)."""
+        kind = _SERVER_ERROR_KINDS.get(status, "bad_request")
+        rid = _request_id(request) if request is not None else os.urandom(16).hex()
+        if kind == "bad_request":
+            self.metrics.errors[kind] += 1
+            log.warning("%s %s: %s", rid, kind, message)
+        if request is not None and request.path in GENERATION_ROUTES:
+            self.metrics.requests[(request.path, status)] += 1
+        return Response(oa.error_body(message, kind, status), status=status, headers={"X-Request-Id": rid})
+
+    @property
+    def body_limit_message(self) -> str:
+        return f"request body over {self.config.max_body_mb} MiB (--max-body-mb)"
 
     async def _serve(
         self,
-        request: web.Request,
+        request: Request,
         route: str,
         body: JsonObject,
         raw: bytes,
         rid: str,
         started: float,
         answers: list[Answer],
-    ) -> web.StreamResponse:
+    ) -> Response | StreamWriter:
         stream = bool(body.get("stream"))
         prompts = oa.split_prompts(route, body)
         headers = b"Content-Type: application/json\r\n"
-        if "Authorization" in request.headers:
-            headers += b"Authorization: " + _header_value(request.headers["Authorization"]) + b"\r\n"
+        auth = request.header(b"authorization")
+        if auth is not None:
+            headers += b"Authorization: " + auth + b"\r\n"  # the parser refuses line breaks in values
         if len(prompts) == 1:
             answers.append(
                 await self._exchange(route, Prompt(body, raw, rid, 0), headers, read_all=not stream)
@@ -285,9 +292,8 @@ class Router:
         if not stream:
             payload = self._joined_body(answers, body)
             self.metrics.ttft_seconds.observe(perf_counter() - started)
-            return web.Response(body=payload, content_type="application/json", headers={"X-Request-Id": rid})
-        response = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": rid})
-        await response.prepare(request)
+            return Response(payload, headers={"X-Request-Id": rid})
+        response = request.stream({**SSE_HEADERS, "X-Request-Id": rid})
         if len(answers) == 1:
             chunks = self._relay_one(route, answers[0], body)
         else:
@@ -299,7 +305,7 @@ class Router:
                 if first:
                     self.metrics.ttft_seconds.observe(perf_counter() - started)
                     first = False
-            await response.write_eof()
+            await response.finish()
         except ConnectionResetError:
             self.metrics.errors["client_disconnect"] += 1
             log.info("%s %s client went away mid-stream; upstream requests cancelled", rid, route)
@@ -479,7 +485,7 @@ class Router:
     ) -> None:
         """Send the answering call (decode; prefill for one-token requests): read it all, or keep it open."""
         ep.inflight += 1
-        response: Response | None = None
+        response: UpstreamResponse | None = None
         try:
             response = await self._upstream(ep).post(route, headers, payload, self.config.request_timeout_s)
             if response.status != 200 or read_all:
@@ -594,13 +600,13 @@ class Router:
 
     # ---- the other endpoints ----
 
-    async def models(self, request: web.Request) -> web.Response:
-        rid = request.headers.get("X-Request-Id") or os.urandom(16).hex()
+    async def models(self, request: Request) -> Response:
+        rid = _request_id(request)
         try:
             ep = self._pick(self.decode, [])
             try:
                 async with self.session.get(ep.url + "/v1/models", timeout=self._probe_timeout) as r:
-                    return web.Response(status=r.status, body=await r.read(), content_type="application/json")
+                    return Response(await r.read(), status=r.status)
             except (TimeoutError, aiohttp.ClientError) as e:
                 raise RouterError(502, "decode_unreachable", f"decode pod {ep.name}: {e!r}") from e
         except RouterError as e:
@@ -612,29 +618,25 @@ class Router:
             for pool in (self.prefill, self.decode)
         }
 
-    async def health(self, _: web.Request) -> web.Response:
+    async def health(self, _: Request) -> Response:
         """Liveness: the router itself is up (200), with each role's ready and known pods."""
         state = self._pool_state()
         ok = all(role["ready"] for role in state.values())
         status = "ok" if ok else "degraded"
-        return web.json_response({"status": status, "flow": self.config.flow, **state})
+        return Response(oa.dumps({"status": status, "flow": self.config.flow, **state}))
 
-    async def ready(self, _: web.Request) -> web.Response:
+    async def ready(self, _: Request) -> Response:
         """Readiness: 200 only when both roles have a ready pod; else 503 naming the missing roles."""
         state = self._pool_state()
         missing = [role for role, s in state.items() if not s["ready"]]
         if missing:
             message = "no ready " + " or ".join(missing) + " pod"
-            return web.Response(
-                status=503,
-                body=oa.error_body(message, "service_unavailable", 503),
-                content_type="application/json",
-            )
-        return web.json_response({"status": "ok", **state})
+            return Response(oa.error_body(message, "service_unavailable", 503), status=503)
+        return Response(oa.dumps({"status": "ok", **state}))
 
-    async def metrics_page(self, _: web.Request) -> web.Response:
+    async def metrics_page(self, _: Request) -> Response:
         text = self.metrics.render((self.prefill, self.decode))
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        return Response(text.encode(), content_type="text/plain; charset=utf-8")
 
 
 async def _cancel(task: asyncio.Future[Any]) -> None:
@@ -649,6 +651,15 @@ def _header_value(value: str) -> bytes:
     if "\r" in value or "\n" in value:
         raise RouterError(400, "bad_request", "a header value contains a line break")
     return value.encode("latin-1", errors="replace")
+
+
+_SERVER_ERROR_KINDS = {404: "not_found", 405: "method_not_allowed", 500: "internal_error"}
+
+
+def _request_id(request: Request) -> str:
+    """The client's X-Request-Id, or a new random one."""
+    rid = request.header(b"x-request-id")
+    return rid.decode("latin-1") if rid else os.urandom(16).hex()
 
 
 def _as_error(data: bytes) -> bytes:
@@ -666,12 +677,17 @@ def _json(data: bytes | None) -> JsonObject:
     return parsed
 
 
-async def serve(router: Router, host: str, port: int, *, drain_s: float = 30.0) -> web.AppRunner:
-    """Start listening; handler cancellation makes a client disconnect cancel both upstream calls.
+async def serve(router: Router, host: str, port: int, *, drain_s: float = 30.0) -> HttpServer:
+    """Start listening; a client that disconnects cancels its handler, so both upstream calls stop.
 
-    On cleanup, in-flight requests get `drain_s` seconds to finish.
+    On `cleanup()`, in-flight requests get `drain_s` seconds to finish.
     """
-    runner = web.AppRunner(router.app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_s)
-    await runner.setup()
-    await web.TCPSite(runner, host, port, backlog=1024).start()
-    return runner
+    server = HttpServer(
+        router.routes,
+        max_body=router.config.max_body_mb * 1024 * 1024,
+        too_large=router.body_limit_message,
+        error_page=router.error_page,
+        drain_s=drain_s,
+    )
+    await server.start(host, port)
+    return server

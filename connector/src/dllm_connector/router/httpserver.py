@@ -1,0 +1,577 @@
+"""A small HTTP/1.1 server for the router's hot path: asyncio protocols and httptools' C parser (llhttp).
+
+aiohttp's server cost the router 80-100 us per request in profiles, even for a handler returning a
+constant (request objects, header multidicts, payload streams, a task and several futures per request).
+This one parses with llhttp, keeps headers as a plain dict of lowercased bytes, hands the handler the
+whole body, and writes each answer with one `write`.
+
+Behaviour a client sees:
+- keep-alive (HTTP/1.1 by default, HTTP/1.0 on request); pipelined requests are answered in order,
+  one at a time per connection; a `Connection: close` request closes after its answer;
+- request bodies by Content-Length or chunked; over `max_body` the answer is 413 (before the body is read
+  when its length is declared) and the connection is closed; `Expect: 100-continue` gets `100 Continue`
+  when the request is next in line and its body is within the limit;
+- a malformed request gets 400 (an over-long head 431) and the connection is closed;
+- streamed answers use chunked transfer encoding (raw bytes until close for HTTP/1.0 clients), and a
+  writer waits while the client does not read (the transport's pause_writing / resume_writing);
+- a client that closes its connection cancels the handler of its request (as aiohttp's
+  `handler_cancellation`), so the router's upstream calls are cancelled too;
+- `cleanup(drain_s)` stops listening, closes idle connections, lets requests in flight finish (each
+  connection closes after its answer) for up to `drain_s`, then cancels the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from email.utils import formatdate
+from http import HTTPStatus
+from time import time
+
+import httptools
+
+log = logging.getLogger("dllm.router.http")
+
+MAX_HEAD = 64 * 1024  # request line and headers
+MAX_PIPELINE = 16  # requests queued on one connection before it stops reading
+KEEPALIVE_S = 75.0  # idle keep-alive connections are closed after this (aiohttp's default)
+LINGER_S = 2.0  # after a refusal, unread request bytes are drained this long so the client sees the answer
+
+
+class Request:
+    """One parsed request: method, path (no query), lowercased header names, the whole body."""
+
+    __slots__ = (
+        "_conn",
+        "_pieces",
+        "_size",
+        "_url",
+        "body",
+        "complete",
+        "continued",
+        "expect_continue",
+        "headers",
+        "http10",
+        "keep_alive",
+        "method",
+        "path",
+        "query",
+        "refusal",
+        "started",
+    )
+
+    def __init__(self, conn: _Connection | None = None) -> None:
+        self._conn = conn
+        self._url = b""
+        self._pieces: list[bytes] = []
+        self._size = 0
+        self.method = ""
+        self.path = ""
+        self.query = ""
+        self.headers: dict[bytes, bytes] = {}
+        self.body = b""
+        self.keep_alive = True
+        self.http10 = False
+        self.complete = False
+        self.expect_continue = False
+        self.continued = False
+        self.refusal: tuple[int, str] | None = None  # the server's own answer; then the connection closes
+        self.started = False  # an answer's first bytes were written
+
+    def header(self, name: bytes) -> bytes | None:
+        """A header's raw value by its lowercased name (repeated headers are joined with ", ")."""
+        return self.headers.get(name)
+
+    def stream(self, headers: Mapping[str, str], status: int = 200) -> StreamWriter:
+        """Begin a streamed answer (the handler then returns the writer)."""
+        if self._conn is None or self._conn.closed:
+            raise ConnectionResetError("the client closed the connection")
+        return StreamWriter(self._conn, self, status, headers)
+
+
+class Response:
+    """A whole answer: status, body, content type and extra headers."""
+
+    __slots__ = ("body", "content_type", "headers", "status")
+
+    def __init__(
+        self,
+        body: bytes = b"",
+        *,
+        status: int = 200,
+        content_type: str = "application/json",
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        self.status, self.body, self.content_type = status, body, content_type
+        self.headers = headers
+
+
+class StreamWriter:
+    """A streamed answer (status 200 unless given): `await write(data)` per piece, then `await finish()`.
+
+    The head goes out with the first piece (one send fewer). A write while the client is not reading
+    waits until its buffer drains. Writing to a client that has gone raises ConnectionResetError.
+    """
+
+    __slots__ = ("_chunked", "_conn", "_head", "_request", "finished", "status")
+
+    def __init__(self, conn: _Connection, request: Request, status: int, headers: Mapping[str, str]) -> None:
+        self._conn, self._request = conn, request
+        self.status = status
+        self._chunked = not request.http10
+        if not self._chunked:
+            request.keep_alive = False  # HTTP/1.0: the body ends when the connection closes
+        framing = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
+        self._head: bytes | None = conn.head(request, status, framing + format_headers(headers))
+        self.finished = False
+
+    async def write(self, data: bytes) -> None:
+        conn = self._conn
+        if conn.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if not data:
+            return
+        piece = b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
+        if self._head is not None:
+            piece, self._head = self._head + piece, None
+            self._request.started = True
+        conn.write(piece)
+        if conn.write_paused:
+            await conn.drained()
+
+    async def finish(self) -> None:
+        conn = self._conn
+        if conn.closed:
+            raise ConnectionResetError("the client closed the connection")
+        end = b"0\r\n\r\n" if self._chunked else b""
+        if self._head is not None:
+            end, self._head = self._head + end, None
+        self.finished = True
+        conn.write(end)
+        if conn.write_paused:
+            await conn.drained()
+
+
+Handler = Callable[[Request], Awaitable[Response | StreamWriter]]
+ErrorPage = Callable[[int, str, Request | None], Response]
+
+
+def plain_error(status: int, message: str, _: Request | None) -> Response:
+    return Response(message.encode(), status=status, content_type="text/plain; charset=utf-8")
+
+
+def format_headers(headers: Mapping[str, str] | None) -> bytes:
+    """`Name: value` lines; a value with a line break would split the answer, so it is refused."""
+    if not headers:
+        return b""
+    out = b""
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"header {name!r} contains a line break")
+        out += name.encode("latin-1") + b": " + value.encode("latin-1", errors="replace") + b"\r\n"
+    return out
+
+
+_STATUS_LINES: dict[int, bytes] = {}
+
+
+def status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    if line is None:
+        try:
+            phrase = HTTPStatus(status).phrase
+        except ValueError:
+            phrase = "Unknown"
+        line = _STATUS_LINES[status] = b"HTTP/1.1 %d %s\r\n" % (status, phrase.encode())
+    return line
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: parses requests, answers them one at a time in arrival order."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.loop = server.loop
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.write_paused = False
+        self.idle_since = self.loop.time()
+        self._queue: deque[Request] = deque()  # parsed (or being read) requests; the head is answered next
+        self._current: Request | None = None  # the request whose head or body is being parsed
+        self._head_size = 0
+        self._task: asyncio.Task[None] | None = None
+        self._drain: asyncio.Future[None] | None = None
+        self._refused = False  # parsing stopped: what follows is drained, not read
+        self._read_paused = False
+
+    # ---- transport callbacks ----
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
+        self.server.connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # lingering after a refusal: discard
+        self.idle_since = 0.0
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError as e:
+            cause = e.__context__
+            if isinstance(cause, _Refusal):
+                self._refuse(cause.status, str(cause))
+            else:
+                log.exception("HTTP request callback failed")
+                self._refuse(500, "internal error while reading the request")
+        except httptools.HttpParserUpgrade:
+            self._refuse(400, "protocol upgrades are not supported")
+        except httptools.HttpParserError as e:
+            self._refuse(400, f"malformed HTTP request: {e}")
+
+    def eof_received(self) -> bool:
+        return False  # the client is gone (as aiohttp): close; connection_lost cancels its request
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client went away: its handler (and upstream calls) stop
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(ConnectionResetError("the client closed the connection"))
+            self._drain.exception()  # retrieved: the writer may already be cancelled
+        self._queue.clear()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self._drain = None
+
+    # ---- parser callbacks ----
+
+    def on_message_begin(self) -> None:
+        self._current = Request(self)
+        self._head_size = 0
+
+    def on_url(self, url: bytes) -> None:
+        assert self._current is not None
+        self._current._url += url
+        self._count_head(len(url))
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self._current is not None
+        self._count_head(len(name) + len(value))
+        key = name.lower()
+        headers = self._current.headers
+        headers[key] = headers[key] + b", " + value if key in headers else value
+
+    def on_headers_complete(self) -> None:
+        request = self._current
+        assert request is not None
+        parser = self.parser
+        request.method = parser.get_method().decode("ascii", errors="replace")
+        request.keep_alive = parser.should_keep_alive()
+        request.http10 = parser.get_http_version() == "1.0"
+        path, _, query = request._url.partition(b"?")
+        request.path = path.decode("latin-1")
+        request.query = query.decode("latin-1")
+        self._queue.append(request)
+        if len(self._queue) > MAX_PIPELINE:
+            self._pause_reading()
+        length = request.headers.get(b"content-length")
+        if length is not None and _length(length) > self.server.max_body:
+            raise _Refusal(413, self.server.too_large)
+        expect = request.headers.get(b"expect")
+        if expect is not None:
+            if expect.lower() != b"100-continue":
+                raise _Refusal(417, "only 'Expect: 100-continue' is supported")
+            request.expect_continue = True
+        self._advance()
+
+    def on_body(self, body: bytes) -> None:
+        request = self._current
+        assert request is not None
+        request._size += len(body)
+        if request._size > self.server.max_body:
+            raise _Refusal(413, self.server.too_large)
+        request._pieces.append(body)
+
+    def on_message_complete(self) -> None:
+        request = self._current
+        assert request is not None
+        self._current = None
+        pieces = request._pieces
+        request.body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        request._pieces = []
+        request.complete = True
+        self._advance()
+
+    def _count_head(self, n: int) -> None:
+        self._head_size += n
+        if self._head_size > MAX_HEAD:
+            raise _Refusal(431, f"request head over {MAX_HEAD} bytes")
+
+    # ---- answering, in order ----
+
+    def _advance(self) -> None:
+        """Start on the request at the head of the line, if nothing is being answered now."""
+        if self._task is not None or not self._queue or self.closed:
+            return
+        request = self._queue[0]
+        if request.refusal is not None:
+            self._answer_refusal(request)
+        elif request.complete:
+            self._task = self.loop.create_task(self._answer(request))
+        elif request.expect_continue and not request.continued:
+            request.continued = True
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Stop reading this connection; the refusal is answered in turn, then the connection closes."""
+        self._refused = True
+        request = self._current
+        if request is None or request not in self._queue:
+            request = request or Request()
+            self._queue.append(request)
+        request.refusal = (status, message)
+        self._advance()
+
+    def _answer_refusal(self, request: Request) -> None:
+        assert request.refusal is not None
+        status, message = request.refusal
+        request.keep_alive = False
+        self._write_whole(request, self._error_page(status, message, request if request.method else None))
+        self._linger()
+
+    def _error_page(self, status: int, message: str, request: Request | None) -> Response:
+        try:
+            return self.server.error_page(status, message, request)
+        except Exception:
+            log.exception("the error page for %d failed", status)
+            return plain_error(status, message, None)
+
+    def _linger(self) -> None:
+        """Half-close, and read (discarding) for a while: closing with unread bytes would reset the
+        connection, and the client could lose the answer before reading it."""
+        transport = self.transport
+        assert transport is not None
+        self._refused = True
+        self._queue.clear()
+        if transport.can_write_eof():
+            transport.write_eof()
+            self.loop.call_later(LINGER_S, self.close)
+        else:
+            self.close()
+
+    async def _answer(self, request: Request) -> None:
+        server = self.server
+        try:
+            result = await server.dispatch(request)
+            if isinstance(result, Response):
+                self._write_whole(request, result)
+            elif not result.finished:
+                request.keep_alive = False  # the handler stopped mid-stream: the framing is incomplete
+        except asyncio.CancelledError:
+            return  # the client went away, or the server stopped waiting: nothing more to write
+        except ConnectionResetError:
+            return
+        except Exception:
+            log.exception("%s %s failed", request.method, request.path)
+            request.keep_alive = False
+            if not request.started:
+                self._write_whole(request, self._error_page(500, "internal server error", request))
+        finally:
+            self._task = None
+        self._request_done(request)
+
+    def _request_done(self, request: Request) -> None:
+        if self._queue and self._queue[0] is request:
+            self._queue.popleft()
+        if self.closed:
+            return
+        if not request.keep_alive or self.server.draining:
+            self.close()
+            return
+        if self._read_paused and len(self._queue) <= MAX_PIPELINE:
+            self._read_paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
+        if self._queue:
+            self._advance()
+        else:
+            self.idle_since = self.loop.time()
+
+    # ---- writing ----
+
+    def head(self, request: Request, status: int, headers: bytes) -> bytes:
+        if self.server.draining:
+            request.keep_alive = False
+        if not request.keep_alive:
+            connection = b"Connection: close\r\n"
+        elif request.http10:
+            connection = b"Connection: keep-alive\r\n"
+        else:
+            connection = b""
+        return status_line(status) + self.server.date_line() + connection + headers + b"\r\n"
+
+    def _write_whole(self, request: Request, page: Response) -> None:
+        body = page.body
+        headers = (
+            b"Content-Type: "
+            + page.content_type.encode("latin-1")
+            + b"\r\nContent-Length: %d\r\n" % len(body)
+            + format_headers(page.headers)
+        )
+        head = self.head(request, page.status, headers)
+        request.started = True
+        self.write(head if request.method == "HEAD" else head + body)
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            assert self.transport is not None
+            self.transport.write(data)
+
+    async def drained(self) -> None:
+        if self.closed:
+            raise ConnectionResetError("the client closed the connection")
+        if self._drain is None or self._drain.done():
+            self._drain = self.loop.create_future()
+        await self._drain
+
+    def close(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.close()
+
+    def _pause_reading(self) -> None:
+        if not self._read_paused and self.transport is not None:
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._queue) or self._task is not None
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        return self._task
+
+
+class HttpServer:
+    """Routes `(method, path)` to handlers; GET routes answer HEAD too. Other paths get 404, known
+    paths with another method 405. `error_page(status, message, request)` renders the server's own
+    refusals (400, 404, 405, 413, 417, 431, 500)."""
+
+    loop: asyncio.AbstractEventLoop  # set by start()
+
+    def __init__(
+        self,
+        routes: Mapping[tuple[str, str], Handler],
+        *,
+        max_body: int,
+        too_large: str = "request body too large",
+        error_page: ErrorPage = plain_error,
+        drain_s: float = 30.0,
+    ) -> None:
+        self.routes = dict(routes)
+        for (method, path), handler in routes.items():
+            if method == "GET":
+                self.routes.setdefault(("HEAD", path), handler)
+        self._methods: dict[str, list[str]] = {}
+        for method, path in self.routes:
+            self._methods.setdefault(path, []).append(method)
+        self.max_body = max_body
+        self.too_large = too_large
+        self.error_page = error_page
+        self.drain_s = drain_s
+        self.connections: set[_Connection] = set()
+        self.draining = False
+        self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._date = b""
+        self._date_at = 0
+
+    async def start(self, host: str, port: int, backlog: int = 1024) -> None:
+        self.loop = loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=backlog)
+        self._sweeper = loop.call_later(KEEPALIVE_S / 4, self._sweep_idle)
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        assert self._server is not None
+        return [sock.getsockname()[:2] for sock in self._server.sockets]
+
+    def dispatch(self, request: Request) -> Awaitable[Response | StreamWriter]:
+        handler = self.routes.get((request.method, request.path))
+        if handler is not None:
+            return handler(request)
+        allowed = self._methods.get(request.path)
+        if allowed is None:
+            page = self.error_page(404, f"no route for {request.path}", request)
+        else:
+            page = self.error_page(405, f"{request.method} is not allowed on {request.path}", request)
+            page.headers = {**(page.headers or {}), "Allow": ", ".join(sorted(allowed))}
+        return _ready(page)
+
+    def date_line(self) -> bytes:
+        now = int(time())
+        if now != self._date_at:
+            self._date_at = now
+            self._date = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+        return self._date
+
+    def _sweep_idle(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for conn in list(self.connections):
+            if not conn.busy and conn.idle_since and now - conn.idle_since > KEEPALIVE_S:
+                conn.close()
+        self._sweeper = loop.call_later(KEEPALIVE_S / 4, self._sweep_idle)
+
+    async def cleanup(self, drain_s: float | None = None) -> None:
+        """Stop listening; requests in flight get `drain_s` seconds, then everything is closed."""
+        drain_s = self.drain_s if drain_s is None else drain_s
+        self.draining = True
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self.connections):
+            if not conn.busy:
+                conn.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_s
+        while True:
+            tasks = {c.task for c in self.connections if c.task is not None}
+            left = deadline - loop.time()
+            if not tasks or left <= 0:
+                break
+            await asyncio.wait(tasks, timeout=left)
+        for conn in list(self.connections):
+            if conn.task is not None:
+                conn.task.cancel()
+            conn.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+async def _ready(page: Response) -> Response:
+    return page
+
+
+def _length(value: bytes) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise _Refusal(400, "bad Content-Length") from None
