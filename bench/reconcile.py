@@ -2,7 +2,8 @@
 
 Side by side in one run:
   create-to-children  CR created -> every child seen by a watch; the operator vs the floor (the same
-                      rendered children applied directly by this client, no operator in between)
+                      rendered children applied directly by this client, no operator in between),
+                      floor and operator CRs interleaved one by one
   ready-to-status     a pod turned Ready (status patch) -> the CR's Ready=True seen by a watch
   bulk                N CRs at once -> all Ready; operator writes per CR in an idle period after
                       (audit log, leases excluded); the operator's peak RSS
@@ -88,38 +89,50 @@ def wait(check: Callable[[], bool], timeout: float, what: str) -> None:
         _PAUSE.wait(0.05)
 
 
-def create_to_children(layout: cp.Layout, namespace: str, count: int, floor: bool) -> list[float]:
-    """Latency from the CR's create call returning to every child seen, per CR."""
-    watchers = [Watcher(layout, namespace, kind, "name") for kind in CHILD_KINDS]
-    client = KubeClient(load_credentials(str(layout.kubeconfig)))
-    latencies = []
+class ChildTimer:
+    """Create CRs in one namespace and time each until all its children are seen by the watches."""
+
+    def __init__(self, layout: cp.Layout, namespace: str, floor: bool) -> None:
+        self.layout, self.namespace, self.floor = layout, namespace, floor
+        self.watchers = [Watcher(layout, namespace, kind, "name") for kind in CHILD_KINDS]
+        self.client = KubeClient(load_credentials(str(layout.kubeconfig)))
+        self.loop = asyncio.new_event_loop()  # one loop and connection pool for all CRs, as an operator has
+        self.latencies: list[float] = []
+
+    def one(self, index: int) -> None:
+        name = f"{'floor' if self.floor else 'op'}-{index:03d}"
+        body = json.dumps(cr_body(name))
+        created = json.loads(
+            kubectl(self.layout, "create", "-n", self.namespace, "-o", "json", "-f", "-", input_text=body)
+        )
+        start = time.monotonic()
+        if self.floor:  # the physical floor: this client renders and applies the children itself
+            children = render_all(parse(created))
+            self.loop.run_until_complete(_apply_all(self.client, children))
+        names = child_names(name)
+        wait(lambda: _all_children_seen(self.watchers, names), 60, f"children of {name}")
+        self.latencies.append(max(_child_times(self.watchers, names)) - start)
+
+    def stop(self) -> None:
+        for watcher in self.watchers:
+            watcher.stop()
+        self.loop.run_until_complete(self.client.close())
+        self.loop.close()
+
+
+def create_to_children(
+    layout: cp.Layout, floor_ns: str, operator_ns: str, count: int
+) -> tuple[list[float], list[float]]:
+    """Floor and operator CRs interleaved (alternating which goes first), so both see the same machine."""
+    floor, through = ChildTimer(layout, floor_ns, floor=True), ChildTimer(layout, operator_ns, floor=False)
     try:
         for index in range(count):
-            name = f"{'floor' if floor else 'op'}-{index:03d}"
-            created = json.loads(
-                kubectl(
-                    layout,
-                    "create",
-                    "-n",
-                    namespace,
-                    "-o",
-                    "json",
-                    "-f",
-                    "-",
-                    input_text=json.dumps(cr_body(name)),
-                )
-            )
-            start = time.monotonic()
-            if floor:  # the physical floor: this client renders and applies the children itself
-                children = render_all(parse(created))
-                asyncio.run(_apply_all(client, children))
-            names = child_names(name)
-            wait(lambda names=names: _all_children_seen(watchers, names), 60, f"children of {name}")
-            latencies.append(max(_child_times(watchers, names)) - start)
+            for timer in (floor, through) if index % 2 == 0 else (through, floor):
+                timer.one(index)
     finally:
-        for watcher in watchers:
-            watcher.stop()
-    return latencies
+        floor.stop()
+        through.stop()
+    return floor.latencies, through.latencies
 
 
 def _seen(watcher: Watcher, name: str) -> bool:
@@ -144,10 +157,7 @@ def _child_times(watchers: list[Watcher], names: list[str]) -> list[float]:
 
 
 async def _apply_all(client: KubeClient, children: list[dict[str, Any]]) -> None:
-    try:
-        await asyncio.gather(*(client.apply(child) for child in children))
-    finally:
-        await client.close()
+    await asyncio.gather(*(client.apply(child) for child in children))
 
 
 def ready_status(cr: dict[str, Any]) -> str:
@@ -252,9 +262,8 @@ def main() -> None:
         print(
             f"create-to-children over {latency_count} CRs (operator log {logs / 'operator.log'})", flush=True
         )
-        floor = create_to_children(layout, floor_ns, latency_count, floor=True)
+        floor, through = create_to_children(layout, floor_ns, watched, latency_count)
         kubectl(layout, "delete", "namespace", floor_ns, "--wait=false")
-        through = create_to_children(layout, watched, latency_count, floor=False)
         wait(lambda: all_ready(layout, watched, latency_count), 120, "the latency CRs to be Ready")
         print(row("floor (client applies children)", floor))
         print(row("operator", through))

@@ -82,7 +82,9 @@ def test_cpu_sample_converges_to_ready(cluster: Cluster, namespace: str, operato
     events = cluster.get_json(
         "events", "-n", namespace, "--field-selector", "involvedObject.kind=DisaggregatedLLM"
     )
-    assert {e["reason"] for e in events["items"]} >= {"Created"}
+    created = " ".join(e["message"] for e in events["items"] if e["reason"] == "Created")
+    for child in ("StatefulSet tiny-cpu-prefill", "StatefulSet tiny-cpu-decode", "Deployment tiny-cpu-router"):
+        assert child in created
     for kind in ("Ready", "PrefillReady", "DecodeReady", "RouterReady"):
         assert condition(cr, kind)["status"] == "True"
     assert condition(cr, "Degraded")["status"] == "False"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dllm_operator import metrics
-from dllm_operator.api import API_VERSION, KIND, SpecInvalid, parse
+from dllm_operator.api import API_VERSION, KIND, DisaggregatedLLM, SpecInvalid, parse
 from dllm_operator.config import OperatorConfig
 from dllm_operator.kube import ApiError, KubeClient
 from dllm_operator.plan import Key, key_of, only_replicas_changed, plan
@@ -167,6 +167,9 @@ class Controller:
     is_leader: Callable[[], bool] = lambda: True
     resync_seconds: float = 600.0
     _apply_errors: dict[CRKey, tuple[str, ...]] = field(default_factory=dict)
+    _rendered: dict[CRKey, tuple[tuple[str, int], DisaggregatedLLM, list[dict[str, Any]]]] = field(
+        default_factory=dict
+    )
     _event_tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     # ---- inputs ----
@@ -192,6 +195,7 @@ class Controller:
         self.store.children.pop(key, None)
         self.store.pods.pop(key, None)
         self._apply_errors.pop(key, None)
+        self._rendered.pop(key, None)
 
     async def seed(self, namespaces: tuple[str, ...]) -> None:
         """Fill the caches before the first reconcile, so a restart makes no needless writes."""
@@ -239,7 +243,7 @@ class Controller:
         if body is None or body["metadata"].get("deletionTimestamp"):
             return  # deleted or being deleted: the garbage collector removes the children
         try:
-            cr = parse(body)
+            cr, desired = self._desired(key, body)
         except SpecInvalid as invalid:
             await self._write_status(
                 body,
@@ -248,13 +252,15 @@ class Controller:
                 ),
             )
             return
-        desired = render_all(cr, self.config)
         actual = self.store.children[key]
         writes = plan(desired, actual, cr.metadata.uid)
         # Children are independent objects: apply them at once (a StatefulSet may precede its Service).
+        created: list[str] = []
         results = await asyncio.gather(
-            *(self._apply(body, obj, actual) for obj in writes.apply), return_exceptions=True
+            *(self._apply(body, obj, actual, created) for obj in writes.apply), return_exceptions=True
         )
+        if created:  # one Event for the children a reconcile created, not one write per child
+            self._event(body, "Created", "created " + ", ".join(sorted(created)))
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             raise failures[0]
@@ -266,10 +272,26 @@ class Controller:
         self._apply_errors[key] = tuple(errors)
         await self._update_status(key, body, cr)
 
+    def _desired(self, key: CRKey, body: dict[str, Any]) -> tuple[DisaggregatedLLM, list[dict[str, Any]]]:
+        """The parsed CR and its rendered children, reused while the spec's generation stays the same.
+
+        Most reconciles come from pod and status events, which leave the spec alone; parsing and
+        rendering again for each would cost more than the rest of the reconcile.
+        """
+        meta = body["metadata"]
+        version = (meta.get("uid", ""), int(meta.get("generation") or 0))
+        cached = self._rendered.get(key)
+        if cached is not None and cached[0] == version and version[1] > 0:
+            return cached[1], cached[2]
+        cr = parse(body)
+        desired = render_all(cr, self.config)
+        self._rendered[key] = (version, cr, desired)
+        return cr, desired
+
     async def _apply(
-        self, body: dict[str, Any], obj: dict[str, Any], actual: dict[Key, dict[str, Any]]
+        self, body: dict[str, Any], obj: dict[str, Any], actual: dict[Key, dict[str, Any]], created: list[str]
     ) -> str | None:
-        """Apply one child; returns an error message for status, or None."""
+        """Apply one child (a new one is added to `created`); returns an error message for status, or None."""
         key = key_of(obj)
         before = actual.get(key)
         try:
@@ -283,7 +305,7 @@ class Controller:
         result.setdefault("kind", obj["kind"])
         actual[key] = result
         if before is None:
-            self._event(body, "Created", f"created {_describe(obj)}")
+            created.append(_describe(obj))
         elif only_replicas_changed(obj, before):
             self._event(
                 body,
