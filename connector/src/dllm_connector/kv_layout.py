@@ -5,6 +5,10 @@ block_size, 2 * head_dim]; GPU: [blocks, 2, ...]) or 1 (GPU: [2, blocks, ...], K
 Everything inside one block at one K/V index ("a segment") must be contiguous; the layout refuses
 tensors where it is not, rather than guess. The codec's scale groups split a segment into equal,
 contiguous parts: one per (KV head, K or V) when the layout allows it.
+
+Where prefill and decode run different TP sizes, `plan_tp_mapping` (pure) says which model KV heads
+each prefill rank sends each decode rank, and PagedKV addresses a head range inside every segment:
+one run of memory on the CPU and HND layouts, one run per token on NHD.
 """
 
 from __future__ import annotations
@@ -22,15 +26,118 @@ class LayoutError(ValueError):
     """The caches cannot be transferred block-wise, or two workers' caches do not match."""
 
 
+class TPMappingError(LayoutError):
+    """The model's KV heads cannot be mapped between the prefill and decode TP sizes."""
+
+
+HeadRange = tuple[int, int]  # [start, stop) of KV heads
+
+
 @dataclass(frozen=True)
 class Geometry:
     """The model facts a handshake compares; the caches must agree with them."""
 
     block_size: int
-    num_kv_heads: int
+    num_kv_heads: int  # this TP rank's KV heads (vLLM's get_num_kv_heads)
     head_dim: int
     kv_cache_dtype: str = "auto"
     model: str = ""
+    total_kv_heads: int = 0  # the model's KV heads over all TP ranks; 0: num_kv_heads (TP 1)
+
+    @property
+    def model_kv_heads(self) -> int:
+        return self.total_kv_heads or self.num_kv_heads
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """A worker's place in its engine's tensor-parallel group."""
+
+    rank: int = 0
+    size: int = 1
+
+
+# ---- TP ranks and KV heads (pure) ------------------------------------------------------------------
+
+
+def head_split_problem(num_kv_heads: int, tp_size: int) -> str | None:
+    """Why vLLM cannot split `num_kv_heads` over `tp_size` ranks, or None when it can."""
+    if num_kv_heads < 1 or tp_size < 1:
+        return f"{num_kv_heads} KV heads over TP {tp_size} (both must be at least 1)"
+    if num_kv_heads >= tp_size and num_kv_heads % tp_size:
+        return f"{num_kv_heads} KV heads do not split evenly over TP {tp_size}"
+    if num_kv_heads < tp_size and tp_size % num_kv_heads:
+        return f"TP {tp_size} is not a multiple of {num_kv_heads} KV heads (no whole replicas)"
+    return None
+
+
+def rank_heads(num_kv_heads: int, tp_size: int, rank: int) -> HeadRange:
+    """The model KV heads TP rank `rank` holds, split as vLLM does.
+
+    With at least as many heads as ranks, each rank holds H/t consecutive heads; with fewer, heads
+    are replicated and rank r holds head r*H//t (t/H ranks share it).
+    """
+    if num_kv_heads >= tp_size:
+        per_rank = num_kv_heads // tp_size
+        return rank * per_rank, (rank + 1) * per_rank
+    head = rank * num_kv_heads // tp_size
+    return head, head + 1
+
+
+def _holders(num_kv_heads: int, tp_size: int, head: int) -> range:
+    """The ranks that hold `head`."""
+    if num_kv_heads >= tp_size:
+        rank = head // (num_kv_heads // tp_size)
+        return range(rank, rank + 1)
+    share = tp_size // num_kv_heads
+    return range(head * share, (head + 1) * share)
+
+
+@dataclass(frozen=True)
+class TPMapping:
+    """Which model KV heads each prefill rank sends to each decode rank."""
+
+    num_kv_heads: int
+    prefill_tp: int
+    decode_tp: int
+    pairs: Mapping[tuple[int, int], HeadRange]  # (prefill rank, decode rank) -> model heads
+
+    def sends_from(self, prefill_rank: int) -> dict[int, HeadRange]:
+        """Decode rank -> the heads this prefill rank sends it."""
+        return {dst: heads for (src, dst), heads in self.pairs.items() if src == prefill_rank}
+
+    def senders_to(self, decode_rank: int) -> dict[int, HeadRange]:
+        """Prefill rank -> the heads it sends this decode rank (together: all the rank holds)."""
+        return {src: heads for (src, dst), heads in self.pairs.items() if dst == decode_rank}
+
+
+def plan_tp_mapping(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> TPMapping:
+    """Map every head each decode rank holds to exactly one prefill rank that holds it.
+
+    Where prefill replicates a head, the decode ranks that need it take turns among its holders,
+    so no head is sent twice to one decode rank and the senders share the work.
+    """
+    for tp_size in (prefill_tp, decode_tp):
+        problem = head_split_problem(num_kv_heads, tp_size)
+        if problem is not None:
+            raise TPMappingError(
+                f"cannot map {num_kv_heads} KV heads from prefill TP {prefill_tp} to decode TP "
+                f"{decode_tp}: {problem}"
+            )
+    heads_of: dict[tuple[int, int], list[int]] = {}
+    for decode_rank in range(decode_tp):
+        for head in range(*rank_heads(num_kv_heads, decode_tp, decode_rank)):
+            holders = _holders(num_kv_heads, prefill_tp, head)
+            sender = holders[decode_rank % len(holders)]
+            heads_of.setdefault((sender, decode_rank), []).append(head)
+    pairs: dict[tuple[int, int], HeadRange] = {}
+    for pair, heads in sorted(heads_of.items()):
+        assert heads == list(range(heads[0], heads[-1] + 1)), "a rank's heads are consecutive"
+        pairs[pair] = (heads[0], heads[-1] + 1)
+    return TPMapping(num_kv_heads, prefill_tp, decode_tp, pairs)
+
+
+# ---- one worker's caches ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -39,19 +146,38 @@ class LayerLayout:
     segments: int
     segment_shape: tuple[int, ...]
     groups: int
+    head_axis: int | None = None  # the KV-head axis inside a segment, where the shape shows it
 
 
-def _segment_groups(segment: tuple[int, ...], geometry: Geometry) -> int:
-    heads = geometry.num_kv_heads
-    if len(segment) >= 2 and segment[0] == 2 and segment[1] == heads:
-        return 2 * heads  # [2, heads, ...]: K and V apart, heads apart
-    if segment and segment[0] == 2:
-        return 2  # [2, tokens, heads, dim]: heads interleaved per token
-    if segment and segment[0] == heads:
-        if segment[-1] == 2 * geometry.head_dim:
-            return 2 * heads  # CPU [heads, block_size, 2 * head_dim]: K rows then V rows per head
-        return heads
-    return 1
+def _head_axes(segment: tuple[int, ...], heads: int, block_size: int) -> list[int]:
+    """Segment axes that may be the KV heads: [2, H, T, D] / [2, T, H, D], or [H, T, X] / [T, H, D].
+
+    The token axis must be the other candidate; when heads equal the block size both fit.
+    """
+    if heads <= 0:
+        return []
+    if len(segment) == 4 and segment[0] == 2:
+        choices = ((1, 2), (2, 1))
+    elif len(segment) == 3:
+        choices = ((0, 1), (1, 0))
+    else:
+        return []
+    return [
+        axis
+        for axis, tokens in choices
+        if segment[axis] == heads and (block_size <= 0 or segment[tokens] == block_size)
+    ]
+
+
+def _segment_groups(segment: tuple[int, ...], head_axis: int | None, heads: int, head_dim: int) -> int:
+    """Equal, contiguous scale groups of one segment: per (KV head, K or V) where the layout allows."""
+    if head_axis is None:
+        return 2 if segment and segment[0] == 2 else 1
+    if len(segment) == 4:
+        return 2 * heads if head_axis == 1 else 2  # [2, H, T, D]; [2, T, H, D] interleaves heads
+    if head_axis == 0:
+        return 2 * heads if segment[-1] == 2 * head_dim else heads  # CPU [H, T, 2D]; [H, T, D]
+    return 1  # [T, H, D]: heads interleaved per token
 
 
 def layer_layout(tensor: torch.Tensor, num_blocks: int, geometry: Geometry) -> LayerLayout:
@@ -70,11 +196,18 @@ def layer_layout(tensor: torch.Tensor, num_blocks: int, geometry: Geometry) -> L
                 f"KV cache shape {list(shape)} strides {tensor.stride()}: a block is not contiguous"
             )
         expected *= shape[dim]
-    return LayerLayout(block_dim, 2 if block_dim == 1 else 1, segment, _segment_groups(segment, geometry))
+    axes = _head_axes(segment, geometry.num_kv_heads, geometry.block_size)
+    groups = _segment_groups(segment, axes[0] if axes else None, geometry.num_kv_heads, geometry.head_dim)
+    head_axis = axes[0] if len(axes) == 1 else None  # ambiguous: no head sub-ranges
+    return LayerLayout(block_dim, 2 if block_dim == 1 else 1, segment, groups, head_axis)
 
 
 class PagedKV:
-    """One worker's registered caches: gather, scatter and address blocks across all layers."""
+    """One worker's registered caches: gather, scatter and address blocks across all layers.
+
+    `heads`, where given, is a [start, stop) range of this rank's KV heads (a head sub-range, for a
+    peer with another TP size); None means every head of the block.
+    """
 
     def __init__(
         self,
@@ -82,7 +215,7 @@ class PagedKV:
         num_blocks: int,
         geometry: Geometry,
         *,
-        parallel: Mapping[str, int] | None = None,
+        tp: TPRank | None = None,
     ) -> None:
         if not caches:
             raise LayoutError("no KV caches registered")
@@ -90,15 +223,30 @@ class PagedKV:
         self.caches = [caches[name] for name in self.names]
         self.num_blocks = num_blocks
         self.geometry = geometry
-        self.parallel = dict(parallel or {})  # e.g. {"tp_size": 2}: must match the peer's
+        self.tp = tp or TPRank()
         layouts = {layer_layout(tensor, num_blocks, geometry) for tensor in self.caches}
         dtypes = {tensor.dtype for tensor in self.caches}
         if len(layouts) != 1 or len(dtypes) != 1:
             raise LayoutError("all attention layers must share one KV layout and dtype")
         self.layout = layouts.pop()
         self.dtype = dtypes.pop()
+        self._check_rank_heads()
         # [blocks, segments, *segment] views; index along dim 0 selects blocks.
         self._views = [self._block_major(tensor) for tensor in self.caches]
+
+    def _check_rank_heads(self) -> None:
+        total = self.geometry.total_kv_heads
+        if total <= 0:
+            return
+        problem = head_split_problem(total, self.tp.size)
+        if problem is not None:
+            raise TPMappingError(f"TP rank {self.tp.rank}: {problem}")
+        start, stop = self.own_heads
+        if stop - start != self.geometry.num_kv_heads:
+            raise LayoutError(
+                f"TP rank {self.tp.rank} of {self.tp.size} should hold {stop - start} of {total} KV heads, "
+                f"its cache has {self.geometry.num_kv_heads}"
+            )
 
     def _block_major(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.layout.block_dim == 1:
@@ -111,33 +259,76 @@ class PagedKV:
 
     @property
     def segment_nbytes(self) -> int:
-        count = 1
-        for size in self.layout.segment_shape:
-            count *= size
-        return count * self.dtype.itemsize
+        return _product(self.layout.segment_shape) * self.dtype.itemsize
 
     @property
     def device(self) -> torch.device:
         return self.caches[0].device
 
+    @property
+    def own_heads(self) -> HeadRange:
+        """The model KV heads this rank holds."""
+        return rank_heads(self.geometry.model_kv_heads, self.tp.size, self.tp.rank)
+
+    def local_heads(self, model_heads: HeadRange) -> HeadRange:
+        """A range of model KV heads as a range of this rank's heads; it must lie within them."""
+        first, last = self.own_heads
+        start, stop = model_heads
+        if not first <= start < stop <= last:
+            raise LayoutError(
+                f"KV heads {start}..{stop - 1} are not all on this rank (it holds {first}..{last - 1})"
+            )
+        return start - first, stop - first
+
     def signature(self) -> dict[str, Any]:
-        """What the peer must match: compared field by field at the handshake."""
+        """What the peer must match (the block axis and this rank's head count aside), field by field."""
+        layer_shape = list(self.caches[0].shape)
+        layer_shape[self.layout.block_dim] = -1
+        if self.layout.head_axis is not None:
+            layer_shape[self.layout.block_dim + 1 + self.layout.head_axis] = -1
         return {
             "layers": len(self.caches),
-            "layer_shape": [
-                -1 if i == self.layout.block_dim else s for i, s in enumerate(self.caches[0].shape)
-            ],
+            "layer_shape": layer_shape,
             "dtype": self.dtype_name,
             "block_size": self.geometry.block_size,
-            "num_kv_heads": self.geometry.num_kv_heads,
+            "num_kv_heads": self.geometry.model_kv_heads,
             "head_dim": self.geometry.head_dim,
             "kv_cache_dtype": self.geometry.kv_cache_dtype,
             "model": self.geometry.model,
-        } | self.parallel
+        }
 
-    def batch_shape(self, count: int) -> tuple[int, ...]:
+    def segment_shape(self, heads: HeadRange | None = None) -> tuple[int, ...]:
+        """One segment's shape, or the shape of its part holding `heads`."""
+        segment = self.layout.segment_shape
+        if heads is None:
+            return segment
+        axis = self._head_axis()
+        start, stop = heads
+        if not 0 <= start < stop <= segment[axis]:
+            raise LayoutError(f"KV head range {start}..{stop - 1} outside this rank's {segment[axis]} heads")
+        return (*segment[:axis], stop - start, *segment[axis + 1 :])
+
+    def _head_axis(self) -> int:
+        if self.layout.head_axis is None:
+            raise LayoutError(
+                f"cannot address KV head sub-ranges in a cache of shape {list(self.caches[0].shape)} "
+                f"({self.geometry.num_kv_heads} heads, block size {self.geometry.block_size})"
+            )
+        return self.layout.head_axis
+
+    def groups(self, heads: HeadRange | None = None) -> int:
+        """The codec's scale groups per gathered segment (of `heads`)."""
+        if heads is None:
+            return self.layout.groups
+        segment = self.segment_shape(heads)
+        return _segment_groups(segment, self._head_axis(), heads[1] - heads[0], self.geometry.head_dim)
+
+    def batch_shape(self, count: int, heads: HeadRange | None = None) -> tuple[int, ...]:
         """Shape of `count` blocks gathered over all layers: [layers * count * segments, *segment]."""
-        return (len(self.caches) * count * self.layout.segments, *self.layout.segment_shape)
+        return (len(self.caches) * count * self.layout.segments, *self.segment_shape(heads))
+
+    def batch_nbytes(self, count: int, heads: HeadRange | None = None) -> int:
+        return _product(self.batch_shape(count, heads)) * self.dtype.itemsize
 
     def check_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
         ids = torch.tensor(list(block_ids), dtype=torch.long)
@@ -145,42 +336,77 @@ class PagedKV:
             raise LayoutError(f"block ids outside 0..{self.num_blocks - 1}")
         return ids.to(self.device)
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    def _head_views(self, heads: HeadRange | None) -> list[torch.Tensor]:
+        if heads is None:
+            return self._views
+        dim, (start, stop) = 2 + self._head_axis(), heads
+        return [view.narrow(dim, start, stop - start) for view in self._views]
+
+    def gather(
+        self, block_ids: Sequence[int], out: torch.Tensor | None = None, heads: HeadRange | None = None
+    ) -> torch.Tensor:
         ids = self.check_ids(block_ids)
-        shape = (len(self.caches), len(block_ids), self.layout.segments, *self.layout.segment_shape)
+        shape = (len(self.caches), len(block_ids), self.layout.segments, *self.segment_shape(heads))
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         out = out.view(shape)
-        for layer, view in enumerate(self._views):
+        for layer, view in enumerate(self._head_views(heads)):
             torch.index_select(view, 0, ids, out=out[layer])
-        return out.view(self.batch_shape(len(block_ids)))
+        return out.view(self.batch_shape(len(block_ids), heads))
 
-    def scatter(self, block_ids: Sequence[int], batch: torch.Tensor) -> None:
+    def scatter(self, block_ids: Sequence[int], batch: torch.Tensor, heads: HeadRange | None = None) -> None:
         ids = self.check_ids(block_ids)
-        shape = (len(self.caches), len(block_ids), self.layout.segments, *self.layout.segment_shape)
+        shape = (len(self.caches), len(block_ids), self.layout.segments, *self.segment_shape(heads))
         batch = batch.view(shape).to(self.device, non_blocking=True)  # decoded on the host for a GPU KV
-        for layer, view in enumerate(self._views):
+        for layer, view in enumerate(self._head_views(heads)):
             view.index_copy_(0, ids, batch[layer])
 
-    def spans(self, block_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """(address, bytes) of every (layer, block, segment) in gather order, by stride arithmetic."""
+    def spans(self, block_ids: Sequence[int], heads: HeadRange | None = None) -> list[tuple[int, int]]:
+        """(address, bytes) of every (layer, block, segment) in gather order, by stride arithmetic.
+
+        With `heads`, each segment contributes the runs that hold those heads: one run on the CPU
+        and HND layouts, one per token on NHD (both sides then list runs of the same sizes).
+        """
         self.check_ids(block_ids)
         block_dim = self.layout.block_dim
+        runs = self._head_runs(heads)
         spans: list[tuple[int, int]] = []
         for tensor in self.caches:
             item = tensor.element_size()
             block_stride = tensor.stride(block_dim) * item
             segment_stride = tensor.stride(0) * item if block_dim == 1 else 0
-            segment_bytes = tensor[0, 0].numel() * item if block_dim == 1 else tensor[0].numel() * item
             base = tensor.data_ptr()
             for block in block_ids:
                 start = base + block * block_stride
-                spans.extend((start + s * segment_stride, segment_bytes) for s in range(self.layout.segments))
+                for s in range(self.layout.segments):
+                    segment = start + s * segment_stride
+                    spans.extend((segment + offset, length) for offset, length in runs)
         return spans
+
+    def _head_runs(self, heads: HeadRange | None) -> list[tuple[int, int]]:
+        """(offset, bytes) inside one segment of the memory holding `heads` (all of it for None)."""
+        item, segment = self.dtype.itemsize, self.layout.segment_shape
+        if heads is None:
+            return [(0, _product(segment) * item)]
+        axis, (start, stop) = self._head_axis(), heads
+        self.segment_shape(heads)  # checks the range
+        head_bytes = _product(segment[axis + 1 :]) * item
+        row_bytes = segment[axis] * head_bytes
+        return [
+            (row * row_bytes + start * head_bytes, (stop - start) * head_bytes)
+            for row in range(_product(segment[:axis]))
+        ]
 
     def register_with(self, register: Any) -> None:
         for tensor in self.caches:
             register(tensor)
+
+
+def _product(sizes: Sequence[int]) -> int:
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
 
 
 def spans_checksum(spans: Sequence[tuple[int, int]], value: int = 0) -> int:

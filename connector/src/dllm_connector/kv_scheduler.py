@@ -51,11 +51,12 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     skip: int
     prompt_hash: str
+    prefill_tp_size: int = 1  # which prefill ranks send parts of it
 
 
 @dataclass(frozen=True)
 class SendSpec:
-    """Prefill: push the prompt's blocks to the decode worker at host:port (+ TP rank)."""
+    """Prefill: push the prompt's blocks to the decode engine at host:port (rank r at port + r)."""
 
     request_id: str
     transfer_id: str
@@ -64,6 +65,7 @@ class SendSpec:
     port: int
     prompt_hash: str
     engine_id: str | None = None
+    decode_tp_size: int = 1  # which decode ranks get which of this rank's KV heads
 
 
 @dataclass
@@ -153,7 +155,8 @@ class SchedulerState:
         skip = (prompt_len - num_external_tokens) // self.block_size
         wanted = tuple(block_ids[skip : blocks_for(prompt_len, self.block_size)])
         self._loading[request_id] = decode.transfer_id
-        self._plan.loads.append(LoadSpec(request_id, decode.transfer_id, wanted, skip, prompt_hash))
+        spec = LoadSpec(request_id, decode.transfer_id, wanted, skip, prompt_hash, decode.prefill_tp_size)
+        self._plan.loads.append(spec)
 
     def loaded(self, request_ids: set[str]) -> None:
         for request_id in request_ids:
@@ -186,7 +189,14 @@ class SchedulerState:
             return False
         wanted = tuple(block_ids[: blocks_for(prompt_len, self.block_size)])
         spec = SendSpec(
-            request_id, prefill.transfer_id, wanted, host, port, prompt_hash, prefill.decode_engine_id
+            request_id,
+            prefill.transfer_id,
+            wanted,
+            host,
+            port,
+            prompt_hash,
+            prefill.decode_engine_id,
+            prefill.decode_tp_size,
         )
         self._plan.sends.append(spec)
         self._sending.add(request_id)

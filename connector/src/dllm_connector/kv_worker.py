@@ -1,9 +1,11 @@
 """Worker-side half of the dllm KV connector: torch and transports, no vLLM imports.
 
 Owns the paged caches, one transport, a KVReceiver (decode, side channel on kv_port + TP rank)
-and a KVSender (prefill). Each step it starts the scheduler's plan and reports what ended; every
-receive is reported exactly once, as loaded or failed, with the failed blocks listed. Decode always
-loads asynchronously; async_transfer false makes prefill sends run inline in the engine step.
+and a KVSender (prefill). Where the two engines' TP sizes differ, each prefill rank sends the KV
+heads it holds to every decode rank that needs them (kv_layout.plan_tp_mapping). Each step it
+starts the scheduler's plan and reports what ended; every receive is reported exactly once, as
+loaded or failed, with the failed blocks listed. Decode always loads asynchronously;
+async_transfer false makes prefill sends run inline in the engine step.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV
+from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, TPRank
 from dllm_connector.kv_scheduler import StepPlan
 from dllm_connector.kvconfig import ConnectorExtraConfig, Protocol
 from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, TransferFailed
@@ -80,8 +82,8 @@ class ConnectorWorker:
         self._refused: dict[str, tuple[tuple[int, ...], str]] = {}  # loads refused before starting
 
     def register_kv_caches(self, caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
-        # Ranks map one to one (prefill rank r sends to decode rank r), so TP sizes must match.
-        self.kv = PagedKV(caches, num_blocks, self.geometry, parallel={"tp_size": self.identity.tp_size})
+        tp = TPRank(self.identity.tp_rank, self.identity.tp_size)
+        self.kv = PagedKV(caches, num_blocks, self.geometry, tp=tp)
         codec.warm_up(self.kv.gather([0]), self.config.compression, self.kv.layout.groups)
         self.transport = make_transport(self.transport_kind, self.extra, self.host, self.kv.device)
         if self.identity.sends:
@@ -103,7 +105,11 @@ class ConnectorWorker:
                 continue
             try:
                 self.receiver.expect(
-                    load.transfer_id, load.block_ids, skip=load.skip, prompt_hash=load.prompt_hash
+                    load.transfer_id,
+                    load.block_ids,
+                    skip=load.skip,
+                    prompt_hash=load.prompt_hash,
+                    prefill_tp_size=load.prefill_tp_size,
                 )
             except (TransferFailed, LayoutError) as error:
                 self._refused[load.request_id] = (load.block_ids, str(error))
@@ -115,8 +121,15 @@ class ConnectorWorker:
         for send in plan.sends:
             assert self.sender is not None, "a send was planned on a worker that does not send"
             self._sends[send.transfer_id] = send.request_id
-            port = send.port + self.identity.tp_rank
-            job = SendJob(send.transfer_id, send.block_ids, send.host, port, send.prompt_hash, send.engine_id)
+            job = SendJob(
+                send.transfer_id,
+                send.block_ids,
+                send.host,
+                send.port,  # decode rank r listens on port + r
+                send.prompt_hash,
+                send.engine_id,
+                send.decode_tp_size,
+            )
             self.sender.submit(job)
 
     def _record_failure(self, transfer_id: str, reason: str) -> None:

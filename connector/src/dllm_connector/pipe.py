@@ -12,6 +12,8 @@ transferThresholdTokens (docs/kv-connector.md has the whole exchange):
     done                                ->
                                      <-      ack, or nack {reason}
 
+Where the TP sizes differ, a prefill rank opens one such transfer per decode rank it sends heads
+to (kv_layout.plan_tp_mapping), and decode's expectation ends when every sender's part did.
 Codec none over a one-sided transport writes block to block with no staging copy; compressed KV
 (and any two-sided transport) goes through the registered staging buffers. Every expectation ends
 exactly once (loaded, failed, timed out or cancelled) and every staging reservation is released.
@@ -28,8 +30,8 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -37,9 +39,11 @@ import torch
 from dllm_connector import codec
 from dllm_connector.kv_layout import (
     Geometry,
+    HeadRange,
     LayoutError,
     PagedKV,
     coalesce,
+    plan_tp_mapping,
     signature_mismatches,
     spans_checksum,
 )
@@ -118,6 +122,15 @@ class SendJob:
     port: int
     prompt_hash: str = ""
     engine_id: str | None = None  # the decode engine the router named; checked at the handshake
+    decode_tp_size: int | None = None  # None: the sender's own TP size (rank r sends to rank r)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One decode rank a send goes to (at the job's port + its rank) and the model heads it gets."""
+
+    decode_rank: int
+    model_heads: HeadRange | None  # None: all of this rank's heads (equal TP sizes)
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,7 @@ class _Plan:
     dst: list[Span]
     tag: int
     peer: dict[str, Any]
+    heads: HeadRange | None = None  # this rank's heads that travel; None: all of them
 
 
 def chunk_ranges(count: int, chunk_blocks: int) -> list[tuple[int, int]]:
@@ -278,10 +292,41 @@ class KVSender:
         """Codec none over a one-sided transport on host memory: block-to-block writes, no staging."""
         return self.codec is Compression.NONE and self.transport.one_sided and self.kv.device.type == "cpu"
 
+    def targets(self, job: SendJob) -> list[_Target]:
+        """The decode ranks this rank sends the job to, with their heads (mapped when TP sizes differ)."""
+        own = self.kv.tp
+        decode_tp = job.decode_tp_size or own.size
+        if decode_tp == own.size:
+            return [_Target(own.rank, None)]
+        mapping = plan_tp_mapping(self.kv.geometry.model_kv_heads, own.size, decode_tp)
+        return [_Target(rank, heads) for rank, heads in mapping.sends_from(own.rank).items()]
+
     def send(self, job: SendJob) -> None:
-        """One blocking transfer; raises on any failure."""
-        with self._connect(job) as sock:
-            plan = self._offer(sock, job)
+        """One blocking transfer to every decode rank it goes to; raises on any failure."""
+        targets = self.targets(job)
+        if len(targets) == 1:
+            self._send_to(job, targets[0])
+            return
+        errors: dict[int, Exception] = {}
+        threads = [
+            threading.Thread(target=_catching(self._send_to, errors, target.decode_rank), args=(job, target))
+            for target in targets[1:]
+        ]
+        for thread in threads:
+            thread.start()
+        if targets:
+            _catching(self._send_to, errors, targets[0].decode_rank)(job, targets[0])
+        for thread in threads:
+            thread.join()
+        if errors:
+            rank, error = min(errors.items())
+            raise _naming_rank(error, rank) from error
+
+    def _send_to(self, job: SendJob, target: _Target) -> None:
+        port = job.port + target.decode_rank
+        heads = None if target.model_heads is None else self.kv.local_heads(target.model_heads)
+        with self._connect(job.host, port) as sock:
+            plan = self._offer(sock, job, target, port, heads)
             blocks = job.block_ids[plan.skip : plan.skip + plan.count]
             writer = _ChunkWriter(self, sock, plan)
             wire = raw = 0
@@ -300,15 +345,16 @@ class KVSender:
                 raise
             sidechannel.send_message(sock, {"type": "done"})
             sidechannel.expect(sock, "ack", self.config.transfer_timeout_s)
-        self.stats.sent += 1
-        self.stats.bytes_on_wire += wire
-        self.stats.raw_bytes += raw
+        with self._lock:
+            self.stats.sent += 1
+            self.stats.bytes_on_wire += wire
+            self.stats.raw_bytes += raw
 
-    def _connect(self, job: SendJob) -> socket.socket:
+    def _connect(self, host: str, port: int) -> socket.socket:
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while True:
             try:
-                return sidechannel.connect(job.host, job.port, self.config.transfer_timeout_s)
+                return sidechannel.connect(host, port, self.config.transfer_timeout_s)
             except TransportError:
                 if time.monotonic() + _CONNECT_RETRY_S > deadline:
                     raise
@@ -320,7 +366,9 @@ class KVSender:
         block_bytes = len(self.kv.caches) * self.kv.layout.segments * self.kv.segment_nbytes
         return max(1, self.config.chunk_bytes // max(1, block_bytes))
 
-    def _offer(self, sock: socket.socket, job: SendJob) -> _Plan:
+    def _offer(
+        self, sock: socket.socket, job: SendJob, target: _Target, port: int, heads: HeadRange | None
+    ) -> _Plan:
         offer: dict[str, Any] = {
             "type": "offer",
             "transfer_id": job.transfer_id,
@@ -334,32 +382,45 @@ class KVSender:
             "endpoint": self.transport.endpoint(),
             "hold_s": self.config.hold_s,
             "tag": next(self._tags),
+            "tp": {
+                "rank": self.kv.tp.rank,
+                "size": self.kv.tp.size,
+                "decode_rank": target.decode_rank,
+                "heads": None if target.model_heads is None else list(target.model_heads),
+            },
         }
         if isinstance(self.transport, TorchDistTransport):
-            offer["endpoint"]["pair"] = self.transport.pair_key(job.host + f":{job.port}")
+            offer["endpoint"]["pair"] = self.transport.pair_key(job.host + f":{port}")
         sidechannel.send_message(sock, offer)
         reply = sidechannel.expect(sock, "accept", self.config.hold_s)
         peer = dict(reply.get("endpoint", {})) | {"pair": offer["endpoint"].get("pair")}
         dst = [Span(int(addr), int(nbytes)) for addr, nbytes in reply["dst"]]
         return _Plan(
-            int(reply["skip"]), int(reply["count"]), int(offer["chunk_blocks"]), dst, int(offer["tag"]), peer
+            int(reply["skip"]),
+            int(reply["count"]),
+            int(offer["chunk_blocks"]),
+            dst,
+            int(offer["tag"]),
+            peer,
+            heads,
         )
 
     def _prepare(self, index: int, blocks: Sequence[int], first: int, plan: _Plan) -> _Chunk:
-        shape = self.kv.batch_shape(len(blocks))
+        shape = self.kv.batch_shape(len(blocks), plan.heads)
+        groups = self.kv.groups(plan.heads)
         if self.zero_copy:
-            src = self.kv.spans(blocks)
+            src = self.kv.spans(blocks, plan.heads)
             per_block = len(src) // len(blocks)
             dst = plan.dst[first * per_block : (first + len(blocks)) * per_block]
             header = codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, spans_checksum(src))
             merged_src, merged_dst = coalesce(src, [(span.addr, span.nbytes) for span in dst])
             return _Chunk(index, header, [Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], None)
-        nbytes = codec.payload_nbytes(self.codec, self.kv.dtype, shape, self.kv.layout.groups)
+        nbytes = codec.payload_nbytes(self.codec, self.kv.dtype, shape, groups)
         offset = _chunk_offsets(self._chunk_sizes(plan))[index]
         staged = self.staging.reserve(nbytes, self.config.transfer_timeout_s)
         try:
-            batch = self.kv.gather(blocks)
-            header, payload = codec.encode(batch, self.codec, self.kv.layout.groups, out=staged)
+            batch = self.kv.gather(blocks, heads=plan.heads)
+            header, payload = codec.encode(batch, self.codec, groups, out=staged)
         except BaseException:
             self.staging.release(staged)
             raise
@@ -367,10 +428,9 @@ class KVSender:
         return _Chunk(index, header, [payload], [Span(base + offset, nbytes)], staged)
 
     def _chunk_sizes(self, plan: _Plan) -> list[int]:
+        groups, heads = self.kv.groups(plan.heads), plan.heads
         return [
-            codec.payload_nbytes(
-                self.codec, self.kv.dtype, self.kv.batch_shape(stop - start), self.kv.layout.groups
-            )
+            codec.payload_nbytes(self.codec, self.kv.dtype, self.kv.batch_shape(stop - start, heads), groups)
             for start, stop in chunk_ranges(plan.count, plan.chunk_blocks)
         ]
 
@@ -387,17 +447,68 @@ class KVSender:
             self.transport.unregister(tensor)
 
 
+def _naming_rank(error: Exception, rank: int) -> Exception:
+    """The same kind of error, its message prefixed with the decode rank it came from."""
+    try:
+        return type(error)(f"to decode TP rank {rank}: {error}")
+    except TypeError:
+        return error
+
+
+def _catching(
+    send: Callable[[SendJob, _Target], None], errors: dict[int, Exception], rank: int
+) -> Callable[[SendJob, _Target], None]:
+    """`send`, with its error kept under the decode rank (re-raised by the thread that waits)."""
+
+    def run(job: SendJob, target: _Target) -> None:
+        try:
+            send(job, target)
+        except Exception as error:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            errors[rank] = error
+
+    return run
+
+
 # ---- receiver -------------------------------------------------------------------------------------
 
 
 @dataclass
 class _Expectation:
+    """A load decode waits for: from each prefill rank in `senders`, the model heads it sends.
+
+    It ends once, when every sender's part is loaded, or when one failed (or none came in time) and
+    no part is still being written.
+    """
+
     transfer_id: str
     block_ids: tuple[int, ...]
     skip: int
     prompt_hash: str
     deadline: float
-    claimed: bool = False
+    prefill_tp: int = 1
+    senders: dict[int, HeadRange | None] = field(default_factory=lambda: {0: None})
+    claimed: set[int] = field(default_factory=set)  # prefill ranks whose offer was accepted
+    active: set[int] = field(default_factory=set)  # claimed and not ended yet
+    loaded: set[int] = field(default_factory=set)
+    failure: str = ""
+    timed_out: bool = False
+
+    @property
+    def waiting(self) -> bool:
+        """Some sender has not offered yet (the prefill wait applies)."""
+        return not self.failure and len(self.claimed) < len(self.senders)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """One prefill rank's share of an expectation, claimed by its offer."""
+
+    expectation: _Expectation
+    prefill_rank: int
+    heads: HeadRange | None  # this rank's heads that arrive; None: all of them
+
+
+_RECEIVE_ERRORS = (TransportError, codec.CodecError, LayoutError, KeyError, ValueError)
 
 
 class KVReceiver:
@@ -424,6 +535,8 @@ class KVReceiver:
         self._cond = threading.Condition()
         self._expected: dict[str, _Expectation] = {}
         self._results: dict[str, str] = {}  # transfer id -> "" loaded, else reason
+        # Ended transfers (the latest 1000): a late part's offer is refused at once, not held.
+        self._ended: dict[str, None] = {}
         self._server = sidechannel.Server(host, port, self._serve)
 
     @property
@@ -436,18 +549,37 @@ class KVReceiver:
             return set(self._expected)
 
     def expect(
-        self, transfer_id: str, block_ids: Sequence[int], *, skip: int = 0, prompt_hash: str = ""
+        self,
+        transfer_id: str,
+        block_ids: Sequence[int],
+        *,
+        skip: int = 0,
+        prompt_hash: str = "",
+        prefill_tp_size: int | None = None,
     ) -> None:
-        """Decode allocated `block_ids` for this transfer's blocks from index `skip` on."""
+        """Decode allocated `block_ids` for this transfer's blocks from index `skip` on.
+
+        `prefill_tp_size` (None: this engine's own) says which prefill ranks send parts of it.
+        """
         self.kv.check_ids(block_ids)
+        prefill_tp = prefill_tp_size or self.kv.tp.size
+        senders = self._senders(prefill_tp)
         deadline = time.monotonic() + self.config.prefill_wait_s
         with self._cond:
             if transfer_id in self._expected or transfer_id in self._results:
                 raise TransferFailed(f"transfer {transfer_id} is already expected")
             self._expected[transfer_id] = _Expectation(
-                transfer_id, tuple(block_ids), skip, prompt_hash, deadline
+                transfer_id, tuple(block_ids), skip, prompt_hash, deadline, prefill_tp, senders
             )
+            self._ended.pop(transfer_id, None)
             self._cond.notify_all()
+
+    def _senders(self, prefill_tp: int) -> dict[int, HeadRange | None]:
+        own = self.kv.tp
+        if prefill_tp == own.size:
+            return {own.rank: None}
+        mapping = plan_tp_mapping(self.kv.geometry.model_kv_heads, prefill_tp, own.size)
+        return dict(mapping.senders_to(own.rank))
 
     def cancel(self, transfer_id: str) -> None:
         """Abort: the expectation ends as failed; a later offer for it is rejected."""
@@ -487,7 +619,7 @@ class KVReceiver:
                 self._cond.wait(max(0.001, left))
 
     def _next_deadline(self) -> float:
-        unclaimed = [e.deadline for e in self._expected.values() if not e.claimed]
+        unclaimed = [e.deadline for e in self._expected.values() if e.waiting]
         return min(unclaimed, default=time.monotonic() + 1.0)
 
     def _expire_unclaimed(self) -> None:
@@ -497,21 +629,54 @@ class KVReceiver:
     def _expire_unclaimed_locked(self) -> None:
         now = time.monotonic()
         for expectation in list(self._expected.values()):
-            if not expectation.claimed and now >= expectation.deadline:
-                self._finish_locked(
-                    expectation.transfer_id,
-                    f"prefill sent nothing within {self.config.prefill_wait_s:.1f}s",
-                    timed_out=True,
-                )
+            if expectation.waiting and now >= expectation.deadline:
+                expectation.failure = self._nothing_sent(expectation)
+                expectation.timed_out = True
+                self._settle_locked(expectation)
+
+    def _nothing_sent(self, expectation: _Expectation) -> str:
+        wait = f"{self.config.prefill_wait_s:.1f}s"
+        if len(expectation.senders) == 1 and not expectation.claimed:
+            return f"prefill sent nothing within {wait}"
+        missing = sorted(set(expectation.senders) - expectation.claimed)
+        return f"prefill TP ranks {missing} of {expectation.prefill_tp} sent nothing within {wait}"
+
+    def _end(self, transfer_id: str, part: _Part | None, reason: str, *, timed_out: bool = False) -> None:
+        """A part ended (or an offer failed before claiming one): settle its expectation."""
+        with self._cond:
+            expectation = self._expected.get(transfer_id)
+            if expectation is None or (part is not None and part.expectation is not expectation):
+                return
+            if part is not None:
+                expectation.active.discard(part.prefill_rank)
+                if not reason:
+                    expectation.loaded.add(part.prefill_rank)
+            if reason and not expectation.failure:
+                expectation.failure, expectation.timed_out = reason, timed_out
+            self._settle_locked(expectation)
+
+    def _settle_locked(self, expectation: _Expectation) -> None:
+        """End the expectation once nothing writes into its blocks any more and the outcome is known."""
+        if expectation.active:
+            return
+        if expectation.failure:
+            self._finish_locked(expectation.transfer_id, expectation.failure, timed_out=expectation.timed_out)
+        elif expectation.loaded == set(expectation.senders):
+            self._finish_locked(expectation.transfer_id, "")
 
     def _finish(self, transfer_id: str, reason: str, *, timed_out: bool = False) -> None:
         with self._cond:
             self._finish_locked(transfer_id, reason, timed_out=timed_out)
 
     def _finish_locked(self, transfer_id: str, reason: str, *, timed_out: bool = False) -> None:
-        if self._expected.pop(transfer_id, None) is None:
+        expectation = self._expected.pop(transfer_id, None)
+        if expectation is None:
             return
+        expectation.failure = expectation.failure or reason  # parts still streaming stop loading
         self._results[transfer_id] = reason
+        self._ended[transfer_id] = None
+        while len(self._ended) > 1000:
+            del self._ended[next(iter(self._ended))]
         if reason:
             self.stats.failed_receives += 1
             self.stats.timeouts += timed_out
@@ -527,18 +692,26 @@ class KVReceiver:
         except TransportError:
             return
         transfer_id = str(offer.get("transfer_id", ""))
+        part: _Part | None = None
         try:
-            self._receive(sock, offer)
-        except (TransportError, codec.CodecError, LayoutError, KeyError, ValueError) as error:
+            try:
+                part = self._check_offer(offer)
+            except _RECEIVE_ERRORS as error:
+                with contextlib.suppress(TransportError):
+                    sidechannel.send_message(sock, {"type": "nack", "reason": f"KV load failed: {error}"})
+                raise
+            self._receive(sock, offer, part)
+        except _RECEIVE_ERRORS as error:
             reason = f"KV load failed: {error}"
             self.stats.checksum_failures += isinstance(error, codec.ChecksumError)
             _log.warning("KV receive %s failed: %s", transfer_id, error)
-            self._finish(transfer_id, reason, timed_out=isinstance(error, TransferTimeout))
+            self._end(transfer_id, part, reason, timed_out=isinstance(error, TransferTimeout))
 
-    def _receive(self, sock: socket.socket, offer: Mapping[str, Any]) -> None:
+    def _receive(self, sock: socket.socket, offer: Mapping[str, Any], part: _Part) -> None:
+        expectation, heads = part.expectation, part.heads
         try:
-            expectation, staged, dst, sizes, offsets = self._reserve(offer)
-        except (TransportError, codec.CodecError, LayoutError, KeyError, ValueError) as error:
+            staged, dst, sizes, offsets = self._reserve(offer, part)
+        except _RECEIVE_ERRORS as error:
             with contextlib.suppress(TransportError):
                 sidechannel.send_message(sock, {"type": "nack", "reason": f"KV load failed: {error}"})
             raise
@@ -565,14 +738,17 @@ class KVReceiver:
                         view = own = self.staging.reserve(sizes[index], self.config.transfer_timeout_s)
                     else:
                         view = None
+                    load = failure is None and not expectation.failure
                     try:
-                        self._receive_chunk(sock, offer, index, blocks, view, load=failure is None)
+                        self._receive_chunk(sock, offer, index, blocks, view, heads, load=load)
                     except (codec.CodecError, TransferFailed, LayoutError) as error:
                         failure = failure or error  # keep consuming: the sender is mid-stream
                     finally:
                         if own is not None:
                             self.staging.release(own)
                 sidechannel.expect(sock, "done", self.config.transfer_timeout_s)
+                if failure is None and expectation.failure:
+                    failure = TransferFailed(f"the load failed elsewhere: {expectation.failure}")
             except TransportError as error:
                 self._refuse_and_drain(
                     sock, f"KV load failed: {error}", drain=not isinstance(error, PeerRefused)
@@ -585,36 +761,40 @@ class KVReceiver:
             if staged is not None:
                 self.staging.release(staged)
         self.stats.bytes_on_wire += sum(sizes)
-        self.stats.raw_bytes += count * len(self.kv.caches) * self.kv.layout.segments * self.kv.segment_nbytes
-        self._finish(expectation.transfer_id, "")
+        self.stats.raw_bytes += self.kv.batch_nbytes(count, heads)
+        self._end(expectation.transfer_id, part, "")
         sidechannel.send_message(sock, {"type": "ack"})
 
     def _reserve(
-        self, offer: Mapping[str, Any]
-    ) -> tuple[_Expectation, torch.Tensor | None, list[tuple[int, int]], list[int], list[int]]:
-        """Check the offer, claim its expectation and name where each chunk goes."""
-        expectation = self._check_offer(offer)
-        count = len(expectation.block_ids)
-        chunks = chunk_ranges(count, int(offer["chunk_blocks"]))
+        self, offer: Mapping[str, Any], part: _Part
+    ) -> tuple[torch.Tensor | None, list[tuple[int, int]], list[int], list[int]]:
+        """Name where each chunk of this part goes (and reserve staging for it)."""
+        block_ids, heads = part.expectation.block_ids, part.heads
+        chunks = chunk_ranges(len(block_ids), int(offer["chunk_blocks"]))
         used = Compression(offer["codec"])
+        groups = self.kv.groups(heads)
         sizes = [
-            codec.payload_nbytes(used, self.kv.dtype, self.kv.batch_shape(b - a), self.kv.layout.groups)
+            codec.payload_nbytes(used, self.kv.dtype, self.kv.batch_shape(b - a, heads), groups)
             for a, b in chunks
         ]
         offsets = _chunk_offsets(sizes)
         if bool(offer.get("zero_copy")) and self.transport.one_sided:
-            spans = [span for a, b in chunks for span in self.kv.spans(expectation.block_ids[a:b])]
-            return expectation, None, spans, sizes, offsets
+            spans = [span for a, b in chunks for span in self.kv.spans(block_ids[a:b], heads)]
+            return None, spans, sizes, offsets
         if not self.transport.one_sided:  # the sender needs no addresses; batches reserve as they come
-            return expectation, None, [], sizes, offsets
+            return None, [], sizes, offsets
         staged = self.staging.reserve(offsets[-1], self.config.transfer_timeout_s)
-        return expectation, staged, [(staged.data_ptr(), staged.numel())], sizes, offsets
+        return staged, [(staged.data_ptr(), staged.numel())], sizes, offsets
 
-    def _check_offer(self, offer: Mapping[str, Any]) -> _Expectation:
+    def _check_offer(self, offer: Mapping[str, Any]) -> _Part:
+        """Compare the caches, then claim the sender's part of the expectation it names."""
         mismatches = signature_mismatches(self.kv.signature(), offer["signature"])
         if mismatches:
             raise TransferFailed("KV cache mismatch between prefill and decode: " + "; ".join(mismatches))
-        expectation = self._claim(str(offer["transfer_id"]), float(offer.get("hold_s", self.config.hold_s)))
+        return self._claim(offer, float(offer.get("hold_s", self.config.hold_s)))
+
+    def _check_claim(self, offer: Mapping[str, Any], expectation: _Expectation) -> _Part:
+        """The offer fits what decode expects (engine, prompt, blocks, TP rank and heads): its part."""
         wanted_engine = offer.get("engine_id")
         if wanted_engine and self.engine_id and wanted_engine != self.engine_id:
             raise TransferFailed(
@@ -628,7 +808,34 @@ class KVReceiver:
             raise TransferFailed(
                 f"decode wants {count} blocks after {expectation.skip}, prefill has {offer['num_blocks']}"
             )
-        return expectation
+        rank, heads = self._check_tp(offer.get("tp", {}), expectation)
+        if expectation.failure or rank in expectation.claimed:
+            raise TransferFailed(f"transfer {expectation.transfer_id} is not awaited any more")
+        return _Part(expectation, rank, None if heads is None else self.kv.local_heads(heads))
+
+    def _check_tp(self, tp: Mapping[str, Any], expectation: _Expectation) -> tuple[int, HeadRange | None]:
+        """The offering prefill rank and the model heads it sends, as decode's TP mapping wants them."""
+        own = self.kv.tp
+        rank, size = int(tp.get("rank", 0)), int(tp.get("size", 1))
+        decode_rank = int(tp.get("decode_rank", rank))
+        offered = tp.get("heads")
+        heads = None if offered is None else (int(offered[0]), int(offered[1]))
+        if size != expectation.prefill_tp:
+            raise TransferFailed(
+                f"prefill TP size {size} offered, decode (TP {own.size}) expects prefill TP "
+                f"{expectation.prefill_tp} for this request"
+            )
+        if decode_rank != own.rank:
+            raise TransferFailed(
+                f"prefill TP rank {rank} addressed decode TP rank {decode_rank}, this is rank {own.rank}"
+            )
+        if rank not in expectation.senders or expectation.senders[rank] != heads:
+            wanted = expectation.senders.get(rank, "no heads")
+            raise TransferFailed(
+                f"prefill TP rank {rank} of {size} offered KV heads {heads}, decode TP rank {own.rank} "
+                f"of {own.size} wants {wanted} from it"
+            )
+        return rank, heads
 
     def _receive_chunk(
         self,
@@ -637,6 +844,7 @@ class KVReceiver:
         index: int,
         blocks: Sequence[int],
         view: torch.Tensor | None,
+        heads: HeadRange | None,
         *,
         load: bool,
     ) -> None:
@@ -654,15 +862,15 @@ class KVReceiver:
         if not load:
             return
         header = codec.KVHeader.from_dict(announced["header"])
-        expected_shape = self.kv.batch_shape(len(blocks))
+        expected_shape = self.kv.batch_shape(len(blocks), heads)
         if header.shape != expected_shape:
             raise TransferFailed(f"KV chunk shape {list(header.shape)} != expected {list(expected_shape)}")
         if view is None:
-            actual = spans_checksum(self.kv.spans(blocks))
+            actual = spans_checksum(self.kv.spans(blocks, heads))
             if actual != header.checksum:
                 raise codec.ChecksumError(f"KV checksum {actual:#010x} != sender's {header.checksum:#010x}")
             return
-        self.kv.scatter(blocks, codec.decode(header, view))
+        self.kv.scatter(blocks, codec.decode(header, view), heads)
 
     def _refuse_and_drain(self, sock: socket.socket, reason: str, *, drain: bool) -> None:
         """Tell the sender; if it may still be writing, wait until it stops before memory is reused."""
@@ -676,17 +884,20 @@ class KVReceiver:
                 if sidechannel.recv_message(sock, left)["type"] in ("done", "abort"):
                     return
 
-    def _claim(self, transfer_id: str, hold_s: float) -> _Expectation:
-        """Wait (up to the sender's hold) until decode expects this id, then own it."""
+    def _claim(self, offer: Mapping[str, Any], hold_s: float) -> _Part:
+        """Wait (up to the sender's hold) until decode expects this id, then own the sender's part."""
+        transfer_id = str(offer["transfer_id"])
         deadline = time.monotonic() + hold_s
         with self._cond:
             while True:
                 self._expire_unclaimed_locked()
                 expectation = self._expected.get(transfer_id)
-                if expectation is not None and not expectation.claimed:
-                    expectation.claimed = True
-                    return expectation
-                if expectation is not None or transfer_id in self._results:
+                if expectation is not None:
+                    part = self._check_claim(offer, expectation)
+                    expectation.claimed.add(part.prefill_rank)
+                    expectation.active.add(part.prefill_rank)
+                    return part
+                if transfer_id in self._results or transfer_id in self._ended:
                     raise TransferFailed(f"transfer {transfer_id} is not awaited any more")
                 left = deadline - time.monotonic()
                 if left <= 0:

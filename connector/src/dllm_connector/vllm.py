@@ -100,6 +100,7 @@ def _geometry(vllm_config: Any) -> Geometry:
         head_dim=int(model.get_head_size()),
         kv_cache_dtype=str(cache.cache_dtype),
         model=str(model.model),
+        total_kv_heads=int(model.get_total_num_kv_heads()),
     )
 
 

@@ -2,8 +2,11 @@
 
 Run as a script: `python kv_peer.py mooncake|gloo` reads one JSON spec per stdin line, sends its
 jobs and answers with one JSON line: {"transfer_id", "error"} per job, then the sender's stats.
-Two test doubles live here, named as such: CorruptingSender flips one payload byte after its
-checksum was taken; DyingSender exits the process after decode accepted, before writing.
+A spec with "tp" runs several prefill TP ranks at once, each with its own transport, its own
+share of a full model's KV heads and its own lines (tagged with "rank"). `Prefill` drives the
+process from a test. Two test doubles live here, named as such: CorruptingSender flips one
+payload byte after its checksum was taken; DyingSender exits the process after decode accepted,
+before writing.
 """
 
 from __future__ import annotations
@@ -11,13 +14,18 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import queue
+import subprocess
 import sys
+import threading
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from dllm_connector.kv_layout import Geometry, PagedKV
+from dllm_connector.kv_layout import Geometry, PagedKV, TPRank, rank_heads
 from dllm_connector.kvconfig import Compression
 from dllm_connector.pipe import KVSender, PipeConfig, SendJob
 from dllm_connector.transport.base import Source, Span, Transport
@@ -48,6 +56,50 @@ def make_caches(seed: int | None, geometry: Geometry = GEOMETRY) -> dict[str, to
             values = torch.randn(cpu_layer_shape(geometry), generator=generator) * (layer + 1)
             caches[f"model.layers.{layer}.self_attn"] = values.to(torch.bfloat16)
     return caches
+
+
+# The TP tests: a full model of 8 KV heads, split over the ranks as vLLM splits it.
+TP_GEOMETRY = Geometry(block_size=16, num_kv_heads=8, head_dim=32, model="tiny-tp-test", total_kv_heads=8)
+TP_LAYERS = 3
+TP_BLOCKS = 96
+LAYOUTS = ("cpu", "nhd")  # vLLM CPU [blocks, H, T, 2D]; GPU flash NHD [2, blocks, T, H, D]
+_HEAD_AXIS = {"cpu": 1, "nhd": 3}
+
+
+def model_layer_shape(layout: str, heads: int, geometry: Geometry = TP_GEOMETRY) -> tuple[int, ...]:
+    if layout == "cpu":
+        return (TP_BLOCKS, heads, geometry.block_size, 2 * geometry.head_dim)
+    return (2, TP_BLOCKS, geometry.block_size, heads, geometry.head_dim)
+
+
+def full_model_kv(seed: int, layout: str, geometry: Geometry = TP_GEOMETRY) -> list[torch.Tensor]:
+    """Every layer's KV over all the model's heads: deterministic random values for a seed."""
+    shape = model_layer_shape(layout, geometry.model_kv_heads, geometry)
+    layers = []
+    for layer in range(TP_LAYERS):
+        generator = torch.Generator().manual_seed(seed * 1000 + layer)
+        layers.append((torch.randn(shape, generator=generator) * (layer + 1)).to(torch.bfloat16))
+    return layers
+
+
+def heads_of(tensor: torch.Tensor, layout: str, heads: tuple[int, int]) -> torch.Tensor:
+    """The part of a full-model layer that holds model heads [start, stop)."""
+    return tensor.narrow(_HEAD_AXIS[layout], heads[0], heads[1] - heads[0])
+
+
+def rank_kv(seed: int | None, layout: str, tp: TPRank, geometry: Geometry = TP_GEOMETRY) -> PagedKV:
+    """TP rank `tp`'s paged KV: its heads of the full model for a seed, zeros for None."""
+    heads = rank_heads(geometry.model_kv_heads, tp.size, tp.rank)
+    count = heads[1] - heads[0]
+    if seed is None:
+        layers = [torch.zeros(model_layer_shape(layout, count, geometry), dtype=torch.bfloat16)] * TP_LAYERS
+        layers = [layer.clone() for layer in layers]
+    else:
+        layers = [
+            heads_of(layer, layout, heads).contiguous() for layer in full_model_kv(seed, layout, geometry)
+        ]
+    caches = {f"model.layers.{index}.self_attn": layer for index, layer in enumerate(layers)}
+    return PagedKV(caches, TP_BLOCKS, replace(geometry, num_kv_heads=count), tp=tp)
 
 
 def make_transport(kind: str) -> Transport:
@@ -83,13 +135,8 @@ class NaNKV:
         kv.caches[0].view(-1)[:: 1 << 14] = float("nan")
 
 
-def run_spec(transport: Transport, spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """Send one spec's jobs with a fresh sender; the report lines for them."""
-    geometry = Geometry(**spec.get("geometry", vars(GEOMETRY)))
-    kv = PagedKV(make_caches(spec.get("seed", 7), geometry), NUM_BLOCKS, geometry)
-    if spec.get("nan"):
-        NaNKV.poison(kv)
-    config = PipeConfig(
+def _config(spec: dict[str, Any]) -> PipeConfig:
+    return PipeConfig(
         compression=Compression(spec.get("compression", "none")),
         buffer_bytes=64 << 20,
         transfer_timeout_s=spec.get("timeout_s", 10.0),
@@ -97,27 +144,109 @@ def run_spec(transport: Transport, spec: dict[str, Any]) -> list[dict[str, Any]]
         async_transfer=False,
         threshold_tokens=spec.get("threshold_tokens", 256),  # 16-block batches: the pipeline runs
     )
-    sender_class = {"corrupt": CorruptingSender, "die": DyingSender}.get(spec.get("double", ""), KVSender)
-    sender = sender_class(transport, kv, config)
+
+
+def _send_all(
+    sender: KVSender, spec: dict[str, Any], decode_tp: int | None, tag: dict[str, Any]
+) -> list[dict[str, Any]]:
     lines: list[dict[str, Any]] = []
     for job in spec["jobs"]:
-        sender.submit(
-            SendJob(job["transfer_id"], tuple(job["block_ids"]), HOST, spec["port"], job.get("hash", ""))
-        )
-        lines.extend({"transfer_id": tid, "error": error} for tid, error in sender.finished().items())
+        blocks, digest = tuple(job["block_ids"]), job.get("hash", "")
+        sender.submit(SendJob(job["transfer_id"], blocks, HOST, spec["port"], digest, None, decode_tp))
+        lines.extend(tag | {"transfer_id": tid, "error": error} for tid, error in sender.finished().items())
     sender.close()
-    lines.append({"stats": sender.stats.snapshot(), "staging_in_use": sender.staging.in_use})
+    lines.append(tag | {"stats": sender.stats.snapshot(), "staging_in_use": sender.staging.in_use})
     return lines
+
+
+def _sender_class(double: str) -> type[KVSender]:
+    return {"corrupt": CorruptingSender, "die": DyingSender}.get(double, KVSender)
+
+
+def run_spec(transport: Transport, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Send one spec's jobs with a fresh sender; the report lines for them."""
+    geometry = Geometry(**spec.get("geometry", vars(GEOMETRY)))
+    kv = PagedKV(make_caches(spec.get("seed", 7), geometry), NUM_BLOCKS, geometry)
+    if spec.get("nan"):
+        NaNKV.poison(kv)
+    sender = _sender_class(spec.get("double", ""))(transport, kv, _config(spec))
+    return _send_all(sender, spec, None, {})
+
+
+def run_tp_spec(transports: dict[int, Transport], spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Prefill TP ranks `tp.ranks` of `tp.size` send the jobs at once, each with its own transport.
+
+    tp: {"size", "ranks" (those that send; the others never do), "decode_tp", "layout",
+    "doubles" (rank -> test double)}.
+    """
+    tp = spec["tp"]
+    lines: list[dict[str, Any]] = []
+
+    def run(rank: int) -> None:
+        kv = rank_kv(spec.get("seed", 7), tp.get("layout", "cpu"), TPRank(rank, tp["size"]))
+        double = tp.get("doubles", {}).get(str(rank), "")
+        sender = _sender_class(double)(transports[rank], kv, _config(spec))
+        lines.extend(_send_all(sender, spec, tp["decode_tp"], {"rank": rank}))
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in tp["ranks"]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sorted(lines, key=lambda line: (line["rank"], "stats" in line))
 
 
 def main(kind: str) -> None:
     """Serve specs, one JSON line each on stdin, answering each with one JSON list line."""
-    transport = make_transport(kind)
+    transports = {0: make_transport(kind)}
     print(json.dumps({"ready": kind}), flush=True)
     for line in sys.stdin:
-        print(json.dumps(run_spec(transport, json.loads(line))), flush=True)
+        spec = json.loads(line)
+        if "tp" in spec:
+            for rank in spec["tp"]["ranks"]:
+                if rank not in transports:
+                    transports[rank] = make_transport(kind)
+            print(json.dumps(run_tp_spec(transports, spec)), flush=True)
+        else:
+            print(json.dumps(run_spec(transports[0], spec)), flush=True)
     # Exit without tearing down native engines (their destructors may block on peers).
     os._exit(0)
+
+
+class Prefill:
+    """Drives the prefill process (this file as a script): specs in on stdin, reports out."""
+
+    def __init__(self, kind: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(Path(__file__)), kind],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        self._replies: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        assert json.loads(self._replies.get(timeout=60)) == {"ready": kind}
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith(("{", "[")):
+                self._replies.put(line)
+
+    def send(self, port: int, jobs: list[dict[str, Any]], **spec: Any) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"port": port, "jobs": jobs} | spec) + "\n")
+        self.process.stdin.flush()
+
+    def report(self, timeout: float = 60) -> list[dict[str, Any]]:
+        lines: list[dict[str, Any]] = json.loads(self._replies.get(timeout=timeout))
+        return lines
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(timeout=30)
 
 
 if __name__ == "__main__":

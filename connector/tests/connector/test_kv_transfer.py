@@ -6,19 +6,13 @@ process, with the real Mooncake transfer engine over TCP or a real gloo pair gro
 
 from __future__ import annotations
 
-import json
-import queue
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches, make_transport
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, make_transport
 
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kvconfig import Compression
@@ -27,7 +21,6 @@ from dllm_connector.transport.base import Transport
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(90)]
 
-PEER = Path(__file__).with_name("kv_peer.py")
 TRANSPORTS = ["mooncake", "gloo"]
 SRC_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1))[:300]]
 DST_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(2))[:300]]
@@ -58,42 +51,6 @@ def decode(transport: Transport) -> Iterator[tuple[KVReceiver, PagedKV]]:
 
 def transport_kind(transport: Transport) -> str:
     return "mooncake" if transport.one_sided else "gloo"
-
-
-class Prefill:
-    """The prefill process (kv_peer.py), kept for the module: specs in on stdin, reports out."""
-
-    def __init__(self, kind: str) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, str(PEER), kind],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self._replies: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        assert json.loads(self._replies.get(timeout=60)) == {"ready": kind}
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            if line.startswith(("{", "[")):
-                self._replies.put(line)
-
-    def send(self, port: int, jobs: list[dict[str, Any]], **spec: Any) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"port": port, "jobs": jobs} | spec) + "\n")
-        self.process.stdin.flush()
-
-    def report(self, timeout: float = 60) -> list[dict[str, Any]]:
-        lines: list[dict[str, Any]] = json.loads(self._replies.get(timeout=timeout))
-        return lines
-
-    def close(self) -> None:
-        if self.process.stdin is not None:
-            self.process.stdin.close()
-        self.process.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -281,7 +281,7 @@ def test_a_prefill_that_never_sends_fails_the_load_with_its_blocks(
 @pytest.mark.parametrize(
     ("prefill_identity", "decode_identity", "named_engine", "message"),
     [
-        ({"tp_size": 2}, {}, None, "tp_size: ours 1, peer 2"),
+        ({"tp_size": 2}, {}, None, "prefill TP size 2 offered, decode (TP 1) expects prefill TP 1"),
         (
             {},
             {"engine_id": "decode-b"},
