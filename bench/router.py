@@ -232,7 +232,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer requests, shorter runs (under 50 s)")
     ap.add_argument("--pin", action="store_true", help="taskset engines to CPU 0, router to CPU 1")
     ap.add_argument("--router-log-level", default="info")
-    ap.add_argument("--event-loop", default="asyncio", choices=["asyncio", "uvloop"])
+    ap.add_argument("--event-loop", default="auto", choices=["auto", "asyncio", "uvloop"])
     ap.add_argument(
         "--flow", default="nixl", choices=["nixl", "dllm"], help="nixl: sequential; dllm: concurrent"
     )

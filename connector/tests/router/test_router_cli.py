@@ -40,9 +40,11 @@ async def wait_for_listening(proc: asyncio.subprocess.Process) -> None:
     await wait_for_log(proc, b"dllm-router on 127.0.0.1:")
 
 
-@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize(
+    ("event_loop", "runs_on"), [("asyncio", "asyncio"), ("uvloop", "uvloop"), ("auto", "uvloop")]
+)
 async def test_router_process_serves_and_stops_on_sigterm(
-    engines: EngineFactory, client: aiohttp.ClientSession, event_loop: str
+    engines: EngineFactory, client: aiohttp.ClientSession, event_loop: str, runs_on: str
 ) -> None:
     p, d = await engines("p0"), await engines("d0")
     port = free_port()
@@ -54,7 +56,7 @@ async def test_router_process_serves_and_stops_on_sigterm(
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        await wait_for_listening(proc)
+        await wait_for_log(proc, f"event loop {runs_on},".encode())  # uvloop is in the pinned venv
         async with client.get(url + "/ready") as r:
             assert r.status == 200
         async with client.post(url + "/v1/completions", json={"prompt": "cli", "max_tokens": 2}) as r:

@@ -27,6 +27,7 @@ def test_operator_command_line_parses() -> None:
         prefill_tp_size=4,
         decode_tp_size=2,
     )
+    assert config.event_loop == "auto"  # uvloop when installed
 
 
 def test_static_urls_repeat_and_variables_fill_missing_flags() -> None:

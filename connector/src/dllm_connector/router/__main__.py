@@ -3,28 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any, TextIO
 
 from dllm_connector.router.config import ConfigError, RouterConfig, parse_config
 from dllm_connector.router.server import Router, serve
 
 log = logging.getLogger("dllm.router")
 DRAIN_S = 25.0  # in-flight requests finish before SIGKILL (30 s after SIGTERM by default)
+LOG_FLUSH_S = 0.1  # log lines written while serving reach stderr in one write per this interval
 
 
 async def run(config: RouterConfig) -> None:
     router = Router(config)
     await router.start()
-    runner = await serve(router, config.host, config.port, drain_s=DRAIN_S)
+    server = await serve(router, config.host, config.port, drain_s=DRAIN_S)
     log.info(
-        "dllm-router on %s:%d, flow %s, prefill %s, decode %s",
+        "dllm-router on %s:%d, flow %s, event loop %s, prefill %s, decode %s",
         config.host,
         config.port,
         config.flow,
+        type(asyncio.get_running_loop()).__module__.split(".")[0],
         config.prefill.dns or ",".join(config.prefill.urls),
         config.decode.dns or ",".join(config.decode.urls),
     )
@@ -36,22 +40,88 @@ async def run(config: RouterConfig) -> None:
         await stop.wait()
         log.info("stopping: no new connections; in-flight requests get up to %.0f s", DRAIN_S)
     finally:
-        await runner.cleanup()
+        await server.cleanup()
         await router.close()
+        for handler in logging.getLogger().handlers:
+            handler.flush()  # the loop's timers end with it
+
+
+class BatchedStreamHandler(logging.StreamHandler[TextIO]):
+    """Lines logged on the event loop are joined and written once per LOG_FLUSH_S (one syscall for
+    many access lines, instead of a write and flush per request); errors, and lines logged off the
+    loop, are written at once. Logging's shutdown flushes what is left."""
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self._lines: list[str] = []
+        self._timer: asyncio.TimerHandle | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self._lines.append(self.format(record) + self.terminator)
+        except Exception:  # noqa: BLE001  # logging's own contract: handleError reports it
+            self.handleError(record)
+            return
+        if record.levelno >= logging.ERROR:
+            self.flush()
+        elif self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                self.flush()
+                return
+            self._timer = loop.call_later(LOG_FLUSH_S, self.flush)
+
+    def flush(self) -> None:
+        self.acquire()
+        try:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._lines:
+                text = "".join(self._lines)
+                self._lines.clear()
+                self.stream.write(text)
+            self.stream.flush()
+        finally:
+            self.release()
+
+
+class _Formatter(logging.Formatter):
+    """The standard format, with the date part of asctime made once per second, not per line."""
+
+    _second = -1
+    _prefix = ""
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        second = int(record.created)
+        if second != self._second:
+            self._second, self._prefix = second, super().formatTime(record, "%Y-%m-%d %H:%M:%S")
+        return f"{self._prefix},{int(record.msecs):03d}"
 
 
 def configure_logging(level: str) -> None:
     # One access line per request: skip the record fields the format never shows (logging's own advice).
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging._srcfile = None  # no caller lookup per record (the logging HOWTO's "Optimization")
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    handler = BatchedStreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
+def event_loop_runner(choice: str) -> Any:
+    """`asyncio.run`, or `uvloop.run` for `uvloop` (and for `auto` when uvloop is installed)."""
+    if choice == "asyncio" or (choice == "auto" and importlib.util.find_spec("uvloop") is None):
+        return asyncio.run
+    import uvloop  # type: ignore[import-not-found, unused-ignore]  # optional: the standard loop works
+
+    return uvloop.run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = parse_config(sys.argv[1:] if argv is None else argv, os.environ)
-        if config.event_loop == "uvloop":
-            import uvloop  # type: ignore[import-not-found, unused-ignore]  # optional: the standard loop works
+        runner = event_loop_runner(config.event_loop)
     except ConfigError as e:
         print(f"dllm-router: {e}", file=sys.stderr)
         return 2
@@ -60,10 +130,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"dllm-router: {message}", file=sys.stderr)
         return 2
     configure_logging(config.log_level)
-    if config.event_loop == "uvloop":
-        uvloop.run(run(config))
-    else:
-        asyncio.run(run(config))
+    coroutine: Coroutine[Any, Any, None] = run(config)
+    runner(coroutine)
     return 0
 
 

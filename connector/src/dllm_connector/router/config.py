@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 Flow = Literal["dllm", "mooncake", "nixl"]
 FLOWS: tuple[Flow, ...] = ("dllm", "mooncake", "nixl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-EVENT_LOOPS = ("asyncio", "uvloop")
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 ENV_PREFIX = "DLLM_ROUTER_"
 Address = tuple[str, int]
 
@@ -50,7 +50,7 @@ class RouterConfig:
     retries: int = 1
     max_body_mb: int = 64
     log_level: str = "info"
-    event_loop: str = "asyncio"
+    event_loop: str = "auto"  # uvloop when it is installed, else asyncio
 
 
 def env_name(flag: str) -> str:
@@ -85,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--retries", help="extra attempts on another pod when no byte reached the client (default 1)")
     add("--max-body-mb", help="largest request body accepted, in MiB (default 64)")
     add("--log-level", help="debug | info | warning | error (default info)")
-    add("--event-loop", help="asyncio | uvloop (uvloop must be installed; default asyncio)")
+    add("--event-loop", help="auto | asyncio | uvloop (default auto: uvloop when it is installed)")
     return p
 
 
@@ -174,7 +174,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> RouterConfi
     level = str(values.get("log_level", "info")).lower()
     if level not in LOG_LEVELS:
         raise ConfigError(f"{_where('log_level')}: {level!r} is not one of {', '.join(LOG_LEVELS)}")
-    event_loop = str(values.get("event_loop", "asyncio"))
+    event_loop = str(values.get("event_loop", "auto"))
     if event_loop not in EVENT_LOOPS:
         raise ConfigError(f"{_where('event_loop')}: {event_loop!r} is not one of {', '.join(EVENT_LOOPS)}")
     port_range = (1, 65535)

@@ -43,14 +43,13 @@ class BadResponse(UpstreamError):
 
 
 class Response:
-    """One answer: `status` and `headers` are known; the body arrives through read() or chunks()."""
+    """One answer: `status` is known; the body arrives through read() or chunks()."""
 
     def __init__(self, conn: _Connection, deadline: float) -> None:
         self._conn: _Connection | None = conn
         # one timer for the whole exchange: cheaper than a timeout context around every wait
         self._timer = conn.loop.call_at(deadline, conn.expire)
         self.status = 0
-        self.headers: dict[str, str] = {}
         self._head: asyncio.Future[None] = conn.loop.create_future()
         self._pieces: deque[bytes] = deque()
         self._buffered = 0
@@ -60,8 +59,8 @@ class Response:
         self._streaming = False  # a reader of chunks() gets back-pressure; read() takes the body whole
 
     # called by the connection
-    def _head_ready(self, status: int, headers: dict[str, str]) -> None:
-        self.status, self.headers = status, headers
+    def _head_ready(self, status: int) -> None:
+        self.status = status
         if not self._head.done():
             self._head.set_result(None)
 
@@ -271,37 +270,45 @@ class _Connection(asyncio.Protocol):
                 raise BadResponse(f"{self.pool.name}: bytes after the answer")
 
     def _start_body(self, head: bytes) -> None:
-        lines = head.split(b"\r\n")
-        parts = lines[0].split(b" ", 2)
+        end = head.find(b"\r\n")
+        parts = (head if end < 0 else head[:end]).split(b" ", 2)
         if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-            raise BadResponse(f"{self.pool.name}: not an HTTP/1.x answer: {lines[0][:40]!r}")
+            raise BadResponse(f"{self.pool.name}: not an HTTP/1.x answer: {head[:40]!r}")
         status = int(parts[1])
-        headers: dict[str, str] = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(b":")
-            key = name.strip().lower()
-            if key in _FRAMING:  # the router reads no other upstream header
-                headers[key.decode()] = value.strip().decode("latin-1")
         if 100 <= status < 200:
             return  # an interim answer (100 Continue): the real head follows
-        connection = headers.get("connection", "").lower()
-        self._keep_alive = "close" not in connection and (
-            parts[0] == b"HTTP/1.1" or "keep-alive" in connection
+        low = head.lower()  # one pass; only the framing headers are read, by search, not split
+        connection = _field(low, b"\r\nconnection:")
+        self._keep_alive = (connection is None or b"close" not in connection) and (
+            parts[0] == b"HTTP/1.1" or (connection is not None and b"keep-alive" in connection)
         )
+        length = _field(low, b"\r\ncontent-length:")
+        encoding = _field(low, b"\r\ntransfer-encoding:")
         if status in (204, 304):
             self._state, self._remaining = _DONE_LENGTH, 0
-        elif "chunked" in headers.get("transfer-encoding", "").lower():
+        elif encoding is not None and b"chunked" in encoding:
             self._state = _CHUNK_SIZE
-        elif "content-length" in headers:
-            self._remaining = int(headers["content-length"])
+        elif length is not None:
+            if not length.isdigit():
+                raise BadResponse(f"{self.pool.name}: bad Content-Length {length[:20]!r}")
+            self._remaining = int(length)
             self._state = _LENGTH if self._remaining else _DONE_LENGTH
         else:
             self._state, self._keep_alive = _UNTIL_CLOSE, False
         assert self._sink is not None
-        self._sink._head_ready(status, headers)
+        self._sink._head_ready(status)
 
 
-_FRAMING = frozenset({b"content-length", b"transfer-encoding", b"connection", b"content-type"})
+def _field(head: bytes, prefix: bytes) -> bytes | None:
+    """The value of the first header line starting with `prefix` (`\\r\\nname:`), stripped."""
+    start = head.find(prefix)
+    if start < 0:
+        return None
+    start += len(prefix)
+    end = head.find(b"\r\n", start)
+    return (head[start:] if end < 0 else head[start:end]).strip()
+
+
 _IDLE, _HEAD, _LENGTH, _DONE_LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILERS, _UNTIL_CLOSE = range(9)
 
 
