@@ -368,7 +368,7 @@ class PagedKV:
         and HND layouts, one per token on NHD (both sides then list runs of the same sizes).
         """
         self.check_ids(block_ids)
-        block_dim = self.layout.block_dim
+        block_dim, segments = self.layout.block_dim, self.layout.segments
         runs = self._head_runs(heads)
         spans: list[tuple[int, int]] = []
         for tensor in self.caches:
@@ -378,7 +378,11 @@ class PagedKV:
             base = tensor.data_ptr()
             for block in block_ids:
                 start = base + block * block_stride
-                for s in range(self.layout.segments):
+                if len(runs) == 1:  # whole segments, or one run per segment
+                    offset, length = runs[0]
+                    spans.extend((start + s * segment_stride + offset, length) for s in range(segments))
+                    continue
+                for s in range(segments):
                     segment = start + s * segment_stride
                     spans.extend((segment + offset, length) for offset, length in runs)
         return spans

@@ -51,7 +51,7 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     skip: int
     prompt_hash: str
-    prefill_tp_size: int = 1  # which prefill ranks send parts of it
+    prefill_tp_size: int | None = None  # which prefill ranks send parts of it; None: decode's own
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class SendSpec:
     port: int
     prompt_hash: str
     engine_id: str | None = None
-    decode_tp_size: int = 1  # which decode ranks get which of this rank's KV heads
+    decode_tp_size: int | None = None  # which decode ranks get which KV heads; None: prefill's own
 
 
 @dataclass
@@ -102,6 +102,11 @@ def prefill_params(params: Mapping[str, Any] | None) -> PrefillParams | None:
     if not is_dllm_params(dict(params or {})) or not (params or {}).get("do_remote_decode"):
         return None
     return PrefillParams.model_validate(params)
+
+
+def _named_tp_size(params: PrefillParams | DecodeParams, name: str) -> int | None:
+    """The other side's TP size where the request names it; None (assume our own) where it does not."""
+    return int(getattr(params, name)) if name in params.model_fields_set else None
 
 
 class SchedulerState:
@@ -155,7 +160,8 @@ class SchedulerState:
         skip = (prompt_len - num_external_tokens) // self.block_size
         wanted = tuple(block_ids[skip : blocks_for(prompt_len, self.block_size)])
         self._loading[request_id] = decode.transfer_id
-        spec = LoadSpec(request_id, decode.transfer_id, wanted, skip, prompt_hash, decode.prefill_tp_size)
+        prefill_tp = _named_tp_size(decode, "prefill_tp_size")
+        spec = LoadSpec(request_id, decode.transfer_id, wanted, skip, prompt_hash, prefill_tp)
         self._plan.loads.append(spec)
 
     def loaded(self, request_ids: set[str]) -> None:
@@ -196,7 +202,7 @@ class SchedulerState:
             port,
             prompt_hash,
             prefill.decode_engine_id,
-            prefill.decode_tp_size,
+            _named_tp_size(prefill, "decode_tp_size"),
         )
         self._plan.sends.append(spec)
         self._sending.add(request_id)

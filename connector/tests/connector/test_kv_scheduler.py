@@ -100,3 +100,26 @@ def test_aborted_load_is_cancelled_once_and_forgotten() -> None:
     assert decode.take_plan().cancels == ["tx-5"]
     decode.loaded({"d-5"})  # the cancelled receive is reported as ended afterwards
     assert decode.matched_tokens(params, 40, 0, "d-5") == (40, True)
+
+
+def test_plans_carry_the_other_sides_tp_size_from_the_request() -> None:
+    decode, prefill = state(), state()
+    params = DecodeParams(transfer_id="tx-6", prefill_tp_size=4).model_dump()
+    decode.after_alloc("d-6", params, "h", 40, [1, 2, 3], 40)
+    (load,) = decode.take_plan().loads
+    assert load.prefill_tp_size == 4
+    sent = PrefillParams(
+        transfer_id="tx-6", decode_host="127.0.0.1", decode_kv_port=DECODE_KV_PORT, decode_tp_size=2
+    ).model_dump()
+    assert prefill.finished("p-6", sent, "h", 40, [7, 8, 9], True)
+    (send,) = prefill.take_plan().sends
+    assert (send.port, send.decode_tp_size) == (DECODE_KV_PORT, 2)  # rank r of decode at port + r
+
+
+def test_a_request_that_names_no_tp_size_assumes_equal_sizes() -> None:
+    decode, prefill = state(), state()
+    decode.after_alloc("d-7", {"dllm": 1, "transfer_id": "tx-7", "do_remote_prefill": True}, "h", 40, [1], 40)
+    assert decode.take_plan().loads[0].prefill_tp_size is None  # the receiver takes its own TP size
+    params = {"dllm": 1, "transfer_id": "tx-7", "do_remote_decode": True, "decode_host": "127.0.0.1"}
+    assert prefill.finished("p-7", params | {"decode_kv_port": DECODE_KV_PORT}, "h", 40, [1, 2, 3], True)
+    assert prefill.take_plan().sends[0].decode_tp_size is None

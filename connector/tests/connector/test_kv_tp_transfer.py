@@ -286,3 +286,20 @@ def test_equal_tp_sizes_keep_the_one_to_one_path(
             assert torch.equal(receiver.kv.gather(DST_BLOCKS), want)
         stats = [line["stats"] for line in prefill.report() if "stats" in line]
         assert [s["sent"] for s in stats] == [1, 1]
+
+
+def test_a_cancelled_load_ends_once_and_late_parts_are_refused_at_once(
+    transports: list[Transport], prefill: Prefill
+) -> None:
+    with decode_ranks(transports, 1, "cpu", receiver_config()) as (port, (receiver,)):
+        receiver.expect("tp-gone", DST_BLOCKS, prefill_tp_size=2)
+        receiver.cancel("tp-gone")  # decode aborted the request before any KV came
+        assert receiver.results() == {"tp-gone": "cancelled by decode"}
+        started = time.monotonic()
+        prefill.send(port, [{"transfer_id": "tp-gone", "block_ids": SRC_BLOCKS}], tp=tp_spec(2, 1, "cpu"))
+        errors = [line["error"] for line in prefill.report() if "transfer_id" in line]
+        assert len(errors) == 2
+        assert all("not awaited any more" in error for error in errors)
+        assert time.monotonic() - started < 5  # not the 10 s hold
+        assert receiver.results() == {}
+        assert not bool(receiver.kv.gather(DST_BLOCKS).any())
