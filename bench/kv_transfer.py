@@ -10,10 +10,13 @@ in the same run, side by side:
 GB/s counts uncompressed KV delivered per second (1 GB = 1e9 bytes). The codec's own GB/s per
 core is measured with torch on one thread. `--link` runs the table again over a veth pair between
 two network namespaces of our own, rate-limited with tc (needs root; 127.0.0.1 stays untouched).
-Transfers are pipelined in batches of 256 tokens (transferThresholdTokens).
+Transfers are pipelined in batches of --batch-tokens (transferThresholdTokens, default 1024 as in
+the connector). `--checksum off` is an experiment, not a mode of the connector: it replaces the
+CRC-32 of zero-copy transfers by 0 on both sides, to show what the checksum costs.
 
     python bench/kv_transfer.py --quick            # 2k tokens, under 50 s
     python bench/kv_transfer.py --tokens 2048 32768 --link 2gbit
+    python bench/kv_transfer.py --tokens 2048 --transports mooncake --link 1gbit --batch-tokens 256
 """
 
 from __future__ import annotations
@@ -61,21 +64,30 @@ def _caches(num_blocks: int, seed: int | None) -> dict[str, Any]:
 class Worker:
     """Serves JSON commands on stdin, one JSON reply line each on stdout."""
 
-    def __init__(self, role: str, host: str, num_blocks: int, buffer_bytes: int) -> None:
+    def __init__(
+        self, role: str, host: str, num_blocks: int, buffer_bytes: int, batch_tokens: int, checksum: str
+    ) -> None:
         import torch
 
+        from dllm_connector import pipe
         from dllm_connector.kv_layout import Geometry, PagedKV
         from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig
         from dllm_connector.transport.mooncake import MooncakeTransport
         from dllm_connector.transport.torchdist import TorchDistTransport
 
         torch.set_num_threads(1)
+        if checksum == "off":  # the experiment: what the zero-copy CRC-32 costs on both sides
+            pipe.spans_checksum = lambda spans, value=0: 0  # type: ignore[attr-defined]
         self.host = host
         geometry = Geometry(block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, model="bench")
         self.kv = PagedKV(_caches(num_blocks, 1 if role == "prefill" else None), num_blocks, geometry)
         self.transports = {"mooncake": MooncakeTransport(host), "gloo": TorchDistTransport(host)}
         self.config = PipeConfig(
-            buffer_bytes=buffer_bytes, transfer_timeout_s=60, prefill_wait_s=120, hold_s=60
+            buffer_bytes=buffer_bytes,
+            transfer_timeout_s=60,
+            prefill_wait_s=120,
+            hold_s=60,
+            threshold_tokens=batch_tokens,
         )
         self.receivers: dict[str, Any] = {}
         self.senders: dict[tuple[str, str], Any] = {}
@@ -145,7 +157,9 @@ class Worker:
 
 
 def serve(args: argparse.Namespace) -> None:
-    worker = Worker(args.serve, args.host, args.blocks, args.buffer_mb << 20)
+    worker = Worker(
+        args.serve, args.host, args.blocks, args.buffer_mb << 20, args.batch_tokens, args.checksum
+    )
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         try:
@@ -159,11 +173,22 @@ def serve(args: argparse.Namespace) -> None:
 # ---- the driver ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What every worker of a run shares."""
+
+    batch_tokens: int
+    checksum: str
+
+
 class Peer:
-    def __init__(self, role: str, host: str, blocks: int, buffer_mb: int, netns: str | None) -> None:
+    def __init__(
+        self, role: str, host: str, blocks: int, buffer_mb: int, netns: str | None, settings: Settings
+    ) -> None:
         prefix = ["ip", "netns", "exec", netns] if netns else []
         command = [*prefix, sys.executable, __file__, "--serve", role, "--host", host]
         command += ["--blocks", str(blocks), "--buffer-mb", str(buffer_mb)]
+        command += ["--batch-tokens", str(settings.batch_tokens), "--checksum", settings.checksum]
         env = os.environ | {
             "MC_TCP_BIND_ADDRESS": host,
             "DLLM_KV_CODEC_COMPILE": os.environ.get("DLLM_KV_CODEC_COMPILE", "1"),
@@ -222,12 +247,13 @@ def measure_link(
     transports: list[str],
     hosts: tuple[str, str],
     namespaces: tuple[str | None, str | None],
+    settings: Settings,
 ) -> list[Row]:
     blocks = -(-tokens // BLOCK)
     kv_bytes = blocks * LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 2
     buffer_mb = kv_bytes // (1 << 20) + 16
-    prefill = Peer("prefill", hosts[0], blocks, buffer_mb, namespaces[0])
-    decode = Peer("decode", hosts[1], blocks, buffer_mb, namespaces[1])
+    prefill = Peer("prefill", hosts[0], blocks, buffer_mb, namespaces[0], settings)
+    decode = Peer("decode", hosts[1], blocks, buffer_mb, namespaces[1], settings)
     try:
         prefill.wait_ready()
         decode.wait_ready()
@@ -271,7 +297,11 @@ def _raw_row(prefill: Peer, decode: Peer, host: str, port: int, nbytes: int, rep
 
 
 def codec_per_core(tokens: int) -> list[tuple[str, float, float, bool]]:
-    """(codec, encode GB/s, decode GB/s, compiled) on one thread, for `tokens` of the KV."""
+    """(codec, encode GB/s, decode GB/s, compiled) on one thread, for `tokens` of the KV.
+
+    As in the pipe, encode writes into a staging buffer and decode into a KV batch that were
+    allocated (and touched) before, so page faults of fresh buffers are not counted.
+    """
     import torch
 
     from dllm_connector import codec
@@ -281,14 +311,16 @@ def codec_per_core(tokens: int) -> list[tuple[str, float, float, bool]]:
     compiled = codec.kernels().compiled
     blocks = -(-tokens // BLOCK)
     batch = torch.randn(LAYERS * blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM).to(torch.bfloat16)
+    staging = torch.zeros(batch.numel() * batch.element_size(), dtype=torch.uint8)
+    target = torch.zeros_like(batch)
     groups = 2 * KV_HEADS
     results = []
     for name in ("fp8", "int8"):
         compression = Compression(name)
-        header, payload = codec.encode(batch, compression, groups)
-        codec.decode(header, payload)
-        encode = _best_of(3, lambda c=compression: codec.encode(batch, c, groups))
-        decode = _best_of(3, lambda h=header, p=payload: codec.decode(h, p))
+        header, payload = codec.encode(batch, compression, groups, out=staging)
+        codec.decode(header, payload, target)
+        encode = _best_of(3, lambda c=compression: codec.encode(batch, c, groups, out=staging))
+        decode = _best_of(3, lambda h=header, p=payload: codec.decode(h, p, target))
         nbytes = batch.numel() * batch.element_size()
         results.append((name, nbytes / encode / 1e9, nbytes / decode / 1e9, compiled))
     return results
@@ -382,16 +414,17 @@ def gpu_codec() -> None:
 
     batch = torch.randn(LAYERS * 128, KV_HEADS, BLOCK, 2 * HEAD_DIM, device="cuda").to(torch.bfloat16)
     rows = batch.reshape(-1, BLOCK * 2 * HEAD_DIM)
-    kernel = codec.kernels().quantize
+    codes = torch.empty(rows.shape, dtype=torch.uint8, device="cuda")
 
-    def quantize(qmax: float, integer: bool) -> None:
-        kernel(rows, qmax, integer)
+    def quantize(name: str) -> None:
+        functions = codec.kernels().by_codec[Compression(name)]
+        inverse, _ = functions.scales(rows)
+        functions.codes(rows, inverse, codes if name == "fp8" else codes.view(torch.int8))
         torch.cuda.synchronize()
 
     for name in ("fp8", "int8"):
-        qmax, integer = codec.QMAX[Compression(name)], name == "int8"
-        quantize(qmax, integer)
-        seconds = _best_of(5, lambda q=qmax, i=integer: quantize(q, i))
+        quantize(name)
+        seconds = _best_of(5, lambda n=name: quantize(n))
         print(f"  GPU {name} quantize: {batch.numel() * 2 / seconds / 1e9:.1f} GB/s")
 
 
@@ -404,6 +437,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--transports", nargs="+", default=["mooncake", "gloo"], choices=["mooncake", "gloo"])
     parser.add_argument("--link", metavar="RATE", help="also over a tc-limited veth link, e.g. 2gbit")
+    parser.add_argument("--batch-tokens", type=int, default=1024, help="transferThresholdTokens")
+    parser.add_argument(
+        "--checksum", choices=["crc32", "off"], default="crc32", help="zero-copy checksum (experiment)"
+    )
     parser.add_argument("--serve", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
@@ -415,10 +452,13 @@ def main() -> None:
     if args.quick:
         args.tokens, args.repeats = [2048], 1  # plus the discarded warm-up run of every row
     started = time.perf_counter()
+    settings = Settings(args.batch_tokens, args.checksum)
     shape = f"{LAYERS} layers, block {BLOCK}, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16"
     for tokens in args.tokens:
-        rows = measure_link(tokens, args.repeats, args.transports, ("127.0.0.1", "127.0.0.1"), (None, None))
-        print_table(f"127.0.0.1, {tokens} tokens ({shape}; {rows[0].raw_bytes / 1e6:.0f} MB of KV)", rows)
+        local = ("127.0.0.1", "127.0.0.1")
+        rows = measure_link(tokens, args.repeats, args.transports, local, (None, None), settings)
+        title = f"127.0.0.1, {tokens} tokens ({shape}; {rows[0].raw_bytes / 1e6:.0f} MB of KV)"
+        print_table(f"{title}, batches of {args.batch_tokens} tokens, checksum {args.checksum}", rows)
         if args.link:
             with emulated_link(args.link):
                 rows = measure_link(
@@ -427,6 +467,7 @@ def main() -> None:
                     args.transports,
                     (ADDR_PREFILL, ADDR_DECODE),
                     (NS_PREFILL, NS_DECODE),
+                    settings,
                 )
             print_table(f"veth + tc {args.link}, {tokens} tokens", rows)
     print("\ncodec on one core (torch threads = 1), 2k tokens:")

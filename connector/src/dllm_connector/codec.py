@@ -12,8 +12,9 @@ Defined edge cases:
   NaN/inf bit-exact, so a caller may fall back to it);
 - a KV cache that is already fp8 (--kv-cache-dtype fp8) passes through unchanged as codec none.
 
-The quantize/dequantize kernels run fused through torch.compile where that works on this torch and
-fall back to plain torch ops otherwise (DLLM_KV_CODEC_COMPILE=0 forces the fallback).
+fp8 scales are powers of two (exact scaling, integer rounding to e4m3). The kernels run fused through
+torch.compile where that works (it needs a C++ compiler) and fall back to plain torch ops otherwise
+(DLLM_KV_CODEC_COMPILE=0 forces the fallback); both write the same payload bytes.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ SCALE_DTYPE = torch.float32
 _SCALE_BYTES = 4
 # The smallest normal float32: keeps 1/scale finite for all-zero and subnormal groups.
 _MIN_SCALE = float(torch.finfo(torch.float32).tiny)
-# Elements per kernel call: small enough for the float32 temporaries to stay in the CPU's L2.
-_CHUNK_ELEMENTS = 1 << 20
 
 QUANT_DTYPE: Mapping[Compression, torch.dtype] = {
     Compression.FP8: torch.float8_e4m3fn,
     Compression.INT8: torch.int8,
 }
 QMAX: Mapping[Compression, float] = {Compression.FP8: 448.0, Compression.INT8: 127.0}
+# How the kernels see the codes: e4m3 as its bit patterns.
+_CODE_DTYPE: Mapping[Compression, torch.dtype] = {Compression.FP8: torch.uint8, Compression.INT8: torch.int8}
 SOURCE_DTYPES: Mapping[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
@@ -184,73 +185,171 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 # ---- kernels -------------------------------------------------------------------------------------
+#
+# Each codec has three kernels on a chunk of rows (one row = one scale group): `scales` (per row: the
+# reciprocal used to encode, and the scale the payload carries), `codes` (rows -> 8-bit codes, written
+# straight into the payload) and `values` (codes -> float32; decode's copy into the KV casts, which
+# measured faster than casting inside a kernel). Compiled, torch.compile fuses each into one loop;
+# plain torch ops (no compiler, or DLLM_KV_CODEC_COMPILE=0) use torch's fp8 casts instead of the
+# integer ops, which unfused would cost a pass each. Both give the same bytes (tests check it).
+#
+# fp8 uses power-of-two scales 2^k, the smallest with amax * 2^-k <= 448. Multiplying by 2^-k is
+# exact, and the float32 -> e4m3 rounding is then done with integer ops on the float32 bit pattern,
+# which vectorizes where torch's scalar fp8 cast does not. A floating-point code loses almost nothing
+# to a power-of-two scale: its relative error is set by its 3 mantissa bits; only the subnormal range
+# moves up by at most one binade (see the error bound in docs/kv-connector.md).
+
+_FLOAT32_EXP_MASK = 0x7F800000  # bits at or above: inf or NaN
+_E4M3_MIN_NORMAL_BITS = 121 << 23  # float32 bits of 2^-6, the smallest normal e4m3
+_E4M3_REBIAS = 120 << 3  # exponent bias 127 -> 7, in units of the code's exponent field
+_SUBNORMAL_ROUNDER = 16384.0  # 2^14: its float32 ulp is 2^-9, e4m3's subnormal step
+_SUBNORMAL_ROUNDER_BITS = 0x46800000
 
 
-# Kernels return float32; the copy into the payload or the KV does the final cast, which measured
-# faster on CPU than casting inside the compiled kernel.
+def _fp8_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: 2^-k and the scale 2^k, the smallest power of two with amax * 2^-k <= 448.
+
+    amax = 1.f * 2^(e - 127) and 448 = 1.75 * 2^8, so k = e - 135, plus one where f > .75. k stays
+    >= -126 (the smallest normal float32 scale, also that of an all-zero row). A row holding NaN or
+    inf gets a NaN scale, which encode refuses.
+    """
+    bits = rows.abs().amax(dim=1).float().view(torch.int32)
+    k = ((bits >> 23) - 135 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)).clamp(min=-126)
+    inverse = ((127 - k) << 23).view(torch.float32)
+    scale = ((127 + k) << 23).view(torch.float32)
+    return inverse, torch.where(bits >= _FLOAT32_EXP_MASK, float("nan"), scale)
 
 
-def _quantize_eager(rows: torch.Tensor, qmax: float, integer: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    low, high = torch.aminmax(rows, dim=1)
-    amax = torch.maximum(high.float(), low.float().neg())
-    scale = (amax / qmax).clamp_(min=_MIN_SCALE)
-    # Out of place (bf16 x float32 promotes): .float() of a float32 KV would alias the caller's tensor.
-    scaled = torch.mul(rows, scale.reciprocal().unsqueeze(1)).clamp_(-qmax, qmax)
-    return (scaled.round_() if integer else scaled), scale
+def _fp8_codes(rows: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> None:
+    """e4m3 codes of rows * inverse, rounded to nearest even, written into out (uint8)."""
+    x = rows.float()
+    scaled = x.abs() * inverse.unsqueeze(1)  # exact (a power of two), at most 448
+    bits = scaled.view(torch.int32)
+    # Normal range: round the float32 mantissa to 3 bits (ties to even); a carry moves the exponent.
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - _E4M3_REBIAS
+    # Subnormal range (below 2^-6, steps of 2^-9): the float add rounds to the step.
+    subnormal = (scaled + _SUBNORMAL_ROUNDER).view(torch.int32) - _SUBNORMAL_ROUNDER_BITS
+    code = torch.where(bits < _E4M3_MIN_NORMAL_BITS, subnormal, normal).clamp(max=0x7E)
+    code = code | ((x.view(torch.int32) >> 24) & 0x80)
+    # int32 -> uint8 has no vector conversion on AVX2, float32 -> uint8 has: 2x faster through float.
+    out.copy_(code.float().to(torch.uint8))
 
 
-def _dequantize_eager(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _fp8_values(codes: torch.Tensor, scale: torch.Tensor, limit: float) -> torch.Tensor:
+    """e4m3 codes times their row's scale, as float32: exact for every finite code.
+
+    e4m3's 7 magnitude bits placed at float16 bits 13..7 give the same value times 2^-8 (exponent
+    bias 15 vs 7), subnormals included; float16 -> float32 vectorizes where the fp8 cast does not.
+    The two NaN codes, which encode never writes, read as +-480. A value beyond the KV dtype's range
+    (a group at that range's top whose largest code rounded up) saturates at `limit`, never inf.
+    """
+    bits = codes.to(torch.int32)
+    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(torch.int16).view(torch.float16)
+    # Times 2^8 first: exact, where scale * 2^8 could overflow for a scale near float32's top.
+    return (half.float() * 256.0 * scale.unsqueeze(1)).clamp(-limit, limit)
+
+
+def _fp8_codes_cast(rows: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> None:
+    """The same codes through torch's float32 -> e4m3 cast: one op, faster than the integer ops
+    when they cannot be fused (plain torch ops)."""
+    out.view(torch.float8_e4m3fn).copy_(torch.mul(rows, inverse.unsqueeze(1)))
+
+
+def _fp8_values_cast(codes: torch.Tensor, scale: torch.Tensor, limit: float) -> torch.Tensor:
+    return codes.view(torch.float8_e4m3fn).float().mul_(scale.unsqueeze(1)).clamp_(-limit, limit)
+
+
+def _int8_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row: 127 / amax and the scale amax / 127 (NaN or inf for a row holding them)."""
+    scale = (rows.abs().amax(dim=1).float() / 127.0).clamp(min=_MIN_SCALE)
+    return scale.reciprocal(), scale
+
+
+def _int8_codes(rows: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> None:
+    out.copy_((rows.float() * inverse.unsqueeze(1)).clamp(-127.0, 127.0).round().to(torch.int8))
+
+
+def _int8_values(codes: torch.Tensor, scale: torch.Tensor, limit: float) -> torch.Tensor:
+    # Eager on purpose: int8 -> float is vectorized in eager torch and beat a compiled kernel.
     return codes.float().mul_(scale.unsqueeze(1))
 
 
-def _quantize_fused(rows: torch.Tensor, qmax: float, integer: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    amax = rows.abs().amax(dim=1).float()
-    scale = (amax / qmax).clamp(min=_MIN_SCALE)
-    scaled = (rows.float() * scale.reciprocal().unsqueeze(1)).clamp(-qmax, qmax)
-    return (scaled.round() if integer else scaled), scale
+ScalesFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+CodesFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+ValuesFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def _dequantize_fp8_bits(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """e4m3 -> float through float16 bit patterns, which vectorizes where the fp8 cast does not.
-
-    e4m3's 7 magnitude bits placed at float16 bits 13..7 give the same value times 2^-8 (exponent
-    bias 15 vs 7), subnormals included; the factor goes into the scale. Exact for every finite code;
-    the two NaN codes, which encode never writes, would read as +-480.
-    """
-    bits = codes.view(torch.uint8).to(torch.int32)
-    half = (((bits & 0x80) << 8) | ((bits & 0x7F) << 7)).to(torch.int16).view(torch.float16)
-    return half.float() * (scale * 256.0).unsqueeze(1)
-
-
-QuantizeFn = Callable[[torch.Tensor, float, bool], tuple[torch.Tensor, torch.Tensor]]
-DequantizeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+@dataclass(frozen=True)
+class _CodecKernels:
+    scales: ScalesFn
+    codes: CodesFn
+    values: ValuesFn
 
 
 @dataclass
 class _Kernels:
-    quantize: QuantizeFn
-    dequantize: DequantizeFn
+    by_codec: Mapping[Compression, _CodecKernels]
     compiled: bool
+    # Rows per kernel call, in elements: compiled calls cost about 45 us each, so they take large
+    # chunks; plain torch ops make float32 temporaries, so their chunks stay small.
+    chunk_elements: int
 
+
+_PLAIN: Mapping[Compression, _CodecKernels] = {
+    Compression.FP8: _CodecKernels(_fp8_scales, _fp8_codes_cast, _fp8_values_cast),
+    Compression.INT8: _CodecKernels(_int8_scales, _int8_codes, _int8_values),
+}
+_FUSED: Mapping[Compression, _CodecKernels] = {
+    Compression.FP8: _CodecKernels(_fp8_scales, _fp8_codes, _fp8_values),
+    Compression.INT8: _CodecKernels(_int8_scales, _int8_codes, _int8_values),
+}
+_PLAIN_CHUNK_ELEMENTS = 1 << 18
+_COMPILED_CHUNK_ELEMENTS = 1 << 22
+# Decode makes float32 chunks: small enough to stay in cache.
+_DECODE_CHUNK_ELEMENTS = 1 << 20
 
 _kernels: _Kernels | None = None
 
 
+def _compiled(functions: _CodecKernels) -> _CodecKernels:
+    values = functions.values
+    if values is not _int8_values:
+        values = torch.compile(values, dynamic=True)
+    return _CodecKernels(
+        torch.compile(functions.scales, dynamic=True), torch.compile(functions.codes, dynamic=True), values
+    )
+
+
 def _compile_kernels() -> _Kernels:
-    """Fused kernels via torch.compile, verified on a tiny tensor; plain torch ops if that fails."""
-    eager = _Kernels(_quantize_eager, _dequantize_eager, compiled=False)
+    """Fused kernels via torch.compile, checked against the plain ones; plain torch ops if that fails."""
+    plain = _Kernels(_PLAIN, compiled=False, chunk_elements=_PLAIN_CHUNK_ELEMENTS)
     try:
-        quantize: QuantizeFn = torch.compile(_quantize_fused, dynamic=True)
-        dequantize: DequantizeFn = torch.compile(_dequantize_fp8_bits, dynamic=True)
+        compiled = _Kernels(
+            {codec: _compiled(functions) for codec, functions in _FUSED.items()},
+            compiled=True,
+            chunk_elements=_COMPILED_CHUNK_ELEMENTS,
+        )
         probe = torch.linspace(-2.0, 2.0, 64, dtype=torch.bfloat16).reshape(2, 32)
-        codes, scale = quantize(probe, 448.0, False)
-        restored = dequantize(codes.to(torch.float8_e4m3fn), scale)
-        if not torch.allclose(restored, probe.float(), rtol=0.07, atol=1e-3):
-            return eager
+        for codec in _PLAIN:
+            if not _same_round_trip(probe, codec, plain, compiled):
+                _log.warning("compiled %s KV codec differs from plain torch ops; using those", codec.value)
+                return plain
     except Exception as error:  # noqa: BLE001 - any compiler failure means the plain path
         _log.warning("torch.compile unavailable for the KV codec, using plain torch ops: %s", error)
-        return eager
-    return _Kernels(quantize, dequantize, compiled=True)
+        return plain
+    return compiled
+
+
+def _same_round_trip(probe: torch.Tensor, codec: Compression, plain: _Kernels, other: _Kernels) -> bool:
+    results = []
+    for kernels_ in (plain, other):
+        functions = kernels_.by_codec[codec]
+        inverse, scale = functions.scales(probe)
+        codes = torch.empty(probe.shape, dtype=_CODE_DTYPE[codec])
+        functions.codes(probe, inverse, codes)
+        restored = functions.values(codes, scale, float(torch.finfo(probe.dtype).max))
+        results.append((codes, scale, restored))
+    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 _kernels_lock = threading.Lock()
@@ -279,7 +378,11 @@ def warm_up(sample: torch.Tensor, requested: Compression, groups: int) -> None:
 def use_compiled(enabled: bool) -> bool:
     """Choose the kernels explicitly (tests, benchmarks); returns whether compiled ones are in use."""
     global _kernels
-    _kernels = _compile_kernels() if enabled else _Kernels(_quantize_eager, _dequantize_eager, False)
+    _kernels = (
+        _compile_kernels()
+        if enabled
+        else _Kernels(_PLAIN, compiled=False, chunk_elements=_PLAIN_CHUNK_ELEMENTS)
+    )
     return _kernels.compiled
 
 
@@ -311,24 +414,25 @@ def encode(
     return KVHeader(codec, dtype, shape, groups, checksum(payload)), payload
 
 
-def _row_chunks(rows: int, row_len: int) -> range:
-    """Chunk starts: about _CHUNK_ELEMENTS per chunk keeps the float32 temporaries in cache."""
-    return range(0, rows, max(1, _CHUNK_ELEMENTS // row_len))
+def _row_chunks(rows: int, row_len: int, chunk_elements: int) -> range:
+    """Chunk starts: whole rows, about chunk_elements per kernel call."""
+    return range(0, rows, max(1, chunk_elements // row_len))
 
 
 def _quantize_into(
     blocks: torch.Tensor, codec: Compression, groups: int, payload: torch.Tensor, data_nbytes: int
 ) -> None:
     rows = blocks.reshape(blocks.shape[0] * groups, -1)
-    codes = payload[:data_nbytes].view(QUANT_DTYPE[codec]).view(rows.shape)
+    codes = payload[:data_nbytes].view(_CODE_DTYPE[codec]).view(rows.shape)
     scales = payload[data_nbytes:].view(SCALE_DTYPE)
-    quantize = kernels().quantize
-    qmax, integer = QMAX[codec], codec is Compression.INT8
-    step = _row_chunks(*rows.shape).step
-    for start in range(0, rows.shape[0], step):
-        scaled, scale = quantize(rows[start : start + step], qmax, integer)
-        codes[start : start + step].copy_(scaled)
-        scales[start : start + step].copy_(scale)
+    chosen = kernels()
+    functions = chosen.by_codec[codec]
+    chunks = _row_chunks(rows.shape[0], rows.shape[1], chosen.chunk_elements)
+    for start in chunks:
+        stop = start + chunks.step
+        inverse, scale = functions.scales(rows[start:stop])
+        functions.codes(rows[start:stop], inverse, codes[start:stop])
+        scales[start:stop].copy_(scale)
     if not bool(torch.isfinite(scales).all()):
         bad = int((~torch.isfinite(scales)).sum())
         raise NonFiniteKVError(f"{bad} of {scales.numel()} scale groups hold NaN or inf; use codec none")
@@ -356,15 +460,16 @@ def decode(header: KVHeader, payload: torch.Tensor, out: torch.Tensor | None = N
     if header.codec is Compression.NONE:
         as_bytes(out).copy_(payload)
         return out
-    codes = payload[: header.data_nbytes].view(QUANT_DTYPE[header.codec])
+    codes = payload[: header.data_nbytes].view(_CODE_DTYPE[header.codec])
     scale = payload[header.data_nbytes :].view(SCALE_DTYPE)
     rows = codes.reshape(header.num_scales, -1)
     target = out.view(header.num_scales, -1)
-    # int8 -> float is vectorized in eager torch and beat the compiled kernel; fp8 gains from the
-    # compiled bit-pattern kernel (the compiled path dequantizes fp8 only).
-    dequantize = _dequantize_eager if header.codec is Compression.INT8 else kernels().dequantize
-    step = _row_chunks(*rows.shape).step
-    for start in range(0, rows.shape[0], step):
-        chunk = dequantize(rows[start : start + step], scale[start : start + step])
-        target[start : start + step].copy_(chunk)
+    chosen = kernels()
+    values = chosen.by_codec[header.codec].values
+    limit = float(torch.finfo(dtype).max)
+    # Kernels return float32 and the copy into the KV casts: faster on CPU than casting in the kernel.
+    chunks = _row_chunks(rows.shape[0], rows.shape[1], _DECODE_CHUNK_ELEMENTS)
+    for start in chunks:
+        stop = start + chunks.step
+        target[start:stop].copy_(values(rows[start:stop], scale[start:stop], limit))
     return out

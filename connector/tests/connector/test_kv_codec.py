@@ -28,8 +28,9 @@ def error_bound(kv: torch.Tensor, compression: Compression) -> torch.Tensor:
     scale = (group_amax(kv) / codec.QMAX[compression]).repeat_interleave(kv[0].numel() // GROUPS)
     x = kv.float().reshape(-1).abs()
     out_rounding = x * torch.finfo(kv.dtype).eps
-    if compression is Compression.FP8:  # 3 mantissa bits; subnormal spacing 2^-9 of the scale
-        code_rounding = torch.maximum(x * 2.0**-4, scale * 2.0**-10)
+    if compression is Compression.FP8:
+        # 3 mantissa bits; subnormal steps of 2^-9 of the power-of-two scale, which is < 2 amax / 448
+        code_rounding = torch.maximum(x * 2.0**-4, scale * 2.0**-9)
     else:
         code_rounding = scale / 2
     return (code_rounding + out_rounding) * 1.01 + 1e-30
@@ -199,12 +200,14 @@ def test_non_contiguous_blocks_are_refused() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("compression", QUANTIZED)
-def test_compiled_kernels_match_plain_ones(compression: Compression) -> None:
-    kv = blocks(num_blocks=16)
+def test_compiled_kernels_match_plain_ones_bit_for_bit(compression: Compression, dtype: torch.dtype) -> None:
+    kv = adversarial_blocks(dtype)
     try:
         plain = codec.use_compiled(False)
-        expected = codec.encode(kv, compression, GROUPS)
+        expected_header, expected = codec.encode(kv, compression, GROUPS)
+        reference = codec.decode(expected_header, expected)
         compiled = codec.use_compiled(True)
         if not compiled:
             pytest.skip("torch.compile is unavailable here; the plain kernels are in use")
@@ -213,10 +216,9 @@ def test_compiled_kernels_match_plain_ones(compression: Compression) -> None:
     finally:
         codec.use_compiled(False)
     assert not plain
-    reference = codec.decode(*expected)
-    assert float((restored.float() - reference.float()).abs().max()) <= float(
-        error_bound(kv, compression).max()
-    )
+    assert header == expected_header
+    assert torch.equal(payload, expected)
+    assert torch.equal(codec.as_bytes(restored), codec.as_bytes(reference))
 
 
 @pytest.mark.parametrize("compression", list(Compression))
@@ -227,9 +229,84 @@ def test_encode_leaves_the_kv_untouched(compression: Compression) -> None:
     assert torch.equal(kv, before)
 
 
-def test_fp8_bit_pattern_decode_is_exact_for_every_finite_code() -> None:
-    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(1, 256)
-    want = codes.float()
+@pytest.mark.parametrize("values", [codec._fp8_values, codec._fp8_values_cast])
+def test_fp8_decode_is_exact_for_every_finite_code(values: codec.ValuesFn) -> None:
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(2, 128)
+    scale = torch.tensor([2.0**-126, 2.0**120])  # the smallest and largest scales encode writes
+    want = codes.view(torch.float8_e4m3fn).float() * scale.unsqueeze(1)
     finite = torch.isfinite(want)
-    got = codec._dequantize_fp8_bits(codes, torch.ones(1))
+    got = values(codes, scale, float(torch.finfo(torch.float32).max))
     assert torch.equal(got[finite], want[finite])
+
+
+def adversarial_blocks(dtype: torch.dtype) -> torch.Tensor:
+    """Every finite value of a 16-bit dtype (a sample of float32's), shuffled into groups, plus groups
+    of zeros, of the dtype's subnormals, at its largest finite values and at exact powers of two."""
+    generator = torch.Generator().manual_seed(7)
+    if dtype is torch.float32:
+        patterns = torch.randint(0, 1 << 31, (1 << 16,), generator=generator, dtype=torch.int64)
+        values = patterns.to(torch.int32).view(torch.float32)
+    else:
+        values = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)
+    values = values[torch.isfinite(values)]
+    values = values[torch.randperm(values.numel(), generator=generator)]
+    info = torch.finfo(dtype)
+    group = 16 * 8
+    special = [
+        torch.zeros(group),
+        torch.full((group,), info.tiny) * torch.rand(group, generator=generator),  # subnormal
+        torch.full((group,), info.max) * (1 - torch.rand(group, generator=generator) / 16),
+        torch.full((group,), info.max).neg(),
+        2.0 ** torch.randint(-20, 20, (group,), generator=generator).float(),
+    ]
+    groups = values[: values.numel() // group * group].reshape(-1, group)
+    rows = torch.cat([groups, torch.stack(special).to(dtype)])
+    rows = rows[: rows.shape[0] // GROUPS * GROUPS]
+    return rows.reshape(-1, GROUPS, 16, 8).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp8_codes_are_the_nearest_even_e4m3_of_x_over_a_power_of_two_scale(dtype: torch.dtype) -> None:
+    kv = adversarial_blocks(dtype)
+    header, payload = codec.encode(kv, Compression.FP8, GROUPS)
+    codes = payload[: header.data_nbytes].view(kv.shape[0] * GROUPS, -1)
+    scale = payload[header.data_nbytes :].view(torch.float32)
+    mantissa = scale.view(torch.int32) & 0x7FFFFF
+    assert bool((mantissa == 0).all()), "every scale is a power of two"
+    amax = group_amax(kv)
+    nonzero = amax > 0
+    ratio = amax[nonzero] / scale[nonzero]
+    assert bool((ratio <= 448).all())
+    # The largest code uses the top binade, unless the scale is pinned at the smallest normal float32.
+    assert bool(((ratio > 224) | (scale[nonzero] == torch.finfo(torch.float32).tiny)).all())
+    reference = (kv.float().reshape(codes.shape) / scale.unsqueeze(1)).to(torch.float8_e4m3fn)
+    assert torch.equal(codes, reference.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("compression", QUANTIZED)
+def test_adversarial_values_decode_finite_within_the_bound(
+    compression: Compression, dtype: torch.dtype
+) -> None:
+    kv = adversarial_blocks(dtype)
+    restored = codec.decode(*codec.encode(kv, compression, GROUPS))
+    assert bool(torch.isfinite(restored).all()), "values at the dtype's maximum saturate, never inf"
+    error = (restored.float() - kv.float()).reshape(-1).abs()
+    assert bool((error <= error_bound(kv, compression)).all()), float(error.max())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_or_inf_in_any_dtype_raises(dtype: torch.dtype, bad: float) -> None:
+    kv = adversarial_blocks(dtype)
+    kv[1, 2, 3, 4] = bad
+    kv[-1, 0, 0, 0] = bad
+    with pytest.raises(codec.NonFiniteKVError, match=f"2 of {kv.shape[0] * GROUPS} scale groups"):
+        codec.encode(kv, Compression.FP8, GROUPS)
+
+
+def test_scales_of_an_all_zero_group_are_the_smallest_normal_float32() -> None:
+    kv = torch.zeros(2, GROUPS, 16, 8, dtype=torch.float16)
+    header, payload = codec.encode(kv, Compression.FP8, GROUPS)
+    scale = payload[header.data_nbytes :].view(torch.float32)
+    assert bool((scale == torch.finfo(torch.float32).tiny).all())
