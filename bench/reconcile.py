@@ -3,7 +3,8 @@
 Side by side in one run:
   create-to-children  CR created -> every child seen by a watch; the operator vs the floor (the same
                       rendered children applied directly by this client, no operator in between),
-                      floor and operator CRs interleaved one by one
+                      floor and operator CRs interleaved one by one, each created once the
+                      previous one has settled (its pods Ready; for the operator, the CR Ready)
   ready-to-status     a pod turned Ready (status patch) -> the CR's Ready=True seen by a watch
   bulk                N CRs at once -> all Ready; operator writes per CR in an idle period after
                       (audit log, leases excluded); the operator's peak RSS
@@ -41,6 +42,7 @@ from dllm_operator.render import render_all  # noqa: E402
 
 SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
 CHILD_KINDS = ("statefulsets", "deployments", "services")
+READY_FORMAT = 'jsonpath={.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\\n"}'
 _PAUSE = threading.Event()
 
 
@@ -95,6 +97,7 @@ class ChildTimer:
     def __init__(self, layout: cp.Layout, namespace: str, floor: bool) -> None:
         self.layout, self.namespace, self.floor = layout, namespace, floor
         self.watchers = [Watcher(layout, namespace, kind, "name") for kind in CHILD_KINDS]
+        self.pods = Watcher(layout, namespace, "pods", READY_FORMAT)
         self.client = KubeClient(load_credentials(str(layout.kubeconfig)))
         self.loop = asyncio.new_event_loop()  # one loop and connection pool for all CRs, as an operator has
         self.latencies: list[float] = []
@@ -112,9 +115,21 @@ class ChildTimer:
         names = child_names(name)
         wait(lambda: _all_children_seen(self.watchers, names), 60, f"children of {name}")
         self.latencies.append(max(_child_times(self.watchers, names)) - start)
+        # Settle before the next CR: its pods exist and are Ready, so no backlog is measured next time.
+        wait(lambda: self._pods_ready(name), 60, f"the pods of {name} to be Ready")
+        if not self.floor:
+            wait(lambda: all_ready(self.layout, self.namespace, index + 1), 60, f"{name} Ready")
+
+    def _pods_ready(self, name: str) -> bool:
+        latest: dict[str, str] = {}
+        for _, line in list(self.pods.lines):
+            pod, _, ready = line.partition(" ")
+            if pod.startswith(f"{name}-"):
+                latest[pod] = ready
+        return len(latest) >= 3 and all(ready == "True" for ready in latest.values())
 
     def stop(self) -> None:
-        for watcher in self.watchers:
+        for watcher in [*self.watchers, self.pods]:
             watcher.stop()
         self.loop.run_until_complete(self.client.close())
         self.loop.close()
@@ -170,7 +185,7 @@ def ready_to_status(layout: cp.Layout, namespace: str, names: list[str]) -> list
         layout,
         namespace,
         "dllm",
-        'jsonpath={.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\\n"}',
+        READY_FORMAT,
     )
     try:
         for name in names:
