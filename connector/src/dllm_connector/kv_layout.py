@@ -387,6 +387,10 @@ class PagedKV:
                     spans.extend((segment + offset, length) for offset, length in runs)
         return spans
 
+    def run_nbytes(self, heads: HeadRange | None = None) -> int:
+        """The length of each run of memory `spans` lists for `heads`."""
+        return self._head_runs(heads)[0][1]
+
     def _head_runs(self, heads: HeadRange | None) -> list[tuple[int, int]]:
         """(offset, bytes) inside one segment of the memory holding `heads` (all of it for None)."""
         item, segment = self.dtype.itemsize, self.layout.segment_shape
