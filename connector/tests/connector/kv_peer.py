@@ -177,7 +177,7 @@ def run_tp_spec(transports: dict[int, Transport], spec: dict[str, Any]) -> list[
     """Prefill TP ranks `tp.ranks` of `tp.size` send the jobs at once, each with its own transport.
 
     tp: {"size", "ranks" (those that send; the others never do), "decode_tp", "layout",
-    "doubles" (rank -> test double)}.
+    "doubles" (rank -> test double), "min_zero_copy_run" (bytes; the sender's default if absent)}.
     """
     tp = spec["tp"]
     lines: list[dict[str, Any]] = []
@@ -186,6 +186,7 @@ def run_tp_spec(transports: dict[int, Transport], spec: dict[str, Any]) -> list[
         kv = rank_kv(spec.get("seed", 7), tp.get("layout", "cpu"), TPRank(rank, tp["size"]))
         double = tp.get("doubles", {}).get(str(rank), "")
         sender = _sender_class(double)(transports[rank], kv, _config(spec))
+        sender.min_zero_copy_run = tp.get("min_zero_copy_run", sender.min_zero_copy_run)
         lines.extend(_send_all(sender, spec, tp["decode_tp"], {"rank": rank}))
 
     threads = [threading.Thread(target=run, args=(rank,)) for rank in tp["ranks"]]

@@ -23,7 +23,7 @@ from dllm_connector.kv_layout import PagedKV, TPMappingError, TPRank, plan_tp_ma
 from dllm_connector.kv_scheduler import SchedulerState
 from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig, Protocol
-from dllm_connector.pipe import KVReceiver, PipeConfig, prompt_hash
+from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, prompt_hash
 from dllm_connector.protocol import DecodeParams, PrefillParams
 from dllm_connector.transport.base import Transport
 
@@ -134,7 +134,9 @@ def test_every_head_arrives_from_its_prefill_rank(
         for receiver in receivers:
             receiver.expect(transfer_id, DST_BLOCKS, prompt_hash=HASH, prefill_tp_size=prefill_tp)
         jobs = [{"transfer_id": transfer_id, "block_ids": SRC_BLOCKS, "hash": HASH}]
-        prefill.send(port, jobs, compression=compression.value, tp=tp_spec(prefill_tp, decode_tp, layout))
+        # Mooncake writes head ranges zero-copy however short their runs (the test KV is small)
+        spec = tp_spec(prefill_tp, decode_tp, layout, min_zero_copy_run=0)
+        prefill.send(port, jobs, compression=compression.value, tp=spec)
         assert [receiver.wait_for(transfer_id, timeout=60) for receiver in receivers] == [""] * decode_tp
         report = prefill.report()
         for rank, receiver in enumerate(receivers):
@@ -303,3 +305,23 @@ def test_a_cancelled_load_ends_once_and_late_parts_are_refused_at_once(
         assert time.monotonic() - started < 5  # not the 10 s hold
         assert receiver.results() == {}
         assert not bool(receiver.kv.gather(DST_BLOCKS).any())
+
+
+def test_short_head_runs_travel_through_staging(transports: list[Transport], prefill: Prefill) -> None:
+    """NHD head ranges are one short run per token: codec none gathers them instead of writing each."""
+    sender_kv = rank_kv(7, "nhd", TPRank(0, 2))
+    sender = KVSender(transports[0], sender_kv, receiver_config())
+    try:
+        assert sender.zero_copy == transports[0].one_sided
+        assert sender.kv.run_nbytes((0, 2)) == 2 * 32 * 2  # two heads of one token
+        assert not sender._zero_copy_for((0, 2))
+        assert sender._zero_copy_for(None) == sender.zero_copy  # equal TP sizes: as before
+    finally:
+        sender.close()
+    with decode_ranks(transports, 1, "nhd", receiver_config()) as (port, (receiver,)):
+        receiver.expect("tp-staged", DST_BLOCKS, prefill_tp_size=2)
+        prefill.send(port, [{"transfer_id": "tp-staged", "block_ids": SRC_BLOCKS}], tp=tp_spec(2, 1, "nhd"))
+        assert receiver.wait_for("tp-staged", timeout=60) == ""
+        assert torch.equal(receiver.kv.gather(DST_BLOCKS), rank_kv(7, "nhd", TPRank(0, 1)).gather(SRC_BLOCKS))
+        stats = [line["stats"] for line in prefill.report() if "stats" in line]
+        assert sum(s["bytes_on_wire"] for s in stats) == receiver.kv.batch_nbytes(len(SRC_BLOCKS))
