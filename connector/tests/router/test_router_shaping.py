@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -193,3 +194,20 @@ def test_decode_payload_re_encodes_when_splicing_would_be_wrong() -> None:
         "kv_transfer_params": {"k": 3},
     }
     assert json.loads(oa.decode_payload({"prompt": "q"}, None, {"k": 4}))["kv_transfer_params"] == {"k": 4}
+
+
+@pytest.mark.parametrize(
+    "data", [b'{"a":1,"b":[1,2]}', b' {"a": 1}\n', b"[1,2]", b'"x"', '{"é":"ü"}'.encode()]
+)
+def test_loads_reads_what_json_loads_reads(data: bytes) -> None:
+    assert oa.loads(data) == json.loads(data)
+
+
+@pytest.mark.parametrize("data", [b"", b"not json", b'{"a":1}x', b'{"a":', b"\xff\xfe{"])
+def test_loads_raises_json_errors(data: bytes) -> None:
+    try:
+        json.loads(data)
+    except ValueError as e:
+        expected = e
+    with pytest.raises(type(expected), match=re.escape(str(expected))):
+        oa.loads(data)

@@ -467,7 +467,7 @@ class Router:
             raise RouterError(response.status, "prefill_error", message, _as_error(data))
         self.metrics.prefill_seconds.observe(perf_counter() - started)
         try:
-            answer = json.loads(data)
+            answer = oa.loads(data)
         except ValueError:
             raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered non-JSON") from None
         if not isinstance(answer, dict):
@@ -560,7 +560,7 @@ class Router:
                 async for payload in self._payloads(route, answer, body):
                     if payload == oa.DONE:
                         continue
-                    event = json.loads(payload)
+                    event = oa.loads(payload)
                     if event.get("choices"):
                         await queue.put(b"data: " + oa.dumps(oa.shift_choices(event, i * n)) + b"\n\n")
                     else:
