@@ -19,8 +19,8 @@ import pytest
 import torch
 from kv_peer import HOST, LAYOUTS, TP_BLOCKS, TP_GEOMETRY, Prefill, make_transport, rank_kv
 
-from dllm_connector.kv_layout import PagedKV, TPMappingError, TPRank, plan_tp_mapping
-from dllm_connector.kv_scheduler import SchedulerState
+from dllm_connector.kv_layout import PagedKV, TPMappingError, TPRank, plan_tp_mapping, rank_heads
+from dllm_connector.kv_scheduler import SchedulerState, StepPlan
 from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig, Protocol
 from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, prompt_hash
@@ -218,59 +218,98 @@ def caches_of(kv: PagedKV) -> dict[str, torch.Tensor]:
     return dict(zip(kv.names, kv.caches, strict=True))
 
 
+def worker_extra(**changes: Any) -> ConnectorExtraConfig:
+    base: dict[str, Any] = {
+        "compression": Compression.INT8,
+        "buffer_size_gb": 0.01,
+        "transfer_threshold_tokens": 32,
+        "transfer_timeout_ms": 10000,
+        "prefill_wait_ms": 20000,
+        "hold_seconds": 10,
+        "async_transfer": True,
+        "protocol": Protocol.TCP,
+    }
+    return ConnectorExtraConfig(**(base | changes))
+
+
+def worker(extra: ConnectorExtraConfig, tp: TPRank, port: int, *, sends: bool) -> ConnectorWorker:
+    """A prefill (sends) or decode TP rank's connector worker over Mooncake, its caches registered."""
+    start, stop = rank_heads(8, tp.size, tp.rank)
+    identity = WorkerIdentity(port, tp_rank=tp.rank, tp_size=tp.size, sends=sends, receives=not sends)
+    connector = ConnectorWorker(extra, replace(TP_GEOMETRY, num_kv_heads=stop - start), identity, "mooncake")
+    connector.register_kv_caches(caches_of(rank_kv(7 if sends else None, "cpu", tp)), TP_BLOCKS)
+    return connector
+
+
+def worker_plans(
+    extra: ConnectorExtraConfig, prefill_tp: int, decode_tp: int, port: int
+) -> tuple[StepPlan, StepPlan]:
+    """The scheduler's plans for one 80-token prompt, from the router's params with both TP sizes."""
+    prompt_len = 16 * 5
+    decode_params = DecodeParams(transfer_id="tx-tp", prefill_tp_size=prefill_tp).model_dump()
+    prefill_params = PrefillParams(
+        transfer_id="tx-tp", decode_host=HOST, decode_kv_port=port, decode_tp_size=decode_tp
+    ).model_dump()
+    decode_state = SchedulerState(extra, block_size=16, kv_port=port)
+    count, _ = decode_state.matched_tokens(decode_params, prompt_len, 0)
+    decode_state.after_alloc("d-1", decode_params, "h", prompt_len, DST_BLOCKS[:5], count)
+    prefill_state = SchedulerState(extra, block_size=16, kv_port=0)
+    assert prefill_state.finished("p-1", prefill_params, "h", prompt_len, SRC_BLOCKS[:5], True)
+    return prefill_state.take_plan(), decode_state.take_plan()
+
+
 def test_workers_with_tp_one_feed_decode_tp_two() -> None:
     """A prefill worker of TP 1 feeds two decode workers of TP 2 (Mooncake), planned from the params."""
-    extra = ConnectorExtraConfig(
-        compression=Compression.INT8,
-        buffer_size_gb=0.01,
-        transfer_threshold_tokens=32,
-        transfer_timeout_ms=10000,
-        prefill_wait_ms=20000,
-        hold_seconds=10,
-        async_transfer=True,
-        protocol=Protocol.TCP,
-    )
-    port = consecutive_free_ports(2)
-    prefill = ConnectorWorker(extra, TP_GEOMETRY, WorkerIdentity(0, receives=False), "mooncake")
-    half = replace(TP_GEOMETRY, num_kv_heads=4)
-    decode = [
-        ConnectorWorker(extra, half, WorkerIdentity(port, tp_rank=rank, tp_size=2, sends=False), "mooncake")
-        for rank in range(2)
-    ]
+    extra, port = worker_extra(), consecutive_free_ports(2)
+    prefill = worker(extra, TPRank(0, 1), 0, sends=True)
+    decode = [worker(extra, TPRank(rank, 2), port, sends=False) for rank in range(2)]
     try:
-        prefill.register_kv_caches(caches_of(rank_kv(7, "cpu", TPRank())), TP_BLOCKS)
-        for rank, worker in enumerate(decode):
-            worker.register_kv_caches(caches_of(rank_kv(None, "cpu", TPRank(rank, 2))), TP_BLOCKS)
-        prompt_len = 16 * 5
-        decode_params = DecodeParams(transfer_id="tx-tp", prefill_tp_size=1).model_dump()
-        prefill_params = PrefillParams(
-            transfer_id="tx-tp", decode_host=HOST, decode_kv_port=port, decode_tp_size=2
-        ).model_dump()
-        decode_state = SchedulerState(extra, block_size=16, kv_port=port)
-        count, _ = decode_state.matched_tokens(decode_params, prompt_len, 0)
-        decode_state.after_alloc("d-1", decode_params, "h", prompt_len, DST_BLOCKS[:5], count)
-        decode_plan = decode_state.take_plan()
-        prefill_state = SchedulerState(extra, block_size=16, kv_port=0)
-        assert prefill_state.finished("p-1", prefill_params, "h", prompt_len, SRC_BLOCKS[:5], True)
-        for worker in decode:
-            worker.start(decode_plan)  # every TP rank's worker gets the same plan
-        prefill.start(prefill_state.take_plan())
-        for worker in decode:
-            assert worker.receiver is not None
-            assert worker.receiver.wait_settled("tx-tp", timeout=30)
+        prefill_plan, decode_plan = worker_plans(extra, 1, 2, port)
+        for connector in decode:
+            connector.start(decode_plan)  # every TP rank's worker gets the same plan
+        prefill.start(prefill_plan)
+        for connector in decode:
+            assert connector.receiver is not None
+            assert connector.receiver.wait_settled("tx-tp", timeout=30)
         assert prefill.sender is not None
         assert prefill.sender.wait_idle(timeout=30)
         assert prefill.results().finished_sending == {"p-1"}
-        for rank, worker in enumerate(decode):
-            results = worker.results()
+        for rank, connector in enumerate(decode):
+            results = connector.results()
             assert (results.finished_recving, results.failed_recving) == ({"d-1"}, set())
-            assert worker.kv is not None
+            assert connector.kv is not None
             want = rank_kv(7, "cpu", TPRank(rank, 2)).gather(SRC_BLOCKS[:5])
-            assert relative_error(worker.kv.gather(DST_BLOCKS[:5]), want) < RELATIVE_ERROR[Compression.INT8]
+            got = connector.kv.gather(DST_BLOCKS[:5])
+            assert relative_error(got, want) < RELATIVE_ERROR[Compression.INT8]
     finally:
         prefill.close()
-        for worker in decode:
-            worker.close()
+        for connector in decode:
+            connector.close()
+
+
+def test_a_missing_prefill_rank_fails_the_workers_load_with_its_blocks() -> None:
+    """Prefill TP 2 to decode TP 1, and only prefill rank 0 runs: the load fails, its blocks listed."""
+    extra, port = worker_extra(prefill_wait_ms=1000), consecutive_free_ports(1)
+    prefill = worker(extra, TPRank(0, 2), 0, sends=True)
+    decode = worker(extra, TPRank(0, 1), port, sends=False)
+    try:
+        prefill_plan, decode_plan = worker_plans(extra, 2, 1, port)
+        decode.start(decode_plan)
+        prefill.start(prefill_plan)
+        assert decode.receiver is not None
+        assert decode.receiver.wait_settled("tx-tp", timeout=20)
+        results = decode.results()
+        assert (results.finished_recving, results.failed_recving) == ({"d-1"}, {"d-1"})
+        assert decode.take_load_errors() == set(DST_BLOCKS[:5])
+        assert decode.failures["tx-tp"] == "prefill TP ranks [1] of 2 sent nothing within 1.0s"
+        assert prefill.sender is not None
+        assert prefill.sender.wait_idle(timeout=20)
+        assert prefill.results().finished_sending == {"p-1"}  # rank 0's part was delivered
+        assert decode.receiver.staging.in_use == 0
+        assert not decode.receiver.pending
+    finally:
+        prefill.close()
+        decode.close()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
