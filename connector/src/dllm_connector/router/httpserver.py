@@ -383,9 +383,8 @@ class _Connection(asyncio.Protocol):
                 self._write_whole(request, result)
             elif not result.finished:
                 request.keep_alive = False  # the handler stopped mid-stream: the framing is incomplete
-        except asyncio.CancelledError:
-            return  # the client went away, or the server stopped waiting: nothing more to write
-        except ConnectionResetError:
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.close()  # the client went away, or the server stopped waiting: nothing more to write
             return
         except Exception:
             log.exception("%s %s failed", request.method, request.path)
