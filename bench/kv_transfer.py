@@ -296,7 +296,7 @@ def _raw_row(prefill: Peer, decode: Peer, host: str, port: int, nbytes: int, rep
     return Row("raw socket", statistics.median(times[1:]), nbytes, nbytes)
 
 
-def codec_per_core(tokens: int) -> list[tuple[str, float, float, bool]]:
+def codec_per_core(tokens: int, repeats: int) -> list[tuple[str, float, float, bool]]:
     """(codec, encode GB/s, decode GB/s, compiled) on one thread, for `tokens` of the KV.
 
     As in the pipe, encode writes into a staging buffer and decode into a KV batch that were
@@ -310,7 +310,7 @@ def codec_per_core(tokens: int) -> list[tuple[str, float, float, bool]]:
     torch.set_num_threads(1)
     compiled = codec.kernels().compiled
     blocks = -(-tokens // BLOCK)
-    batch = torch.randn(LAYERS * blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM).to(torch.bfloat16)
+    batch = torch.randn(LAYERS * blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
     staging = torch.zeros(batch.numel() * batch.element_size(), dtype=torch.uint8)
     target = torch.zeros_like(batch)
     groups = 2 * KV_HEADS
@@ -319,8 +319,8 @@ def codec_per_core(tokens: int) -> list[tuple[str, float, float, bool]]:
         compression = Compression(name)
         header, payload = codec.encode(batch, compression, groups, out=staging)
         codec.decode(header, payload, target)
-        encode = _best_of(3, lambda c=compression: codec.encode(batch, c, groups, out=staging))
-        decode = _best_of(3, lambda h=header, p=payload: codec.decode(h, p, target))
+        encode = _best_of(repeats, lambda c=compression: codec.encode(batch, c, groups, out=staging))
+        decode = _best_of(repeats, lambda h=header, p=payload: codec.decode(h, p, target))
         nbytes = batch.numel() * batch.element_size()
         results.append((name, nbytes / encode / 1e9, nbytes / decode / 1e9, compiled))
     return results
@@ -470,8 +470,9 @@ def main() -> None:
                     settings,
                 )
             print_table(f"veth + tc {args.link}, {tokens} tokens", rows)
-    print("\ncodec on one core (torch threads = 1), 2k tokens:")
-    for name, encode, decode, compiled in codec_per_core(2048):
+    codec_tokens = 1024 if args.quick else 2048
+    print(f"\ncodec on one core (torch threads = 1), {codec_tokens} tokens:")
+    for name, encode, decode, compiled in codec_per_core(codec_tokens, 2 if args.quick else 3):
         kernels = "torch.compile" if compiled else "plain torch"
         print(f"  {name:<5} encode {encode:5.2f} GB/s   decode {decode:5.2f} GB/s   ({kernels})")
     gpu_codec()
