@@ -12,7 +12,8 @@ core is measured with torch on one thread. `--link` runs the table again over a 
 two network namespaces of our own, rate-limited with tc (needs root; 127.0.0.1 stays untouched).
 Transfers are pipelined in batches of --batch-tokens (transferThresholdTokens, default 1024 as in
 the connector). `--checksum off` is an experiment, not a mode of the connector: it replaces the
-CRC-32 of zero-copy transfers by 0 on both sides, to show what the checksum costs.
+CRC-32 of zero-copy transfers by 0 on both sides, to show what the checksum costs. `--threads` sets
+the torch threads of each engine process (default 1; the codec runs on them).
 
     python bench/kv_transfer.py --quick            # 2k tokens, under 50 s
     python bench/kv_transfer.py --tokens 2048 32768 --link 2gbit
@@ -65,7 +66,14 @@ class Worker:
     """Serves JSON commands on stdin, one JSON reply line each on stdout."""
 
     def __init__(
-        self, role: str, host: str, num_blocks: int, buffer_bytes: int, batch_tokens: int, checksum: str
+        self,
+        role: str,
+        host: str,
+        num_blocks: int,
+        buffer_bytes: int,
+        batch_tokens: int,
+        checksum: str,
+        threads: int,
     ) -> None:
         import torch
 
@@ -75,7 +83,7 @@ class Worker:
         from dllm_connector.transport.mooncake import MooncakeTransport
         from dllm_connector.transport.torchdist import TorchDistTransport
 
-        torch.set_num_threads(1)
+        torch.set_num_threads(threads)
         if checksum == "off":  # the experiment: what the zero-copy CRC-32 costs on both sides
             pipe.spans_checksum = lambda spans, value=0: 0  # type: ignore[attr-defined]
         self.host = host
@@ -158,7 +166,13 @@ class Worker:
 
 def serve(args: argparse.Namespace) -> None:
     worker = Worker(
-        args.serve, args.host, args.blocks, args.buffer_mb << 20, args.batch_tokens, args.checksum
+        args.serve,
+        args.host,
+        args.blocks,
+        args.buffer_mb << 20,
+        args.batch_tokens,
+        args.checksum,
+        args.threads,
     )
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -179,6 +193,7 @@ class Settings:
 
     batch_tokens: int
     checksum: str
+    threads: int
 
 
 class Peer:
@@ -189,6 +204,7 @@ class Peer:
         command = [*prefix, sys.executable, __file__, "--serve", role, "--host", host]
         command += ["--blocks", str(blocks), "--buffer-mb", str(buffer_mb)]
         command += ["--batch-tokens", str(settings.batch_tokens), "--checksum", settings.checksum]
+        command += ["--threads", str(settings.threads)]
         env = os.environ | {
             "MC_TCP_BIND_ADDRESS": host,
             "DLLM_KV_CODEC_COMPILE": os.environ.get("DLLM_KV_CODEC_COMPILE", "1"),
@@ -441,6 +457,7 @@ def main() -> None:
     parser.add_argument(
         "--checksum", choices=["crc32", "off"], default="crc32", help="zero-copy checksum (experiment)"
     )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine process")
     parser.add_argument("--serve", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
@@ -452,13 +469,14 @@ def main() -> None:
     if args.quick:
         args.tokens, args.repeats = [2048], 1  # plus the discarded warm-up run of every row
     started = time.perf_counter()
-    settings = Settings(args.batch_tokens, args.checksum)
+    settings = Settings(args.batch_tokens, args.checksum, args.threads)
     shape = f"{LAYERS} layers, block {BLOCK}, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16"
     for tokens in args.tokens:
         local = ("127.0.0.1", "127.0.0.1")
         rows = measure_link(tokens, args.repeats, args.transports, local, (None, None), settings)
         title = f"127.0.0.1, {tokens} tokens ({shape}; {rows[0].raw_bytes / 1e6:.0f} MB of KV)"
-        print_table(f"{title}, batches of {args.batch_tokens} tokens, checksum {args.checksum}", rows)
+        run = f"batches of {args.batch_tokens} tokens, checksum {args.checksum}, {args.threads} thread(s)"
+        print_table(f"{title}, {run}", rows)
         if args.link:
             with emulated_link(args.link):
                 rows = measure_link(
