@@ -14,6 +14,7 @@ import pytest
 from conftest import WAIT_S, EngineFactory, RouterFactory, RunningRouter, wait_event, wait_until
 from router_engine_double import expected_text
 
+from dllm_connector.router import httpserver
 from dllm_connector.router.httpserver import HttpServer, Request, Response, StreamWriter
 from dllm_connector.router.openai import COMPLETIONS
 
@@ -298,5 +299,27 @@ async def test_stream_to_a_client_that_does_not_read_waits_then_delivers_everyth
         assert answer.body == piece * total
         c.send(b"GET /small HTTP/1.1\r\nHost: s\r\n\r\n")
         assert (await c.answer()).body == b"{}"
+    finally:
+        await server.cleanup(0.5)
+
+
+async def test_idle_and_stalled_connections_are_closed_after_the_keep_alive_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(httpserver, "KEEPALIVE_S", 0.2)
+
+    async def small(_: Request) -> Response:
+        return Response(b"{}")
+
+    server = HttpServer({("GET", "/small"): small}, max_body=1024)
+    await server.start("127.0.0.1", 0)
+    try:
+        port = server.addresses[0][1]
+        idle, stalled = await RawClient.to(port), await RawClient.to(port)
+        idle.send(b"GET /small HTTP/1.1\r\nHost: s\r\n\r\n")
+        assert (await idle.answer()).body == b"{}"
+        stalled.send(b"GET /small HTTP/1.1\r\nHost:")  # a head that never ends
+        assert await idle.closed_by_server()
+        assert await stalled.closed_by_server()
     finally:
         await server.cleanup(0.5)

@@ -222,7 +222,7 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering after a refusal: discard
-        self.idle_since = 0.0
+        self.idle_since = self.loop.time()  # a head that stalls (no request queued yet) is swept too
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
@@ -534,7 +534,7 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         now = loop.time()
         for conn in list(self.connections):
-            if not conn.busy and conn.idle_since and now - conn.idle_since > KEEPALIVE_S:
+            if not conn.busy and now - conn.idle_since > KEEPALIVE_S:
                 conn.close()
         self._sweeper = loop.call_later(KEEPALIVE_S / 4, self._sweep_idle)
 
