@@ -83,8 +83,12 @@ def test_cpu_sample_converges_to_ready(cluster: Cluster, namespace: str, operato
         "events", "-n", namespace, "--field-selector", "involvedObject.kind=DisaggregatedLLM"
     )
     created = " ".join(e["message"] for e in events["items"] if e["reason"] == "Created")
-    for child in ("StatefulSet tiny-cpu-prefill", "StatefulSet tiny-cpu-decode", "Deployment tiny-cpu-router"):
-        assert child in created
+    for child in (
+        "StatefulSet tiny-cpu-prefill",
+        "StatefulSet tiny-cpu-decode",
+        "Deployment tiny-cpu-router",
+    ):
+        assert child in created, created
     for kind in ("Ready", "PrefillReady", "DecodeReady", "RouterReady"):
         assert condition(cr, kind)["status"] == "True"
     assert condition(cr, "Degraded")["status"] == "False"
