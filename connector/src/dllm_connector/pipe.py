@@ -30,7 +30,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -524,6 +524,17 @@ class _Part:
 _RECEIVE_ERRORS = (TransportError, codec.CodecError, LayoutError, KeyError, ValueError)
 
 
+@contextlib.contextmanager
+def _nack_on_error(sock: socket.socket) -> Iterator[None]:
+    """Before the accept: a failure is told to the sender (best effort), then raised."""
+    try:
+        yield
+    except _RECEIVE_ERRORS as error:
+        with contextlib.suppress(TransportError):
+            sidechannel.send_message(sock, {"type": "nack", "reason": f"KV load failed: {error}"})
+        raise
+
+
 class KVReceiver:
     """Decode side: serves the side channel and loads offered KV into expected blocks."""
 
@@ -707,12 +718,8 @@ class KVReceiver:
         transfer_id = str(offer.get("transfer_id", ""))
         part: _Part | None = None
         try:
-            try:
+            with _nack_on_error(sock):
                 part = self._check_offer(offer)
-            except _RECEIVE_ERRORS as error:
-                with contextlib.suppress(TransportError):
-                    sidechannel.send_message(sock, {"type": "nack", "reason": f"KV load failed: {error}"})
-                raise
             self._receive(sock, offer, part)
         except _RECEIVE_ERRORS as error:
             reason = f"KV load failed: {error}"
@@ -722,12 +729,8 @@ class KVReceiver:
 
     def _receive(self, sock: socket.socket, offer: Mapping[str, Any], part: _Part) -> None:
         expectation, heads = part.expectation, part.heads
-        try:
+        with _nack_on_error(sock):
             staged, dst, sizes, offsets = self._reserve(offer, part)
-        except _RECEIVE_ERRORS as error:
-            with contextlib.suppress(TransportError):
-                sidechannel.send_message(sock, {"type": "nack", "reason": f"KV load failed: {error}"})
-            raise
         count = len(expectation.block_ids)
         chunks = chunk_ranges(count, int(offer["chunk_blocks"]))
         failure: Exception | None = None
