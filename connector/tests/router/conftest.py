@@ -63,6 +63,7 @@ class RunningRouter:
     router: Router
     url: str
     client: aiohttp.ClientSession
+    server: HttpServer
 
     async def post(
         self, path: str, body: Any, headers: dict[str, str] | None = None
@@ -141,7 +142,7 @@ async def start_router(client: aiohttp.ClientSession) -> AsyncIterator[RouterFac
         await router.start(background=background)
         runner = await serve(router, "127.0.0.1", 0, drain_s=0.2)
         made.append((router, runner))
-        return RunningRouter(router, f"http://127.0.0.1:{runner.addresses[0][1]}", client)
+        return RunningRouter(router, f"http://127.0.0.1:{runner.addresses[0][1]}", client, runner)
 
     yield start
     for router, runner in made:

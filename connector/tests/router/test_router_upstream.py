@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from dllm_connector.router.upstream import BadResponse, ConnectFailed, Disconnected, UpstreamPool
+from dllm_connector.router.upstream import BadResponse, Call, ConnectFailed, Disconnected, UpstreamPool
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -211,3 +211,112 @@ async def test_large_bodies_whole_and_streamed_with_back_pressure(raw: RawFactor
     assert await (await pool.post("/x", b"", b"", 5.0)).read() == big
     pieces = [piece async for piece in (await pool.post("/x", b"", b"", 5.0)).chunks()]
     assert b"".join(pieces) == big
+
+
+# ---- Call: the callback-driven exchange of the router's fast path ----
+
+
+async def call(pool: UpstreamPool, timeout_s: float = 5.0, body: bytes = b"{}") -> Call:
+    """One Call, awaited through its on_done callback."""
+    done: asyncio.Future[Call] = asyncio.get_running_loop().create_future()
+    pool.call(b"/v1/completions", b"X-Request-Id: c1\r\n", body, timeout_s, done.set_result)
+    async with asyncio.timeout(5):
+        return await done
+
+
+async def test_call_reads_whole_answers_in_one_piece_and_in_many(raw: RawFactory) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        server.requests.append(await read_request(reader))
+        writer.write(answer(b'{"one": "piece"}', b"Connection: keep-alive\r\n"))
+        server.requests.append(await read_request(reader))
+        for byte in answer(b'{"byte": "by byte"}'):
+            writer.write(bytes([byte]))
+            await writer.drain()
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 201 Created\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n")
+        await reader.read()
+
+    server, pool = await raw(handler)
+    first, second, third = await call(pool), await call(pool), await call(pool)
+    assert (first.status, first.body, first.error) == (200, b'{"one": "piece"}', None)
+    assert (second.status, second.body) == (200, b'{"byte": "by byte"}')
+    assert (third.status, third.body) == (201, b"abc")
+    assert server.connections == 1  # kept alive across all three
+    assert server.requests[0].startswith(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert server.requests[0].endswith(b"Content-Length: 2\r\nX-Request-Id: c1\r\n\r\n{}")
+
+
+async def test_call_answer_with_connection_close_is_not_reused(raw: RawFactory) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(answer(b"bye", b"Connection: close\r\n"))
+        await reader.read()
+
+    server, pool = await raw(handler)
+    assert [(c.status, c.body) for c in (await call(pool), await call(pool))] == [(200, b"bye")] * 2
+    assert server.connections == 2
+
+
+async def test_call_on_a_stale_keep_alive_connection_is_sent_again(raw: RawFactory) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
+        await read_request(reader)
+        writer.write(answer(b"first" if index == 1 else b"fresh"))
+        await writer.drain()
+        if index == 1:
+            await read_request(reader)  # takes the second request, then closes without answering
+
+    server, pool = await raw(handler)
+    assert (await call(pool)).body == b"first"
+    again = await call(pool)
+    assert (again.status, again.body, again.error) == (200, b"fresh", None)
+    assert server.connections == 2
+
+
+async def test_call_to_a_refused_port_fails_with_connect_failed() -> None:
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    server.close()
+    await server.wait_closed()
+    failed = await call(UpstreamPool("127.0.0.1", port, 2.0))
+    assert isinstance(failed.error, ConnectFailed)
+
+
+async def test_call_times_out_and_drops_the_connection(raw: RawFactory) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        if not await reader.read():  # never answers; b"" once the client gives up
+            server.closed_by_client.set()
+
+    server, pool = await raw(handler)
+    late = await call(pool, timeout_s=0.2)
+    assert isinstance(late.error, TimeoutError)
+    await asyncio.wait_for(server.closed_by_client.wait(), 5)
+
+
+async def test_call_broken_mid_answer_is_disconnected(raw: RawFactory) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+
+    _, pool = await raw(handler)
+    broken = await call(pool)
+    assert isinstance(broken.error, Disconnected)
+    assert not broken.error.before_head
+
+
+async def test_closed_call_drops_its_connection_and_reports_nothing(raw: RawFactory) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        arrived.set()
+        if not await reader.read():
+            server.closed_by_client.set()
+
+    arrived = asyncio.Event()
+    server, pool = await raw(handler)
+    reports: list[Call] = []
+    abandoned = pool.call(b"/x", b"", b"", 0.3, reports.append)
+    await asyncio.wait_for(arrived.wait(), 5)
+    abandoned.close()
+    await asyncio.wait_for(server.closed_by_client.wait(), 5)
+    assert (await call(pool, timeout_s=0.3)).error is not None  # a later call's timer fires as usual
+    assert reports == []  # the closed call's timer was cancelled with it

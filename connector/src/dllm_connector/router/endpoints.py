@@ -40,14 +40,12 @@ class Endpoint:
     next_dp_rank: int = 0
     upstream: UpstreamPool | None = None  # keep-alive connections, attached by the router
     url: str = field(init=False)
+    name: str = field(init=False)  # host:port, as logs and metrics show the pod
 
     def __post_init__(self) -> None:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"{self.scheme}://{host}:{self.port}"
-
-    @property
-    def name(self) -> str:
-        return f"{self.host}:{self.port}"
+        self.name = f"{self.host}:{self.port}"
 
 
 class Pool:

@@ -89,8 +89,12 @@ NIXL_PREFILL_KV: JsonObject = {
 }
 
 
+_NIXL_PLAN = PairPlan(prefill_kv=NIXL_PREFILL_KV, decode_kv=None, concurrent=False, prefill_headers=b"")
+
+
 def nixl_plan() -> PairPlan:
-    return PairPlan(prefill_kv=dict(NIXL_PREFILL_KV), decode_kv=None, concurrent=False, prefill_headers=b"")
+    """The same for every prompt (read, never changed): one object, not one per request."""
+    return _NIXL_PLAN
 
 
 class BootstrapError(ValueError):

@@ -92,9 +92,10 @@ class Request:
 
 
 class Response:
-    """A whole answer: status, body, content type and extra headers."""
+    """A whole answer: status, body, content type and extra headers (`header_lines`: already formatted
+    `Name: value\r\n` lines, for a hot path that has them as bytes)."""
 
-    __slots__ = ("body", "content_type", "headers", "status")
+    __slots__ = ("body", "content_type", "header_lines", "headers", "status")
 
     def __init__(
         self,
@@ -103,9 +104,11 @@ class Response:
         status: int = 200,
         content_type: str = "application/json",
         headers: Mapping[str, str] | None = None,
+        header_lines: bytes = b"",
     ) -> None:
         self.status, self.body, self.content_type = status, body, content_type
         self.headers = headers
+        self.header_lines = header_lines
 
 
 class StreamWriter:
@@ -155,6 +158,22 @@ class StreamWriter:
 
 
 Handler = Callable[[Request], Awaitable[Response | StreamWriter]]
+
+
+class Pending:
+    """Work on a request answered by callbacks instead of a task (see `FastHandler`). The connection
+    calls `cancel()` when the client leaves before the answer."""
+
+    __slots__ = ()
+
+    def cancel(self) -> None:
+        raise NotImplementedError
+
+
+# Takes a complete request. Returns None when it took the request: it answers with
+# `conn.reply(request, response)` (now or from a callback; `conn.pending` holds its work meanwhile), or
+# `conn.reply_internal_error(request)`; or returns the awaitable to run as a task, as a `Handler`'s.
+FastHandler = Callable[[Request, "_Connection"], Awaitable[Response | StreamWriter] | None]
 ErrorPage = Callable[[int, str, Request | None], Response]
 
 
@@ -209,6 +228,8 @@ class _Connection(asyncio.Protocol):
         self._current: Request | None = None  # the request whose head or body is being parsed
         self._head_size = 0
         self._task: asyncio.Task[None] | None = None
+        self.pending: Pending | None = None  # a FastHandler's work in progress
+        self._idle_waiter: asyncio.Future[None] | None = None  # cleanup() waiting for `pending`
         self._drain: asyncio.Future[None] | None = None
         self._refused = False  # parsing stopped: what follows is drained, not read
         self._read_paused = False
@@ -245,6 +266,10 @@ class _Connection(asyncio.Protocol):
         self.server.connections.discard(self)
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client went away: its handler (and upstream calls) stop
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            pending.cancel()
+        self._wake_idle_waiter()
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("the client closed the connection"))
             self._drain.exception()  # retrieved: the writer may already be cancelled
@@ -327,13 +352,24 @@ class _Connection(asyncio.Protocol):
 
     def _advance(self) -> None:
         """Start on the request at the head of the line, if nothing is being answered now."""
-        if self._task is not None or not self._queue or self.closed:
+        if self._task is not None or self.pending is not None or not self._queue or self.closed:
             return
         request = self._queue[0]
         if request.refusal is not None:
             self._answer_refusal(request)
         elif request.complete:
-            self._task = self.loop.create_task(self._answer(request))
+            fast = self.server.fast_routes.get((request.method, request.path))
+            if fast is None:
+                self._task = self.loop.create_task(self._answer(request))
+                return
+            try:
+                work = fast(request, self)
+            except Exception:
+                log.exception("%s %s failed", request.method, request.path)
+                self.reply_internal_error(request)
+                return
+            if work is not None:
+                self._task = self.loop.create_task(self._answer(request, work))
         elif request.expect_continue and not request.continued:
             request.continued = True
             self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -375,10 +411,9 @@ class _Connection(asyncio.Protocol):
         else:
             self.close()
 
-    async def _answer(self, request: Request) -> None:
-        server = self.server
+    async def _answer(self, request: Request, work: Awaitable[Response | StreamWriter] | None = None) -> None:
         try:
-            result = await server.dispatch(request)
+            result = await (self.server.dispatch(request) if work is None else work)
             if isinstance(result, Response):
                 self._write_whole(request, result)
             elif not result.finished:
@@ -393,6 +428,22 @@ class _Connection(asyncio.Protocol):
                 self._write_whole(request, self._error_page(500, "internal server error", request))
         finally:
             self._task = None
+        self._request_done(request)
+
+    def reply(self, request: Request, response: Response) -> None:
+        """A FastHandler's answer (now, or when its work is done)."""
+        self.pending = None
+        if self.closed:
+            return
+        self._write_whole(request, response)
+        self._request_done(request)
+
+    def reply_internal_error(self, request: Request) -> None:
+        """A FastHandler failed: 500 (unless it had begun answering), and the connection closes after."""
+        self.pending = None
+        request.keep_alive = False
+        if not self.closed and not request.started:
+            self._write_whole(request, self._error_page(500, "internal server error", request))
         self._request_done(request)
 
     def _request_done(self, request: Request) -> None:
@@ -411,6 +462,13 @@ class _Connection(asyncio.Protocol):
             self._advance()
         else:
             self.idle_since = self.loop.time()
+        if self._idle_waiter is not None and not self.busy:
+            self._wake_idle_waiter()
+
+    def _wake_idle_waiter(self) -> None:
+        waiter, self._idle_waiter = self._idle_waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # ---- writing ----
 
@@ -428,9 +486,9 @@ class _Connection(asyncio.Protocol):
     def _write_whole(self, request: Request, page: Response) -> None:
         body = page.body
         headers = (
-            b"Content-Type: "
-            + page.content_type.encode("latin-1")
-            + b"\r\nContent-Length: %d\r\n" % len(body)
+            _content_type_line(page.content_type)
+            + b"Content-Length: %d\r\n" % len(body)
+            + page.header_lines
             + format_headers(page.headers)
         )
         head = self.head(request, page.status, headers)
@@ -460,11 +518,21 @@ class _Connection(asyncio.Protocol):
 
     @property
     def busy(self) -> bool:
-        return bool(self._queue) or self._task is not None
+        return bool(self._queue) or self._task is not None or self.pending is not None
 
     @property
     def task(self) -> asyncio.Task[None] | None:
         return self._task
+
+    def answering(self) -> asyncio.Future[None] | None:
+        """What cleanup() waits on: the handler's task, or a future done when `pending` is answered."""
+        if self._task is not None:
+            return self._task
+        if self.pending is None:
+            return None
+        if self._idle_waiter is None:
+            self._idle_waiter = self.loop.create_future()
+        return self._idle_waiter
 
 
 class HttpServer:
@@ -478,6 +546,7 @@ class HttpServer:
         self,
         routes: Mapping[tuple[str, str], Handler],
         *,
+        fast_routes: Mapping[tuple[str, str], FastHandler] | None = None,
         max_body: int,
         too_large: str = "request body too large",
         error_page: ErrorPage = plain_error,
@@ -487,6 +556,7 @@ class HttpServer:
         for (method, path), handler in routes.items():
             if method == "GET":
                 self.routes.setdefault(("HEAD", path), handler)
+        self.fast_routes = dict(fast_routes or {})
         self._methods: dict[str, list[str]] = {}
         for method, path in self.routes:
             self._methods.setdefault(path, []).append(method)
@@ -552,7 +622,7 @@ class HttpServer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_s
         while True:
-            tasks = {c.task for c in self.connections if c.task is not None}
+            tasks = {w for c in self.connections if (w := c.answering()) is not None}
             left = deadline - loop.time()
             if not tasks or left <= 0:
                 break
@@ -560,9 +630,19 @@ class HttpServer:
         for conn in list(self.connections):
             if conn.task is not None:
                 conn.task.cancel()
-            conn.close()
+            conn.close()  # connection_lost cancels a pending answer
         if self._server is not None:
             await self._server.wait_closed()
+
+
+_CONTENT_TYPES: dict[str, bytes] = {}
+
+
+def _content_type_line(content_type: str) -> bytes:
+    line = _CONTENT_TYPES.get(content_type)
+    if line is None:
+        line = _CONTENT_TYPES[content_type] = b"Content-Type: " + content_type.encode("latin-1") + b"\r\n"
+    return line
 
 
 async def _ready(page: Response) -> Response:

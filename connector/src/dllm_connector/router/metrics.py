@@ -50,6 +50,7 @@ class Metrics:
         self.errors: Counter[str] = Counter()
         self.retries = 0
         self.prefill_answers = 0  # answered by prefill alone (EOS at the first token, or max_tokens 1)
+        self.fast_requests = 0  # generation requests taken by the fast path (callbacks, no task)
         self.prefill_seconds = Histogram()
         self.decode_first_byte_seconds = Histogram()
         self.ttft_seconds = Histogram()

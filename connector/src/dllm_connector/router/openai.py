@@ -18,11 +18,20 @@ JsonObject = dict[str, Any]
 DONE = b"[DONE]"
 
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # built once, not per call
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+# JSONEncoder.encode builds this C encoder on every call; built once here, with the same settings.
+# No circular-reference check (markers None): what is encoded comes from parsed JSON and literals.
+_C_ENCODE: Callable[[object, int], list[str]] | None = None
+if json.encoder.c_make_encoder is not None:  # type: ignore[attr-defined]  # untyped C module members
+    _C_ENCODE = json.encoder.c_make_encoder(  # type: ignore[attr-defined]
+        None, _ENCODER.default, json.encoder.encode_basestring, None, ":", ",", False, False, True
+    )
 
 
 def dumps(obj: object) -> bytes:
-    return _ENCODER.encode(obj).encode()
+    if _C_ENCODE is None or isinstance(obj, str):
+        return _ENCODER.encode(obj).encode()
+    return "".join(_C_ENCODE(obj, 0)).encode()
 
 
 # the C scanner: json.loads less its encoding sniffing and whitespace regexes (set in __init__, untyped)

@@ -13,7 +13,6 @@ cleanly (with a retry on other pods when the failure was a connection one).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -29,7 +28,10 @@ from dllm_connector.router import flows
 from dllm_connector.router import openai as oa
 from dllm_connector.router.config import RouterConfig
 from dllm_connector.router.endpoints import AddressSource, Endpoint, Pool, scheme_of, source_for
-from dllm_connector.router.httpserver import Handler, HttpServer, Request, Response, StreamWriter
+from dllm_connector.router.errors import RouterError, Unreachable, as_error, header_value, request_id
+from dllm_connector.router.fastpath import FastExchange
+from dllm_connector.router.httpserver import FastHandler, Handler, HttpServer, Request, Response, StreamWriter
+from dllm_connector.router.httpserver import _Connection as Connection
 from dllm_connector.router.metrics import Metrics
 from dllm_connector.router.upstream import ConnectFailed, UpstreamError, UpstreamPool
 from dllm_connector.router.upstream import Response as UpstreamResponse
@@ -38,23 +40,8 @@ log = logging.getLogger("dllm.router")
 JsonObject = dict[str, Any]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 GENERATION_ROUTES = (oa.COMPLETIONS, oa.CHAT)
-
-
-class RouterError(Exception):
-    """An answer the client gets instead of a generation; `kind` is the metrics' error kind."""
-
-    def __init__(self, status: int, kind: str, message: str, body: bytes | None = None) -> None:
-        super().__init__(message)
-        self.status, self.kind = status, kind
-        self.body = body if body is not None else oa.error_body(message, kind, status)
-
-
-class Unreachable(Exception):
-    """A connection-level failure before any answer: safe to retry on another pod."""
-
-    def __init__(self, endpoint: Endpoint, cause: BaseException, connect_failed: bool) -> None:
-        super().__init__(f"{endpoint.role} pod {endpoint.name} unreachable: {cause!r}")
-        self.endpoint, self.connect_failed = endpoint, connect_failed
+FAST_FLOWS = ("nixl", "dllm")  # the flows the fast path serves (mooncake's needs DP ranks: coroutine path)
+Reply = Response | StreamWriter
 
 
 @dataclass
@@ -112,6 +99,10 @@ class Router:
             ("GET", "/health"): self.health,
             ("GET", "/ready"): self.ready,
             ("GET", "/metrics"): self.metrics_page,
+        }
+        self._fast = config.flow in FAST_FLOWS
+        self.fast_routes: dict[tuple[str, str], FastHandler] = {
+            ("POST", route): partial(self.fast_generate, route) for route in GENERATION_ROUTES
         }
 
     # ---- lifecycle ----
@@ -210,18 +201,55 @@ class Router:
 
     # ---- the generation endpoints ----
 
-    async def generate(self, route: str, request: Request) -> Response | StreamWriter:
+    def fast_generate(self, route: str, request: Request, conn: Connection) -> Awaitable[Reply] | None:
+        """The HTTP server's first stop for a generation request (a FastHandler): a non-streamed single
+        prompt of the nixl or dllm flow is answered by callbacks (`fastpath.py`); anything else is
+        handed to the coroutine path, with the body already parsed."""
         started = perf_counter()
-        rid = _request_id(request)
+        rid = request_id(request)
+        try:
+            body = oa.parse_request(request.body, route)
+        except oa.BadRequest as e:
+            response = self.error_response(RouterError(400, "bad_request", str(e)), rid)
+            conn.reply(request, response)
+            self.account(route, rid, response.status, "-", "-", started)
+            return None
+        if not self._fast or body.get("stream") or len(oa.split_prompts(route, body)) != 1:
+            return self.generate(route, request, body=body, rid=rid, started=started)
+        self.metrics.fast_requests += 1
+        try:
+            rid_line = b"X-Request-Id: " + header_value(rid) + b"\r\n"
+        except RouterError as e:
+            conn.reply(request, self.error_response(e, rid))
+            self.account(route, rid, e.status, "-", "-", started)
+            return None
+        headers = _upstream_headers(request) + rid_line
+        FastExchange(self, conn, request, route, body, rid, rid_line, headers, started).start()
+        return None
+
+    async def generate(
+        self,
+        route: str,
+        request: Request,
+        *,
+        body: JsonObject | None = None,
+        rid: str | None = None,
+        started: float | None = None,
+    ) -> Response | StreamWriter:
+        """The coroutine path: every request the fast path does not take (streams, several prompts,
+        the mooncake flow)."""
+        started = perf_counter() if started is None else started
+        rid = request_id(request) if rid is None else rid
         answers: list[Answer] = []
         try:
             raw = request.body
-            body = oa.parse_request(raw, route)
+            if body is None:
+                body = oa.parse_request(raw, route)
             response = await self._serve(request, route, body, raw, rid, started, answers)
         except oa.BadRequest as e:
-            response = self._error_response(RouterError(400, "bad_request", str(e)), rid)
+            response = self.error_response(RouterError(400, "bad_request", str(e)), rid)
         except RouterError as e:
-            response = self._error_response(e, rid)
+            response = self.error_response(e, rid)
         except asyncio.CancelledError:
             self.metrics.errors["client_disconnect"] += 1
             log.info("%s %s client went away; upstream requests cancelled", rid, route)
@@ -229,25 +257,22 @@ class Router:
         finally:
             for answer in answers:
                 answer.release()
-        self.metrics.requests[(route, response.status)] += 1
+        prefill = ",".join(a.prefill.name for a in answers) or "-"
+        decode = ",".join(a.decode.name if a.decode else "-" for a in answers) or "-"
+        self.account(route, rid, response.status, prefill, decode, started)
+        return response
+
+    def account(self, route: str, rid: str, status: int, prefill: str, decode: str, started: float) -> None:
+        """Every answered generation request: its count, and its access line."""
+        self.metrics.requests[(route, status)] += 1
         if log.isEnabledFor(logging.INFO):
-            prefill = ",".join(a.prefill.name for a in answers) or "-"
-            decode = ",".join(a.decode.name if a.decode else "-" for a in answers) or "-"
             ms = (perf_counter() - started) * 1000
             # written on the next loop turn, after the server has sent the answer: off the latency path
             asyncio.get_running_loop().call_soon(
-                log.info,
-                "%s %s %d prefill=%s decode=%s %.1fms",
-                rid,
-                route,
-                response.status,
-                prefill,
-                decode,
-                ms,
+                log.info, "%s %s %d prefill=%s decode=%s %.1fms", rid, route, status, prefill, decode, ms
             )
-        return response
 
-    def _error_response(self, error: RouterError, rid: str) -> Response:
+    def error_response(self, error: RouterError, rid: str) -> Response:
         self.metrics.errors[error.kind] += 1
         log.warning("%s %s: %s", rid, error.kind, error)
         return Response(error.body, status=error.status, headers={"X-Request-Id": rid})
@@ -255,7 +280,7 @@ class Router:
     def error_page(self, status: int, message: str, request: Request | None) -> Response:
         """The HTTP server's own refusals (malformed request 400, body over the limit 413, 404, ...)."""
         kind = _SERVER_ERROR_KINDS.get(status, "bad_request")
-        rid = _request_id(request) if request is not None else os.urandom(16).hex()
+        rid = request_id(request) if request is not None else os.urandom(16).hex()
         if kind == "bad_request":
             self.metrics.errors[kind] += 1
             log.warning("%s %s: %s", rid, kind, message)
@@ -279,10 +304,7 @@ class Router:
     ) -> Response | StreamWriter:
         stream = bool(body.get("stream"))
         prompts = oa.split_prompts(route, body)
-        headers = b"Content-Type: application/json\r\n"
-        auth = request.header(b"authorization")
-        if auth is not None:
-            headers += b"Authorization: " + auth + b"\r\n"  # the parser refuses line breaks in values
+        headers = _upstream_headers(request)
         if len(prompts) == 1:
             answers.append(
                 await self._exchange(route, Prompt(body, raw, rid, 0), headers, read_all=not stream)
@@ -352,16 +374,23 @@ class Router:
             try:
                 return await self._attempt(route, prompt, headers, read_all, tried)
             except Unreachable as e:
-                tried.append(e.endpoint)
-                if e.connect_failed and e.endpoint.healthy:
-                    e.endpoint.healthy = False
-                    log.warning("%s %s pod %s taken out: %s", prompt.rid, e.endpoint.role, e.endpoint.name, e)
+                self.note_unreachable(e, prompt.rid, tried)
                 last = e
         assert last is not None
         role = last.endpoint.role
         raise RouterError(502, f"{role}_unreachable", str(last))
 
-    def _pick(self, pool: Pool, tried: list[Endpoint]) -> Endpoint:
+    @staticmethod
+    def note_unreachable(error: Unreachable, rid: str, tried: list[Endpoint]) -> None:
+        """An attempt failed on a connection: that pod is not tried again for this prompt, and a pod
+        that refused the connection is taken out at once."""
+        ep = error.endpoint
+        tried.append(ep)
+        if error.connect_failed and ep.healthy:
+            ep.healthy = False
+            log.warning("%s %s pod %s taken out: %s", rid, ep.role, ep.name, error)
+
+    def pick(self, pool: Pool, tried: list[Endpoint]) -> Endpoint:
         ep = pool.pick(tried)
         if ep is None:
             raise RouterError(503, f"no_{pool.role}", f"no ready {pool.role} pod", None)
@@ -371,8 +400,8 @@ class Router:
         self, route: str, prompt: Prompt, headers: bytes, read_all: bool, tried: list[Endpoint]
     ) -> Answer:
         body = prompt.body
-        p = self._pick(self.prefill, tried)
-        up_headers = headers + b"X-Request-Id: " + _header_value(prompt.rid) + b"\r\n"
+        p = self.pick(self.prefill, tried)
+        up_headers = headers + b"X-Request-Id: " + header_value(prompt.rid) + b"\r\n"
         if oa.asks_one_token(body):  # prefill alone answers; no KV moves
             self.metrics.prefill_answers += 1
             answer = Answer(prefill=p, decode=p)
@@ -380,8 +409,8 @@ class Router:
                 answer, p, route, oa.decode_payload(body, prompt.raw, None), up_headers, read_all
             )
             return answer
-        d = self._pick(self.decode, tried)
-        plan = self._plan(prompt.rid, prompt.index, p, d)
+        d = self.pick(self.decode, tried)
+        plan = self.plan(prompt.rid, prompt.index, p, d)
         prefill_call = self._call_prefill(
             p,
             route,
@@ -407,7 +436,7 @@ class Router:
         )
         return answer
 
-    def _plan(self, rid: str, index: int, p: Endpoint, d: Endpoint) -> flows.PairPlan:
+    def plan(self, rid: str, index: int, p: Endpoint, d: Endpoint) -> flows.PairPlan:
         flow = self.config.flow
         if flow == "dllm":
             return flows.dllm_plan(self.config, rid, index, p.host, d.host)
@@ -459,12 +488,12 @@ class Router:
             finally:
                 response.close()
         except (UpstreamError, TimeoutError) as e:
-            raise self._upstream_failure(ep, e) from e
+            raise self.upstream_failure(ep, e) from e
         finally:
             ep.inflight -= 1
         if response.status != 200:
             message = f"prefill pod {ep.name} answered {response.status}"
-            raise RouterError(response.status, "prefill_error", message, _as_error(data))
+            raise RouterError(response.status, "prefill_error", message, as_error(data))
         self.metrics.prefill_seconds.observe(perf_counter() - started)
         try:
             answer = oa.loads(data)
@@ -493,7 +522,7 @@ class Router:
                 if response.status != 200:
                     kind = f"{ep.role}_error"
                     msg = f"{ep.role} pod {ep.name} answered {response.status}"
-                    raise RouterError(response.status, kind, msg, _as_error(data))
+                    raise RouterError(response.status, kind, msg, as_error(data))
                 answer.body = data
                 self._observe_first_byte(answer)
         except BaseException as e:
@@ -501,7 +530,7 @@ class Router:
             if response is not None:
                 response.close()
             if isinstance(e, UpstreamError | TimeoutError):
-                raise self._upstream_failure(ep, e) from e
+                raise self.upstream_failure(ep, e) from e
             raise
         if read_all:
             ep.inflight -= 1
@@ -513,7 +542,7 @@ class Router:
         assert ep.upstream is not None, "discover() attaches a pool to every endpoint"
         return ep.upstream
 
-    def _upstream_failure(self, ep: Endpoint, error: BaseException) -> Exception:
+    def upstream_failure(self, ep: Endpoint, error: BaseException) -> Exception:
         if isinstance(error, TimeoutError):
             limit = self.config.request_timeout_s
             return RouterError(504, "timeout", f"{ep.role} pod {ep.name} timed out after {limit}s")
@@ -601,16 +630,16 @@ class Router:
     # ---- the other endpoints ----
 
     async def models(self, request: Request) -> Response:
-        rid = _request_id(request)
+        rid = request_id(request)
         try:
-            ep = self._pick(self.decode, [])
+            ep = self.pick(self.decode, [])
             try:
                 async with self.session.get(ep.url + "/v1/models", timeout=self._probe_timeout) as r:
                     return Response(await r.read(), status=r.status)
             except (TimeoutError, aiohttp.ClientError) as e:
                 raise RouterError(502, "decode_unreachable", f"decode pod {ep.name}: {e!r}") from e
         except RouterError as e:
-            return self._error_response(e, rid)
+            return self.error_response(e, rid)
 
     def _pool_state(self) -> JsonObject:
         return {
@@ -639,6 +668,17 @@ class Router:
         return Response(text.encode(), content_type="text/plain; charset=utf-8")
 
 
+def _upstream_headers(request: Request) -> bytes:
+    """The header lines both engine calls carry besides X-Request-Id: the client's Authorization."""
+    auth = request.header(b"authorization")
+    if auth is None:
+        return _JSON_LINE
+    return _JSON_LINE + b"Authorization: " + auth + b"\r\n"  # the parser refuses line breaks in values
+
+
+_JSON_LINE = b"Content-Type: application/json\r\n"
+
+
 async def _cancel(task: asyncio.Future[Any]) -> None:
     if not task.done():
         task.cancel()
@@ -647,27 +687,7 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
         task.exception()  # retrieved, so asyncio does not log it as never retrieved
 
 
-def _header_value(value: str) -> bytes:
-    if "\r" in value or "\n" in value:
-        raise RouterError(400, "bad_request", "a header value contains a line break")
-    return value.encode("latin-1", errors="replace")
-
-
 _SERVER_ERROR_KINDS = {404: "not_found", 405: "method_not_allowed", 500: "internal_error"}
-
-
-def _request_id(request: Request) -> str:
-    """The client's X-Request-Id, or a new random one."""
-    rid = request.header(b"x-request-id")
-    return rid.decode("latin-1") if rid else os.urandom(16).hex()
-
-
-def _as_error(data: bytes) -> bytes:
-    """An upstream error body, kept when it is JSON (vLLM's own error), wrapped otherwise."""
-    with contextlib.suppress(ValueError):
-        if isinstance(json.loads(data), dict):
-            return data
-    return oa.error_body(data.decode(errors="replace")[:500] or "upstream error", "upstream_error", 502)
 
 
 def _json(data: bytes | None) -> JsonObject:
@@ -684,6 +704,7 @@ async def serve(router: Router, host: str, port: int, *, drain_s: float = 30.0) 
     """
     server = HttpServer(
         router.routes,
+        fast_routes=router.fast_routes,
         max_body=router.config.max_body_mb * 1024 * 1024,
         too_large=router.body_limit_message,
         error_page=router.error_page,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 MAX_HEAD = 64 * 1024
 PAUSE_AT = 1024 * 1024  # bytes buffered for a slow reader before the socket is paused
@@ -139,6 +139,127 @@ class Response:
             self._conn = None
 
 
+class Call:
+    """One POST driven by callbacks, for the router's fast path: no task, no future per exchange.
+
+    `on_done(call)` runs once: when the whole answer is in (`status`, `body`), or when it failed
+    (`error`: an UpstreamError, or TimeoutError past the deadline). The rules are `UpstreamPool.post`'s:
+    one timer from the start to the last byte, and a request that meets a keep-alive connection the pod
+    had closed is sent once more on another connection. Only a pool with no idle connection makes a
+    task (to connect). `close()` abandons the call: its connection is closed (the engine then aborts the
+    request) and `on_done` is not called.
+    """
+
+    __slots__ = (
+        "_conn",
+        "_connecting",
+        "_message",
+        "_on_done",
+        "_pieces",
+        "_pool",
+        "_resent",
+        "_reused",
+        "_timer",
+        "body",
+        "error",
+        "status",
+    )
+
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        message: bytes,
+        timeout_s: float,
+        on_done: Callable[[Call], None],
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._pool, self._message = pool, message
+        self._on_done: Callable[[Call], None] | None = on_done
+        self._conn: _Connection | None = None
+        self._connecting: asyncio.Task[None] | None = None
+        self._pieces: list[bytes] = []
+        self._reused = self._resent = False
+        self.status = 0
+        self.body = b""
+        self.error: BaseException | None = None
+        now = loop.time()
+        self._timer: asyncio.TimerHandle | None = loop.call_at(now + timeout_s, self._expire)
+        self._send(now)
+
+    def _send(self, now: float) -> None:
+        conn = self._pool._checkout(now)
+        if conn is None:
+            self._reused = False
+            self._connecting = asyncio.ensure_future(self._connect_and_send())
+            return
+        self._reused, self._conn = True, conn
+        conn.send(self._message, self)
+
+    async def _connect_and_send(self) -> None:
+        try:
+            conn = await self._pool._connect()
+        except ConnectFailed as e:
+            self._connecting = None
+            self._report(e)
+            return
+        self._connecting = None
+        self._conn = conn
+        conn.send(self._message, self)
+
+    # called by the connection, as on a Response
+    def _head_ready(self, status: int) -> None:
+        self.status = status
+
+    def _feed(self, data: bytes) -> None:
+        self._pieces.append(data)
+
+    def _finish(self) -> None:
+        pieces = self._pieces
+        self.body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        self._report(None)
+
+    def _fail(self, error: BaseException) -> None:
+        self._conn = None
+        if isinstance(error, Disconnected) and error.before_head and self._reused and not self._resent:
+            self._resent = True  # the pod had closed this idle connection: send again
+            self._pieces.clear()
+            self._send(self._pool.loop_time())
+            return
+        self._report(error)
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._abandon()
+        self._report(TimeoutError(f"{self._pool.name} did not answer in time"))
+
+    def _report(self, error: BaseException | None) -> None:
+        self._conn = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            self.error = error
+            on_done(self)
+
+    def _abandon(self) -> None:
+        if self._connecting is not None:
+            self._connecting.cancel()
+            self._connecting = None
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn._sink = None
+            conn.close()
+
+    def close(self) -> None:
+        """Abandon the call unless it is over; `on_done` will not run."""
+        self._on_done = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._abandon()
+
+
 class _Connection(asyncio.Protocol):
     def __init__(self, pool: UpstreamPool) -> None:
         self.pool = pool
@@ -147,7 +268,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle_since = 0.0
         self._buf = bytearray()
-        self._sink: Response | None = None
+        self._sink: Response | Call | None = None
         self._state = _IDLE
         self._remaining = 0
         self._keep_alive = True
@@ -156,7 +277,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
 
-    def send(self, data: bytes, sink: Response) -> None:
+    def send(self, data: bytes, sink: Response | Call) -> None:
         assert self.transport is not None
         self._sink, self._state, self._keep_alive = sink, _HEAD, True
         self.transport.write(data)
@@ -182,6 +303,8 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._sink is None:  # nothing was asked: a broken or chatty server
             self.close()
+            return
+        if self._state == _HEAD and not self._buf and self._take_whole(data):
             return
         self._buf += data
         try:
@@ -212,12 +335,39 @@ class _Connection(asyncio.Protocol):
     def _done(self) -> None:
         sink, self._sink = self._sink, None
         self._state = _IDLE
-        if sink is not None:
-            sink._finish()
         if self._keep_alive and not self.closed and not self._buf:
-            self.pool.put_back(self)
+            self.pool.put_back(self)  # first: whoever the answer wakes may call this pod again
         else:
             self.close()
+        if sink is not None:
+            sink._finish()
+
+    def _take_whole(self, data: bytes) -> bool:
+        """The common answer in one piece: an HTTP/1.1 head with Content-Length and exactly that much
+        body. Taken without copying through the buffer; False leaves anything else to `_parse`."""
+        end = data.find(b"\r\n\r\n")
+        if end < 0 or not data.startswith(b"HTTP/1.1 2") or data[12:13] != b" ":
+            return False
+        code = data[9:12]
+        low = data[:end].lower()
+        length = _field(low, b"\r\ncontent-length:")
+        if (
+            not code.isdigit()
+            or code == b"204"  # no body whatever the head says: the general parser's case
+            or length is None
+            or not length.isdigit()
+            or len(data) != end + 4 + int(length)
+            or b"\r\ntransfer-encoding:" in low
+        ):
+            return False
+        connection = _field(low, b"\r\nconnection:")
+        self._keep_alive = connection is None or b"close" not in connection
+        sink = self._sink
+        assert sink is not None
+        sink._head_ready(int(code))
+        sink._feed(data[end + 4 :])
+        self._done()
+        return True
 
     def _parse(self) -> None:
         buf = self._buf
@@ -353,6 +503,19 @@ class UpstreamPool:
         except (OSError, TimeoutError) as e:
             raise ConnectFailed(f"cannot connect to {self.name}: {e!r}") from e
         return conn
+
+    def loop_time(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def call(
+        self, path: bytes, headers: bytes, body: bytes, timeout_s: float, on_done: Callable[[Call], None]
+    ) -> Call:
+        """Send a POST whose answer is read whole; `on_done(call)` runs when it is in or has failed."""
+        message = (
+            b"POST " + path + b" HTTP/1.1\r\n" + self._host_header
+            + b"Content-Length: %d\r\n" % len(body) + headers + b"\r\n" + body
+        )  # fmt: skip
+        return Call(self, message, timeout_s, on_done, asyncio.get_running_loop())
 
     async def post(self, path: str, headers: bytes, body: bytes, timeout_s: float) -> Response:
         """Send a POST (headers: preformatted `Name: value\\r\\n` lines); returns once the head is in."""

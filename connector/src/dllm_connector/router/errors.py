@@ -1,0 +1,48 @@
+"""What a request can end in besides a generation, shared by the coroutine path and the fast path."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from random import getrandbits
+
+from dllm_connector.router import openai as oa
+from dllm_connector.router.endpoints import Endpoint
+from dllm_connector.router.httpserver import Request
+
+
+class RouterError(Exception):
+    """An answer the client gets instead of a generation; `kind` is the metrics' error kind."""
+
+    def __init__(self, status: int, kind: str, message: str, body: bytes | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind = status, kind
+        self.body = body if body is not None else oa.error_body(message, kind, status)
+
+
+class Unreachable(Exception):
+    """A connection-level failure before any answer: safe to retry on another pod."""
+
+    def __init__(self, endpoint: Endpoint, cause: BaseException, connect_failed: bool) -> None:
+        super().__init__(f"{endpoint.role} pod {endpoint.name} unreachable: {cause!r}")
+        self.endpoint, self.connect_failed = endpoint, connect_failed
+
+
+def request_id(request: Request) -> str:
+    """The client's X-Request-Id, or a new random one (128 bits, as a uuid4's hex; an id, not a secret)."""
+    rid = request.header(b"x-request-id")
+    return rid.decode("latin-1") if rid else f"{getrandbits(128):032x}"
+
+
+def header_value(value: str) -> bytes:
+    if "\r" in value or "\n" in value:
+        raise RouterError(400, "bad_request", "a header value contains a line break")
+    return value.encode("latin-1", errors="replace")
+
+
+def as_error(data: bytes) -> bytes:
+    """An upstream error body, kept when it is JSON (vLLM's own error), wrapped otherwise."""
+    with contextlib.suppress(ValueError):
+        if isinstance(json.loads(data), dict):
+            return data
+    return oa.error_body(data.decode(errors="replace")[:500] or "upstream error", "upstream_error", 502)

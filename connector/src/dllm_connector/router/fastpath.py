@@ -1,0 +1,233 @@
+"""The fast path: one non-streamed, single-prompt request of the nixl or dllm flow, driven by callbacks.
+
+The coroutine path (`Router.generate`) costs a task, several coroutines and futures per request. Here
+the HTTP server's parser callback starts the exchange, the upstream connections' `data_received`
+callbacks move it on, and the answer goes to the client with one write:
+
+    client request complete -> pick pods -> prefill call (dllm: and decode call at once)
+    prefill answered -> nixl: decode call with prefill's kv_transfer_params
+    decode answered (and prefill, for dllm) -> decode's bytes to the client
+
+Every behaviour of the coroutine path is kept: retries on other pods after a connection failure (no
+byte has reached the client before decode's whole answer is in), the upstream timeout, errors as
+OpenAI JSON, answers from prefill alone, X-Request-Id, metrics, the access line, in-flight counts, and a
+client that leaves cancelling both calls. Streams, several prompts and the mooncake flow stay on the
+coroutine path.
+"""
+
+from __future__ import annotations
+
+import logging
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+from dllm_connector.router import openai as oa
+from dllm_connector.router.endpoints import Endpoint
+from dllm_connector.router.errors import RouterError, Unreachable, as_error
+from dllm_connector.router.httpserver import Pending, Request, Response
+from dllm_connector.router.upstream import Call
+
+if TYPE_CHECKING:
+    from dllm_connector.router.httpserver import _Connection
+    from dllm_connector.router.server import Router
+
+log = logging.getLogger("dllm.router")
+JsonObject = dict[str, Any]
+
+
+class FastExchange(Pending):
+    """One request on the fast path, from its first attempt to the answer (see the module docstring)."""
+
+    __slots__ = (
+        "_attempt",
+        "_conn",
+        "_d",
+        "_dcall",
+        "_decoded",
+        "_p",
+        "_pcall",
+        "_prefill_at",
+        "_prefill_done",
+        "_request",
+        "_router",
+        "_tried",
+        "body",
+        "headers",
+        "path",
+        "rid",
+        "rid_line",
+        "route",
+        "started",
+    )
+
+    def __init__(
+        self,
+        router: Router,
+        conn: _Connection,
+        request: Request,
+        route: str,
+        body: JsonObject,
+        rid: str,
+        rid_line: bytes,
+        headers: bytes,
+        started: float,
+    ) -> None:
+        self._router, self._conn, self._request = router, conn, request
+        self.route, self.path, self.body = route, route.encode(), body
+        self.rid, self.rid_line, self.headers, self.started = rid, rid_line, headers, started
+        self._tried: list[Endpoint] = []
+        self._attempt = 0
+        self._p: Endpoint | None = None  # this attempt's pods; None: not picked (or prefill answered alone)
+        self._d: Endpoint | None = None
+        self._pcall: Call | None = None  # the calls in flight
+        self._dcall: Call | None = None
+        self._decoded: bytes | None = None  # decode's answer when it came before prefill's (dllm)
+        self._prefill_at = self._prefill_done = started
+        conn.pending = self
+
+    # ---- the steps ----
+
+    def start(self) -> None:
+        """Pick the pods and send this attempt's first call (the dllm flow: both calls)."""
+        self._guarded(self._send_first, None)
+
+    def _send_first(self, _: None) -> None:
+        router, body = self._router, self.body
+        self._decoded = None
+        p = router.pick(router.prefill, self._tried)
+        if oa.asks_one_token(body):  # prefill alone answers; no KV moves
+            router.metrics.prefill_answers += 1
+            self._p = self._d = p
+            self._dcall = self._call(p, self.headers, oa.decode_payload(body, self._request.body, None), True)
+            return
+        d = router.pick(router.decode, self._tried)
+        plan = router.plan(self.rid, 0, p, d)
+        self._p, self._d = p, d
+        self._prefill_done = self._prefill_at = perf_counter()
+        prefill_body = oa.dumps(oa.prefill_request(body, plan.prefill_kv))
+        self._pcall = self._call(p, self.headers + plan.prefill_headers, prefill_body, False)
+        if plan.concurrent:
+            decode_body = oa.decode_payload(body, self._request.body, plan.decode_kv)
+            self._dcall = self._call(d, self.headers, decode_body, True)
+
+    def _call(self, ep: Endpoint, headers: bytes, payload: bytes, answering: bool) -> Call:
+        assert ep.upstream is not None, "discover() attaches a pool to every endpoint"
+        ep.inflight += 1
+        done = self._on_answer if answering else self._on_prefill
+        return ep.upstream.call(self.path, headers, payload, self._router.config.request_timeout_s, done)
+
+    def _on_prefill(self, call: Call) -> None:
+        self._guarded(self._prefill_answered, call)
+
+    def _prefill_answered(self, call: Call) -> None:
+        router, p = self._router, self._p
+        assert p is not None
+        p.inflight -= 1
+        self._pcall = None
+        if call.error is not None:
+            raise router.upstream_failure(p, call.error)
+        if call.status != 200:
+            message = f"prefill pod {p.name} answered {call.status}"
+            raise RouterError(call.status, "prefill_error", message, as_error(call.body))
+        now = perf_counter()
+        router.metrics.prefill_seconds.observe(now - self._prefill_at)
+        finished = _prefill_json(call.body, p)
+        self._prefill_done = now
+        if oa.finished_at_prefill(finished, self.body):  # EOS at the first token: decode has nothing
+            router.metrics.prefill_answers += 1
+            self._drop_calls()
+            self._d = None
+            self._answer(oa.dumps(oa.public_answer(finished)))
+        elif self._decoded is not None:  # dllm: decode was first
+            self._answer(self._decoded)
+        elif self._dcall is None:  # nixl: decode now, with what prefill returned
+            assert self._d is not None
+            kv = finished.get("kv_transfer_params") or None
+            payload = oa.decode_payload(self.body, self._request.body, kv)
+            self._dcall = self._call(self._d, self.headers, payload, True)
+
+    def _on_answer(self, call: Call) -> None:
+        self._guarded(self._answered, call)
+
+    def _answered(self, call: Call) -> None:
+        """Decode's answer (prefill's, for a one-token request): relayed as it came, once prefill is in."""
+        router, ep = self._router, self._d
+        assert ep is not None
+        ep.inflight -= 1
+        self._dcall = None
+        if call.error is not None:
+            raise router.upstream_failure(ep, call.error)
+        if call.status != 200:
+            message = f"{ep.role} pod {ep.name} answered {call.status}"
+            raise RouterError(call.status, f"{ep.role}_error", message, as_error(call.body))
+        router.metrics.decode_first_byte_seconds.observe(max(perf_counter() - self._prefill_done, 0.0))
+        if self._pcall is not None:
+            self._decoded = call.body  # prefill has not answered yet: its answer decides
+        else:
+            self._answer(call.body)
+
+    # ---- endings ----
+
+    def _answer(self, payload: bytes) -> None:
+        router = self._router
+        router.metrics.ttft_seconds.observe(perf_counter() - self.started)
+        assert self._p is not None
+        decode = self._d.name if self._d is not None else "-"
+        self._reply(Response(payload, header_lines=self.rid_line), self._p.name, decode)
+
+    def _reply(self, response: Response, prefill: str, decode: str) -> None:
+        self._conn.reply(self._request, response)
+        self._router.account(self.route, self.rid, response.status, prefill, decode, self.started)
+
+    def _guarded(self, step: Any, arg: Any) -> None:
+        """Run one step; a failure ends the request as the coroutine path would."""
+        try:
+            step(arg)
+        except RouterError as e:
+            self._drop_calls()
+            self._reply(self._router.error_response(e, self.rid), "-", "-")
+        except Unreachable as e:
+            self._drop_calls()
+            self._retry_or_fail(e)
+        except Exception:
+            log.exception("%s %s failed", self._request.method, self._request.path)
+            self._drop_calls()
+            self._conn.reply_internal_error(self._request)
+
+    def _retry_or_fail(self, error: Unreachable) -> None:
+        router = self._router
+        router.note_unreachable(error, self.rid, self._tried)
+        if self._attempt < router.config.retries:
+            self._attempt += 1
+            router.metrics.retries += 1
+            self.start()
+            return
+        failure = RouterError(502, f"{error.endpoint.role}_unreachable", str(error))
+        self._reply(router.error_response(failure, self.rid), "-", "-")
+
+    def _drop_calls(self) -> None:
+        """Abandon the calls in flight (their connections close, so the engines abort them)."""
+        call, self._pcall = self._pcall, None
+        if call is not None and self._p is not None:
+            call.close()
+            self._p.inflight -= 1
+        call, self._dcall = self._dcall, None
+        if call is not None and self._d is not None:
+            call.close()
+            self._d.inflight -= 1
+
+    def cancel(self) -> None:
+        """The client left: both calls are abandoned, as the coroutine path's cancellation does."""
+        self._drop_calls()
+        self._router.metrics.errors["client_disconnect"] += 1
+        log.info("%s %s client went away; upstream requests cancelled", self.rid, self.route)
+
+
+def _prefill_json(data: bytes, p: Endpoint) -> JsonObject:
+    try:
+        answer = oa.loads(data)
+    except ValueError:
+        raise RouterError(502, "prefill_error", f"prefill pod {p.name} answered non-JSON") from None
+    if not isinstance(answer, dict):
+        raise RouterError(502, "prefill_error", f"prefill pod {p.name} answered a non-object")
+    return answer
