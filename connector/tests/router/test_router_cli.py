@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import sys
@@ -13,6 +16,8 @@ import aiohttp
 import pytest
 from conftest import EngineFactory
 from router_engine_double import expected_text
+
+from dllm_connector.router.__main__ import LOG_FORMAT, BatchedStreamHandler, _Formatter, direct_access_line
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -23,17 +28,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def wait_for_log(proc: asyncio.subprocess.Process, text: bytes) -> None:
-    """Wait (bounded) until the router's stderr has a line containing `text`."""
+async def wait_for_log(proc: asyncio.subprocess.Process, text: bytes) -> bytes:
+    """Wait (bounded) until the router's stderr has a line containing `text`; returns the line."""
 
-    async def read() -> None:
+    async def read() -> bytes:
         assert proc.stderr is not None
         async for line in proc.stderr:
             if text in line:
-                return
+                return line
         raise AssertionError(f"the router exited before logging {text!r}")
 
-    await asyncio.wait_for(read(), 15)
+    return await asyncio.wait_for(read(), 15)
 
 
 async def wait_for_listening(proc: asyncio.subprocess.Process) -> None:
@@ -59,9 +64,16 @@ async def test_router_process_serves_and_stops_on_sigterm(
         await wait_for_log(proc, f"event loop {runs_on},".encode())  # uvloop is in the pinned venv
         async with client.get(url + "/ready") as r:
             assert r.status == 200
-        async with client.post(url + "/v1/completions", json={"prompt": "cli", "max_tokens": 2}) as r:
+        headers = {"X-Request-Id": "cli-1"}
+        body = {"prompt": "cli", "max_tokens": 2}
+        async with client.post(url + "/v1/completions", json=body, headers=headers) as r:
             assert r.status == 200
             assert json.loads(await r.text())["choices"][0]["text"] == expected_text("cli", 2)
+        line = (await wait_for_log(proc, b" cli-1 ")).decode()
+        pods = f"prefill=127.0.0.1:{p.port} decode=127.0.0.1:{d.port}"
+        stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
+        access = stamp + rf" INFO dllm.router cli-1 /v1/completions 200 {pods} [\d.]+ms"
+        assert re.fullmatch(access, line.rstrip("\n")), line
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
     finally:
@@ -110,3 +122,37 @@ async def test_sigterm_lets_in_flight_requests_finish(
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+def test_direct_access_line_is_what_logging_would_write() -> None:
+    stream = io.StringIO()
+    handler = BatchedStreamHandler(stream)
+    handler.setFormatter(_Formatter(LOG_FORMAT))
+    record = logging.LogRecord("dllm.router", logging.INFO, "", 0, "%s done", ("r1",), None)
+    via_logging = handler.format(record)
+    standard = logging.Formatter(LOG_FORMAT).format(record)  # logging's own asctime, uncached
+    assert via_logging == standard
+    formatter = handler.formatter
+    assert isinstance(formatter, _Formatter)
+    assert formatter.stamp(record.created) == standard[:23]
+    handler.info_line("dllm.router", "r1 done")
+    handler.flush()
+    assert stream.getvalue()[23:] == standard[23:] + "\n"
+
+
+def test_direct_access_line_only_when_logging_would_write_the_same() -> None:
+    root, logger = logging.getLogger(), logging.getLogger("dllm.router")
+    saved = root.handlers[:]
+    handler = BatchedStreamHandler(io.StringIO())
+    handler.setFormatter(_Formatter(LOG_FORMAT))
+    try:
+        root.handlers = [handler]
+        assert direct_access_line(logger) is not None
+        extra = logging.StreamHandler(io.StringIO())
+        logger.addHandler(extra)  # another handler on the way: logging must see the record
+        assert direct_access_line(logger) is None
+        logger.removeHandler(extra)
+        handler.setFormatter(logging.Formatter("%(message)s"))  # another format
+        assert direct_access_line(logger) is None
+    finally:
+        root.handlers = saved

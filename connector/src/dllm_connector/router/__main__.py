@@ -8,7 +8,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Coroutine, Sequence
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from typing import Any, TextIO
 
 from dllm_connector.router.config import ConfigError, RouterConfig, parse_config
@@ -17,10 +19,12 @@ from dllm_connector.router.server import Router, serve
 log = logging.getLogger("dllm.router")
 DRAIN_S = 25.0  # in-flight requests finish before SIGKILL (30 s after SIGTERM by default)
 LOG_FLUSH_S = 0.1  # log lines written while serving reach stderr in one write per this interval
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 async def run(config: RouterConfig) -> None:
     router = Router(config)
+    router.access_line = direct_access_line(log)
     await router.start()
     server = await serve(router, config.host, config.port, drain_s=DRAIN_S)
     log.info(
@@ -64,13 +68,25 @@ class BatchedStreamHandler(logging.StreamHandler[TextIO]):
             return
         if record.levelno >= logging.ERROR:
             self.flush()
-        elif self._timer is None:
+        else:
+            self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        if self._timer is None:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:
                 self.flush()
                 return
             self._timer = loop.call_later(LOG_FLUSH_S, self.flush)
+
+    def info_line(self, logger: str, message: str) -> None:
+        """The line an INFO record of `logger` with this message would give, without making the record
+        (the access line, once per request, skips logging's ~20 calls per record)."""
+        formatter = self.formatter
+        assert isinstance(formatter, _Formatter)
+        self._lines.append(f"{formatter.stamp(time.time())} INFO {logger} {message}{self.terminator}")
+        self._flush_soon()
 
     def flush(self) -> None:
         self.acquire()
@@ -94,10 +110,42 @@ class _Formatter(logging.Formatter):
     _prefix = ""
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
-        second = int(record.created)
+        return self.stamp(record.created)
+
+    def stamp(self, created: float) -> str:
+        """asctime for a record created at `created` (as LogRecord computes its msecs)."""
+        second = int(created)
         if second != self._second:
-            self._second, self._prefix = second, super().formatTime(record, "%Y-%m-%d %H:%M:%S")
-        return f"{self._prefix},{int(record.msecs):03d}"
+            when = self.converter(created)
+            self._second, self._prefix = second, time.strftime("%Y-%m-%d %H:%M:%S", when)
+        return f"{self._prefix},{int((created - second) * 1000):03d}"
+
+
+def direct_access_line(logger: logging.Logger) -> Callable[[str], None] | None:
+    """A writer for `logger`'s INFO lines straight into the handler, when that gives exactly what
+    logging would (our handler alone on the root, no filters, nothing else on the way); else None."""
+    root = logging.getLogger()
+    handlers = root.handlers
+    if len(handlers) != 1 or not isinstance(handlers[0], BatchedStreamHandler):
+        return None
+    handler = handlers[0]
+    chain = [logger, *(p for p in _parents(logger))]
+    if any(x.handlers for x in chain[:-1]) or not all(x.propagate for x in chain[:-1]):
+        return None
+    if any(x.filters for x in chain) or handler.filters or handler.level > logging.INFO:
+        return None
+    if not isinstance(handler.formatter, _Formatter) or handler.formatter._fmt != LOG_FORMAT:
+        return None
+    return partial(handler.info_line, logger.name)
+
+
+def _parents(logger: logging.Logger) -> list[logging.Logger]:
+    out = []
+    parent = logger.parent
+    while parent is not None:
+        out.append(parent)
+        parent = parent.parent
+    return out
 
 
 def configure_logging(level: str) -> None:
@@ -105,7 +153,7 @@ def configure_logging(level: str) -> None:
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging._srcfile = None  # no caller lookup per record (the logging HOWTO's "Optimization")
     handler = BatchedStreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+    handler.setFormatter(_Formatter(LOG_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 

@@ -177,7 +177,7 @@ class FastExchange(Pending):
 
     def _reply(self, response: Response, prefill: str, decode: str) -> None:
         self._conn.reply(self._request, response)
-        self._router.account(self.route, self.rid, response.status, prefill, decode, self.started)
+        self._router.account(self.route, self.rid, response.status, prefill, decode, self.started, sent=True)
 
     def _guarded(self, step: Any, arg: Any) -> None:
         """Run one step; a failure ends the request as the coroutine path would."""

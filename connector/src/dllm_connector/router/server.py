@@ -89,6 +89,9 @@ class Router:
             "decode": decode_source or source_for(config.decode),
         }
         self.metrics = Metrics()
+        # writes an INFO line of dllm.router as logging would, without a record (set by the CLI when its
+        # logging setup makes that exact); None: access lines go through logging
+        self.access_line: Callable[[str], None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._loops: list[asyncio.Task[None]] = []
         self._probe_timeout = aiohttp.ClientTimeout(total=config.connect_timeout_s)
@@ -212,7 +215,7 @@ class Router:
         except oa.BadRequest as e:
             response = self.error_response(RouterError(400, "bad_request", str(e)), rid)
             conn.reply(request, response)
-            self.account(route, rid, response.status, "-", "-", started)
+            self.account(route, rid, response.status, "-", "-", started, sent=True)
             return None
         if not self._fast or body.get("stream") or len(oa.split_prompts(route, body)) != 1:
             return self.generate(route, request, body=body, rid=rid, started=started)
@@ -221,7 +224,7 @@ class Router:
             rid_line = b"X-Request-Id: " + header_value(rid) + b"\r\n"
         except RouterError as e:
             conn.reply(request, self.error_response(e, rid))
-            self.account(route, rid, e.status, "-", "-", started)
+            self.account(route, rid, e.status, "-", "-", started, sent=True)
             return None
         headers = _upstream_headers(request) + rid_line
         FastExchange(self, conn, request, route, body, rid, rid_line, headers, started).start()
@@ -262,15 +265,25 @@ class Router:
         self.account(route, rid, response.status, prefill, decode, started)
         return response
 
-    def account(self, route: str, rid: str, status: int, prefill: str, decode: str, started: float) -> None:
-        """Every answered generation request: its count, and its access line."""
+    def account(
+        self, route: str, rid: str, status: int, prefill: str, decode: str, started: float, sent: bool = False
+    ) -> None:
+        """Every answered generation request: its count, and its access line (`sent`: the answer is out
+        already; else the line is made on the next loop turn, after the server has sent it)."""
         self.metrics.requests[(route, status)] += 1
-        if log.isEnabledFor(logging.INFO):
-            ms = (perf_counter() - started) * 1000
-            # written on the next loop turn, after the server has sent the answer: off the latency path
-            asyncio.get_running_loop().call_soon(
-                log.info, "%s %s %d prefill=%s decode=%s %.1fms", rid, route, status, prefill, decode, ms
-            )
+        if not log.isEnabledFor(logging.INFO):
+            return
+        ms = (perf_counter() - started) * 1000
+        direct = self.access_line
+        if direct is None:
+            args = (rid, route, status, prefill, decode, ms)
+            asyncio.get_running_loop().call_soon(log.info, "%s %s %d prefill=%s decode=%s %.1fms", *args)
+            return
+        line = f"{rid} {route} {status} prefill={prefill} decode={decode} {ms:.1f}ms"
+        if sent:
+            direct(line)
+        else:
+            asyncio.get_running_loop().call_soon(direct, line)
 
     def error_response(self, error: RouterError, rid: str) -> Response:
         self.metrics.errors[error.kind] += 1
