@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -401,17 +401,79 @@ def encode(
     blocks: torch.Tensor, requested: Compression, groups: int, out: torch.Tensor | None = None
 ) -> tuple[KVHeader, torch.Tensor]:
     """Encode a contiguous [N, ...] block batch; returns the header and the payload (a view of out)."""
-    dtype = _dtype_name(blocks.dtype)
-    shape = tuple(blocks.shape)
-    _check_geometry(dtype, shape, groups)
-    codec = effective_codec(requested, blocks.dtype)
-    draft = KVHeader(codec, dtype, shape, groups, 0)
+    return encode_parts([blocks], tuple(blocks.shape), blocks.dtype, requested, groups, out)
+
+
+def encode_parts(
+    parts: Iterable[torch.Tensor],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    requested: Compression,
+    groups: int,
+    out: torch.Tensor | None = None,
+) -> tuple[KVHeader, torch.Tensor]:
+    """Encode a batch of `shape` handed over in consecutive parts along its first axis.
+
+    A part may be overwritten once the next is taken (e.g. one layer at a time in a reused buffer),
+    so each is encoded while still in cache, with no batch-sized copy in between.
+    """
+    name = _dtype_name(dtype)
+    _check_geometry(name, shape, groups)
+    codec = effective_codec(requested, dtype)
+    draft = KVHeader(codec, name, shape, groups, 0)
     payload = _target(out, draft.payload_nbytes)
-    if codec is Compression.NONE:
-        payload.copy_(as_bytes(blocks))
-    else:
-        _quantize_into(blocks, codec, groups, payload, draft.data_nbytes)
-    return KVHeader(codec, dtype, shape, groups, checksum(payload)), payload
+    writer = _PartWriter(draft, payload)
+    for part in parts:
+        writer.write(part)
+    writer.finish()
+    return KVHeader(codec, name, shape, groups, checksum(payload)), payload
+
+
+class _PartWriter:
+    """Encodes consecutive parts of a batch into their places in one payload."""
+
+    def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
+        self._header, self._payload = header, payload
+        self._done = 0  # first-axis entries written so far
+        self._entry_nbytes = _product(header.shape[1:]) * header.torch_dtype.itemsize
+        if header.codec is not Compression.NONE:
+            self._codes = payload[: header.data_nbytes].view(_CODE_DTYPE[header.codec])
+            self._codes = self._codes.view(header.num_scales, -1)
+            self._scales = payload[header.data_nbytes :].view(SCALE_DTYPE)
+
+    def write(self, part: torch.Tensor) -> None:
+        header, count = self._header, part.shape[0] if part.dim() else 0
+        if tuple(part.shape[1:]) != header.shape[1:] or part.dtype != header.torch_dtype:
+            raise CodecError(f"part {list(part.shape)} {part.dtype} does not fit batch {list(header.shape)}")
+        if not part.is_contiguous():
+            raise CodecError("KV blocks must be contiguous; gather them first")
+        if self._done + count > header.shape[0]:
+            raise CodecError(f"parts hold more than the batch's {header.shape[0]} entries")
+        if header.codec is Compression.NONE:
+            start = self._done * self._entry_nbytes
+            self._payload[start : start + count * self._entry_nbytes].copy_(as_bytes(part))
+        else:
+            first, stop = self._done * header.groups, (self._done + count) * header.groups
+            rows = part.reshape(count * header.groups, -1)
+            _quantize_rows(rows, header.codec, self._codes[first:stop], self._scales[first:stop])
+        self._done += count
+
+    def finish(self) -> None:
+        header = self._header
+        if self._done != header.shape[0]:
+            raise CodecError(f"parts held {self._done} of the batch's {header.shape[0]} entries")
+        if header.codec is not Compression.NONE and not bool(torch.isfinite(self._scales).all()):
+            bad = int((~torch.isfinite(self._scales)).sum())
+            raise NonFiniteKVError(
+                f"{bad} of {self._scales.numel()} scale groups hold NaN or inf; use codec none"
+            )
+
+
+def _product(sizes: Iterable[int]) -> int:
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
 
 
 def _row_chunks(rows: int, row_len: int, chunk_elements: int) -> range:
@@ -419,12 +481,7 @@ def _row_chunks(rows: int, row_len: int, chunk_elements: int) -> range:
     return range(0, rows, max(1, chunk_elements // row_len))
 
 
-def _quantize_into(
-    blocks: torch.Tensor, codec: Compression, groups: int, payload: torch.Tensor, data_nbytes: int
-) -> None:
-    rows = blocks.reshape(blocks.shape[0] * groups, -1)
-    codes = payload[:data_nbytes].view(_CODE_DTYPE[codec]).view(rows.shape)
-    scales = payload[data_nbytes:].view(SCALE_DTYPE)
+def _quantize_rows(rows: torch.Tensor, codec: Compression, codes: torch.Tensor, scales: torch.Tensor) -> None:
     chosen = kernels()
     functions = chosen.by_codec[codec]
     chunks = _row_chunks(rows.shape[0], rows.shape[1], chosen.chunk_elements)
@@ -433,9 +490,6 @@ def _quantize_into(
         inverse, scale = functions.scales(rows[start:stop])
         functions.codes(rows[start:stop], inverse, codes[start:stop])
         scales[start:stop].copy_(scale)
-    if not bool(torch.isfinite(scales).all()):
-        bad = int((~torch.isfinite(scales)).sum())
-        raise NonFiniteKVError(f"{bad} of {scales.numel()} scale groups hold NaN or inf; use codec none")
 
 
 def verify(header: KVHeader, payload: torch.Tensor) -> torch.Tensor:
@@ -451,25 +505,55 @@ def verify(header: KVHeader, payload: torch.Tensor) -> torch.Tensor:
 
 def decode(header: KVHeader, payload: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Verify and decode a payload into a [N, ...] tensor of the source dtype (written into out if given)."""
-    payload = verify(header, payload)
     dtype = header.torch_dtype
     if out is None:
         out = torch.empty(header.shape, dtype=dtype)
     elif tuple(out.shape) != header.shape or out.dtype != dtype or not out.is_contiguous():
         raise CodecError(f"decode target must be contiguous {dtype} of shape {list(header.shape)}")
-    if header.codec is Compression.NONE:
-        as_bytes(out).copy_(payload)
-        return out
-    codes = payload[: header.data_nbytes].view(_CODE_DTYPE[header.codec])
-    scale = payload[header.data_nbytes :].view(SCALE_DTYPE)
-    rows = codes.reshape(header.num_scales, -1)
-    target = out.view(header.num_scales, -1)
-    chosen = kernels()
-    values = chosen.by_codec[header.codec].values
-    limit = float(torch.finfo(dtype).max)
-    # Kernels return float32 and the copy into the KV casts: faster on CPU than casting in the kernel.
-    chunks = _row_chunks(rows.shape[0], rows.shape[1], _DECODE_CHUNK_ELEMENTS)
-    for start in chunks:
-        stop = start + chunks.step
-        target[start:stop].copy_(values(rows[start:stop], scale[start:stop], limit))
+    _PartReader(header, verify(header, payload)).read_into(0, out)
     return out
+
+
+def decode_parts(header: KVHeader, payload: torch.Tensor, parts: int) -> Iterator[torch.Tensor]:
+    """Verify a payload, then decode it in `parts` equal consecutive parts along the first axis.
+
+    Every part is written into the same buffer, valid until the next one is taken: a consumer that
+    places each part right away (e.g. one layer into its KV blocks) finds it still in cache.
+    """
+    if parts <= 0 or header.shape[0] % parts:
+        raise CodecError(f"a batch of {header.shape[0]} entries does not split into {parts} parts")
+    reader = _PartReader(header, verify(header, payload))
+    count = header.shape[0] // parts
+    part = torch.empty((count, *header.shape[1:]), dtype=header.torch_dtype)
+    for index in range(parts):
+        reader.read_into(index * count, part)
+        yield part
+
+
+class _PartReader:
+    """Decodes any run of a verified payload's first-axis entries into a tensor."""
+
+    def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
+        self._header, self._payload = header, payload
+        self._entry_nbytes = _product(header.shape[1:]) * header.torch_dtype.itemsize
+        if header.codec is not Compression.NONE:
+            codes = payload[: header.data_nbytes].view(_CODE_DTYPE[header.codec])
+            self._codes = codes.view(header.num_scales, -1)
+            self._scales = payload[header.data_nbytes :].view(SCALE_DTYPE)
+
+    def read_into(self, first: int, out: torch.Tensor) -> None:
+        header, count = self._header, out.shape[0]
+        if header.codec is Compression.NONE:
+            start = first * self._entry_nbytes
+            as_bytes(out).copy_(self._payload[start : start + count * self._entry_nbytes])
+            return
+        rows = slice(first * header.groups, (first + count) * header.groups)
+        target = out.view(count * header.groups, -1)
+        values = kernels().by_codec[header.codec].values
+        limit = float(torch.finfo(header.torch_dtype).max)
+        codes, scales = self._codes[rows], self._scales[rows]
+        # Kernels return float32 and the copy into the KV casts: faster on CPU than casting in the kernel.
+        chunks = _row_chunks(target.shape[0], target.shape[1], _DECODE_CHUNK_ELEMENTS)
+        for start in chunks:
+            stop = start + chunks.step
+            target[start:stop].copy_(values(codes[start:stop], scales[start:stop], limit))

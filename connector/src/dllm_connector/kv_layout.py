@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,6 +254,10 @@ class PagedKV:
         return tensor.unsqueeze(1)
 
     @property
+    def num_layers(self) -> int:
+        return len(self.caches)
+
+    @property
     def dtype_name(self) -> str:
         return str(self.dtype).removeprefix("torch.")
 
@@ -346,7 +350,7 @@ class PagedKV:
         self, block_ids: Sequence[int], out: torch.Tensor | None = None, heads: HeadRange | None = None
     ) -> torch.Tensor:
         ids = self.check_ids(block_ids)
-        shape = (len(self.caches), len(block_ids), self.layout.segments, *self.segment_shape(heads))
+        shape = self._layered_shape(len(block_ids), heads)
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
         out = out.view(shape)
@@ -354,12 +358,40 @@ class PagedKV:
             torch.index_select(view, 0, ids, out=out[layer])
         return out.view(self.batch_shape(len(block_ids), heads))
 
-    def scatter(self, block_ids: Sequence[int], batch: torch.Tensor, heads: HeadRange | None = None) -> None:
+    def gather_layers(
+        self, block_ids: Sequence[int], heads: HeadRange | None = None
+    ) -> Iterator[torch.Tensor]:
+        """The batch `gather` returns, one layer at a time in one reused buffer (each part is valid
+        until the next is taken): a consumer that encodes each part finds it still in cache."""
         ids = self.check_ids(block_ids)
-        shape = (len(self.caches), len(block_ids), self.layout.segments, *self.segment_shape(heads))
-        batch = batch.view(shape).to(self.device, non_blocking=True)  # decoded on the host for a GPU KV
-        for layer, view in enumerate(self._head_views(heads)):
-            view.index_copy_(0, ids, batch[layer])
+        part = torch.empty(
+            self._layered_shape(len(block_ids), heads)[1:], dtype=self.dtype, device=self.device
+        )
+        rows = (len(block_ids) * self.layout.segments, *self.segment_shape(heads))
+        for view in self._head_views(heads):
+            torch.index_select(view, 0, ids, out=part)
+            yield part.view(rows)
+
+    def scatter(self, block_ids: Sequence[int], batch: torch.Tensor, heads: HeadRange | None = None) -> None:
+        layers = batch.view(self._layered_shape(len(block_ids), heads))
+        self.scatter_layers(block_ids, layers.unbind(0), heads)
+
+    def scatter_layers(
+        self, block_ids: Sequence[int], parts: Iterable[torch.Tensor], heads: HeadRange | None = None
+    ) -> None:
+        """Place a batch handed over one layer at a time, in layer order (as `gather_layers` gives it)."""
+        ids = self.check_ids(block_ids)
+        shape = self._layered_shape(len(block_ids), heads)[1:]
+        views = self._head_views(heads)
+        placed = 0
+        for view, part in zip(views, parts, strict=False):
+            view.index_copy_(0, ids, part.view(shape).to(self.device, non_blocking=True))
+            placed += 1
+        if placed != len(views):
+            raise LayoutError(f"KV batch held {placed} layers, this engine has {len(views)}")
+
+    def _layered_shape(self, count: int, heads: HeadRange | None) -> tuple[int, ...]:
+        return (len(self.caches), count, self.layout.segments, *self.segment_shape(heads))
 
     def spans(self, block_ids: Sequence[int], heads: HeadRange | None = None) -> list[tuple[int, int]]:
         """(address, bytes) of every (layer, block, segment) in gather order, by stride arithmetic.

@@ -432,8 +432,8 @@ class KVSender:
         offset = _chunk_offsets(self._chunk_sizes(plan))[index]
         staged = self.staging.reserve(nbytes, self.config.transfer_timeout_s)
         try:
-            batch = self.kv.gather(blocks, heads=plan.heads)
-            header, payload = codec.encode(batch, self.codec, groups, out=staged)
+            parts = self.kv.gather_layers(blocks, plan.heads)
+            header, payload = codec.encode_parts(parts, shape, self.kv.dtype, self.codec, groups, out=staged)
         except BaseException:
             self.staging.release(staged)
             raise
@@ -886,7 +886,7 @@ class KVReceiver:
             if actual != header.checksum:
                 raise codec.ChecksumError(f"KV checksum {actual:#010x} != sender's {header.checksum:#010x}")
             return
-        self.kv.scatter(blocks, codec.decode(header, view), heads)
+        self.kv.scatter_layers(blocks, codec.decode_parts(header, view, self.kv.num_layers), heads)
 
     def _refuse_and_drain(self, sock: socket.socket, reason: str, *, drain: bool) -> None:
         """Tell the sender; if it may still be writing, wait until it stops before memory is reused."""
