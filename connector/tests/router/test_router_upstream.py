@@ -7,7 +7,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from dllm_connector.router.upstream import BadResponse, Call, ConnectFailed, Disconnected, UpstreamPool
+from dllm_connector.router.upstream import (
+    BadResponse,
+    Call,
+    ConnectFailed,
+    Deadlines,
+    Disconnected,
+    UpstreamPool,
+)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -219,7 +226,7 @@ async def test_large_bodies_whole_and_streamed_with_back_pressure(raw: RawFactor
 async def call(pool: UpstreamPool, timeout_s: float = 5.0, body: bytes = b"{}") -> Call:
     """One Call, awaited through its on_done callback."""
     done: asyncio.Future[Call] = asyncio.get_running_loop().create_future()
-    pool.call(b"/v1/completions", b"X-Request-Id: c1\r\n", body, timeout_s, done.set_result)
+    pool.call(b"/v1/completions", b"X-Request-Id: c1\r\n", body, Deadlines(timeout_s), done.set_result)
     async with asyncio.timeout(5):
         return await done
 
@@ -314,9 +321,53 @@ async def test_closed_call_drops_its_connection_and_reports_nothing(raw: RawFact
     arrived = asyncio.Event()
     server, pool = await raw(handler)
     reports: list[Call] = []
-    abandoned = pool.call(b"/x", b"", b"", 0.3, reports.append)
+    abandoned = pool.call(b"/x", b"", b"", Deadlines(0.3), reports.append)
     await asyncio.wait_for(arrived.wait(), 5)
     abandoned.close()
     await asyncio.wait_for(server.closed_by_client.wait(), 5)
     assert (await call(pool, timeout_s=0.3)).error is not None  # a later call's timer fires as usual
     assert reports == []  # the closed call's timer was cancelled with it
+
+
+async def test_deadlines_time_out_each_call_on_time_behind_a_long_one(raw: RawFactory) -> None:
+    """One timer for many calls: a slow call at the head of the line times out at its own deadline,
+    finished calls behind it are swept out, and a slow call started later times out at its own."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        while True:
+            request = await read_request(reader)
+            if request.endswith(b"slow"):
+                await reader.read()  # never answers
+                return
+            writer.write(answer(b"quick"))
+
+    _, pool = await raw(handler)
+    loop = asyncio.get_running_loop()
+    deadlines = Deadlines(0.5)
+    ended: dict[str, tuple[float, Call]] = {}
+    both_ended = asyncio.Event()
+
+    def ending(name: str) -> Callable[[Call], None]:
+        def done(call: Call) -> None:
+            ended[name] = (loop.time(), call)
+            if len(ended) == 2:
+                both_ended.set()
+
+        return done
+
+    first = pool.call(b"/x", b"", b"slow", deadlines, ending("first"))
+    for _ in range(300):
+        quick: asyncio.Future[Call] = loop.create_future()
+        pool.call(b"/x", b"", b"", deadlines, quick.set_result)
+        assert (await asyncio.wait_for(quick, 5)).body == b"quick"
+    assert deadlines.tracked <= 2 * 1 + 64 + 1  # the finished ones do not pile up behind `first`
+    second = pool.call(b"/x", b"", b"slow", deadlines, ending("second"))
+    await asyncio.wait_for(both_ended.wait(), 5)
+    for name, call in (("first", first), ("second", second)):
+        at, reported = ended[name]
+        assert reported is call
+        assert isinstance(call.error, TimeoutError)
+        assert at >= call.deadline
+    assert first.deadline < second.deadline
+    assert ended["first"][0] < ended["second"][0]
+    assert deadlines.tracked == 0

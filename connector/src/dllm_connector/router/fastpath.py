@@ -114,7 +114,7 @@ class FastExchange(Pending):
         assert ep.upstream is not None, "discover() attaches a pool to every endpoint"
         ep.inflight += 1
         done = self._on_answer if answering else self._on_prefill
-        return ep.upstream.call(self.path, headers, payload, self._router.config.request_timeout_s, done)
+        return ep.upstream.call(self.path, headers, payload, self._router.deadlines, done)
 
     def _on_prefill(self, call: Call) -> None:
         self._guarded(self._prefill_answered, call)

@@ -33,7 +33,7 @@ from dllm_connector.router.fastpath import FastExchange
 from dllm_connector.router.httpserver import FastHandler, Handler, HttpServer, Request, Response, StreamWriter
 from dllm_connector.router.httpserver import _Connection as Connection
 from dllm_connector.router.metrics import Metrics
-from dllm_connector.router.upstream import ConnectFailed, UpstreamError, UpstreamPool
+from dllm_connector.router.upstream import ConnectFailed, Deadlines, UpstreamError, UpstreamPool
 from dllm_connector.router.upstream import Response as UpstreamResponse
 
 log = logging.getLogger("dllm.router")
@@ -89,6 +89,7 @@ class Router:
             "decode": decode_source or source_for(config.decode),
         }
         self.metrics = Metrics()
+        self.deadlines = Deadlines(config.request_timeout_s)  # the fast path's calls
         # writes an INFO line of dllm.router as logging would, without a record (set by the CLI when its
         # logging setup makes that exact); None: access lines go through logging
         self.access_line: Callable[[str], None] | None = None
@@ -138,6 +139,7 @@ class Router:
         await asyncio.gather(*self._loops, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+        self.deadlines.close()
         for pool in (self.prefill, self.decode):
             for ep in pool.endpoints.values():
                 if ep.upstream is not None:

@@ -77,6 +77,11 @@ class Response:
         self._timer.cancel()
         self._wake()
 
+    def _whole(self, status: int, body: bytes) -> None:
+        self._head_ready(status)
+        self._feed(body)
+        self._finish()
+
     def _fail(self, error: BaseException) -> None:
         self._error = error
         self._conn = None
@@ -139,28 +144,83 @@ class Response:
             self._conn = None
 
 
+class Deadlines:
+    """The time limit of many calls, kept with one timer instead of one per call (starting and
+    cancelling a uvloop timer costs a few microseconds, twice per request). Every call here has the
+    same limit, so deadlines come in the order calls start: the calls wait in a FIFO, and the timer is
+    set for the oldest. When it fires, the calls past their deadline time out, finished ones are
+    dropped, and it is set again for the oldest left. Finished calls are also swept out whenever they
+    outnumber the unfinished ones, so a long call at the head does not make the FIFO grow."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self._calls: deque[Call] = deque()
+        self._open = 0  # unfinished calls in _calls
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, call: Call, loop: asyncio.AbstractEventLoop) -> float:
+        """Track `call`; returns its deadline (on the loop's clock)."""
+        deadline = loop.time() + self.limit_s
+        call.deadline = deadline
+        calls = self._calls
+        calls.append(call)
+        self._open += 1
+        if self._timer is None:
+            self._timer = loop.call_at(deadline, self._expire_due)
+        elif len(calls) > 2 * self._open + 64:
+            self._calls = deque(c for c in calls if c.open)
+        return deadline
+
+    def finished(self) -> None:
+        self._open -= 1
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    @property
+    def tracked(self) -> int:
+        """Calls held (unfinished ones, and finished ones not yet swept out)."""
+        return len(self._calls)
+
+    def _expire_due(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._calls:  # self._calls, not a local: expiring a call may add (and sweep) calls
+            call = self._calls[0]
+            if call.open and call.deadline > now:
+                self._timer = loop.call_at(call.deadline, self._expire_due)
+                return
+            self._calls.popleft()
+            if call.open:
+                call._expire()
+
+
 class Call:
-    """One POST driven by callbacks, for the router's fast path: no task, no future per exchange.
+    """One POST driven by callbacks, for the router's fast path: no task, no future, no timer.
 
     `on_done(call)` runs once: when the whole answer is in (`status`, `body`), or when it failed
-    (`error`: an UpstreamError, or TimeoutError past the deadline). The rules are `UpstreamPool.post`'s:
-    one timer from the start to the last byte, and a request that meets a keep-alive connection the pod
-    had closed is sent once more on another connection. Only a pool with no idle connection makes a
-    task (to connect). `close()` abandons the call: its connection is closed (the engine then aborts the
-    request) and `on_done` is not called.
+    (`error`: an UpstreamError, or TimeoutError past its deadline, kept by `Deadlines`). The rules are
+    `UpstreamPool.post`'s: the time limit runs from the start to the last byte, and a request that
+    meets a keep-alive connection the pod had closed is sent once more on another connection. Only a
+    pool with no idle connection makes a task (to connect). `close()` abandons the call: its
+    connection is closed (the engine then aborts the request) and `on_done` is not called.
     """
 
     __slots__ = (
         "_conn",
         "_connecting",
+        "_deadlines",
         "_message",
         "_on_done",
         "_pieces",
         "_pool",
         "_resent",
         "_reused",
-        "_timer",
         "body",
+        "deadline",
         "error",
         "status",
     )
@@ -169,11 +229,11 @@ class Call:
         self,
         pool: UpstreamPool,
         message: bytes,
-        timeout_s: float,
+        deadlines: Deadlines,
         on_done: Callable[[Call], None],
         loop: asyncio.AbstractEventLoop,
     ) -> None:
-        self._pool, self._message = pool, message
+        self._pool, self._message, self._deadlines = pool, message, deadlines
         self._on_done: Callable[[Call], None] | None = on_done
         self._conn: _Connection | None = None
         self._connecting: asyncio.Task[None] | None = None
@@ -182,9 +242,12 @@ class Call:
         self.status = 0
         self.body = b""
         self.error: BaseException | None = None
-        now = loop.time()
-        self._timer: asyncio.TimerHandle | None = loop.call_at(now + timeout_s, self._expire)
-        self._send(now)
+        self.deadline = 0.0
+        self._send(deadlines.add(self, loop) - deadlines.limit_s)
+
+    @property
+    def open(self) -> bool:
+        return self._on_done is not None
 
     def _send(self, now: float) -> None:
         conn = self._pool._checkout(now)
@@ -218,6 +281,10 @@ class Call:
         self.body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         self._report(None)
 
+    def _whole(self, status: int, body: bytes) -> None:
+        self.status, self.body = status, body
+        self._report(None)
+
     def _fail(self, error: BaseException) -> None:
         self._conn = None
         if isinstance(error, Disconnected) and error.before_head and self._reused and not self._resent:
@@ -228,17 +295,14 @@ class Call:
         self._report(error)
 
     def _expire(self) -> None:
-        self._timer = None
         self._abandon()
         self._report(TimeoutError(f"{self._pool.name} did not answer in time"))
 
     def _report(self, error: BaseException | None) -> None:
         self._conn = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         on_done, self._on_done = self._on_done, None
         if on_done is not None:
+            self._deadlines.finished()
             self.error = error
             on_done(self)
 
@@ -253,10 +317,9 @@ class Call:
 
     def close(self) -> None:
         """Abandon the call unless it is over; `on_done` will not run."""
-        self._on_done = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        if self._on_done is not None:
+            self._on_done = None
+            self._deadlines.finished()
         self._abandon()
 
 
@@ -336,6 +399,7 @@ class _Connection(asyncio.Protocol):
         sink, self._sink = self._sink, None
         self._state = _IDLE
         if self._keep_alive and not self.closed and not self._buf:
+            self.resume()  # a streamed answer's reader may have paused it
             self.pool.put_back(self)  # first: whoever the answer wakes may call this pod again
         else:
             self.close()
@@ -361,12 +425,14 @@ class _Connection(asyncio.Protocol):
         ):
             return False
         connection = _field(low, b"\r\nconnection:")
-        self._keep_alive = connection is None or b"close" not in connection
-        sink = self._sink
+        sink, self._sink = self._sink, None
+        self._state = _IDLE
+        if connection is None or b"close" not in connection:
+            self.pool.put_back(self)
+        else:
+            self.close()
         assert sink is not None
-        sink._head_ready(int(code))
-        sink._feed(data[end + 4 :])
-        self._done()
+        sink._whole(int(code), data[end + 4 :])
         return True
 
     def _parse(self) -> None:
@@ -508,14 +574,14 @@ class UpstreamPool:
         return asyncio.get_running_loop().time()
 
     def call(
-        self, path: bytes, headers: bytes, body: bytes, timeout_s: float, on_done: Callable[[Call], None]
+        self, path: bytes, headers: bytes, body: bytes, deadlines: Deadlines, on_done: Callable[[Call], None]
     ) -> Call:
         """Send a POST whose answer is read whole; `on_done(call)` runs when it is in or has failed."""
-        message = (
-            b"POST " + path + b" HTTP/1.1\r\n" + self._host_header
-            + b"Content-Length: %d\r\n" % len(body) + headers + b"\r\n" + body
+        message = b"".join(
+            (b"POST ", path, b" HTTP/1.1\r\n", self._host_header, b"Content-Length: ", b"%d" % len(body),
+             b"\r\n", headers, b"\r\n", body)
         )  # fmt: skip
-        return Call(self, message, timeout_s, on_done, asyncio.get_running_loop())
+        return Call(self, message, deadlines, on_done, asyncio.get_running_loop())
 
     async def post(self, path: str, headers: bytes, body: bytes, timeout_s: float) -> Response:
         """Send a POST (headers: preformatted `Name: value\\r\\n` lines); returns once the head is in."""
