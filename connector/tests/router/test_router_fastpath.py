@@ -348,3 +348,22 @@ async def test_draining_server_lets_a_fast_request_finish(
     assert (answer.status, answer.headers["connection"]) == (200, "close")
     await cleanup
     assert r.router.metrics.errors["client_disconnect"] == 0
+
+
+async def test_a_failing_step_answers_500_and_closes_the_connection(
+    engines: EngineFactory, start_router: RouterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A bug in a step must not leave the client waiting: 500, the connection closes, counts drop."""
+    p, d = await pair(engines, "dllm")
+    r = await start_router("dllm", [p], [d])
+
+    def broken(*_: object) -> bool:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("dllm_connector.router.openai.finished_at_prefill", broken)
+    c = await RawClient.to(r)
+    c.send(post(completion("bug")))
+    answer = await c.answer()
+    assert (answer.status, answer.headers["connection"]) == (500, "close")
+    assert await c.closed_by_server()
+    await all_idle(r.router)

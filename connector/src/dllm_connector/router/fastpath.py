@@ -48,6 +48,7 @@ class FastExchange(Pending):
         "_pcall",
         "_prefill_at",
         "_prefill_done",
+        "_replied",
         "_request",
         "_router",
         "_tried",
@@ -83,6 +84,7 @@ class FastExchange(Pending):
         self._dcall: Call | None = None
         self._decoded: bytes | None = None  # decode's answer when it came before prefill's (dllm)
         self._prefill_at = self._prefill_done = started
+        self._replied = False
         conn.pending = self
 
     # ---- the steps ----
@@ -176,6 +178,7 @@ class FastExchange(Pending):
         self._reply(Response(payload, header_lines=self.rid_line), self._p.name, decode)
 
     def _reply(self, response: Response, prefill: str, decode: str) -> None:
+        self._replied = True
         self._conn.reply(self._request, response)
         self._router.account(self.route, self.rid, response.status, prefill, decode, self.started, sent=True)
 
@@ -192,7 +195,9 @@ class FastExchange(Pending):
         except Exception:
             log.exception("%s %s failed", self._request.method, self._request.path)
             self._drop_calls()
-            self._conn.reply_internal_error(self._request)
+            if not self._replied:  # else the answer is out: nothing more to send
+                self._replied = True
+                self._conn.reply_internal_error(self._request)
 
     def _retry_or_fail(self, error: Unreachable) -> None:
         router = self._router
