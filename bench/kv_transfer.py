@@ -12,9 +12,9 @@ core is measured with torch on one thread. `--link` runs the table again over a 
 two network namespaces of our own, rate-limited with tc (needs root; 127.0.0.1 stays untouched).
 Transfers are pipelined in batches of --batch-tokens (transferThresholdTokens, default 1024 as in
 the connector). `--checksum off` is an experiment, not a mode of the connector: it replaces the
-CRC-32 of zero-copy transfers by 0 on both sides, to show what the checksum costs (`adler32`: by
-zlib's Adler-32). `--threads` sets the torch threads of each engine process (default 1; the codec
-runs on them).
+XXH3 checksum of zero-copy transfers by 0 on both sides, to show what the checksum costs (`crc32`:
+by zlib's CRC-32, the connector's checksum before XXH3). `--threads` sets the torch threads of each
+engine process (default 1; the codec runs on them).
 
     python bench/kv_transfer.py --quick            # 2k tokens, under 50 s
     python bench/kv_transfer.py --tokens 2048 32768 --link 2gbit
@@ -63,12 +63,13 @@ def _caches(num_blocks: int, seed: int | None) -> dict[str, Any]:
     return caches
 
 
-def _spans_adler32(spans: Any, value: int = 1) -> int:
+def _spans_crc32(spans: Any) -> int:
     import ctypes
     import zlib
 
+    value = 0
     for addr, nbytes in spans:
-        value = zlib.adler32((ctypes.c_ubyte * nbytes).from_address(addr), value)
+        value = zlib.crc32((ctypes.c_ubyte * nbytes).from_address(addr), value)
     return value
 
 
@@ -94,10 +95,10 @@ class Worker:
         from dllm_connector.transport.torchdist import TorchDistTransport
 
         torch.set_num_threads(threads)
-        if checksum == "off":  # the experiment: what the zero-copy CRC-32 costs on both sides
-            pipe.spans_checksum = lambda spans, value=0: 0  # type: ignore[attr-defined]
-        elif checksum == "adler32":  # the experiment: a cheaper checksum in its place
-            pipe.spans_checksum = _spans_adler32  # type: ignore[attr-defined]
+        if checksum == "off":  # the experiment: what the zero-copy checksum costs on both sides
+            pipe.spans_checksum = lambda spans: 0  # type: ignore[attr-defined]
+        elif checksum == "crc32":  # the experiment: the slower checksum in its place
+            pipe.spans_checksum = _spans_crc32  # type: ignore[attr-defined]
         self.host = host
         geometry = Geometry(block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, model="bench")
         self.kv = PagedKV(_caches(num_blocks, 1 if role == "prefill" else None), num_blocks, geometry)
@@ -468,8 +469,8 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=1024, help="transferThresholdTokens")
     parser.add_argument(
         "--checksum",
-        choices=["crc32", "adler32", "off"],
-        default="crc32",
+        choices=["xxh3", "crc32", "off"],
+        default="xxh3",
         help="zero-copy checksum (experiment)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine process")

@@ -13,8 +13,6 @@ one run of memory on the CPU and HND layouts, one run per token on NHD.
 
 from __future__ import annotations
 
-import ctypes
-import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -447,13 +445,6 @@ def _product(sizes: Sequence[int]) -> int:
     for size in sizes:
         count *= size
     return count
-
-
-def spans_checksum(spans: Sequence[tuple[int, int]], value: int = 0) -> int:
-    """CRC-32 over host memory spans in order (zero-copy), equal to the CRC of their concatenation."""
-    for addr, nbytes in spans:
-        value = zlib.crc32((ctypes.c_ubyte * nbytes).from_address(addr), value)
-    return value
 
 
 def coalesce(

@@ -7,7 +7,7 @@ transferThresholdTokens (docs/kv-connector.md has the whole exchange):
     offer {id, cache signature, blocks} ->   checks the signature; waits (up to hold) for decode to
                                              expect the id; names its KV blocks or reserves staging
                                      <-      accept {skip, count, destination spans}
-    per batch: gather, encode, write,   ->   per batch: verify the CRC, decode, scatter into blocks
+    per batch: gather, encode, write,   ->   per batch: verify the checksum, decode, scatter
                announce {header}             (two-sided transports: announce first, then send)
     done                                ->
                                      <-      ack, or nack {reason}
@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from dllm_connector import codec
+from dllm_connector.checksum import spans_checksum
 from dllm_connector.kv_layout import (
     Geometry,
     HeadRange,
@@ -45,7 +46,6 @@ from dllm_connector.kv_layout import (
     coalesce,
     plan_tp_mapping,
     signature_mismatches,
-    spans_checksum,
 )
 from dllm_connector.kv_scheduler import prompt_hash
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig
@@ -884,7 +884,7 @@ class KVReceiver:
         if view is None:
             actual = spans_checksum(self.kv.spans(blocks, heads))
             if actual != header.checksum:
-                raise codec.ChecksumError(f"KV checksum {actual:#010x} != sender's {header.checksum:#010x}")
+                raise codec.ChecksumError(f"KV checksum {actual:#018x} != sender's {header.checksum:#018x}")
             return
         self.kv.scatter_layers(blocks, codec.decode_parts(header, view, self.kv.num_layers), heads)
 

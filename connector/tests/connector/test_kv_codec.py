@@ -229,7 +229,10 @@ def test_encode_leaves_the_kv_untouched(compression: Compression) -> None:
     assert torch.equal(kv, before)
 
 
-@pytest.mark.parametrize("values", [codec._fp8_values, codec._fp8_values_cast])
+WORDWISE_FP8_VALUES = codec._fp8_values_by_words(codec._fp8_half_words, codec._fp8_widen)
+
+
+@pytest.mark.parametrize("values", [codec._fp8_values, codec._fp8_values_cast, WORDWISE_FP8_VALUES])
 def test_fp8_decode_is_exact_for_every_finite_code(values: codec.ValuesFn) -> None:
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(2, 128)
     scale = torch.tensor([2.0**-126, 2.0**120])  # the smallest and largest scales encode writes

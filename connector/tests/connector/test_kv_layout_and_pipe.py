@@ -11,7 +11,8 @@ import pytest
 import torch
 from kv_peer import HOST
 
-from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, coalesce, layer_layout, spans_checksum
+from dllm_connector.checksum import spans_checksum
+from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, coalesce, layer_layout
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig, Protocol
 from dllm_connector.pipe import KVPipe, KVSender, PipeConfig, chunk_ranges, prompt_hash
 from dllm_connector.transport.base import TransferTimeout, TransportError

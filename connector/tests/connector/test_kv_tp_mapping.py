@@ -13,6 +13,7 @@ import pytest
 import torch
 from kv_peer import LAYOUTS, TP_BLOCKS, TP_GEOMETRY, full_model_kv, heads_of, rank_kv
 
+from dllm_connector.checksum import spans_checksum
 from dllm_connector.kv_layout import (
     Geometry,
     LayoutError,
@@ -24,7 +25,6 @@ from dllm_connector.kv_layout import (
     plan_tp_mapping,
     rank_heads,
     signature_mismatches,
-    spans_checksum,
 )
 
 pytestmark = pytest.mark.timeout(30)
