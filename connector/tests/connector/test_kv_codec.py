@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -51,6 +53,52 @@ def test_round_trip_error_is_bounded(compression: Compression, dtype: torch.dtyp
         assert bool((error <= error_bound(kv, compression)).all()), float(error.max())
         relative = float(error.norm() / kv.float().norm())
         assert relative < {Compression.FP8: 0.04, Compression.INT8: 0.01}[compression]
+
+
+@pytest.mark.parametrize("compression", list(Compression))
+def test_a_batch_encoded_and_decoded_in_parts_matches_the_whole(compression: Compression) -> None:
+    kv = blocks(num_blocks=6)
+    whole_header, whole_payload = codec.encode(kv, compression, GROUPS)
+    reused = torch.empty(2, *kv.shape[1:], dtype=kv.dtype)  # parts overwrite one buffer, as a gather does
+    header, payload = codec.encode_parts(
+        _copies_into(reused, kv.chunk(3)), tuple(kv.shape), kv.dtype, compression, GROUPS
+    )
+    assert header == whole_header
+    assert torch.equal(payload, whole_payload)
+    parts = [part.clone() for part in codec.decode_parts(header, payload, 3)]
+    assert torch.equal(torch.cat(parts), codec.decode(whole_header, whole_payload))
+
+
+def _copies_into(buffer: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> Iterator[torch.Tensor]:
+    for part in parts:
+        buffer.copy_(part)
+        yield buffer
+
+
+@pytest.mark.parametrize(
+    ("parts", "message"),
+    [
+        ([torch.zeros(2, GROUPS, 16, 8, dtype=torch.bfloat16)], "parts held 2 of the batch's 6 entries"),
+        (
+            [torch.zeros(4, GROUPS, 16, 8, dtype=torch.bfloat16)] * 2,
+            "parts hold more than the batch's 6 entries",
+        ),
+        (
+            [torch.zeros(6, GROUPS, 8, 16, dtype=torch.bfloat16)],
+            r"part \[6, 4, 8, 16\] torch.bfloat16 does not fit batch \[6, 4, 16, 8\]",
+        ),
+        ([torch.zeros(6, GROUPS, 16, 8, dtype=torch.float16)], "does not fit batch"),
+    ],
+)
+def test_parts_that_do_not_make_up_the_batch_are_refused(parts: list[torch.Tensor], message: str) -> None:
+    with pytest.raises(codec.CodecError, match=message):
+        codec.encode_parts(parts, (6, GROUPS, 16, 8), torch.bfloat16, Compression.FP8, GROUPS)
+
+
+def test_decoding_in_parts_needs_parts_that_divide_the_batch() -> None:
+    header, payload = codec.encode(blocks(num_blocks=6), Compression.FP8, GROUPS)
+    with pytest.raises(codec.CodecError, match="a batch of 6 entries does not split into 4 parts"):
+        next(codec.decode_parts(header, payload, 4))
 
 
 @pytest.mark.parametrize("compression", QUANTIZED)

@@ -58,6 +58,26 @@ def test_gather_scatter_and_regions_agree(shape: tuple[int, ...]) -> None:
     assert spans_checksum(spans) == spans_checksum([(flat.data_ptr(), flat.numel())])
 
 
+@pytest.mark.parametrize("shape", [(NUM_BLOCKS, 4, 16, 64), (2, NUM_BLOCKS, 16, 4, 32)])
+def test_layer_by_layer_gather_and_scatter_match_the_whole_batch(shape: tuple[int, ...]) -> None:
+    source = PagedKV({"a": torch.randn(shape), "b": torch.randn(shape)}, NUM_BLOCKS, GEOMETRY)
+    target = PagedKV({"a": torch.zeros(shape), "b": torch.zeros(shape)}, NUM_BLOCKS, GEOMETRY)
+    whole = source.gather([7, 2, 5])
+    parts = [part.clone() for part in source.gather_layers([7, 2, 5])]  # one buffer, reused
+    assert torch.equal(torch.cat(parts), whole)
+    target.scatter_layers([0, 9, 4], iter(parts))
+    assert torch.equal(target.gather([0, 9, 4]), whole)
+    assert not bool(target.gather([1, 2, 3]).any())
+
+
+def test_a_batch_with_too_few_layers_is_refused_by_name() -> None:
+    shape = (NUM_BLOCKS, 4, 16, 64)
+    target = PagedKV({"a": torch.zeros(shape), "b": torch.zeros(shape)}, NUM_BLOCKS, GEOMETRY)
+    one_layer = PagedKV({"a": torch.randn(shape)}, NUM_BLOCKS, GEOMETRY).gather_layers([1])
+    with pytest.raises(LayoutError, match="KV batch held 1 layers, this engine has 2"):
+        target.scatter_layers([3], one_layer)
+
+
 def _memory(addr: int, length: int) -> bytearray:
     return bytearray((ctypes.c_ubyte * length).from_address(addr))
 
