@@ -189,10 +189,10 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 #
 # Each codec has three kernels on a chunk of rows (one row = one scale group): `scales` (per row: the
 # reciprocal used to encode, and the scale the payload carries), `codes` (rows -> 8-bit codes, written
-# straight into the payload) and `values` (codes -> float32; decode's copy into the KV casts, which
-# measured faster than casting inside a kernel). Compiled, torch.compile fuses each into one loop;
-# plain torch ops (no compiler, or DLLM_KV_CODEC_COMPILE=0) use torch's fp8 casts instead of the
-# integer ops, which unfused would cost a pass each. Both give the same bytes (tests check it).
+# straight into the payload) and `decode_into` (codes -> values in the KV dtype, written into the
+# target). Compiled, torch.compile fuses each into one loop (fp8's decode into two, over whole int32
+# words); plain torch ops (no compiler, or DLLM_KV_CODEC_COMPILE=0) use torch's fp8 casts instead of
+# the integer ops, which unfused would cost a pass each. Both give the same bytes (tests check it).
 #
 # fp8 uses power-of-two scales 2^k, the smallest with amax * 2^-k <= 448. Multiplying by 2^-k is
 # exact, and the float32 -> e4m3 rounding is then done with integer ops on the float32 bit pattern,
@@ -262,20 +262,33 @@ def _fp8_half_words(words: torch.Tensor) -> torch.Tensor:
     return torch.stack([low, high], dim=-1)
 
 
-def _fp8_widen(half: torch.Tensor, scale: torch.Tensor, limit: float) -> torch.Tensor:
-    return (half.float() * 256.0 * scale.unsqueeze(1)).clamp(-limit, limit)
+def _fp8_widen_into(half: torch.Tensor, scale: torch.Tensor, limit: float, out: torch.Tensor) -> None:
+    """float16 (from `_fp8_half_words`) times 2^8 and the row's scale, cast into out in the same pass."""
+    out.copy_((half.float() * 256.0 * scale.unsqueeze(1)).clamp(-limit, limit))
 
 
-def _fp8_values_by_words(half_words: Callable[[torch.Tensor], torch.Tensor], widen: ValuesFn) -> ValuesFn:
-    """`_fp8_values` in two passes over whole int32 words (rows of a multiple of 4 codes)."""
+def _fp8_decode_by_words(
+    half_words: Callable[[torch.Tensor], torch.Tensor], widen_into: DecodeFn
+) -> DecodeFn:
+    """`_fp8_values` into out in two passes over whole int32 words (rows of a multiple of 4 codes)."""
 
-    def values(codes: torch.Tensor, scale: torch.Tensor, limit: float) -> torch.Tensor:
+    def decode_into(codes: torch.Tensor, scale: torch.Tensor, limit: float, out: torch.Tensor) -> None:
         if codes.shape[-1] % 4 or not codes.is_contiguous() or codes.data_ptr() % 4:
-            return _fp8_values(codes, scale, limit)
+            out.copy_(_fp8_values(codes, scale, limit))
+            return
         half = half_words(codes.view(torch.int32)).view(torch.float16).view(codes.shape)
-        return widen(half, scale, limit)
+        widen_into(half, scale, limit, out)
 
-    return values
+    return decode_into
+
+
+def _decoding_with(values: ValuesFn) -> DecodeFn:
+    """A decode into out from a kernel that returns float32 (the copy casts to the KV dtype)."""
+
+    def decode_into(codes: torch.Tensor, scale: torch.Tensor, limit: float, out: torch.Tensor) -> None:
+        out.copy_(values(codes, scale, limit))
+
+    return decode_into
 
 
 def _fp8_codes_cast(rows: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> None:
@@ -306,13 +319,14 @@ def _int8_values(codes: torch.Tensor, scale: torch.Tensor, limit: float) -> torc
 ScalesFn = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 CodesFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 ValuesFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+DecodeFn = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor], None]
 
 
 @dataclass(frozen=True)
 class _CodecKernels:
     scales: ScalesFn
     codes: CodesFn
-    values: ValuesFn
+    decode_into: DecodeFn
 
 
 @dataclass
@@ -325,31 +339,27 @@ class _Kernels:
 
 
 _PLAIN: Mapping[Compression, _CodecKernels] = {
-    Compression.FP8: _CodecKernels(_fp8_scales, _fp8_codes_cast, _fp8_values_cast),
-    Compression.INT8: _CodecKernels(_int8_scales, _int8_codes, _int8_values),
+    Compression.FP8: _CodecKernels(_fp8_scales, _fp8_codes_cast, _decoding_with(_fp8_values_cast)),
+    Compression.INT8: _CodecKernels(_int8_scales, _int8_codes, _decoding_with(_int8_values)),
 }
 _FUSED: Mapping[Compression, _CodecKernels] = {
-    Compression.FP8: _CodecKernels(_fp8_scales, _fp8_codes, _fp8_values),
-    Compression.INT8: _CodecKernels(_int8_scales, _int8_codes, _int8_values),
+    Compression.FP8: _CodecKernels(_fp8_scales, _fp8_codes, _decoding_with(_fp8_values)),
+    Compression.INT8: _CodecKernels(_int8_scales, _int8_codes, _decoding_with(_int8_values)),
 }
 _PLAIN_CHUNK_ELEMENTS = 1 << 18
 _COMPILED_CHUNK_ELEMENTS = 1 << 22
-# Decode makes float32 chunks: small enough to stay in cache.
-_DECODE_CHUNK_ELEMENTS = 1 << 20
+# Decode's temporaries per chunk (fp8: float16 bits; int8: float32 values) stay in cache at these sizes.
+_DECODE_CHUNK_ELEMENTS: Mapping[Compression, int] = {Compression.FP8: 1 << 21, Compression.INT8: 1 << 20}
 
 _kernels: _Kernels | None = None
 
 
-def _compiled(functions: _CodecKernels) -> _CodecKernels:
-    values = functions.values
-    if values is _fp8_values:  # two compiled passes over words beat one over bytes
-        compile_ = functools.partial(torch.compile, dynamic=True)
-        values = _fp8_values_by_words(compile_(_fp8_half_words), compile_(_fp8_widen))
-    elif values is not _int8_values:
-        values = torch.compile(values, dynamic=True)
-    return _CodecKernels(
-        torch.compile(functions.scales, dynamic=True), torch.compile(functions.codes, dynamic=True), values
-    )
+def _compiled(codec: Compression, functions: _CodecKernels) -> _CodecKernels:
+    compile_ = functools.partial(torch.compile, dynamic=True)
+    decode_into = functions.decode_into  # int8: eager on purpose (see _int8_values)
+    if codec is Compression.FP8:  # two compiled passes over words beat one over bytes
+        decode_into = _fp8_decode_by_words(compile_(_fp8_half_words), compile_(_fp8_widen_into))
+    return _CodecKernels(compile_(functions.scales), compile_(functions.codes), decode_into)
 
 
 def _compile_kernels() -> _Kernels:
@@ -357,7 +367,7 @@ def _compile_kernels() -> _Kernels:
     plain = _Kernels(_PLAIN, compiled=False, chunk_elements=_PLAIN_CHUNK_ELEMENTS)
     try:
         compiled = _Kernels(
-            {codec: _compiled(functions) for codec, functions in _FUSED.items()},
+            {codec: _compiled(codec, functions) for codec, functions in _FUSED.items()},
             compiled=True,
             chunk_elements=_COMPILED_CHUNK_ELEMENTS,
         )
@@ -379,7 +389,8 @@ def _same_round_trip(probe: torch.Tensor, codec: Compression, plain: _Kernels, o
         inverse, scale = functions.scales(probe)
         codes = torch.empty(probe.shape, dtype=_CODE_DTYPE[codec])
         functions.codes(probe, inverse, codes)
-        restored = functions.values(codes, scale, float(torch.finfo(probe.dtype).max))
+        restored = torch.empty_like(probe)
+        functions.decode_into(codes, scale, float(torch.finfo(probe.dtype).max), restored)
         results.append((codes, scale, restored))
     return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
@@ -581,11 +592,10 @@ class _PartReader:
             return
         rows = slice(first * header.groups, (first + count) * header.groups)
         target = out.view(count * header.groups, -1)
-        values = kernels().by_codec[header.codec].values
+        decode_into = kernels().by_codec[header.codec].decode_into
         limit = float(torch.finfo(header.torch_dtype).max)
         codes, scales = self._codes[rows], self._scales[rows]
-        # Kernels return float32 and the copy into the KV casts: faster on CPU than casting in the kernel.
-        chunks = _row_chunks(target.shape[0], target.shape[1], _DECODE_CHUNK_ELEMENTS)
+        chunks = _row_chunks(target.shape[0], target.shape[1], _DECODE_CHUNK_ELEMENTS[header.codec])
         for start in chunks:
             stop = start + chunks.step
-            target[start:stop].copy_(values(codes[start:stop], scales[start:stop], limit))
+            decode_into(codes[start:stop], scales[start:stop], limit, target[start:stop])
