@@ -3,7 +3,9 @@
 aiohttp's server cost the router 80-100 us per request in profiles, even for a handler returning a
 constant (request objects, header multidicts, payload streams, a task and several futures per request).
 This one parses with llhttp, keeps headers as a plain dict of lowercased bytes, hands the handler the
-whole body, and writes each answer with one `write`.
+whole body, and writes each answer with one `write`. A route may also have a `FastHandler`, called
+with the complete request from the parser's callback, which answers by callbacks (no task per request)
+or hands the request to a task.
 
 Behaviour a client sees:
 - keep-alive (HTTP/1.1 by default, HTTP/1.0 on request); pipelined requests are answered in order,

@@ -5,9 +5,11 @@ keep-alive connection pools per pod (`upstream.py`); health checks, the bootstra
 use one aiohttp ClientSession.
 
 Per prompt the router picks a prefill and a decode pod (least outstanding requests), sends the two calls
-of the configured flow, and relays decode's answer. Nothing reaches the client before prefill has
-answered, so a prefill error, a prefill that already finished, or an unreachable pod is still handled
-cleanly (with a retry on other pods when the failure was a connection one).
+of the configured flow, and relays decode's answer. A non-streamed single prompt of the nixl or dllm
+flow takes the fast path (`fastpath.py`: callbacks, no task); everything else the coroutine path here.
+Nothing reaches the client before prefill has answered, so a prefill error, a prefill that already
+finished, or an unreachable pod is still handled cleanly (with a retry on other pods when the failure was
+a connection one).
 """
 
 from __future__ import annotations
