@@ -376,6 +376,7 @@ class _Connection(asyncio.Protocol):
             self._fail(e)
 
     def eof_received(self) -> bool:
+        self.closed = True  # the pod is closing it: not to be taken from the pool meanwhile
         return False  # close our side too; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -554,7 +555,13 @@ class UpstreamPool:
     def _checkout(self, now: float) -> _Connection | None:
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and now - conn.idle_since < IDLE_S:
+            transport = conn.transport
+            if (
+                not conn.closed
+                and now - conn.idle_since < IDLE_S
+                and transport
+                and not transport.is_closing()
+            ):
                 return conn
             conn.close()
         return None
