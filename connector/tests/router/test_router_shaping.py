@@ -136,6 +136,30 @@ def test_dllm_plan_speaks_the_connector_protocol() -> None:
     assert other.transfer_id != plan.transfer_id  # unique even when a client reuses its request id
 
 
+def test_cached_dllm_plans_are_the_models_dumps() -> None:
+    plans = flows.DllmPlans(CONFIG)
+    for prefill_host, decode_host in [
+        ("10.0.0.1", "10.0.0.2"),
+        ("10.0.0.3", "10.0.0.2"),
+        ("10.0.0.1", "10.0.0.2"),
+    ]:
+        plan = plans.plan("rid", 3, prefill_host, decode_host)
+        assert plan.transfer_id is not None
+        assert plan.transfer_id.startswith("rid-3-")
+        same = flows.dllm_plan(CONFIG, "rid", 3, prefill_host, decode_host, plan.transfer_id)
+        assert plan == same
+        assert list(plan.prefill_kv) == list(same.prefill_kv)  # the same keys in the same order
+        assert plan.decode_kv is not None
+        assert same.decode_kv is not None
+        assert list(plan.decode_kv) == list(same.decode_kv)
+    assert plans.plan("rid", 3, "10.0.0.1", "10.0.0.2").transfer_id != plan.transfer_id
+
+
+def test_cached_dllm_plans_refuse_what_the_protocol_refuses() -> None:
+    with pytest.raises(ValueError, match="transfer_id"):
+        flows.DllmPlans(CONFIG).plan("r" * 300, 0, "10.0.0.1", "10.0.0.2")
+
+
 def test_mooncake_plan_and_data_parallel_header() -> None:
     plan = flows.mooncake_plan("rid", 0, "http://10.0.0.1:8998", "eng-1", dp_rank=1, dp_size=2)
     assert plan.prefill_kv == {

@@ -36,9 +36,14 @@ def is_concurrent(flow: Flow) -> bool:
 
 
 def dllm_plan(
-    config: RouterConfig, request_id: str, index: int, prefill_host: str, decode_host: str
+    config: RouterConfig,
+    request_id: str,
+    index: int,
+    prefill_host: str,
+    decode_host: str,
+    transfer_id: str | None = None,
 ) -> PairPlan:
-    tid = new_transfer_id(request_id, index)
+    tid = new_transfer_id(request_id, index) if transfer_id is None else transfer_id
     prefill = PrefillParams(
         transfer_id=tid,
         decode_host=decode_host,
@@ -53,6 +58,40 @@ def dllm_plan(
         prefill_headers=b"",
         transfer_id=tid,
     )
+
+
+_MAX_TRANSFER_ID = 256  # the protocol's limit (its models refuse longer ids)
+
+
+class DllmPlans:
+    """`dllm_plan`, with each pod pair's params validated and dumped once: per prompt only the transfer
+    id changes, so it is put into copies of that pair's dumps (same keys, same order). A transfer id the
+    protocol would refuse is left to the models, which raise as `dllm_plan` does."""
+
+    MAX_PAIRS = 4096  # pods come and go: the cache is emptied rather than grown without bound
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._pairs: dict[tuple[str, str], tuple[JsonObject, JsonObject]] = {}
+
+    def plan(self, request_id: str, index: int, prefill_host: str, decode_host: str) -> PairPlan:
+        tid = new_transfer_id(request_id, index)
+        if not 0 < len(tid) <= _MAX_TRANSFER_ID:
+            return dllm_plan(self.config, request_id, index, prefill_host, decode_host, tid)
+        pair = self._pairs.get((prefill_host, decode_host))
+        if pair is None:
+            if len(self._pairs) >= self.MAX_PAIRS:
+                self._pairs.clear()
+            template = dllm_plan(self.config, "", 0, prefill_host, decode_host, "t")
+            assert template.decode_kv is not None
+            pair = self._pairs[(prefill_host, decode_host)] = (template.prefill_kv, template.decode_kv)
+        return PairPlan(
+            prefill_kv={**pair[0], "transfer_id": tid},
+            decode_kv={**pair[1], "transfer_id": tid},
+            concurrent=True,
+            prefill_headers=b"",
+            transfer_id=tid,
+        )
 
 
 def bootstrap_url(host: str, port: int) -> str:

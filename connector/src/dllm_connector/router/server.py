@@ -92,6 +92,7 @@ class Router:
         }
         self.metrics = Metrics()
         self.deadlines = Deadlines(config.request_timeout_s)  # the fast path's calls
+        self._dllm_plans = flows.DllmPlans(config)
         # writes an INFO line of dllm.router as logging would, without a record (set by the CLI when its
         # logging setup makes that exact); None: access lines go through logging
         self.access_line: Callable[[str], None] | None = None
@@ -456,7 +457,7 @@ class Router:
     def plan(self, rid: str, index: int, p: Endpoint, d: Endpoint) -> flows.PairPlan:
         flow = self.config.flow
         if flow == "dllm":
-            return flows.dllm_plan(self.config, rid, index, p.host, d.host)
+            return self._dllm_plans.plan(rid, index, p.host, d.host)
         if flow == "mooncake":
             rank = p.next_dp_rank % max(len(p.engine_ids), 1)
             p.next_dp_rank += 1
