@@ -485,9 +485,14 @@ class _PartWriter:
             self._scales = payload[header.data_nbytes :].view(SCALE_DTYPE)
 
     def write(self, part: torch.Tensor) -> None:
-        header, count = self._header, part.shape[0] if part.dim() else 0
-        if tuple(part.shape[1:]) != header.shape[1:] or part.dtype != header.torch_dtype:
+        header = self._header
+        if (
+            part.dim() != len(header.shape)
+            or part.shape[1:] != header.shape[1:]
+            or part.dtype != header.torch_dtype
+        ):
             raise CodecError(f"part {list(part.shape)} {part.dtype} does not fit batch {list(header.shape)}")
+        count = part.shape[0]
         if not part.is_contiguous():
             raise CodecError("KV blocks must be contiguous; gather them first")
         if self._done + count > header.shape[0]:
