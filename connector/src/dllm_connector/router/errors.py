@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 from random import getrandbits
+from typing import Any
 
 from dllm_connector.router import openai as oa
 from dllm_connector.router.endpoints import Endpoint
@@ -46,3 +47,21 @@ def as_error(data: bytes) -> bytes:
         if isinstance(json.loads(data), dict):
             return data
     return oa.error_body(data.decode(errors="replace")[:500] or "upstream error", "upstream_error", 502)
+
+
+def pod_error(ep: Endpoint, status: int, data: bytes) -> RouterError:
+    """What the client gets when a pod answered with an error status (its own error body, if JSON)."""
+    return RouterError(
+        status, f"{ep.role}_error", f"{ep.role} pod {ep.name} answered {status}", as_error(data)
+    )
+
+
+def prefill_answer(data: bytes, ep: Endpoint) -> dict[str, Any]:
+    """Prefill's answer as a JSON object, or the error the client gets for anything else."""
+    try:
+        answer = oa.loads(data)
+    except ValueError:
+        raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered non-JSON") from None
+    if not isinstance(answer, dict):
+        raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered a non-object")
+    return answer

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from dllm_connector.router import openai as oa
 from dllm_connector.router.endpoints import Endpoint
-from dllm_connector.router.errors import RouterError, Unreachable, as_error
+from dllm_connector.router.errors import RouterError, Unreachable, pod_error, prefill_answer
 from dllm_connector.router.httpserver import Pending, Request, Response
 from dllm_connector.router.upstream import Call
 
@@ -126,14 +126,10 @@ class FastExchange(Pending):
         assert p is not None
         p.inflight -= 1
         self._pcall = None
-        if call.error is not None:
-            raise router.upstream_failure(p, call.error)
-        if call.status != 200:
-            message = f"prefill pod {p.name} answered {call.status}"
-            raise RouterError(call.status, "prefill_error", message, as_error(call.body))
+        self._raise_unless_ok(call, p)
         now = perf_counter()
         router.metrics.prefill_seconds.observe(now - self._prefill_at)
-        finished = _prefill_json(call.body, p)
+        finished = prefill_answer(call.body, p)
         self._prefill_done = now
         if oa.finished_at_prefill(finished, self.body):  # EOS at the first token: decode has nothing
             router.metrics.prefill_answers += 1
@@ -157,16 +153,19 @@ class FastExchange(Pending):
         assert ep is not None
         ep.inflight -= 1
         self._dcall = None
-        if call.error is not None:
-            raise router.upstream_failure(ep, call.error)
-        if call.status != 200:
-            message = f"{ep.role} pod {ep.name} answered {call.status}"
-            raise RouterError(call.status, f"{ep.role}_error", message, as_error(call.body))
+        self._raise_unless_ok(call, ep)
         router.metrics.decode_first_byte_seconds.observe(max(perf_counter() - self._prefill_done, 0.0))
         if self._pcall is not None:
             self._decoded = call.body  # prefill has not answered yet: its answer decides
         else:
             self._answer(call.body)
+
+    def _raise_unless_ok(self, call: Call, ep: Endpoint) -> None:
+        """A call that failed or answered an error status ends the attempt (Unreachable: retried)."""
+        if call.error is not None:
+            raise self._router.upstream_failure(ep, call.error)
+        if call.status != 200:
+            raise pod_error(ep, call.status, call.body)
 
     # ---- endings ----
 
@@ -226,13 +225,3 @@ class FastExchange(Pending):
         self._drop_calls()
         self._router.metrics.errors["client_disconnect"] += 1
         log.info("%s %s client went away; upstream requests cancelled", self.rid, self.route)
-
-
-def _prefill_json(data: bytes, p: Endpoint) -> JsonObject:
-    try:
-        answer = oa.loads(data)
-    except ValueError:
-        raise RouterError(502, "prefill_error", f"prefill pod {p.name} answered non-JSON") from None
-    if not isinstance(answer, dict):
-        raise RouterError(502, "prefill_error", f"prefill pod {p.name} answered a non-object")
-    return answer

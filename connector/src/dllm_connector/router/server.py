@@ -30,7 +30,14 @@ from dllm_connector.router import flows
 from dllm_connector.router import openai as oa
 from dllm_connector.router.config import RouterConfig
 from dllm_connector.router.endpoints import AddressSource, Endpoint, Pool, scheme_of, source_for
-from dllm_connector.router.errors import RouterError, Unreachable, as_error, header_value, request_id
+from dllm_connector.router.errors import (
+    RouterError,
+    Unreachable,
+    header_value,
+    pod_error,
+    prefill_answer,
+    request_id,
+)
 from dllm_connector.router.fastpath import FastExchange
 from dllm_connector.router.httpserver import FastHandler, Handler, HttpServer, Request, Response, StreamWriter
 from dllm_connector.router.httpserver import _Connection as Connection
@@ -510,16 +517,9 @@ class Router:
         finally:
             ep.inflight -= 1
         if response.status != 200:
-            message = f"prefill pod {ep.name} answered {response.status}"
-            raise RouterError(response.status, "prefill_error", message, as_error(data))
+            raise pod_error(ep, response.status, data)
         self.metrics.prefill_seconds.observe(perf_counter() - started)
-        try:
-            answer = oa.loads(data)
-        except ValueError:
-            raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered non-JSON") from None
-        if not isinstance(answer, dict):
-            raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered a non-object")
-        return answer
+        return prefill_answer(data, ep)
 
     async def _open(
         self,
@@ -538,9 +538,7 @@ class Router:
             if response.status != 200 or read_all:
                 data = await response.read()
                 if response.status != 200:
-                    kind = f"{ep.role}_error"
-                    msg = f"{ep.role} pod {ep.name} answered {response.status}"
-                    raise RouterError(response.status, kind, msg, as_error(data))
+                    raise pod_error(ep, response.status, data)
                 answer.body = data
                 self._observe_first_byte(answer)
         except BaseException as e:
