@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from typing import Any
 
 import pytest
@@ -315,18 +314,6 @@ async def test_one_token_request_on_the_fast_path_goes_to_prefill_unchanged(
     assert seen.body == {"prompt": "one", "max_tokens": 1}
     assert d.generations == []
     assert (r.router.metrics.fast_requests, r.router.metrics.prefill_answers) == (1, 1)
-
-
-async def test_fast_path_access_line(
-    engines: EngineFactory, start_router: RouterFactory, caplog: pytest.LogCaptureFixture
-) -> None:
-    p, d = await pair(engines, "nixl")
-    r = await start_router("nixl", [p], [d])
-    caplog.set_level(logging.INFO, logger="dllm.router")
-    async with await r.post(COMPLETIONS, {"prompt": "x"}, headers={"X-Request-Id": "line-1"}) as resp:
-        assert resp.status == 200
-    access = f"line-1 {COMPLETIONS} 200 prefill=127.0.0.1:{p.port} decode=127.0.0.1:{d.port} "
-    await wait_until(lambda: any(m.startswith(access) for m in caplog.messages), "the access line")
 
 
 async def test_draining_server_lets_a_fast_request_finish(

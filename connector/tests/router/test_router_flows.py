@@ -241,11 +241,12 @@ async def test_prompt_over_aiohttp_default_body_limit(
     assert json.loads(text)["choices"][0]["text"] == expected_text(prompt, 2)
 
 
+@pytest.mark.parametrize("flow", ["dllm", "nixl"])
 async def test_request_id_appears_in_the_logs(
-    engines: EngineFactory, start_router: RouterFactory, caplog: pytest.LogCaptureFixture
+    engines: EngineFactory, start_router: RouterFactory, caplog: pytest.LogCaptureFixture, flow: str
 ) -> None:
-    p, d = await engines("p0"), await engines("d0")
-    r = await start_router("dllm", [p], [d])
+    p, d = await engines("p0", nixl=flow == "nixl"), await engines("d0")
+    r = await start_router(flow, [p], [d])
     caplog.set_level(logging.INFO, logger="dllm.router")
     async with await r.post(COMPLETIONS, {"prompt": "x"}, headers={"X-Request-Id": "trace-ok"}) as resp:
         assert resp.status == 200

@@ -167,12 +167,16 @@ async def test_silent_pod_times_out_and_the_connection_is_dropped(raw: RawFactor
     await asyncio.wait_for(server.closed_by_client.wait(), 5)
 
 
-async def test_close_mid_body_is_disconnected(raw: RawFactory) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+async def answers_part_of_the_body(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int
+) -> None:
+    """A pod that declares 100 bytes of body, sends 7 and closes."""
+    await read_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
 
-    _, pool = await raw(handler)
+
+async def test_close_mid_body_is_disconnected(raw: RawFactory) -> None:
+    _, pool = await raw(answers_part_of_the_body)
     response = await pool.post("/x", b"", b"", 5.0)
     with pytest.raises(Disconnected) as broken:
         await response.read()
@@ -301,11 +305,7 @@ async def test_call_times_out_and_drops_the_connection(raw: RawFactory) -> None:
 
 
 async def test_call_broken_mid_answer_is_disconnected(raw: RawFactory) -> None:
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
-        await read_request(reader)
-        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
-
-    _, pool = await raw(handler)
+    _, pool = await raw(answers_part_of_the_body)
     broken = await call(pool)
     assert isinstance(broken.error, Disconnected)
     assert not broken.error.before_head
