@@ -95,10 +95,7 @@ class KVHeader:
 
     @property
     def numel(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count
+        return _product(self.shape)
 
     @property
     def num_scales(self) -> int:
@@ -343,7 +340,9 @@ _PLAIN: Mapping[Compression, _CodecKernels] = {
     Compression.INT8: _CodecKernels(_int8_scales, _int8_codes, _decoding_with(_int8_values)),
 }
 _FUSED: Mapping[Compression, _CodecKernels] = {
-    Compression.FP8: _CodecKernels(_fp8_scales, _fp8_codes, _decoding_with(_fp8_values)),
+    Compression.FP8: _CodecKernels(
+        _fp8_scales, _fp8_codes, _fp8_decode_by_words(_fp8_half_words, _fp8_widen_into)
+    ),
     Compression.INT8: _CodecKernels(_int8_scales, _int8_codes, _decoding_with(_int8_values)),
 }
 _PLAIN_CHUNK_ELEMENTS = 1 << 18
@@ -472,17 +471,24 @@ def encode_parts(
     return KVHeader(codec, name, shape, groups, checksum(payload)), payload
 
 
-class _PartWriter:
-    """Encodes consecutive parts of a batch into their places in one payload."""
+class _PayloadViews:
+    """A payload seen as its parts: raw bytes per first-axis entry (none), or code rows and scales."""
 
     def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
         self._header, self._payload = header, payload
-        self._done = 0  # first-axis entries written so far
         self._entry_nbytes = _product(header.shape[1:]) * header.torch_dtype.itemsize
         if header.codec is not Compression.NONE:
-            self._codes = payload[: header.data_nbytes].view(_CODE_DTYPE[header.codec])
-            self._codes = self._codes.view(header.num_scales, -1)
+            codes = payload[: header.data_nbytes].view(_CODE_DTYPE[header.codec])
+            self._codes = codes.view(header.num_scales, -1)
             self._scales = payload[header.data_nbytes :].view(SCALE_DTYPE)
+
+
+class _PartWriter(_PayloadViews):
+    """Encodes consecutive parts of a batch into their places in one payload."""
+
+    def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
+        super().__init__(header, payload)
+        self._done = 0  # first-axis entries written so far
 
     def write(self, part: torch.Tensor) -> None:
         header = self._header
@@ -578,16 +584,8 @@ def decode_parts(header: KVHeader, payload: torch.Tensor, parts: int) -> Iterato
         yield part
 
 
-class _PartReader:
+class _PartReader(_PayloadViews):
     """Decodes any run of a verified payload's first-axis entries into a tensor."""
-
-    def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
-        self._header, self._payload = header, payload
-        self._entry_nbytes = _product(header.shape[1:]) * header.torch_dtype.itemsize
-        if header.codec is not Compression.NONE:
-            codes = payload[: header.data_nbytes].view(_CODE_DTYPE[header.codec])
-            self._codes = codes.view(header.num_scales, -1)
-            self._scales = payload[header.data_nbytes :].view(SCALE_DTYPE)
 
     def read_into(self, first: int, out: torch.Tensor) -> None:
         header, count = self._header, out.shape[0]
