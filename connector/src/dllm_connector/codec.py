@@ -25,7 +25,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -353,8 +353,33 @@ _DECODE_CHUNK_ELEMENTS: Mapping[Compression, int] = {Compression.FP8: 1 << 21, C
 _kernels: _Kernels | None = None
 
 
+def _unviewed(arg: Any) -> Any:
+    """A view as a tensor over the same memory that is no view (anything else as it is): torch.compile
+    guards on a view's base too, and a one-row base (a one-block batch) compiled a kernel again on a
+    request's path."""
+    if not isinstance(arg, torch.Tensor) or not arg._is_view():
+        return arg
+    alias = torch.empty(0, dtype=arg.dtype, device=arg.device)
+    return alias.set_(arg.untyped_storage(), arg.storage_offset(), arg.shape, arg.stride())
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _compile(function: _F) -> _F:
+    """torch.compile with dynamic sizes, fed views as plain tensors: it then compiles twice at most
+    per dtype, for one row and for more (sizes 0 and 1 are always specialized), both at warm-up."""
+    compiled = torch.compile(function, dynamic=True)
+
+    @functools.wraps(function)
+    def call(*args: Any) -> Any:
+        return compiled(*map(_unviewed, args))
+
+    return cast(_F, call)
+
+
 def _compiled(codec: Compression, functions: _CodecKernels) -> _CodecKernels:
-    compile_ = functools.partial(torch.compile, dynamic=True)
+    compile_ = _compile
     decode_into = functions.decode_into  # int8: eager on purpose (see _int8_values)
     if codec is Compression.FP8:  # two compiled passes over words beat one over bytes
         decode_into = _fp8_decode_by_words(compile_(_fp8_half_words), compile_(_fp8_widen_into))
@@ -372,7 +397,7 @@ def _compile_kernels() -> _Kernels:
         )
         probe = torch.linspace(-2.0, 2.0, 64, dtype=torch.bfloat16).reshape(2, 32)
         for codec in _PLAIN:
-            if not _same_round_trip(probe, codec, plain, compiled):
+            if not all(_same_round_trip(rows, codec, plain, compiled) for rows in _row_shapes(probe)):
                 _log.warning("compiled %s KV codec differs from plain torch ops; using those", codec.value)
                 return plain
     except Exception as error:  # noqa: BLE001 - any compiler failure means the plain path
@@ -381,17 +406,26 @@ def _compile_kernels() -> _Kernels:
     return compiled
 
 
+def _row_shapes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row and two: the two sizes torch.compile tells apart (see `_compile`)."""
+    return rows[:1], rows[:1].repeat(2, 1)
+
+
+def _round_trip_rows(
+    rows: torch.Tensor, functions: _CodecKernels, code_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes, scales and decoded values of [rows, group] values, through all three kernels."""
+    inverse, scale = functions.scales(rows)
+    codes = torch.empty(rows.shape, dtype=code_dtype)
+    functions.codes(rows, inverse, codes)
+    restored = torch.empty_like(rows)
+    functions.decode_into(codes, scale, float(torch.finfo(rows.dtype).max), restored)
+    return codes, scale, restored
+
+
 def _same_round_trip(probe: torch.Tensor, codec: Compression, plain: _Kernels, other: _Kernels) -> bool:
-    results = []
-    for kernels_ in (plain, other):
-        functions = kernels_.by_codec[codec]
-        inverse, scale = functions.scales(probe)
-        codes = torch.empty(probe.shape, dtype=_CODE_DTYPE[codec])
-        functions.codes(probe, inverse, codes)
-        restored = torch.empty_like(probe)
-        functions.decode_into(codes, scale, float(torch.finfo(probe.dtype).max), restored)
-        results.append((codes, scale, restored))
-    return all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    expected, got = (_round_trip_rows(probe, k.by_codec[codec], _CODE_DTYPE[codec]) for k in (plain, other))
+    return all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
 
 
 _kernels_lock = threading.Lock()
@@ -406,15 +440,18 @@ def kernels() -> _Kernels:
 
 
 def warm_up(sample: torch.Tensor, requested: Compression, groups: int) -> None:
-    """Compile (or load) the kernels now, e.g. at engine start, not on the first request's path.
+    """Compile (or load) the kernels for the KV dtype now, e.g. at engine start, not on a request's path.
 
-    Compiling took 5-17 s on two cores; in a vLLM worker that first send stalled for as long.
+    Compiling took 5-17 s on two cores; in a vLLM worker a send stalled for as long, past the
+    receiver's timeout. Both row counts torch.compile tells apart are compiled here.
     """
     codec = effective_codec(requested, sample.dtype)
     if codec is Compression.NONE:
         return
-    header, payload = encode(sample.contiguous(), codec, groups)
-    decode(header, payload)
+    rows = sample.contiguous().reshape(sample.shape[0] * groups, -1)
+    functions = kernels().by_codec[codec]
+    for some in _row_shapes(rows):
+        _round_trip_rows(some, functions, _CODE_DTYPE[codec])
 
 
 def use_compiled(enabled: bool) -> bool:

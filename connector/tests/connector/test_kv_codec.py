@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dllm_connector import codec
+from dllm_connector.kv_layout import Geometry, PagedKV
 from dllm_connector.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(60)]
@@ -267,6 +268,37 @@ def test_compiled_kernels_match_plain_ones_bit_for_bit(compression: Compression,
     assert header == expected_header
     assert torch.equal(payload, expected)
     assert torch.equal(codec.as_bytes(restored), codec.as_bytes(reference))
+
+
+def compiled_graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("compression", QUANTIZED)
+def test_after_warm_up_no_transfer_compiles_a_kernel(compression: Compression) -> None:
+    """A kernel compiled on a request's path stalled that send for seconds, past the receiver's
+    timeout (seen with a one-block prompt): warm-up must leave nothing to compile for any batch."""
+    shape = (12, 4, 16, 64)  # vLLM CPU: per KV head its K rows then its V rows
+    caches = {name: torch.randn(shape).to(torch.bfloat16) for name in ("a", "b")}
+    kv = PagedKV(caches, 12, Geometry(block_size=16, num_kv_heads=2, head_dim=32))
+    torch._dynamo.reset()  # what other tests compiled must not hide a missing warm-up
+    try:
+        if not codec.use_compiled(True):
+            pytest.skip("torch.compile is unavailable here; the plain kernels are in use")
+        codec.warm_up(kv.gather([0]), compression, kv.layout.groups)
+        after_warm_up = compiled_graphs()
+        for ids in ([3], [1, 4], [0, 5, 6, 7, 8]):
+            batch = kv.batch_shape(len(ids))
+            header, payload = codec.encode_parts(
+                kv.gather_layers(ids), batch, kv.dtype, compression, kv.layout.groups
+            )
+            kv.scatter_layers(ids, codec.decode_parts(header, payload, kv.num_layers))
+    finally:
+        codec.use_compiled(False)
+    assert after_warm_up > 0
+    assert compiled_graphs() == after_warm_up
 
 
 @pytest.mark.parametrize("compression", list(Compression))
