@@ -54,6 +54,15 @@ def tokens_and_logprobs(response: dict[str, Any]) -> tuple[list[str], list[float
     return list(logprobs["tokens"]), [float(x) for x in logprobs["token_logprobs"]]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cold_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The engines start with an empty torch.compile cache, as a new pod does: a kernel compiled on a
+    request's path (seconds) then shows as a failed transfer here, not only on a fresh machine."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor-cache")))
+        yield
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build(tmp_path_factory.mktemp("model") / "tiny-llama")
