@@ -6,6 +6,8 @@ in the same run, side by side:
 
     raw socket      Python sendall/recv_into of the same number of bytes: the link's limit
     <transport> <codec>   end to end: offer, gather + encode, write, decode + scatter, ack
+    mooncake spans  the transfer engine alone writing the KV's block spans to decode's (no pipe)
+    mooncake 1 write  the same bytes as one write from one buffer: the engine's own best
 
 GB/s counts uncompressed KV delivered per second (1 GB = 1e9 bytes). The codec's own GB/s per
 core is measured with torch on one thread. `--link` runs the table again over a veth pair between
@@ -117,6 +119,8 @@ class Worker:
                 self.receivers[name] = KVReceiver(transport, self.kv, self.config, host, 0)
         self._sender_class, self._config_class = KVSender, PipeConfig
         self._raw: socket.socket | None = None
+        self._contiguous: Any = None
+        self._raw_buffer: Any = None
 
     def handle(self, command: dict[str, Any]) -> dict[str, Any]:
         return dict(getattr(self, f"cmd_{command.pop('cmd')}")(**command))
@@ -141,9 +145,12 @@ class Worker:
         import torch
 
         assert self._raw is not None
+        if self._raw_buffer is None or self._raw_buffer.numel() != nbytes:
+            # Allocated and touched once, like registered KV memory: page faults are not the link's.
+            self._raw_buffer = torch.zeros(nbytes, dtype=torch.uint8)
+        buffer = self._raw_buffer.numpy().data.cast("B")
         conn, _ = self._raw.accept()
         with conn:
-            buffer = torch.empty(nbytes, dtype=torch.uint8).numpy().data.cast("B")
             received = 0
             while received < nbytes:
                 received += conn.recv_into(buffer[received:], min(nbytes - received, 1 << 22))
@@ -158,6 +165,40 @@ class Worker:
             conn.sendall(payload.data)
             conn.recv(1)
         return {"seconds": time.perf_counter() - started}
+
+    def cmd_regions(self, blocks: list[int]) -> dict[str, Any]:
+        """Decode's side of the Mooncake-alone rows: its KV spans, a contiguous buffer, its session."""
+        receiver = self.receivers["mooncake"]
+        buffer = receiver.staging.tensor
+        return {
+            "spans": self.kv.spans(blocks),
+            "buffer": [buffer.data_ptr(), buffer.numel()],
+            "session": receiver.transport.session_id,
+        }
+
+    def cmd_write_alone(
+        self, blocks: list[int], dst: list[list[int]], session: str, contiguous: bool
+    ) -> dict[str, Any]:
+        """Mooncake by itself, no pipe: the KV's spans to decode's (merged as the pipe merges them),
+        or the same bytes as one write from one buffer."""
+        import torch
+
+        from dllm_connector.kv_layout import coalesce
+        from dllm_connector.transport.base import Span
+
+        transport = self.transports["mooncake"]
+        self.kv.register_with(transport.register)
+        if contiguous:
+            if self._contiguous is None:
+                self._contiguous = torch.ones(self.kv.batch_nbytes(len(blocks)), dtype=torch.uint8)
+                transport.register(self._contiguous)
+            src = [(self._contiguous.data_ptr(), self._contiguous.numel())]
+            targets = [(dst[0][0], src[0][1])]
+        else:
+            src, targets = coalesce(self.kv.spans(blocks), [(addr, nbytes) for addr, nbytes in dst])
+        started = time.perf_counter()
+        transport.send({"session": session}, [Span(*s) for s in src], [Span(*d) for d in targets], 0, 60)
+        return {"seconds": time.perf_counter() - started, "writes": len(src)}
 
     def cmd_send(
         self, transport: str, codec: str, transfer_id: str, blocks: list[int], host: str, port: int
@@ -311,6 +352,8 @@ def measure_link(
                         times.append(sent["seconds"])
                     wire = sent["wire"]
                 rows.append(Row(f"{transport} {codec}", statistics.median(times), kv_bytes, wire))
+        if "mooncake" in transports:
+            rows += _mooncake_alone_rows(prefill, decode, src, dst, kv_bytes, repeats)
         return rows
     finally:
         prefill.close()
@@ -323,6 +366,26 @@ def _raw_row(prefill: Peer, decode: Peer, host: str, port: int, nbytes: int, rep
         decode.call("raw_recv", nbytes=nbytes)
         times.append(prefill.call("raw_send", host=host, port=port, nbytes=nbytes)["seconds"])
     return Row("raw socket", statistics.median(times[1:]), nbytes, nbytes)
+
+
+def _mooncake_alone_rows(
+    prefill: Peer, decode: Peer, src: list[int], dst: list[int], nbytes: int, repeats: int
+) -> list[Row]:
+    """The transfer engine by itself on the same bytes: as the KV's block spans, and as one write."""
+    regions = decode.call("regions", blocks=dst)
+    rows = []
+    for name, contiguous, target in (
+        ("mooncake spans", False, regions["spans"]),
+        ("mooncake 1 write", True, [regions["buffer"]]),
+    ):
+        times = [
+            prefill.call(
+                "write_alone", blocks=src, dst=target, session=regions["session"], contiguous=contiguous
+            )["seconds"]
+            for _ in range(repeats + 1)
+        ]
+        rows.append(Row(name, statistics.median(times[1:]), nbytes, nbytes))
+    return rows
 
 
 def codec_per_core(tokens: int, repeats: int) -> list[tuple[str, float, float, bool]]:
