@@ -65,14 +65,40 @@ def _caches(num_blocks: int, seed: int | None) -> dict[str, Any]:
     return caches
 
 
-def _spans_crc32(spans: Any) -> int:
-    import ctypes
-    import zlib
+class _RunningCrc32:
+    """zlib's CRC-32 in the place of the pipe's running XXH3 (the connector's checksum before it)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, addr: int, nbytes: int) -> None:
+        import ctypes
+        import zlib
+
+        self.value = zlib.crc32((ctypes.c_ubyte * nbytes).from_address(addr), self.value)
+
+
+class _NoChecksum:
+    """No checksum at all: what the zero-copy checksum costs on both sides."""
 
     value = 0
-    for addr, nbytes in spans:
-        value = zlib.crc32((ctypes.c_ubyte * nbytes).from_address(addr), value)
-    return value
+
+    def add(self, addr: int, nbytes: int) -> None:
+        pass
+
+
+def _use_zero_copy_checksum(kind: type[_RunningCrc32 | _NoChecksum]) -> None:
+    """The experiment: `kind` in the place of XXH3 for zero-copy transfers, on both sides."""
+    from dllm_connector import pipe
+
+    def spans_checksum(spans: Any) -> int:
+        running = kind()
+        for addr, nbytes in spans:
+            running.add(addr, nbytes)
+        return int(running.value)
+
+    pipe.RunningChecksum = kind  # type: ignore[misc,assignment]
+    pipe.spans_checksum = spans_checksum  # type: ignore[attr-defined]
 
 
 class Worker:
@@ -90,17 +116,14 @@ class Worker:
     ) -> None:
         import torch
 
-        from dllm_connector import pipe
         from dllm_connector.kv_layout import Geometry, PagedKV
         from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig
         from dllm_connector.transport.mooncake import MooncakeTransport
         from dllm_connector.transport.torchdist import TorchDistTransport
 
         torch.set_num_threads(threads)
-        if checksum == "off":  # the experiment: what the zero-copy checksum costs on both sides
-            pipe.spans_checksum = lambda spans: 0  # type: ignore[attr-defined]
-        elif checksum == "crc32":  # the experiment: the slower checksum in its place
-            pipe.spans_checksum = _spans_crc32  # type: ignore[attr-defined]
+        if checksum != "xxh3":
+            _use_zero_copy_checksum({"off": _NoChecksum, "crc32": _RunningCrc32}[checksum])
         self.host = host
         geometry = Geometry(block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, model="bench")
         self.kv = PagedKV(_caches(num_blocks, 1 if role == "prefill" else None), num_blocks, geometry)

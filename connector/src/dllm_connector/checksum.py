@@ -16,11 +16,26 @@ import xxhash
 _PIECE_BYTES = 4 << 20
 
 
-def spans_checksum(spans: Sequence[tuple[int, int]]) -> int:
-    """XXH3-64 of the concatenation of (address, bytes) spans: any split gives the same value."""
-    state = xxhash.xxh3_64()
-    for addr, nbytes in spans:
+class RunningChecksum:
+    """XXH3-64 fed span by span, in order: equal to `spans_checksum` of all the spans it was fed, so
+    each part of a payload can be hashed right after it is written, while it is still in cache."""
+
+    def __init__(self) -> None:
+        self._state = xxhash.xxh3_64()
+
+    def add(self, addr: int, nbytes: int) -> None:
         for start in range(0, nbytes, _PIECE_BYTES):
             length = min(_PIECE_BYTES, nbytes - start)
-            state.update(memoryview((ctypes.c_ubyte * length).from_address(addr + start)))
-    return state.intdigest()
+            self._state.update(memoryview((ctypes.c_ubyte * length).from_address(addr + start)))
+
+    @property
+    def value(self) -> int:
+        return int(self._state.intdigest())
+
+
+def spans_checksum(spans: Sequence[tuple[int, int]]) -> int:
+    """XXH3-64 of the concatenation of (address, bytes) spans: any split gives the same value."""
+    running = RunningChecksum()
+    for addr, nbytes in spans:
+        running.add(addr, nbytes)
+    return running.value

@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from dllm_connector.checksum import spans_checksum
+from dllm_connector.checksum import RunningChecksum, spans_checksum
 from dllm_connector.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
@@ -490,11 +490,15 @@ def encode_parts(
     requested: Compression,
     groups: int,
     out: torch.Tensor | None = None,
+    on_part: Callable[[int, int], None] | None = None,
 ) -> tuple[KVHeader, torch.Tensor]:
     """Encode a batch of `shape` handed over in consecutive parts along its first axis.
 
     A part may be overwritten once the next is taken (e.g. one layer at a time in a reused buffer),
-    so each is encoded while still in cache, with no batch-sized copy in between.
+    so each is encoded, and hashed, while still in cache, with no batch-sized copy in between.
+    `on_part(start, stop)` is told each payload byte range that is final (hashed, never written
+    again), so it can go on the wire while the next part encodes; the range after the last one
+    (the scales) is final when this returns.
     """
     name = _dtype_name(dtype)
     _check_geometry(name, shape, groups)
@@ -503,9 +507,10 @@ def encode_parts(
     payload = _target(out, draft.payload_nbytes)
     writer = _PartWriter(draft, payload)
     for part in parts:
-        writer.write(part)
-    writer.finish()
-    return KVHeader(codec, name, shape, groups, checksum(payload)), payload
+        start, stop = writer.write(part)
+        if on_part is not None:
+            on_part(start, stop)
+    return KVHeader(codec, name, shape, groups, writer.finish()), payload
 
 
 class _PayloadViews:
@@ -526,8 +531,10 @@ class _PartWriter(_PayloadViews):
     def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
         super().__init__(header, payload)
         self._done = 0  # first-axis entries written so far
+        self._checksum = RunningChecksum()  # over the payload in order: data as written, then scales
 
-    def write(self, part: torch.Tensor) -> None:
+    def write(self, part: torch.Tensor) -> tuple[int, int]:
+        """Encode the next part into its place; returns the payload byte range it filled."""
         header = self._header
         if (
             part.dim() != len(header.shape)
@@ -541,23 +548,33 @@ class _PartWriter(_PayloadViews):
         if self._done + count > header.shape[0]:
             raise CodecError(f"parts hold more than the batch's {header.shape[0]} entries")
         if header.codec is Compression.NONE:
-            start = self._done * self._entry_nbytes
-            self._payload[start : start + count * self._entry_nbytes].copy_(as_bytes(part))
+            start, stop = self._done * self._entry_nbytes, (self._done + count) * self._entry_nbytes
+            target = self._payload[start:stop]
+            source = as_bytes(part)
+            if source.data_ptr() != target.data_ptr():  # a part gathered in place needs no copy
+                target.copy_(source)
         else:
-            first, stop = self._done * header.groups, (self._done + count) * header.groups
+            first, last = self._done * header.groups, (self._done + count) * header.groups
             rows = part.reshape(count * header.groups, -1)
-            _quantize_rows(rows, header.codec, self._codes[first:stop], self._scales[first:stop])
+            _quantize_rows(rows, header.codec, self._codes[first:last], self._scales[first:last])
+            start, stop = first * self._codes.shape[1], last * self._codes.shape[1]
+        self._checksum.add(self._payload.data_ptr() + start, stop - start)
         self._done += count
+        return start, stop
 
-    def finish(self) -> None:
+    def finish(self) -> int:
+        """Check that every entry came and every scale is finite; returns the payload's checksum."""
         header = self._header
         if self._done != header.shape[0]:
             raise CodecError(f"parts held {self._done} of the batch's {header.shape[0]} entries")
-        if header.codec is not Compression.NONE and not bool(torch.isfinite(self._scales).all()):
-            bad = int((~torch.isfinite(self._scales)).sum())
-            raise NonFiniteKVError(
-                f"{bad} of {self._scales.numel()} scale groups hold NaN or inf; use codec none"
-            )
+        if header.codec is not Compression.NONE:
+            if not bool(torch.isfinite(self._scales).all()):
+                bad = int((~torch.isfinite(self._scales)).sum())
+                raise NonFiniteKVError(
+                    f"{bad} of {self._scales.numel()} scale groups hold NaN or inf; use codec none"
+                )
+            self._checksum.add(self._scales.data_ptr(), self._scales.numel() * _SCALE_BYTES)
+        return self._checksum.value
 
 
 def _product(sizes: Iterable[int]) -> int:

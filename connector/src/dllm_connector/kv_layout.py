@@ -13,6 +13,7 @@ one run of memory on the CPU and HND layouts, one run per token on NHD.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -357,16 +358,22 @@ class PagedKV:
         return out.view(self.batch_shape(len(block_ids), heads))
 
     def gather_layers(
-        self, block_ids: Sequence[int], heads: HeadRange | None = None
+        self, block_ids: Sequence[int], heads: HeadRange | None = None, out: torch.Tensor | None = None
     ) -> Iterator[torch.Tensor]:
         """The batch `gather` returns, one layer at a time in one reused buffer (each part is valid
-        until the next is taken): a consumer that encodes each part finds it still in cache."""
+        until the next is taken): a consumer that encodes each part finds it still in cache.
+
+        With `out` (bytes, e.g. a payload) each layer is gathered into its place there instead.
+        """
         ids = self.check_ids(block_ids)
-        part = torch.empty(
-            self._layered_shape(len(block_ids), heads)[1:], dtype=self.dtype, device=self.device
-        )
+        layered = self._layered_shape(len(block_ids), heads)
+        if out is None:
+            reused = torch.empty(layered[1:], dtype=self.dtype, device=self.device)
+            places: Iterable[torch.Tensor] = itertools.repeat(reused)
+        else:
+            places = out[: _product(layered) * self.dtype.itemsize].view(self.dtype).view(layered)
         rows = (len(block_ids) * self.layout.segments, *self.segment_shape(heads))
-        for view in self._head_views(heads):
+        for view, part in zip(self._head_views(heads), places, strict=False):
             torch.index_select(view, 0, ids, out=part)
             yield part.view(rows)
 

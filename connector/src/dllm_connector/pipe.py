@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from dllm_connector import codec
-from dllm_connector.checksum import spans_checksum
+from dllm_connector.checksum import RunningChecksum, spans_checksum
 from dllm_connector.kv_layout import (
     Geometry,
     HeadRange,
@@ -173,52 +173,71 @@ class _Chunk:
     staged: torch.Tensor | None
 
 
+@dataclass(frozen=True)
+class _Piece:
+    """Part of a chunk that is final (encoded and hashed), written before the rest of it is ready."""
+
+    src: list[Source]
+    dst: list[Span]
+
+
+@dataclass(frozen=True)
+class _Release:
+    """Staging of a chunk that failed after some of its pieces were queued: freed once they are written."""
+
+    staged: torch.Tensor
+
+
 class _ChunkWriter:
     """Writes prepared chunks in order on its own thread, so chunk k+1 encodes while k is on the wire.
 
     One-sided transports write first and then announce the chunk (its header, with the checksum);
-    two-sided ones announce first so the receiver can post its receive.
+    a chunk's pieces go ahead of it as they are encoded. Two-sided ones announce first so the
+    receiver can post its receive.
     """
 
     def __init__(self, sender: KVSender, sock: socket.socket, plan: _Plan) -> None:
         self._sender, self._sock, self._plan = sender, sock, plan
-        self._queue: queue.Queue[_Chunk | None] = queue.Queue(maxsize=2)
+        self._queue: queue.Queue[_Chunk | _Piece | _Release | None] = queue.Queue(maxsize=4)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="kv-chunk-writer", daemon=True)
         self._thread.start()
 
-    def put(self, chunk: _Chunk) -> None:
+    def put(self, item: _Chunk | _Piece | _Release) -> None:
         if self._error is not None:
-            self._release(chunk)
+            self._release(item)
             raise self._error
-        self._queue.put(chunk)
+        self._queue.put(item)
 
     def _loop(self) -> None:
-        while (chunk := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
             try:
-                if self._error is None:
-                    self._write(chunk)
+                if self._error is None and not isinstance(item, _Release):
+                    self._write(item)
             except (TransportError, OSError) as error:
                 self._error = error
             finally:
-                self._release(chunk)
+                self._release(item)
 
-    def _write(self, chunk: _Chunk) -> None:
+    def _write(self, item: _Chunk | _Piece) -> None:
         transport, timeout = self._sender.transport, self._sender.config.transfer_timeout_s
-        announce = {"type": "chunk", "index": chunk.index, "header": chunk.header.to_dict()}
-        if not transport.one_sided:
+        announce = None
+        if isinstance(item, _Chunk):
+            announce = {"type": "chunk", "index": item.index, "header": item.header.to_dict()}
+        if announce is not None and not transport.one_sided:
             sidechannel.send_message(self._sock, announce)
-        try:
-            transport.send(self._plan.peer, chunk.src, chunk.dst, self._plan.tag, timeout)
-        except TransportError:
-            transport.forget_peer(self._plan.peer)
-            raise
-        if transport.one_sided:
+        if item.src:
+            try:
+                transport.send(self._plan.peer, item.src, item.dst, self._plan.tag, timeout)
+            except TransportError:
+                transport.forget_peer(self._plan.peer)
+                raise
+        if announce is not None and transport.one_sided:
             sidechannel.send_message(self._sock, announce)
 
-    def _release(self, chunk: _Chunk) -> None:
-        if chunk.staged is not None:
-            self._sender.staging.release(chunk.staged)
+    def _release(self, item: _Chunk | _Piece | _Release) -> None:
+        if not isinstance(item, _Piece) and item.staged is not None:
+            self._sender.staging.release(item.staged)
 
     def finish(self) -> None:
         """Wait for every queued chunk; raises the first write error."""
@@ -226,6 +245,36 @@ class _ChunkWriter:
         self._thread.join()
         if self._error is not None:
             raise self._error
+
+
+# A chunk goes on the wire in pieces of at least this much as it encodes: the wire starts on the
+# first chunk without waiting for all of it, and the calls stay few (each Mooncake write costs ~50 us).
+PIECE_BYTES = 8 << 20
+
+
+class _PieceStream:
+    """Hands a chunk's payload to the writer in pieces as its byte ranges become final."""
+
+    def __init__(self, sender: KVSender, writer: _ChunkWriter, index: int, local: int, remote: int) -> None:
+        self._sender, self._writer, self._index = sender, writer, index
+        self._local, self._remote = local, remote
+        self.sent = 0  # payload bytes handed to the writer
+        self._ready = 0  # payload bytes final so far (ranges come in order)
+
+    def add(self, start: int, stop: int) -> None:
+        self._ready = stop
+        if self._ready - self.sent >= self._sender.piece_bytes:
+            src, dst = self.rest(self._ready)
+            self._sender._before_write(self._index, src)
+            self._writer.put(_Piece(src, dst))
+
+    def rest(self, end: int) -> tuple[list[Source], list[Span]]:
+        """The bytes up to `end` not handed over yet, as one write (none when there are none)."""
+        length, start = end - self.sent, self.sent
+        self.sent = end
+        if length <= 0:
+            return [], []
+        return [Span(self._local + start, length)], [Span(self._remote + start, length)]
 
 
 class KVSender:
@@ -241,6 +290,7 @@ class KVSender:
         kv.register_with(transport.register)
         self._tags = itertools.count(1)
         self.min_zero_copy_run = MIN_ZERO_COPY_RUN
+        self.piece_bytes = PIECE_BYTES
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
         self._done: dict[str, str | None] = {}  # transfer id -> None (sent) or the failure reason
@@ -344,8 +394,9 @@ class KVSender:
             wire = raw = 0
             try:
                 for index, (start, stop) in enumerate(chunk_ranges(len(blocks), plan.chunk_blocks)):
-                    chunk = self._prepare(index, blocks[start:stop], start, plan)
-                    self._before_write(index, chunk.src)
+                    chunk = self._prepare(index, blocks[start:stop], start, plan, writer)
+                    if chunk.src:
+                        self._before_write(index, chunk.src)
                     writer.put(chunk)
                     wire, raw = wire + chunk.header.payload_nbytes, raw + chunk.header.raw_nbytes
                 writer.finish()
@@ -418,27 +469,67 @@ class KVSender:
             bool(offer["zero_copy"]),
         )
 
-    def _prepare(self, index: int, blocks: Sequence[int], first: int, plan: _Plan) -> _Chunk:
+    def _prepare(
+        self, index: int, blocks: Sequence[int], first: int, plan: _Plan, writer: _ChunkWriter
+    ) -> _Chunk:
+        """Chunk `index` encoded; on a one-sided transport its finished pieces already went to `writer`."""
+        if plan.zero_copy:
+            return self._prepare_in_place(index, blocks, first, plan, writer)
         shape = self.kv.batch_shape(len(blocks), plan.heads)
         groups = self.kv.groups(plan.heads)
-        if plan.zero_copy:
-            src = self.kv.spans(blocks, plan.heads)
-            per_block = len(src) // len(blocks)
-            dst = plan.dst[first * per_block : (first + len(blocks)) * per_block]
-            header = codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, spans_checksum(src))
-            merged_src, merged_dst = coalesce(src, [(span.addr, span.nbytes) for span in dst])
-            return _Chunk(index, header, [Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], None)
         nbytes = codec.payload_nbytes(self.codec, self.kv.dtype, shape, groups)
         offset = _chunk_offsets(self._chunk_sizes(plan))[index]
         staged = self.staging.reserve(nbytes, self.config.transfer_timeout_s)
+        if not self.transport.one_sided:  # announced first, then sent whole: no pieces
+            pieces = None
+        else:
+            pieces = _PieceStream(self, writer, index, staged.data_ptr(), plan.dst[0].addr + offset)
         try:
-            parts = self.kv.gather_layers(blocks, plan.heads)
-            header, payload = codec.encode_parts(parts, shape, self.kv.dtype, self.codec, groups, out=staged)
+            # none from host memory: each layer is gathered straight into its place in the payload
+            host_none = self.codec is Compression.NONE and self.kv.device.type == "cpu"
+            in_place = staged if host_none else None
+            parts = self.kv.gather_layers(blocks, plan.heads, out=in_place)
+            on_part = None if pieces is None else pieces.add
+            header, payload = codec.encode_parts(
+                parts, shape, self.kv.dtype, self.codec, groups, out=staged, on_part=on_part
+            )
         except BaseException:
-            self.staging.release(staged)
+            if pieces is not None and pieces.sent:  # the writer may still be reading it
+                writer.put(_Release(staged))
+            else:
+                self.staging.release(staged)
             raise
-        base = plan.dst[0].addr if self.transport.one_sided else 0  # two-sided: only the size counts
-        return _Chunk(index, header, [payload], [Span(base + offset, nbytes)], staged)
+        if pieces is None:  # two-sided: only the size counts
+            return _Chunk(index, header, [payload], [Span(offset, nbytes)], staged)
+        src, dst = pieces.rest(nbytes)
+        return _Chunk(index, header, src, dst, staged)
+
+    def _prepare_in_place(
+        self, index: int, blocks: Sequence[int], first: int, plan: _Plan, writer: _ChunkWriter
+    ) -> _Chunk:
+        """Codec none, zero-copy: hash and write the blocks' spans a few layers at a time."""
+        src = self.kv.spans(blocks, plan.heads)
+        per_block = len(src) // len(blocks)
+        theirs = plan.dst[first * per_block : (first + len(blocks)) * per_block]
+        dst = [(span.addr, span.nbytes) for span in theirs]
+        running = RunningChecksum()
+        per_layer = len(src) // self.kv.num_layers
+        group_bytes = 0
+        start = 0
+        for stop in range(per_layer, len(src) + 1, per_layer):  # spans are in layer order
+            group_bytes += sum(nbytes for _, nbytes in src[stop - per_layer : stop])
+            if group_bytes < self.piece_bytes and stop < len(src):
+                continue
+            for addr, nbytes in src[start:stop]:
+                running.add(addr, nbytes)
+            merged_src, merged_dst = coalesce(src[start:stop], dst[start:stop])
+            piece = _Piece([Span(*s) for s in merged_src], [Span(*d) for d in merged_dst])
+            self._before_write(index, piece.src)
+            writer.put(piece)
+            start, group_bytes = stop, 0
+        shape = self.kv.batch_shape(len(blocks), plan.heads)
+        header = codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, running.value)
+        return _Chunk(index, header, [], [], None)
 
     def _chunk_sizes(self, plan: _Plan) -> list[int]:
         groups, heads = self.kv.groups(plan.heads), plan.heads

@@ -64,9 +64,15 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
+# Bytes per piece a batch is written in as it encodes: the default (a batch here is smaller: one
+# write), and one layer per piece.
+PIECES = {"whole batches": None, "layer pieces": 1}
+
+
+@pytest.mark.parametrize("piece_bytes", PIECES.values(), ids=PIECES.keys())
 @pytest.mark.parametrize("compression", list(Compression))
 def test_paged_kv_arrives_in_scattered_blocks(
-    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression, piece_bytes: int | None
 ) -> None:
     receiver, kv = decode
     receiver.expect("t-1", DST_BLOCKS, prompt_hash=prompt_hash([1, 2, 3]))
@@ -74,6 +80,7 @@ def test_paged_kv_arrives_in_scattered_blocks(
         receiver.port,
         [{"transfer_id": "t-1", "block_ids": SRC_BLOCKS, "hash": prompt_hash([1, 2, 3])}],
         compression=compression.value,
+        **({} if piece_bytes is None else {"piece_bytes": piece_bytes}),
     )
     assert receiver.wait_for("t-1", timeout=60) == ""
     report = prefill.report()
@@ -103,9 +110,10 @@ def test_decode_prefix_hits_are_skipped_and_never_overwritten(
     assert bool((kv.gather(cached) == 3.0).all())
 
 
+@pytest.mark.parametrize("piece_bytes", PIECES.values(), ids=PIECES.keys())
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.FP8])
 def test_corrupted_payload_fails_on_both_sides(
-    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression, piece_bytes: int | None
 ) -> None:
     receiver, _ = decode
     receiver.expect("t-bad", DST_BLOCKS[:50])
@@ -114,6 +122,7 @@ def test_corrupted_payload_fails_on_both_sides(
         [{"transfer_id": "t-bad", "block_ids": SRC_BLOCKS[:50]}],
         compression=compression.value,
         double="corrupt",
+        **({} if piece_bytes is None else {"piece_bytes": piece_bytes}),
     )
     outcome = receiver.wait_for("t-bad", timeout=60)
     assert outcome is not None
