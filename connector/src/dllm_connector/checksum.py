@@ -9,6 +9,7 @@ engine's) get their turns in between.
 from __future__ import annotations
 
 import ctypes
+import struct
 from collections.abc import Sequence
 
 import xxhash
@@ -39,3 +40,8 @@ def spans_checksum(spans: Sequence[tuple[int, int]]) -> int:
     for addr, nbytes in spans:
         running.add(addr, nbytes)
     return running.value
+
+
+def combine_checksums(*values: int) -> int:
+    """One checksum of several, in order (e.g. of a payload's data and of its scales)."""
+    return int(xxhash.xxh3_64_intdigest(struct.pack(f"<{len(values)}Q", *values)))

@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from dllm_connector.checksum import RunningChecksum, spans_checksum
+from dllm_connector.checksum import RunningChecksum, combine_checksums, spans_checksum
 from dllm_connector.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
@@ -170,9 +170,17 @@ def payload_nbytes(requested: Compression, dtype: torch.dtype, shape: tuple[int,
     return KVHeader(codec, _dtype_name(dtype), shape, groups, 0).payload_nbytes
 
 
-def checksum(payload: torch.Tensor) -> int:
-    """XXH3-64 of a contiguous byte tensor, read in place."""
-    return spans_checksum([(payload.data_ptr(), payload.numel())])
+def checksum(header: KVHeader, payload: torch.Tensor) -> int:
+    """The payload's checksum: XXH3-64 of its data, and for codes that of its scales too, combined.
+
+    Data and scales are hashed apart, each in order, so that a payload written part by part can
+    hash each part's codes and scales as soon as they are final, whatever the parts are.
+    """
+    data = spans_checksum([(payload.data_ptr(), header.data_nbytes)])
+    if header.codec is Compression.NONE:
+        return data
+    scales = spans_checksum([(payload.data_ptr() + header.data_nbytes, header.num_scales * _SCALE_BYTES)])
+    return combine_checksums(data, scales)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -490,15 +498,14 @@ def encode_parts(
     requested: Compression,
     groups: int,
     out: torch.Tensor | None = None,
-    on_part: Callable[[int, int], None] | None = None,
+    on_part: Callable[[list[tuple[int, int]]], None] | None = None,
 ) -> tuple[KVHeader, torch.Tensor]:
     """Encode a batch of `shape` handed over in consecutive parts along its first axis.
 
     A part may be overwritten once the next is taken (e.g. one layer at a time in a reused buffer),
     so each is encoded, and hashed, while still in cache, with no batch-sized copy in between.
-    `on_part(start, stop)` is told each payload byte range that is final (hashed, never written
-    again), so it can go on the wire while the next part encodes; the range after the last one
-    (the scales) is final when this returns.
+    `on_part(ranges)` is told the payload byte ranges each part filled (its data, and its scales),
+    final (hashed, never written again), so they can go on the wire while the next part encodes.
     """
     name = _dtype_name(dtype)
     _check_geometry(name, shape, groups)
@@ -507,9 +514,9 @@ def encode_parts(
     payload = _target(out, draft.payload_nbytes)
     writer = _PartWriter(draft, payload)
     for part in parts:
-        start, stop = writer.write(part)
+        filled = writer.write(part)
         if on_part is not None:
-            on_part(start, stop)
+            on_part(filled)
     return KVHeader(codec, name, shape, groups, writer.finish()), payload
 
 
@@ -531,10 +538,10 @@ class _PartWriter(_PayloadViews):
     def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
         super().__init__(header, payload)
         self._done = 0  # first-axis entries written so far
-        self._checksum = RunningChecksum()  # over the payload in order: data as written, then scales
+        self._data_checksum, self._scales_checksum = RunningChecksum(), RunningChecksum()
 
-    def write(self, part: torch.Tensor) -> tuple[int, int]:
-        """Encode the next part into its place; returns the payload byte range it filled."""
+    def write(self, part: torch.Tensor) -> list[tuple[int, int]]:
+        """Encode the next part into its place; returns the payload byte ranges it filled."""
         header = self._header
         if (
             part.dim() != len(header.shape)
@@ -558,23 +565,27 @@ class _PartWriter(_PayloadViews):
             rows = part.reshape(count * header.groups, -1)
             _quantize_rows(rows, header.codec, self._codes[first:last], self._scales[first:last])
             start, stop = first * self._codes.shape[1], last * self._codes.shape[1]
-        self._checksum.add(self._payload.data_ptr() + start, stop - start)
+        self._data_checksum.add(self._payload.data_ptr() + start, stop - start)
         self._done += count
-        return start, stop
+        if header.codec is Compression.NONE:
+            return [(start, stop)]
+        scales = header.data_nbytes + first * _SCALE_BYTES, header.data_nbytes + last * _SCALE_BYTES
+        self._scales_checksum.add(self._payload.data_ptr() + scales[0], scales[1] - scales[0])
+        return [(start, stop), scales]
 
     def finish(self) -> int:
         """Check that every entry came and every scale is finite; returns the payload's checksum."""
         header = self._header
         if self._done != header.shape[0]:
             raise CodecError(f"parts held {self._done} of the batch's {header.shape[0]} entries")
-        if header.codec is not Compression.NONE:
-            if not bool(torch.isfinite(self._scales).all()):
-                bad = int((~torch.isfinite(self._scales)).sum())
-                raise NonFiniteKVError(
-                    f"{bad} of {self._scales.numel()} scale groups hold NaN or inf; use codec none"
-                )
-            self._checksum.add(self._scales.data_ptr(), self._scales.numel() * _SCALE_BYTES)
-        return self._checksum.value
+        if header.codec is Compression.NONE:
+            return self._data_checksum.value
+        if not bool(torch.isfinite(self._scales).all()):
+            bad = int((~torch.isfinite(self._scales)).sum())
+            raise NonFiniteKVError(
+                f"{bad} of {self._scales.numel()} scale groups hold NaN or inf; use codec none"
+            )
+        return combine_checksums(self._data_checksum.value, self._scales_checksum.value)
 
 
 def _product(sizes: Iterable[int]) -> int:
@@ -605,7 +616,7 @@ def verify(header: KVHeader, payload: torch.Tensor) -> torch.Tensor:
     if payload.numel() < header.payload_nbytes:
         raise CodecError(f"payload has {payload.numel()} bytes, header says {header.payload_nbytes}")
     payload = payload[: header.payload_nbytes]
-    actual = checksum(payload)
+    actual = checksum(header, payload)
     if actual != header.checksum:
         raise ChecksumError(f"KV payload checksum {actual:#018x} != header {header.checksum:#018x}")
     return payload
@@ -636,6 +647,58 @@ def decode_parts(header: KVHeader, payload: torch.Tensor, parts: int) -> Iterato
     for index in range(parts):
         reader.read_into(index * count, part)
         yield part
+
+
+class StreamingDecode:
+    """Decodes a payload part by part as its parts arrive, and verifies it once all have.
+
+    For a payload written in pieces: part k can be decoded once its data and scales are in,
+    before the rest of the payload is, so decode overlaps the wire. Each part's data is hashed
+    just before it is decoded (then read from cache); the scales are hashed at the end, which is
+    the payload's byte order. Decoded parts are not verified until `verify`: a consumer that
+    places them must treat the places as failed if it raises.
+    """
+
+    def __init__(self, header: KVHeader, payload: torch.Tensor, parts: int) -> None:
+        if parts <= 0 or header.shape[0] % parts:
+            raise CodecError(f"a batch of {header.shape[0]} entries does not split into {parts} parts")
+        if payload.numel() < header.payload_nbytes:
+            raise CodecError(f"payload has {payload.numel()} bytes, header says {header.payload_nbytes}")
+        self._header, self._parts = header, parts
+        self._payload = payload[: header.payload_nbytes]
+        self._reader = _PartReader(header, self._payload)
+        self._count = header.shape[0] // parts
+        self._part = torch.empty((self._count, *header.shape[1:]), dtype=header.torch_dtype)
+        self._data_checksum, self._scales_checksum = RunningChecksum(), RunningChecksum()
+        self.decoded = 0  # parts decoded so far
+
+    def parts_until(self, stop: int) -> Iterator[torch.Tensor]:
+        """Decode parts up to `stop` (exclusive), each into one reused buffer, in order."""
+        if not self.decoded <= stop <= self._parts:
+            raise CodecError(f"parts {self.decoded}..{stop} are not the next of {self._parts}")
+        header, base = self._header, self._payload.data_ptr()
+        quantized = header.codec is not Compression.NONE
+        entry_bytes = _product(header.shape[1:]) * (1 if quantized else header.torch_dtype.itemsize)
+        scale_bytes = header.groups * _SCALE_BYTES  # per first-axis entry
+        while self.decoded < stop:
+            first = self.decoded * self._count
+            self._data_checksum.add(base + first * entry_bytes, self._count * entry_bytes)
+            if quantized:
+                where = base + header.data_nbytes + first * scale_bytes
+                self._scales_checksum.add(where, self._count * scale_bytes)
+            self._reader.read_into(first, self._part)
+            self.decoded += 1
+            yield self._part
+
+    def verify(self, expected: int) -> None:
+        """After every part: the payload's checksum must be `expected` (the sender's)."""
+        if self.decoded != self._parts:
+            raise CodecError(f"verified after {self.decoded} of {self._parts} parts")
+        actual = self._data_checksum.value
+        if self._header.codec is not Compression.NONE:
+            actual = combine_checksums(actual, self._scales_checksum.value)
+        if actual != expected:
+            raise ChecksumError(f"KV payload checksum {actual:#018x} != header {expected:#018x}")
 
 
 class _PartReader(_PayloadViews):

@@ -382,18 +382,27 @@ class PagedKV:
         self.scatter_layers(block_ids, layers.unbind(0), heads)
 
     def scatter_layers(
-        self, block_ids: Sequence[int], parts: Iterable[torch.Tensor], heads: HeadRange | None = None
+        self,
+        block_ids: Sequence[int],
+        parts: Iterable[torch.Tensor],
+        heads: HeadRange | None = None,
+        layers: range | None = None,
     ) -> None:
-        """Place a batch handed over one layer at a time, in layer order (as `gather_layers` gives it)."""
+        """Place a batch handed over one layer at a time, in layer order (as `gather_layers` gives it);
+        with `layers`, only those layers' parts (a batch that arrives a few layers at a time)."""
         ids = self.check_ids(block_ids)
         shape = self._layered_shape(len(block_ids), heads)[1:]
         views = self._head_views(heads)
+        wanted = views if layers is None else views[layers.start : layers.stop]
         placed = 0
-        for view, part in zip(views, parts, strict=False):
+        for view, part in zip(wanted, parts, strict=False):
             view.index_copy_(0, ids, part.view(shape).to(self.device, non_blocking=True))
             placed += 1
-        if placed != len(views):
+        if placed == len(wanted):
+            return
+        if layers is None:
             raise LayoutError(f"KV batch held {placed} layers, this engine has {len(views)}")
+        raise LayoutError(f"KV batch held {placed} of layers {layers.start}..{layers.stop - 1}")
 
     def _layered_shape(self, count: int, heads: HeadRange | None) -> tuple[int, ...]:
         return (len(self.caches), count, self.layout.segments, *self.segment_shape(heads))

@@ -51,7 +51,7 @@ from dllm_connector.kv_scheduler import prompt_hash
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Source, Span, TransferTimeout, Transport, TransportError
-from dllm_connector.transport.sidechannel import PeerRefused
+from dllm_connector.transport.sidechannel import Message, PeerRefused
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_connector.transport.torchdist import TorchDistTransport
 
@@ -175,10 +175,16 @@ class _Chunk:
 
 @dataclass(frozen=True)
 class _Piece:
-    """Part of a chunk that is final (encoded and hashed), written before the rest of it is ready."""
+    """Part of a chunk that is final (encoded and hashed), written before the rest of it is ready.
+
+    `parts`: for staged payloads, how many of the chunk's parts (layers) are then in place, which
+    the receiver is told so it can decode them while the rest is on the wire.
+    """
 
     src: list[Source]
     dst: list[Span]
+    index: int
+    parts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +238,8 @@ class _ChunkWriter:
             except TransportError:
                 transport.forget_peer(self._plan.peer)
                 raise
+        if isinstance(item, _Piece) and item.parts is not None and transport.one_sided:
+            sidechannel.send_message(self._sock, {"type": "piece", "index": item.index, "parts": item.parts})
         if announce is not None and transport.one_sided:
             sidechannel.send_message(self._sock, announce)
 
@@ -253,28 +261,47 @@ PIECE_BYTES = 8 << 20
 
 
 class _PieceStream:
-    """Hands a chunk's payload to the writer in pieces as its byte ranges become final."""
+    """Hands a chunk's payload to the writer in pieces as its parts become final."""
 
     def __init__(self, sender: KVSender, writer: _ChunkWriter, index: int, local: int, remote: int) -> None:
         self._sender, self._writer, self._index = sender, writer, index
         self._local, self._remote = local, remote
-        self.sent = 0  # payload bytes handed to the writer
-        self._ready = 0  # payload bytes final so far (ranges come in order)
+        # Per kind of range (data, scales; each comes in order): where it starts, up to where it was
+        # handed to the writer, and up to where it is final.
+        self._first: list[int] = []
+        self._sent: list[int] = []
+        self._ready: list[int] = []
+        self._parts = 0
+        self._pending = 0  # final bytes not handed over yet
 
-    def add(self, start: int, stop: int) -> None:
-        self._ready = stop
-        if self._ready - self.sent >= self._sender.piece_bytes:
-            src, dst = self.rest(self._ready)
+    @property
+    def sent(self) -> bool:
+        return any(end > start for start, end in zip(self._first, self._sent, strict=True))
+
+    def add(self, ranges: list[tuple[int, int]]) -> None:
+        if not self._ready:
+            self._first = [start for start, _ in ranges]
+            self._sent = list(self._first)
+            self._ready = list(self._first)
+        for kind, (_, stop) in enumerate(ranges):
+            self._pending += stop - self._ready[kind]
+            self._ready[kind] = stop
+        self._parts += 1
+        if self._pending >= self._sender.piece_bytes:
+            src, dst = self.rest()
             self._sender._before_write(self._index, src)
-            self._writer.put(_Piece(src, dst))
+            self._writer.put(_Piece(src, dst, self._index, self._parts))
 
-    def rest(self, end: int) -> tuple[list[Source], list[Span]]:
-        """The bytes up to `end` not handed over yet, as one write (none when there are none)."""
-        length, start = end - self.sent, self.sent
-        self.sent = end
-        if length <= 0:
-            return [], []
-        return [Span(self._local + start, length)], [Span(self._remote + start, length)]
+    def rest(self) -> tuple[list[Source], list[Span]]:
+        """The final bytes not handed over yet, one write per kind of range (none if there are none)."""
+        src: list[Source] = []
+        dst: list[Span] = []
+        for start, end in zip(self._sent, self._ready, strict=True):
+            if end > start:
+                src.append(Span(self._local + start, end - start))
+                dst.append(Span(self._remote + start, end - start))
+        self._sent, self._pending = list(self._ready), 0
+        return src, dst
 
 
 class KVSender:
@@ -501,7 +528,7 @@ class KVSender:
             raise
         if pieces is None:  # two-sided: only the size counts
             return _Chunk(index, header, [payload], [Span(offset, nbytes)], staged)
-        src, dst = pieces.rest(nbytes)
+        src, dst = pieces.rest()
         return _Chunk(index, header, src, dst, staged)
 
     def _prepare_in_place(
@@ -523,7 +550,7 @@ class KVSender:
             for addr, nbytes in src[start:stop]:
                 running.add(addr, nbytes)
             merged_src, merged_dst = coalesce(src[start:stop], dst[start:stop])
-            piece = _Piece([Span(*s) for s in merged_src], [Span(*d) for d in merged_dst])
+            piece = _Piece([Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], index)
             self._before_write(index, piece.src)
             writer.put(piece)
             start, group_bytes = stop, 0
@@ -574,6 +601,46 @@ def _catching(
 
 
 # ---- receiver -------------------------------------------------------------------------------------
+
+
+class _LayerStream:
+    """A staged chunk decoded and placed a few layers at a time, as its pieces arrive.
+
+    A decode error stops the placing; it is raised at `finish`, once the chunk's messages were all
+    read, so the side channel stays in step. The places hold unverified KV until `finish`
+    verified the checksum; if it raises, the load fails and reports those blocks.
+    """
+
+    def __init__(
+        self,
+        kv: PagedKV,
+        draft: codec.KVHeader,
+        view: torch.Tensor,
+        blocks: Sequence[int],
+        heads: HeadRange | None,
+    ) -> None:
+        self._kv, self._draft, self._blocks, self._heads = kv, draft, blocks, heads
+        self._decode = codec.StreamingDecode(draft, view, kv.num_layers)
+        self._error: Exception | None = None
+
+    def place_until(self, layers: int) -> None:
+        if self._error is not None:
+            return
+        try:
+            done = self._decode.decoded
+            parts = self._decode.parts_until(layers)
+            self._kv.scatter_layers(self._blocks, parts, self._heads, layers=range(done, layers))
+        except (codec.CodecError, LayoutError) as error:
+            self._error = error
+
+    def finish(self, header: codec.KVHeader) -> None:
+        """The rest of the chunk placed, then the whole of it verified against its header."""
+        if replace(header, checksum=0) != self._draft:
+            raise TransferFailed(f"KV chunk header {header.to_dict()} does not match the offer")
+        self.place_until(self._kv.num_layers)
+        if self._error is not None:
+            raise self._error
+        self._decode.verify(header.checksum)
 
 
 @dataclass
@@ -956,9 +1023,10 @@ class KVReceiver:
         load: bool,
     ) -> None:
         """Take chunk `index` in; with load false (an earlier chunk failed) only consume it."""
-        announced = sidechannel.expect(sock, "chunk", self.config.transfer_timeout_s)
-        if int(announced["index"]) != index:
-            raise TransferFailed(f"chunk {announced['index']} arrived where chunk {index} was due")
+        stream = None
+        if load and view is not None and self.transport.one_sided:
+            stream = _LayerStream(self.kv, self._draft_header(offer, blocks, heads), view, blocks, heads)
+        announced = self._chunk_message(sock, index, stream)
         if view is not None and not self.transport.one_sided:
             peer = dict(offer["endpoint"])
             try:
@@ -977,7 +1045,32 @@ class KVReceiver:
             if actual != header.checksum:
                 raise codec.ChecksumError(f"KV checksum {actual:#018x} != sender's {header.checksum:#018x}")
             return
-        self.kv.scatter_layers(blocks, codec.decode_parts(header, view, self.kv.num_layers), heads)
+        if stream is None:  # two-sided: the whole chunk arrived at once
+            self.kv.scatter_layers(blocks, codec.decode_parts(header, view, self.kv.num_layers), heads)
+            return
+        stream.finish(header)
+
+    def _draft_header(
+        self, offer: Mapping[str, Any], blocks: Sequence[int], heads: HeadRange | None
+    ) -> codec.KVHeader:
+        """The header a chunk of `blocks` will carry, but for its checksum (known at its end)."""
+        shape = self.kv.batch_shape(len(blocks), heads)
+        return codec.KVHeader(
+            Compression(offer["codec"]), self.kv.dtype_name, shape, self.kv.groups(heads), 0
+        )
+
+    def _chunk_message(self, sock: socket.socket, index: int, stream: _LayerStream | None) -> Message:
+        """The announcement of chunk `index`, placing the layers its pieces bring on the way."""
+        while True:
+            message = sidechannel.recv_message(sock, self.config.transfer_timeout_s)
+            if message["type"] not in ("piece", "chunk"):
+                raise sidechannel.unexpected(message, "chunk")
+            if int(message["index"]) != index:
+                raise TransferFailed(f"chunk {message['index']} arrived where chunk {index} was due")
+            if message["type"] == "chunk":
+                return message
+            if stream is not None:
+                stream.place_until(int(message["parts"]))
 
     def _refuse_and_drain(self, sock: socket.socket, reason: str, *, drain: bool) -> None:
         """Tell the sender; if it may still be writing, wait until it stops before memory is reused."""

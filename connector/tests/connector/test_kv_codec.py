@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -68,6 +69,47 @@ def test_a_batch_encoded_and_decoded_in_parts_matches_the_whole(compression: Com
     assert torch.equal(payload, whole_payload)
     parts = [part.clone() for part in codec.decode_parts(header, payload, 3)]
     assert torch.equal(torch.cat(parts), codec.decode(whole_header, whole_payload))
+
+
+@pytest.mark.parametrize("compression", list(Compression))
+def test_a_payload_decoded_as_its_parts_arrive_matches_and_is_verified(compression: Compression) -> None:
+    kv = blocks(num_blocks=6)
+    filled: list[list[tuple[int, int]]] = []
+    header, payload = codec.encode_parts(
+        kv.chunk(3), tuple(kv.shape), kv.dtype, compression, GROUPS, on_part=filled.append
+    )
+    assert header.checksum == codec.checksum(header, payload)
+    # Each part reports its data (and scales) ranges once: together, the whole payload.
+    covered = sorted(span for ranges in filled for span in ranges)
+    assert covered[0][0] == 0
+    assert covered[-1][1] == header.payload_nbytes
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(covered))
+    stream = codec.StreamingDecode(header, payload, 3)
+    parts = [part.clone() for part in stream.parts_until(1)] + [
+        part.clone() for part in stream.parts_until(3)
+    ]
+    stream.verify(header.checksum)
+    assert torch.equal(torch.cat(parts), codec.decode(header, payload))
+
+
+@pytest.mark.parametrize("where", ["data", "scales"])
+def test_a_payload_decoded_as_its_parts_arrive_fails_verify_when_corrupted(where: str) -> None:
+    header, payload = codec.encode(blocks(), Compression.FP8, GROUPS)
+    payload[3 if where == "data" else header.data_nbytes + 1] ^= 0x10
+    stream = codec.StreamingDecode(header, payload, 2)
+    for _ in stream.parts_until(2):
+        pass
+    with pytest.raises(codec.ChecksumError):
+        stream.verify(header.checksum)
+
+
+def test_a_payload_is_verified_only_after_all_its_parts() -> None:
+    header, payload = codec.encode(blocks(), Compression.INT8, GROUPS)
+    stream = codec.StreamingDecode(header, payload, 3)
+    for _ in stream.parts_until(1):
+        pass
+    with pytest.raises(codec.CodecError, match="after 1 of 3 parts"):
+        stream.verify(header.checksum)
 
 
 def _copies_into(buffer: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> Iterator[torch.Tensor]:

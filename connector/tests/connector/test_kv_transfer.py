@@ -215,14 +215,20 @@ def test_tokenization_mismatch_is_refused(decode: tuple[KVReceiver, PagedKV], pr
     assert prefill.report()[0]["error"] is not None
 
 
+@pytest.mark.parametrize("piece_bytes", PIECES.values(), ids=PIECES.keys())
 def test_nan_kv_under_int8_fails_fast_on_both_sides(
-    decode: tuple[KVReceiver, PagedKV], prefill: Prefill
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, piece_bytes: int | None
 ) -> None:
+    """With pieces, the NaN scale is found after some layers were on the wire: the load still fails."""
     receiver, _ = decode
     receiver.expect("t-nan", DST_BLOCKS[:20])
     started = time.monotonic()
     prefill.send(
-        receiver.port, [{"transfer_id": "t-nan", "block_ids": SRC_BLOCKS[:20]}], compression="int8", nan=True
+        receiver.port,
+        [{"transfer_id": "t-nan", "block_ids": SRC_BLOCKS[:20]}],
+        compression="int8",
+        nan=True,
+        **({} if piece_bytes is None else {"piece_bytes": piece_bytes}),
     )
     outcome = receiver.wait_for("t-nan", timeout=30)
     assert outcome is not None

@@ -71,9 +71,14 @@ def expect(sock: socket.socket, kind: str, timeout: float) -> Message:
     message = recv_message(sock, timeout)
     if message["type"] == kind:
         return message
+    raise unexpected(message, kind)
+
+
+def unexpected(message: Message, kind: str) -> TransportError:
+    """The error for `message` where `kind` was due: PeerRefused if the peer refused or aborted."""
     reason = message.get("reason", message["type"])
     error = PeerRefused if message["type"] in ("abort", "nack") else TransportError
-    raise error(f"peer answered {message['type']} instead of {kind}: {reason}")
+    return error(f"peer answered {message['type']} instead of {kind}: {reason}")
 
 
 def connect(host: str, port: int, timeout: float) -> socket.socket:
