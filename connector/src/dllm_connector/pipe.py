@@ -258,6 +258,9 @@ class _ChunkWriter:
 # A chunk goes on the wire in pieces of at least this much as it encodes: the wire starts on the
 # first chunk without waiting for all of it, and the calls stay few (each Mooncake write costs ~50 us).
 PIECE_BYTES = 8 << 20
+# Zero-copy pieces are one Mooncake write per block span: fewer, larger pieces measured better
+# (2k tokens on 127.0.0.1: 0.43-0.46 GB/s with 8 MiB pieces, 0.53-0.59 with 32, 0.54-0.62 whole).
+ZERO_COPY_PIECE_BYTES = 32 << 20
 
 
 class _PieceStream:
@@ -318,6 +321,7 @@ class KVSender:
         self._tags = itertools.count(1)
         self.min_zero_copy_run = MIN_ZERO_COPY_RUN
         self.piece_bytes = PIECE_BYTES
+        self.zero_copy_piece_bytes = ZERO_COPY_PIECE_BYTES
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
         self._done: dict[str, str | None] = {}  # transfer id -> None (sent) or the failure reason
@@ -545,7 +549,7 @@ class KVSender:
         start = 0
         for stop in range(per_layer, len(src) + 1, per_layer):  # spans are in layer order
             group_bytes += sum(nbytes for _, nbytes in src[stop - per_layer : stop])
-            if group_bytes < self.piece_bytes and stop < len(src):
+            if group_bytes < self.zero_copy_piece_bytes and stop < len(src):
                 continue
             for addr, nbytes in src[start:stop]:
                 running.add(addr, nbytes)

@@ -171,6 +171,7 @@ def run_spec(transport: Transport, spec: dict[str, Any]) -> list[dict[str, Any]]
         NaNKV.poison(kv)
     sender = _sender_class(spec.get("double", ""))(transport, kv, _config(spec))
     sender.piece_bytes = spec.get("piece_bytes", sender.piece_bytes)
+    sender.zero_copy_piece_bytes = spec.get("piece_bytes", sender.zero_copy_piece_bytes)
     return _send_all(sender, spec, None, {})
 
 
