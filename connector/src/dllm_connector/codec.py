@@ -34,7 +34,7 @@ from dllm_connector.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
 
-HEADER_VERSION = 1
+HEADER_VERSION = 2  # 2: data and scales hashed apart; batches may come in pieces
 SCALE_DTYPE = torch.float32
 _SCALE_BYTES = 4
 # The smallest normal float32: keeps 1/scale finite for all-zero and subnormal groups.
@@ -424,9 +424,10 @@ def _round_trip_rows(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes, scales and decoded values of [rows, group] values, through all three kernels."""
     inverse, scale = functions.scales(rows)
-    codes = torch.empty(rows.shape, dtype=code_dtype)
+    codes = torch.empty(rows.shape, dtype=code_dtype)  # on the host, as staging is
     functions.codes(rows, inverse, codes)
-    restored = torch.empty_like(rows)
+    scale = scale.cpu()
+    restored = torch.empty(rows.shape, dtype=rows.dtype)  # decode runs on the host, as the pipe's does
     functions.decode_into(codes, scale, float(torch.finfo(rows.dtype).max), restored)
     return codes, scale, restored
 
@@ -653,10 +654,10 @@ class StreamingDecode:
     """Decodes a payload part by part as its parts arrive, and verifies it once all have.
 
     For a payload written in pieces: part k can be decoded once its data and scales are in,
-    before the rest of the payload is, so decode overlaps the wire. Each part's data is hashed
-    just before it is decoded (then read from cache); the scales are hashed at the end, which is
-    the payload's byte order. Decoded parts are not verified until `verify`: a consumer that
-    places them must treat the places as failed if it raises.
+    before the rest of the payload is, so decode overlaps the wire. Each part's data and scales
+    are hashed just before it is decoded (then read from cache), each region in order, as
+    `checksum` hashes them. Decoded parts are not verified until `verify`: a consumer that places
+    them must treat the places as failed if it raises.
     """
 
     def __init__(self, header: KVHeader, payload: torch.Tensor, parts: int) -> None:

@@ -624,8 +624,11 @@ class _LayerStream:
         heads: HeadRange | None,
     ) -> None:
         self._kv, self._draft, self._blocks, self._heads = kv, draft, blocks, heads
-        self._decode = codec.StreamingDecode(draft, view, kv.num_layers)
         self._error: Exception | None = None
+        try:
+            self._decode = codec.StreamingDecode(draft, view, kv.num_layers)
+        except codec.CodecError as error:  # raised at `finish`, once the chunk's messages were read
+            self._error = error
 
     def place_until(self, layers: int) -> None:
         if self._error is not None:
