@@ -180,7 +180,10 @@ def compose_kv_vars(text: str) -> dict[str, dict[str, str]]:
 
 
 def test_seed_compose_kv_variables_are_a_subset_of_the_rendered_env() -> None:
-    seed_text = next((ROOT.parent / "shared" / "seed").glob("*.txt")).read_text()
+    seeds = sorted((ROOT.parent / "shared" / "seed").glob("*.txt"))
+    if not seeds:  # the team's seed sits beside the checkout, not in it
+        pytest.skip(f"no seed design document in {ROOT.parent / 'shared' / 'seed'}")
+    seed_text = seeds[0].read_text()
     seed = compose_kv_vars(seed_text)
     assert seed["prefill-server"]["VLLM_KV_ROLE"] == "prefill"
     manifests = rendered(load_cr(ROOT / "crds/samples/seed-llama2-70b.yaml"))
