@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 PROTOCOL_VERSION = 1
+MAX_TRANSFER_ID = 256  # characters
 Port = Annotated[int, Field(ge=1, le=65535)]
 
 
@@ -24,7 +25,7 @@ class _Params(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     dllm: Literal[1] = 1  # PROTOCOL_VERSION
-    transfer_id: str = Field(min_length=1, max_length=256)
+    transfer_id: str = Field(min_length=1, max_length=MAX_TRANSFER_ID)
 
 
 class PrefillParams(_Params):

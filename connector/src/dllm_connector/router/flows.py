@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dllm_connector.protocol import DecodeParams, PrefillParams, new_transfer_id
+from dllm_connector.protocol import MAX_TRANSFER_ID, DecodeParams, PrefillParams, new_transfer_id
 from dllm_connector.router.config import Flow, RouterConfig
 
 JsonObject = dict[str, Any]
@@ -60,9 +60,6 @@ def dllm_plan(
     )
 
 
-_MAX_TRANSFER_ID = 256  # the protocol's limit (its models refuse longer ids)
-
-
 class DllmPlans:
     """`dllm_plan`, with each pod pair's params validated and dumped once: per prompt only the transfer
     id changes, so it is put into copies of that pair's dumps (same keys, same order). A transfer id the
@@ -76,7 +73,7 @@ class DllmPlans:
 
     def plan(self, request_id: str, index: int, prefill_host: str, decode_host: str) -> PairPlan:
         tid = new_transfer_id(request_id, index)
-        if not 0 < len(tid) <= _MAX_TRANSFER_ID:
+        if not 0 < len(tid) <= MAX_TRANSFER_ID:  # else the models refuse it, as in dllm_plan
             return dllm_plan(self.config, request_id, index, prefill_host, decode_host, tid)
         pair = self._pairs.get((prefill_host, decode_host))
         if pair is None:
