@@ -387,11 +387,10 @@ def _compile(function: _F) -> _F:
 
 
 def _compiled(codec: Compression, functions: _CodecKernels) -> _CodecKernels:
-    compile_ = _compile
     decode_into = functions.decode_into  # int8: eager on purpose (see _int8_values)
     if codec is Compression.FP8:  # two compiled passes over words beat one over bytes
-        decode_into = _fp8_decode_by_words(compile_(_fp8_half_words), compile_(_fp8_widen_into))
-    return _CodecKernels(compile_(functions.scales), compile_(functions.codes), decode_into)
+        decode_into = _fp8_decode_by_words(_compile(_fp8_half_words), _compile(_fp8_widen_into))
+    return _CodecKernels(_compile(functions.scales), _compile(functions.codes), decode_into)
 
 
 def _compile_kernels() -> _Kernels:

@@ -269,23 +269,18 @@ class _PieceStream:
     def __init__(self, sender: KVSender, writer: _ChunkWriter, index: int, local: int, remote: int) -> None:
         self._sender, self._writer, self._index = sender, writer, index
         self._local, self._remote = local, remote
-        # Per kind of range (data, scales; each comes in order): where it starts, up to where it was
-        # handed to the writer, and up to where it is final.
-        self._first: list[int] = []
+        # Per kind of range (data, scales; each comes in order): up to where it was handed to the
+        # writer, and up to where it is final.
         self._sent: list[int] = []
         self._ready: list[int] = []
         self._parts = 0
         self._pending = 0  # final bytes not handed over yet
-
-    @property
-    def sent(self) -> bool:
-        return any(end > start for start, end in zip(self._first, self._sent, strict=True))
+        self.sent = False  # whether a piece went to the writer (which may still be reading it)
 
     def add(self, ranges: list[tuple[int, int]]) -> None:
         if not self._ready:
-            self._first = [start for start, _ in ranges]
-            self._sent = list(self._first)
-            self._ready = list(self._first)
+            self._sent = [start for start, _ in ranges]
+            self._ready = list(self._sent)
         for kind, (_, stop) in enumerate(ranges):
             self._pending += stop - self._ready[kind]
             self._ready[kind] = stop
@@ -294,6 +289,7 @@ class _PieceStream:
             src, dst = self.rest()
             self._sender._before_write(self._index, src)
             self._writer.put(_Piece(src, dst, self._index, self._parts))
+            self.sent = True
 
     def rest(self) -> tuple[list[Source], list[Span]]:
         """The final bytes not handed over yet, one write per kind of range (none if there are none)."""
