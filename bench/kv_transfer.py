@@ -8,6 +8,10 @@ in the same run, side by side:
     <transport> <codec>   end to end: offer, gather + encode, write, decode + scatter, ack
     mooncake spans  the transfer engine alone writing the KV's block spans to decode's (no pipe)
     mooncake 1 write  the same bytes as one write from one buffer: the engine's own best
+    socket spans    the KV's block spans over one Python socket (sendmsg gathers them, recv_into
+                    scatters them into decode's blocks): a transport that costs what a socket costs
+    socket spans+xxh3  the same, hashing every span on both sides as the pipe's zero-copy checksum
+                    does: the bound for codec none on this machine's cores
 
 GB/s counts uncompressed KV delivered per second (1 GB = 1e9 bytes). The codec's own GB/s per
 core is measured with torch on one thread. `--link` runs the table again over a veth pair between
@@ -97,7 +101,7 @@ def _use_zero_copy_checksum(kind: type[_RunningCrc32 | _NoChecksum]) -> None:
             running.add(addr, nbytes)
         return int(running.value)
 
-    pipe.RunningChecksum = kind  # type: ignore[misc,assignment]
+    pipe.RunningChecksum = kind  # type: ignore[attr-defined,assignment]
     pipe.spans_checksum = spans_checksum  # type: ignore[attr-defined]
 
 
@@ -123,7 +127,8 @@ class Worker:
 
         torch.set_num_threads(threads)
         if checksum != "xxh3":
-            _use_zero_copy_checksum({"off": _NoChecksum, "crc32": _RunningCrc32}[checksum])
+            kinds: dict[str, type[_RunningCrc32 | _NoChecksum]] = {"off": _NoChecksum, "crc32": _RunningCrc32}
+            _use_zero_copy_checksum(kinds[checksum])
         self.host = host
         geometry = Geometry(block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, model="bench")
         self.kv = PagedKV(_caches(num_blocks, 1 if role == "prefill" else None), num_blocks, geometry)
@@ -189,6 +194,49 @@ class Worker:
             conn.recv(1)
         return {"seconds": time.perf_counter() - started}
 
+    def cmd_spans_recv(self, blocks: list[int], checksum: bool) -> dict[str, Any]:
+        assert self._raw is not None
+        spans = self.kv.spans(blocks)
+        threading.Thread(target=self._spans_recv, args=(spans, checksum), daemon=True).start()
+        return {}
+
+    def _spans_recv(self, spans: list[tuple[int, int]], checksum: bool) -> None:
+        from dllm_connector.checksum import RunningChecksum
+
+        assert self._raw is not None
+        running = RunningChecksum()
+        conn, _ = self._raw.accept()
+        with conn:
+            for addr, nbytes in spans:
+                block = _memory(addr, nbytes)
+                received = 0
+                while received < nbytes:
+                    received += conn.recv_into(block[received:])
+                if checksum:
+                    running.add(addr, nbytes)
+            conn.sendall(running.value.to_bytes(8, "little"))
+
+    def cmd_spans_send(self, host: str, port: int, blocks: list[int], checksum: bool) -> dict[str, Any]:
+        """The KV's spans as one socket stream, in sendmsg calls of _IOV spans each."""
+        from dllm_connector.checksum import RunningChecksum
+
+        spans = self.kv.spans(blocks)
+        running = RunningChecksum()
+        started = time.perf_counter()
+        with socket.create_connection((host, port)) as conn:
+            for start in range(0, len(spans), _IOV):
+                group = spans[start : start + _IOV]
+                if checksum:
+                    for addr, nbytes in group:
+                        running.add(addr, nbytes)
+                _send_all(conn, [_memory(addr, nbytes) for addr, nbytes in group])
+            matched = int.from_bytes(conn.recv(8), "little") == running.value
+        return {"seconds": time.perf_counter() - started, "matched": matched}
+
+    def cmd_codec(self, tokens: int, repeats: int) -> dict[str, Any]:
+        """The codec per core, here where its kernels are compiled already (saves a compile)."""
+        return {"codecs": codec_per_core(tokens, repeats)}
+
     def cmd_regions(self, blocks: list[int]) -> dict[str, Any]:
         """Decode's side of the Mooncake-alone rows: its KV spans, a contiguous buffer, its session."""
         receiver = self.receivers["mooncake"]
@@ -239,6 +287,26 @@ class Worker:
         sender.send(SendJob(transfer_id, tuple(blocks), host, port))
         seconds = time.perf_counter() - started
         return {"seconds": seconds, "wire": sender.stats.bytes_on_wire - wire_before}
+
+
+_IOV = 256  # buffers per sendmsg call (IOV_MAX is 1024)
+
+
+def _memory(addr: int, nbytes: int) -> memoryview:
+    import ctypes
+
+    return memoryview((ctypes.c_ubyte * nbytes).from_address(addr)).cast("B")
+
+
+def _send_all(conn: socket.socket, buffers: list[memoryview]) -> None:
+    """sendmsg until every buffer is out (a call may send part of them)."""
+    while buffers:
+        sent = conn.sendmsg(buffers)
+        while buffers and sent >= len(buffers[0]):
+            sent -= len(buffers[0])
+            buffers.pop(0)
+        if buffers and sent:
+            buffers[0] = buffers[0][sent:]
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -322,6 +390,9 @@ class Peer:
         self.process.wait(timeout=30)
 
 
+CodecFigures = list[tuple[str, float, float, bool]]  # (codec, encode GB/s, decode GB/s, compiled)
+
+
 @dataclass
 class Row:
     name: str
@@ -341,7 +412,9 @@ def measure_link(
     hosts: tuple[str, str],
     namespaces: tuple[str | None, str | None],
     settings: Settings,
-) -> list[Row]:
+    codec_tokens: int = 0,
+) -> tuple[list[Row], CodecFigures]:
+    """The table's rows, and with `codec_tokens` the codec per core measured in the prefill worker."""
     blocks = -(-tokens // BLOCK)
     kv_bytes = blocks * LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 2
     buffer_mb = kv_bytes // (1 << 20) + 16
@@ -377,7 +450,10 @@ def measure_link(
                 rows.append(Row(f"{transport} {codec}", statistics.median(times), kv_bytes, wire))
         if "mooncake" in transports:
             rows += _mooncake_alone_rows(prefill, decode, src, dst, kv_bytes, repeats)
-        return rows
+        rows += _socket_spans_rows(prefill, decode, hosts[1], ports["raw"], (src, dst), kv_bytes, repeats)
+        if not codec_tokens:
+            return rows, []
+        return rows, prefill.call("codec", tokens=codec_tokens, repeats=repeats + 1)["codecs"]
     finally:
         prefill.close()
         decode.close()
@@ -411,7 +487,30 @@ def _mooncake_alone_rows(
     return rows
 
 
-def codec_per_core(tokens: int, repeats: int) -> list[tuple[str, float, float, bool]]:
+def _socket_spans_rows(
+    prefill: Peer,
+    decode: Peer,
+    host: str,
+    port: int,
+    blocks: tuple[list[int], list[int]],
+    nbytes: int,
+    repeats: int,
+) -> list[Row]:
+    """The KV's spans over a plain socket, without and with the checksum on both sides."""
+    rows = []
+    for name, checksum in (("socket spans", False), ("socket spans+xxh3", True)):
+        times = []
+        for _ in range(repeats + 1):
+            decode.call("spans_recv", blocks=blocks[1], checksum=checksum)
+            sent = prefill.call("spans_send", host=host, port=port, blocks=blocks[0], checksum=checksum)
+            if checksum and not sent["matched"]:
+                raise RuntimeError("socket spans: the checksums of the two sides differ")
+            times.append(sent["seconds"])
+        rows.append(Row(name, statistics.median(times[1:]), nbytes, nbytes))
+    return rows
+
+
+def codec_per_core(tokens: int, repeats: int) -> CodecFigures:
     """(codec, encode GB/s, decode GB/s, compiled) on one thread, for `tokens` of the KV.
 
     As in the pipe, encode writes into a staging buffer and decode into a KV batch that were
@@ -506,10 +605,10 @@ def emulated_link(rate: str) -> Iterator[None]:
 def print_table(title: str, rows: list[Row]) -> None:
     raw = rows[0]
     print(f"\n{title}")
-    print(f"  {'path':<16} {'GB/s':>7} {'x raw':>7} {'wire MB':>9} {'wire/raw':>9}")
+    print(f"  {'path':<18} {'GB/s':>7} {'x raw':>7} {'wire MB':>9} {'wire/raw':>9}")
     for row in rows:
         print(
-            f"  {row.name:<16} {row.gbps:7.2f} {row.gbps / raw.gbps:7.2f} "
+            f"  {row.name:<18} {row.gbps:7.2f} {row.gbps / raw.gbps:7.2f} "
             f"{row.wire_bytes / 1e6:9.1f} {row.wire_bytes / row.raw_bytes:9.2f}"
         )
     by_name = {row.name: row for row in rows}
@@ -573,15 +672,21 @@ def main() -> None:
     started = time.perf_counter()
     settings = Settings(args.batch_tokens, args.checksum, args.threads)
     shape = f"{LAYERS} layers, block {BLOCK}, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16"
+    codec_tokens = 1024 if args.quick else 2048
+    codecs: CodecFigures = []
     for tokens in args.tokens:
         local = ("127.0.0.1", "127.0.0.1")
-        rows = measure_link(tokens, args.repeats, args.transports, local, (None, None), settings)
+        wanted = 0 if codecs else codec_tokens
+        rows, measured = measure_link(
+            tokens, args.repeats, args.transports, local, (None, None), settings, wanted
+        )
+        codecs = codecs or measured
         title = f"127.0.0.1, {tokens} tokens ({shape}; {rows[0].raw_bytes / 1e6:.0f} MB of KV)"
         run = f"batches of {args.batch_tokens} tokens, checksum {args.checksum}, {args.threads} thread(s)"
         print_table(f"{title}, {run}", rows)
         if args.link:
             with emulated_link(args.link):
-                rows = measure_link(
+                rows, _ = measure_link(
                     tokens,
                     args.repeats,
                     args.transports,
@@ -590,9 +695,8 @@ def main() -> None:
                     settings,
                 )
             print_table(f"veth + tc {args.link}, {tokens} tokens", rows)
-    codec_tokens = 1024 if args.quick else 2048
     print(f"\ncodec on one core (torch threads = 1), {codec_tokens} tokens:")
-    for name, encode, decode, compiled in codec_per_core(codec_tokens, 2 if args.quick else 3):
+    for name, encode, decode, compiled in codecs:
         kernels = "torch.compile" if compiled else "plain torch"
         print(f"  {name:<5} encode {encode:5.2f} GB/s   decode {decode:5.2f} GB/s   ({kernels})")
     gpu_codec()
