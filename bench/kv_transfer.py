@@ -206,6 +206,7 @@ class Worker:
         assert self._raw is not None
         running = RunningChecksum()
         conn, _ = self._raw.accept()
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
         with conn:
             for addr, nbytes in spans:
                 block = _memory(addr, nbytes)
@@ -224,6 +225,7 @@ class Worker:
         running = RunningChecksum()
         started = time.perf_counter()
         with socket.create_connection((host, port)) as conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
             for start in range(0, len(spans), _IOV):
                 group = spans[start : start + _IOV]
                 if checksum:
@@ -290,6 +292,7 @@ class Worker:
 
 
 _IOV = 256  # buffers per sendmsg call (IOV_MAX is 1024)
+_SOCKET_BUFFER = 4 << 20  # socket buffers of the span rows: 64 KiB receives keep up with the sender
 
 
 def _memory(addr: int, nbytes: int) -> memoryview:

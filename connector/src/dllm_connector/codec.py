@@ -29,7 +29,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from dllm_connector.checksum import RunningChecksum, combine_checksums, spans_checksum
+from dllm_connector.checksum import RunningChecksum, combine_checksums
 from dllm_connector.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
@@ -116,6 +116,19 @@ class KVHeader:
         """Bytes of the uncompressed KV this payload stands for."""
         return self.numel * self.torch_dtype.itemsize
 
+    def ranges(self, first: int, count: int) -> list[tuple[int, int]]:
+        """The payload byte ranges [start, stop) of first-axis entries [first, first + count): their
+        data, and for codes their scales too (data and scales are two regions, entries in order)."""
+        entry_nbytes = self.data_nbytes // self.shape[0]
+        data = (first * entry_nbytes, (first + count) * entry_nbytes)
+        if self.codec is Compression.NONE:
+            return [data]
+        scales_nbytes = self.groups * _SCALE_BYTES
+        return [
+            data,
+            (self.data_nbytes + first * scales_nbytes, self.data_nbytes + (first + count) * scales_nbytes),
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "v": HEADER_VERSION,
@@ -176,11 +189,26 @@ def checksum(header: KVHeader, payload: torch.Tensor) -> int:
     Data and scales are hashed apart, each in order, so that a payload written part by part can
     hash each part's codes and scales as soon as they are final, whatever the parts are.
     """
-    data = spans_checksum([(payload.data_ptr(), header.data_nbytes)])
-    if header.codec is Compression.NONE:
-        return data
-    scales = spans_checksum([(payload.data_ptr() + header.data_nbytes, header.num_scales * _SCALE_BYTES)])
-    return combine_checksums(data, scales)
+    running = _PayloadChecksum(header, payload)
+    running.add(header.ranges(0, header.shape[0]))
+    return running.value
+
+
+class _PayloadChecksum:
+    """`checksum` fed range lists from `KVHeader.ranges` in entry order: each region hashed in order."""
+
+    def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
+        self._base = payload.data_ptr()
+        self._regions = [RunningChecksum() for _ in header.ranges(0, 0)]
+
+    def add(self, ranges: list[tuple[int, int]]) -> None:
+        for region, (start, stop) in zip(self._regions, ranges, strict=True):
+            region.add(self._base + start, stop - start)
+
+    @property
+    def value(self) -> int:
+        values = [region.value for region in self._regions]
+        return values[0] if len(values) == 1 else combine_checksums(*values)
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -525,7 +553,6 @@ class _PayloadViews:
 
     def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
         self._header, self._payload = header, payload
-        self._entry_nbytes = _product(header.shape[1:]) * header.torch_dtype.itemsize
         if header.codec is not Compression.NONE:
             codes = payload[: header.data_nbytes].view(_CODE_DTYPE[header.codec])
             self._codes = codes.view(header.num_scales, -1)
@@ -538,7 +565,7 @@ class _PartWriter(_PayloadViews):
     def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
         super().__init__(header, payload)
         self._done = 0  # first-axis entries written so far
-        self._data_checksum, self._scales_checksum = RunningChecksum(), RunningChecksum()
+        self._checksum = _PayloadChecksum(header, payload)
 
     def write(self, part: torch.Tensor) -> list[tuple[int, int]]:
         """Encode the next part into its place; returns the payload byte ranges it filled."""
@@ -554,38 +581,31 @@ class _PartWriter(_PayloadViews):
             raise CodecError("KV blocks must be contiguous; gather them first")
         if self._done + count > header.shape[0]:
             raise CodecError(f"parts hold more than the batch's {header.shape[0]} entries")
+        filled = header.ranges(self._done, count)
         if header.codec is Compression.NONE:
-            start, stop = self._done * self._entry_nbytes, (self._done + count) * self._entry_nbytes
-            target = self._payload[start:stop]
-            source = as_bytes(part)
+            start, stop = filled[0]
+            target, source = self._payload[start:stop], as_bytes(part)
             if source.data_ptr() != target.data_ptr():  # a part gathered in place needs no copy
                 target.copy_(source)
         else:
             first, last = self._done * header.groups, (self._done + count) * header.groups
             rows = part.reshape(count * header.groups, -1)
             _quantize_rows(rows, header.codec, self._codes[first:last], self._scales[first:last])
-            start, stop = first * self._codes.shape[1], last * self._codes.shape[1]
-        self._data_checksum.add(self._payload.data_ptr() + start, stop - start)
+        self._checksum.add(filled)
         self._done += count
-        if header.codec is Compression.NONE:
-            return [(start, stop)]
-        scales = header.data_nbytes + first * _SCALE_BYTES, header.data_nbytes + last * _SCALE_BYTES
-        self._scales_checksum.add(self._payload.data_ptr() + scales[0], scales[1] - scales[0])
-        return [(start, stop), scales]
+        return filled
 
     def finish(self) -> int:
         """Check that every entry came and every scale is finite; returns the payload's checksum."""
         header = self._header
         if self._done != header.shape[0]:
             raise CodecError(f"parts held {self._done} of the batch's {header.shape[0]} entries")
-        if header.codec is Compression.NONE:
-            return self._data_checksum.value
-        if not bool(torch.isfinite(self._scales).all()):
+        if header.codec is not Compression.NONE and not bool(torch.isfinite(self._scales).all()):
             bad = int((~torch.isfinite(self._scales)).sum())
             raise NonFiniteKVError(
                 f"{bad} of {self._scales.numel()} scale groups hold NaN or inf; use codec none"
             )
-        return combine_checksums(self._data_checksum.value, self._scales_checksum.value)
+        return self._checksum.value
 
 
 def _product(sizes: Iterable[int]) -> int:
@@ -613,13 +633,27 @@ def _quantize_rows(rows: torch.Tensor, codec: Compression, codes: torch.Tensor, 
 
 def verify(header: KVHeader, payload: torch.Tensor) -> torch.Tensor:
     """The payload trimmed to its size, after its length and checksum matched the header."""
+    payload = _trimmed(header, payload)
+    _check_checksum(checksum(header, payload), header.checksum)
+    return payload
+
+
+def _trimmed(header: KVHeader, payload: torch.Tensor) -> torch.Tensor:
     if payload.numel() < header.payload_nbytes:
         raise CodecError(f"payload has {payload.numel()} bytes, header says {header.payload_nbytes}")
-    payload = payload[: header.payload_nbytes]
-    actual = checksum(header, payload)
-    if actual != header.checksum:
-        raise ChecksumError(f"KV payload checksum {actual:#018x} != header {header.checksum:#018x}")
-    return payload
+    return payload[: header.payload_nbytes]
+
+
+def _check_checksum(actual: int, expected: int) -> None:
+    if actual != expected:
+        raise ChecksumError(f"KV payload checksum {actual:#018x} != header {expected:#018x}")
+
+
+def _part_entries(header: KVHeader, parts: int) -> int:
+    """First-axis entries per part, where the batch splits into `parts` equal parts."""
+    if parts <= 0 or header.shape[0] % parts:
+        raise CodecError(f"a batch of {header.shape[0]} entries does not split into {parts} parts")
+    return header.shape[0] // parts
 
 
 def decode(header: KVHeader, payload: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -639,10 +673,8 @@ def decode_parts(header: KVHeader, payload: torch.Tensor, parts: int) -> Iterato
     Every part is written into the same buffer, valid until the next one is taken: a consumer that
     places each part right away (e.g. one layer into its KV blocks) finds it still in cache.
     """
-    if parts <= 0 or header.shape[0] % parts:
-        raise CodecError(f"a batch of {header.shape[0]} entries does not split into {parts} parts")
+    count = _part_entries(header, parts)
     reader = _PartReader(header, verify(header, payload))
-    count = header.shape[0] // parts
     part = torch.empty((count, *header.shape[1:]), dtype=header.torch_dtype)
     for index in range(parts):
         reader.read_into(index * count, part)
@@ -660,32 +692,21 @@ class StreamingDecode:
     """
 
     def __init__(self, header: KVHeader, payload: torch.Tensor, parts: int) -> None:
-        if parts <= 0 or header.shape[0] % parts:
-            raise CodecError(f"a batch of {header.shape[0]} entries does not split into {parts} parts")
-        if payload.numel() < header.payload_nbytes:
-            raise CodecError(f"payload has {payload.numel()} bytes, header says {header.payload_nbytes}")
         self._header, self._parts = header, parts
-        self._payload = payload[: header.payload_nbytes]
-        self._reader = _PartReader(header, self._payload)
-        self._count = header.shape[0] // parts
+        self._count = _part_entries(header, parts)
+        payload = _trimmed(header, payload)
+        self._reader = _PartReader(header, payload)
         self._part = torch.empty((self._count, *header.shape[1:]), dtype=header.torch_dtype)
-        self._data_checksum, self._scales_checksum = RunningChecksum(), RunningChecksum()
+        self._checksum = _PayloadChecksum(header, payload)
         self.decoded = 0  # parts decoded so far
 
     def parts_until(self, stop: int) -> Iterator[torch.Tensor]:
         """Decode parts up to `stop` (exclusive), each into one reused buffer, in order."""
         if not self.decoded <= stop <= self._parts:
             raise CodecError(f"parts {self.decoded}..{stop} are not the next of {self._parts}")
-        header, base = self._header, self._payload.data_ptr()
-        quantized = header.codec is not Compression.NONE
-        entry_bytes = _product(header.shape[1:]) * (1 if quantized else header.torch_dtype.itemsize)
-        scale_bytes = header.groups * _SCALE_BYTES  # per first-axis entry
         while self.decoded < stop:
             first = self.decoded * self._count
-            self._data_checksum.add(base + first * entry_bytes, self._count * entry_bytes)
-            if quantized:
-                where = base + header.data_nbytes + first * scale_bytes
-                self._scales_checksum.add(where, self._count * scale_bytes)
+            self._checksum.add(self._header.ranges(first, self._count))
             self._reader.read_into(first, self._part)
             self.decoded += 1
             yield self._part
@@ -694,11 +715,7 @@ class StreamingDecode:
         """After every part: the payload's checksum must be `expected` (the sender's)."""
         if self.decoded != self._parts:
             raise CodecError(f"verified after {self.decoded} of {self._parts} parts")
-        actual = self._data_checksum.value
-        if self._header.codec is not Compression.NONE:
-            actual = combine_checksums(actual, self._scales_checksum.value)
-        if actual != expected:
-            raise ChecksumError(f"KV payload checksum {actual:#018x} != header {expected:#018x}")
+        _check_checksum(self._checksum.value, expected)
 
 
 class _PartReader(_PayloadViews):
@@ -707,8 +724,8 @@ class _PartReader(_PayloadViews):
     def read_into(self, first: int, out: torch.Tensor) -> None:
         header, count = self._header, out.shape[0]
         if header.codec is Compression.NONE:
-            start = first * self._entry_nbytes
-            as_bytes(out).copy_(self._payload[start : start + count * self._entry_nbytes])
+            start, stop = header.ranges(first, count)[0]
+            as_bytes(out).copy_(self._payload[start:stop])
             return
         rows = slice(first * header.groups, (first + count) * header.groups)
         target = out.view(count * header.groups, -1)

@@ -303,8 +303,8 @@ class _PieceStream:
         return src, dst
 
 
-class KVSender:
-    """Prefill side. Sends run on their own threads when async; `finished()` drains the outcomes."""
+class _PipeSide:
+    """What both sides hold: the transport, with the paged KV and a staging buffer registered."""
 
     def __init__(self, transport: Transport, kv: PagedKV, config: PipeConfig) -> None:
         self.transport = transport
@@ -314,6 +314,18 @@ class KVSender:
         self.staging = StagingBuffer(config.buffer_bytes)
         transport.register(self.staging.tensor)
         kv.register_with(transport.register)
+
+    def _unregister(self) -> None:
+        self.transport.unregister(self.staging.tensor)
+        for tensor in self.kv.caches:
+            self.transport.unregister(tensor)
+
+
+class KVSender(_PipeSide):
+    """Prefill side. Sends run on their own threads when async; `finished()` drains the outcomes."""
+
+    def __init__(self, transport: Transport, kv: PagedKV, config: PipeConfig) -> None:
+        super().__init__(transport, kv, config)
         self._tags = itertools.count(1)
         self.min_zero_copy_run = MIN_ZERO_COPY_RUN
         self.piece_bytes = PIECE_BYTES
@@ -540,20 +552,19 @@ class KVSender:
         theirs = plan.dst[first * per_block : (first + len(blocks)) * per_block]
         dst = [(span.addr, span.nbytes) for span in theirs]
         running = RunningChecksum()
+        # Spans are in layer order, the same bytes for every layer: a piece is whole layers, as
+        # few as make zero_copy_piece_bytes (the last piece takes what is left).
         per_layer = len(src) // self.kv.num_layers
-        group_bytes = 0
-        start = 0
-        for stop in range(per_layer, len(src) + 1, per_layer):  # spans are in layer order
-            group_bytes += sum(nbytes for _, nbytes in src[stop - per_layer : stop])
-            if group_bytes < self.zero_copy_piece_bytes and stop < len(src):
-                continue
+        layer_bytes = sum(nbytes for _, nbytes in src[:per_layer])
+        step = per_layer * max(1, -(-self.zero_copy_piece_bytes // layer_bytes))
+        for start in range(0, len(src), step):
+            stop = min(start + step, len(src))
             for addr, nbytes in src[start:stop]:
                 running.add(addr, nbytes)
             merged_src, merged_dst = coalesce(src[start:stop], dst[start:stop])
             piece = _Piece([Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], index)
             self._before_write(index, piece.src)
             writer.put(piece)
-            start, group_bytes = stop, 0
         shape = self.kv.batch_shape(len(blocks), plan.heads)
         header = codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, running.value)
         return _Chunk(index, header, [], [], None)
@@ -571,11 +582,6 @@ class KVSender:
     def close(self) -> None:
         self.wait_idle(self.config.transfer_timeout_s)
         self._unregister()
-
-    def _unregister(self) -> None:
-        self.transport.unregister(self.staging.tensor)
-        for tensor in self.kv.caches:
-            self.transport.unregister(tensor)
 
 
 def _naming_rank(error: Exception, rank: int) -> Exception:
@@ -696,7 +702,7 @@ def _nack_on_error(sock: socket.socket) -> Iterator[None]:
         raise
 
 
-class KVReceiver:
+class KVReceiver(_PipeSide):
     """Decode side: serves the side channel and loads offered KV into expected blocks."""
 
     def __init__(
@@ -709,14 +715,8 @@ class KVReceiver:
         *,
         engine_id: str | None = None,
     ) -> None:
-        self.transport = transport
+        super().__init__(transport, kv, config)
         self.engine_id = engine_id
-        self.kv = kv
-        self.config = config
-        self.stats = PipeStats()
-        self.staging = StagingBuffer(config.buffer_bytes)
-        transport.register(self.staging.tensor)
-        kv.register_with(transport.register)
         self._cond = threading.Condition()
         self._expected: dict[str, _Expectation] = {}
         self._results: dict[str, str] = {}  # transfer id -> "" loaded, else reason
@@ -1112,9 +1112,7 @@ class KVReceiver:
         with self._cond:
             for transfer_id in list(self._expected):
                 self._finish_locked(transfer_id, "receiver closed")
-        self.transport.unregister(self.staging.tensor)
-        for tensor in self.kv.caches:
-            self.transport.unregister(tensor)
+        self._unregister()
 
 
 # ---- the seed's tensor API ------------------------------------------------------------------------
