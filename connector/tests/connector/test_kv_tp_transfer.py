@@ -9,7 +9,6 @@ groups. Every head each decode rank holds is compared with the full model's KV.
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -17,7 +16,16 @@ from typing import Any
 
 import pytest
 import torch
-from kv_peer import HOST, LAYOUTS, TP_BLOCKS, TP_GEOMETRY, Prefill, make_transport, rank_kv
+from kv_peer import (
+    HOST,
+    LAYOUTS,
+    TP_BLOCKS,
+    TP_GEOMETRY,
+    Prefill,
+    consecutive_free_ports,
+    make_transport,
+    rank_kv,
+)
 
 from dllm_connector.kv_layout import PagedKV, TPMappingError, TPRank, plan_tp_mapping, rank_heads
 from dllm_connector.kv_scheduler import SchedulerState, StepPlan
@@ -61,26 +69,6 @@ def prefill(kind: str) -> Iterator[Prefill]:
     peer = Prefill(kind)
     yield peer
     peer.close()
-
-
-def consecutive_free_ports(count: int) -> int:
-    """A base port with `count` free ports from it on (decode rank r listens on base + r)."""
-    for _ in range(50):
-        probe = socket.socket()
-        probe.bind((HOST, 0))
-        base = int(probe.getsockname()[1])
-        probe.close()
-        if base + count > 65535:
-            continue
-        with contextlib.ExitStack() as stack:
-            try:
-                for offset in range(count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind((HOST, base + offset))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports on {HOST}")
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, consecutive_free_ports, make_caches
 from vllm.config import KVTransferConfig, VllmConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
@@ -201,7 +201,7 @@ def extra(**changes: Any) -> ConnectorExtraConfig:
 
 @pytest.fixture
 def workers() -> Iterator[tuple[ConnectorWorker, ConnectorWorker, int]]:
-    decode_kv_port = 15710
+    decode_kv_port = consecutive_free_ports(1)  # not a fixed one: Mooncake draws RPC ports near 15000
     prefill = ConnectorWorker(
         extra(compression="fp8"), GEOMETRY, WorkerIdentity(0, receives=False), "mooncake"
     )
