@@ -173,24 +173,27 @@ class Worker:
         import torch
 
         assert self._raw is not None
-        if self._raw_buffer is None or self._raw_buffer.numel() != nbytes:
+        size = min(nbytes, _RAW_BUFFER)
+        if self._raw_buffer is None or self._raw_buffer.numel() != size:
             # Allocated and touched once, like registered KV memory: page faults are not the link's.
-            self._raw_buffer = torch.zeros(nbytes, dtype=torch.uint8)
+            self._raw_buffer = torch.zeros(size, dtype=torch.uint8)
         buffer = self._raw_buffer.numpy().data.cast("B")
         conn, _ = self._raw.accept()
         with conn:
             received = 0
-            while received < nbytes:
-                received += conn.recv_into(buffer[received:], min(nbytes - received, 1 << 22))
+            while received < nbytes:  # a KV larger than the buffer wraps around it
+                offset = received % size
+                received += conn.recv_into(buffer[offset:], min(nbytes - received, size - offset, 1 << 22))
             conn.sendall(b"k")
 
     def cmd_raw_send(self, host: str, port: int, nbytes: int) -> dict[str, Any]:
         import torch
 
-        payload = torch.ones(nbytes, dtype=torch.uint8).numpy()
+        payload = torch.ones(min(nbytes, _RAW_BUFFER), dtype=torch.uint8).numpy().data.cast("B")
         started = time.perf_counter()
         with socket.create_connection((host, port)) as conn:
-            conn.sendall(payload.data)
+            for start in range(0, nbytes, len(payload)):
+                conn.sendall(payload[: min(len(payload), nbytes - start)])
             conn.recv(1)
         return {"seconds": time.perf_counter() - started}
 
@@ -253,7 +256,8 @@ class Worker:
         self, blocks: list[int], dst: list[list[int]], session: str, contiguous: bool
     ) -> dict[str, Any]:
         """Mooncake by itself, no pipe: the KV's spans to decode's (merged as the pipe merges them),
-        or the same bytes as one write from one buffer."""
+        or the same bytes as one write from one buffer (writes of decode's staging size, where the
+        KV is larger)."""
         import torch
 
         from dllm_connector.kv_layout import coalesce
@@ -262,11 +266,14 @@ class Worker:
         transport = self.transports["mooncake"]
         self.kv.register_with(transport.register)
         if contiguous:
+            nbytes, (target_addr, target_nbytes) = self.kv.batch_nbytes(len(blocks)), dst[0]
             if self._contiguous is None:
-                self._contiguous = torch.ones(self.kv.batch_nbytes(len(blocks)), dtype=torch.uint8)
+                self._contiguous = torch.ones(min(nbytes, target_nbytes), dtype=torch.uint8)
                 transport.register(self._contiguous)
-            src = [(self._contiguous.data_ptr(), self._contiguous.numel())]
-            targets = [(dst[0][0], src[0][1])]
+            size = self._contiguous.numel()
+            lengths = [min(size, nbytes - start) for start in range(0, nbytes, size)]
+            src = [(self._contiguous.data_ptr(), length) for length in lengths]
+            targets = [(target_addr, length) for length in lengths]
         else:
             src, targets = coalesce(self.kv.spans(blocks), [(addr, nbytes) for addr, nbytes in dst])
         started = time.perf_counter()
@@ -292,6 +299,8 @@ class Worker:
 
 
 _IOV = 256  # buffers per sendmsg call (IOV_MAX is 1024)
+_RAW_BUFFER = 256 << 20  # the raw socket's buffers; a larger KV is sent through them in turn
+_MAX_STAGING = 1 << 30  # each engine's staging buffer (bufferSizeGB); the pipe waits when it is full
 _SOCKET_BUFFER = 4 << 20  # socket buffers of the span rows: 64 KiB receives keep up with the sender
 
 
@@ -420,7 +429,7 @@ def measure_link(
     """The table's rows, and with `codec_tokens` the codec per core measured in the prefill worker."""
     blocks = -(-tokens // BLOCK)
     kv_bytes = blocks * LAYERS * KV_HEADS * BLOCK * 2 * HEAD_DIM * 2
-    buffer_mb = kv_bytes // (1 << 20) + 16
+    buffer_mb = min(kv_bytes, _MAX_STAGING) // (1 << 20) + 16
     prefill = Peer("prefill", hosts[0], blocks, buffer_mb, namespaces[0], settings)
     decode = Peer("decode", hosts[1], blocks, buffer_mb, namespaces[1], settings)
     try:
