@@ -149,6 +149,7 @@ class _Plan:
     peer: dict[str, Any]
     heads: HeadRange | None = None  # this rank's heads that travel; None: all of them
     zero_copy: bool = False
+    slots: dict[int, int] = field(default_factory=dict)  # chunk index -> decode's staging address
 
 
 def chunk_ranges(count: int, chunk_blocks: int) -> list[tuple[int, int]]:
@@ -433,7 +434,7 @@ class KVSender(_PipeSide):
             wire = raw = 0
             try:
                 for index, (start, stop) in enumerate(chunk_ranges(len(blocks), plan.chunk_blocks)):
-                    chunk = self._prepare(index, blocks[start:stop], start, plan, writer)
+                    chunk = self._prepare(index, blocks[start:stop], start, plan, writer, sock)
                     if chunk.src:
                         self._before_write(index, chunk.src)
                     writer.put(chunk)
@@ -506,10 +507,24 @@ class KVSender(_PipeSide):
             peer,
             heads,
             bool(offer["zero_copy"]),
+            {int(index): int(addr) for index, addr in reply.get("slots", [])},
         )
 
+    def _slot(self, sock: socket.socket, plan: _Plan, index: int) -> int:
+        """Where decode stages chunk `index`: named in the accept, or later, once decode has room."""
+        while index not in plan.slots:
+            message = sidechannel.expect(sock, "slot", self.config.transfer_timeout_s)
+            plan.slots[int(message["index"])] = int(message["addr"])
+        return plan.slots.pop(index)
+
     def _prepare(
-        self, index: int, blocks: Sequence[int], first: int, plan: _Plan, writer: _ChunkWriter
+        self,
+        index: int,
+        blocks: Sequence[int],
+        first: int,
+        plan: _Plan,
+        writer: _ChunkWriter,
+        sock: socket.socket,
     ) -> _Chunk:
         """Chunk `index` encoded; on a one-sided transport its finished pieces already went to `writer`."""
         if plan.zero_copy:
@@ -517,12 +532,12 @@ class KVSender(_PipeSide):
         shape = self.kv.batch_shape(len(blocks), plan.heads)
         groups = self.kv.groups(plan.heads)
         nbytes = codec.payload_nbytes(self.codec, self.kv.dtype, shape, groups)
-        offset = _chunk_offsets(self._chunk_sizes(plan))[index]
+        remote = self._slot(sock, plan, index) if self.transport.one_sided else 0
         staged = self.staging.reserve(nbytes, self.config.transfer_timeout_s)
         if not self.transport.one_sided:  # announced first, then sent whole: no pieces
             pieces = None
         else:
-            pieces = _PieceStream(self, writer, index, staged.data_ptr(), plan.dst[0].addr + offset)
+            pieces = _PieceStream(self, writer, index, staged.data_ptr(), remote)
         try:
             # none from host memory: each layer is gathered straight into its place in the payload
             host_none = self.codec is Compression.NONE and self.kv.device.type == "cpu"
@@ -539,7 +554,7 @@ class KVSender(_PipeSide):
                 self.staging.release(staged)
             raise
         if pieces is None:  # two-sided: only the size counts
-            return _Chunk(index, header, [payload], [Span(offset, nbytes)], staged)
+            return _Chunk(index, header, [payload], [Span(0, nbytes)], staged)
         src, dst = pieces.rest()
         return _Chunk(index, header, src, dst, staged)
 
@@ -568,13 +583,6 @@ class KVSender(_PipeSide):
         shape = self.kv.batch_shape(len(blocks), plan.heads)
         header = codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, running.value)
         return _Chunk(index, header, [], [], None)
-
-    def _chunk_sizes(self, plan: _Plan) -> list[int]:
-        groups, heads = self.kv.groups(plan.heads), plan.heads
-        return [
-            codec.payload_nbytes(self.codec, self.kv.dtype, self.kv.batch_shape(stop - start, heads), groups)
-            for start, stop in chunk_ranges(plan.count, plan.chunk_blocks)
-        ]
 
     def _before_write(self, index: int, src: Sequence[Source]) -> None:
         """Hook between checksum and write (tests corrupt the payload here)."""
@@ -700,6 +708,66 @@ def _nack_on_error(sock: socket.socket) -> Iterator[None]:
         with contextlib.suppress(TransportError):
             sidechannel.send_message(sock, {"type": "nack", "reason": f"KV load failed: {error}"})
         raise
+
+
+class _StagingWindow:
+    """Decode's staging for one transfer's chunks on a one-sided transport.
+
+    Where the whole payload fits the buffer it is one reservation, as every slot is named up
+    front. Where it does not, the chunks go through a window of at most half the buffer (at least
+    one chunk): each chunk's slot is freed once it is decoded, and the next chunk's slot is then
+    reserved and named to the sender, which waits for it (back-pressure inside one transfer).
+    """
+
+    def __init__(self, staging: StagingBuffer, sizes: Sequence[int], timeout: float) -> None:
+        self._staging, self._sizes, self._timeout = staging, list(sizes), timeout
+        self._views: dict[int, torch.Tensor] = {}
+        self._whole: torch.Tensor | None = None
+        offsets = _chunk_offsets(sizes)
+        if offsets[-1] <= staging.capacity:
+            self._whole = staging.reserve(offsets[-1], timeout)
+            self._views = {i: self._whole[offsets[i] : offsets[i] + n] for i, n in enumerate(sizes)}
+            self._next = len(sizes)
+            return
+        self._next = 0
+        try:
+            window = 0
+            while self._next < len(sizes) and (
+                not window or window + sizes[self._next] <= staging.capacity // 2
+            ):
+                window += sizes[self._next]
+                self._reserve_next()
+        except BaseException:
+            self.release()
+            raise
+
+    def _reserve_next(self) -> tuple[int, int]:
+        index = self._next
+        self._views[index] = self._staging.reserve(self._sizes[index], self._timeout)
+        self._next += 1
+        return index, self._views[index].data_ptr()
+
+    def slots(self) -> list[tuple[int, int]]:
+        """(chunk index, address) of every slot reserved so far."""
+        return [(index, view.data_ptr()) for index, view in sorted(self._views.items())]
+
+    def view(self, index: int) -> torch.Tensor:
+        return self._views[index]
+
+    def decoded(self, index: int) -> tuple[int, int] | None:
+        """Chunk `index` is done with: in a window, free it and reserve the next chunk's slot."""
+        if self._whole is not None:
+            return None
+        self._staging.release(self._views.pop(index))
+        return self._reserve_next() if self._next < len(self._sizes) else None
+
+    def release(self) -> None:
+        if self._whole is not None:
+            self._staging.release(self._whole)
+        else:
+            for view in self._views.values():
+                self._staging.release(view)
+        self._whole, self._views = None, {}
 
 
 class KVReceiver(_PipeSide):
@@ -891,7 +959,7 @@ class KVReceiver(_PipeSide):
     def _receive(self, sock: socket.socket, offer: Mapping[str, Any], part: _Part) -> None:
         expectation, heads = part.expectation, part.heads
         with _nack_on_error(sock):
-            staged, dst, sizes, offsets = self._reserve(offer, part)
+            window, dst, sizes = self._reserve(offer, part)
         count = len(expectation.block_ids)
         chunks = chunk_ranges(count, int(offer["chunk_blocks"]))
         failure: Exception | None = None
@@ -902,6 +970,7 @@ class KVReceiver(_PipeSide):
                 "skip": expectation.skip,
                 "count": count,
                 "dst": dst,
+                "slots": [] if window is None else window.slots(),
                 "endpoint": endpoint,
             }
             sidechannel.send_message(sock, accept)
@@ -909,8 +978,8 @@ class KVReceiver(_PipeSide):
                 for index, (a, b) in enumerate(chunks):
                     blocks = expectation.block_ids[a:b]
                     own: torch.Tensor | None = None
-                    if staged is not None:
-                        view: torch.Tensor | None = staged[offsets[index] : offsets[index] + sizes[index]]
+                    if window is not None:
+                        view: torch.Tensor | None = window.view(index)
                     elif not self.transport.one_sided:  # two-sided: one batch of staging at a time
                         view = own = self.staging.reserve(sizes[index], self.config.transfer_timeout_s)
                     else:
@@ -923,6 +992,8 @@ class KVReceiver(_PipeSide):
                     finally:
                         if own is not None:
                             self.staging.release(own)
+                    if window is not None and (slot := window.decoded(index)) is not None:
+                        sidechannel.send_message(sock, {"type": "slot", "index": slot[0], "addr": slot[1]})
                 sidechannel.expect(sock, "done", self.config.transfer_timeout_s)
                 if failure is None and expectation.failure:
                     failure = TransferFailed(f"the load failed elsewhere: {expectation.failure}")
@@ -935,8 +1006,8 @@ class KVReceiver(_PipeSide):
                 self._refuse_and_drain(sock, f"KV load failed: {failure}", drain=False)
                 raise failure
         finally:
-            if staged is not None:
-                self.staging.release(staged)
+            if window is not None:
+                window.release()
         self.stats.bytes_on_wire += sum(sizes)
         self.stats.raw_bytes += self.kv.batch_nbytes(count, heads)
         self._end(expectation.transfer_id, part, "")
@@ -944,8 +1015,9 @@ class KVReceiver(_PipeSide):
 
     def _reserve(
         self, offer: Mapping[str, Any], part: _Part
-    ) -> tuple[torch.Tensor | None, list[tuple[int, int]], list[int], list[int]]:
-        """Name where each chunk of this part goes (and reserve staging for it)."""
+    ) -> tuple[_StagingWindow | None, list[tuple[int, int]], list[int]]:
+        """Name where each chunk of this part goes: decode's block spans (zero-copy), or staging
+        (one-sided: a window of it, the first slots named in the accept), or nothing (two-sided)."""
         block_ids, heads = part.expectation.block_ids, part.heads
         chunks = chunk_ranges(len(block_ids), int(offer["chunk_blocks"]))
         used = Compression(offer["codec"])
@@ -954,14 +1026,13 @@ class KVReceiver(_PipeSide):
             codec.payload_nbytes(used, self.kv.dtype, self.kv.batch_shape(b - a, heads), groups)
             for a, b in chunks
         ]
-        offsets = _chunk_offsets(sizes)
         if bool(offer.get("zero_copy")) and self.transport.one_sided:
             spans = [span for a, b in chunks for span in self.kv.spans(block_ids[a:b], heads)]
-            return None, spans, sizes, offsets
+            return None, spans, sizes
+        self.staging.check_fits(max(sizes))  # refused before the accept, whichever the transport
         if not self.transport.one_sided:  # the sender needs no addresses; batches reserve as they come
-            return None, [], sizes, offsets
-        staged = self.staging.reserve(offsets[-1], self.config.transfer_timeout_s)
-        return staged, [(staged.data_ptr(), staged.numel())], sizes, offsets
+            return None, [], sizes
+        return _StagingWindow(self.staging, sizes, self.config.transfer_timeout_s), [], sizes
 
     def _check_offer(self, offer: Mapping[str, Any]) -> _Part:
         """Compare the caches, then claim the sender's part of the expectation it names."""

@@ -240,24 +240,20 @@ def test_nan_kv_under_int8_fails_fast_on_both_sides(
 
 
 def test_transfer_larger_than_decode_staging(transport: Transport, prefill: Prefill) -> None:
-    """Two-sided transports stage one batch at a time; one-sided compressed KV needs the whole payload."""
+    """A payload larger than decode's staging buffer flows through it: two-sided transports stage one
+    batch at a time, one-sided ones a window of batches that decode names to prefill as it frees them."""
     kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
     receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=2 << 20), HOST, 0)
     try:
         receiver.expect("t-big", DST_BLOCKS)  # 300 blocks: 4.9 MB as fp8, 9.8 MB raw
         prefill.send(receiver.port, [{"transfer_id": "t-big", "block_ids": SRC_BLOCKS}], compression="fp8")
-        outcome = receiver.wait_for("t-big", timeout=60)
+        assert receiver.wait_for("t-big", timeout=60) == ""
         report = prefill.report()
-        if transport.one_sided:
-            assert outcome is not None
-            assert "exceed the 2097152-byte staging buffer" in outcome
-            assert "exceed the 2097152-byte staging buffer" in report[0]["error"]
-        else:
-            assert outcome == ""
-            assert report[0]["error"] is None
-            want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
-            assert relative_error(kv.gather(DST_BLOCKS), want) <= RELATIVE_ERROR[Compression.FP8]
+        assert report[0]["error"] is None
+        want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
+        assert relative_error(kv.gather(DST_BLOCKS), want) <= RELATIVE_ERROR[Compression.FP8]
         assert receiver.staging.in_use == 0
+        assert report[-1]["staging_in_use"] == 0
     finally:
         receiver.close()
 
@@ -274,3 +270,49 @@ class socket_port:
 
     def __exit__(self, *_: object) -> None:
         self._sock.close()
+
+
+def test_corrupted_payload_through_a_staging_window_frees_it(transport: Transport, prefill: Prefill) -> None:
+    """A checksum failure in a windowed transfer ends it on both sides with every slot freed, and the
+    next transfer through the same receiver loads."""
+    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
+    receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=2 << 20), HOST, 0)
+    try:
+        receiver.expect("t-bad", DST_BLOCKS)
+        prefill.send(
+            receiver.port,
+            [{"transfer_id": "t-bad", "block_ids": SRC_BLOCKS}],
+            compression="fp8",
+            double="corrupt",
+        )
+        outcome = receiver.wait_for("t-bad", timeout=60)
+        assert outcome is not None
+        assert "checksum" in outcome
+        assert "checksum" in prefill.report()[0]["error"]
+        assert receiver.staging.in_use == 0
+        receiver.expect("t-next", DST_BLOCKS)
+        prefill.send(receiver.port, [{"transfer_id": "t-next", "block_ids": SRC_BLOCKS}], compression="fp8")
+        assert receiver.wait_for("t-next", timeout=60) == ""
+        assert prefill.report()[-1]["staging_in_use"] == 0
+        assert receiver.staging.in_use == 0
+    finally:
+        receiver.close()
+
+
+def test_a_batch_larger_than_decode_staging_is_refused_clearly(
+    transport: Transport, prefill: Prefill
+) -> None:
+    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
+    receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=64 << 10), HOST, 0)
+    try:
+        receiver.expect("t-huge", DST_BLOCKS[:50])  # 16-block batches: 262 kB each as fp8
+        prefill.send(
+            receiver.port, [{"transfer_id": "t-huge", "block_ids": SRC_BLOCKS[:50]}], compression="fp8"
+        )
+        outcome = receiver.wait_for("t-huge", timeout=60)
+        assert outcome is not None
+        assert "exceed the 65536-byte staging buffer" in outcome
+        assert "exceed the 65536-byte staging buffer" in prefill.report()[0]["error"]
+        assert receiver.staging.in_use == 0
+    finally:
+        receiver.close()

@@ -35,11 +35,16 @@ class StagingBuffer:
         with self._cond:
             return sum(length for _, length in self._spans)
 
-    def reserve(self, nbytes: int, timeout: float) -> torch.Tensor:
-        """A view of nbytes of the buffer; waits for space until timeout (back-pressure)."""
+    def check_fits(self, nbytes: int) -> int:
+        """The aligned length a reservation of nbytes takes; raises if it can never fit."""
         length = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
         if length > self.capacity:
             raise TransportError(f"{nbytes} bytes of KV exceed the {self.capacity}-byte staging buffer")
+        return length
+
+    def reserve(self, nbytes: int, timeout: float) -> torch.Tensor:
+        """A view of nbytes of the buffer; waits for space until timeout (back-pressure)."""
+        length = self.check_fits(nbytes)
         deadline = time.monotonic() + timeout
         with self._cond:
             while (offset := self._first_fit(length)) is None:
