@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import struct
 from collections.abc import Iterator
 
 import pytest
 import torch
+import xxhash
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import Geometry, PagedKV
@@ -219,6 +221,18 @@ def test_corrupted_payload_fails_its_checksum(compression: Compression) -> None:
     payload[payload.numel() // 2] ^= 0x10
     with pytest.raises(codec.ChecksumError, match="checksum"):
         codec.decode(header, payload)
+
+
+@pytest.mark.parametrize("compression", list(Compression))
+def test_checksum_is_xxh3_of_the_data_combined_with_that_of_the_scales(compression: Compression) -> None:
+    """Pinned to the wire format (KV header version 2), which a peer of another build must agree on."""
+    header, payload = codec.encode(blocks(), compression, GROUPS)
+    data = xxhash.xxh3_64_intdigest(payload[: header.data_nbytes].numpy().tobytes())
+    if compression is Compression.NONE:
+        assert header.checksum == data
+    else:
+        scales = xxhash.xxh3_64_intdigest(payload[header.data_nbytes :].numpy().tobytes())
+        assert header.checksum == xxhash.xxh3_64_intdigest(struct.pack("<2Q", data, scales))
 
 
 def test_short_payload_is_refused() -> None:
