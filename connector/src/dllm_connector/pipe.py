@@ -710,42 +710,30 @@ def _nack_on_error(sock: socket.socket) -> Iterator[None]:
         raise
 
 
-class _StagingWindow:
+class StagingWindow:
     """Decode's staging for one transfer's chunks on a one-sided transport.
 
-    Where the whole payload fits the buffer it is one reservation, as every slot is named up
+    Where the whole payload fits the buffer it is one reservation, and every slot is named up
     front. Where it does not, the chunks go through a window of at most half the buffer (at least
-    one chunk): each chunk's slot is freed once it is decoded, and the next chunk's slot is then
-    reserved and named to the sender, which waits for it (back-pressure inside one transfer).
+    one chunk): each chunk's slot is freed once it is decoded, and later chunks' slots are reserved
+    and named to the sender, which waits for them (back-pressure inside one transfer). A window only
+    waits for room while it holds no slot, so transfers sharing the buffer cannot deadlock: whoever
+    holds slots is being written and will free them.
     """
 
     def __init__(self, staging: StagingBuffer, sizes: Sequence[int], timeout: float) -> None:
         self._staging, self._sizes, self._timeout = staging, list(sizes), timeout
         self._views: dict[int, torch.Tensor] = {}
         self._whole: torch.Tensor | None = None
+        self._next = 0  # the first chunk without a slot
         offsets = _chunk_offsets(sizes)
         if offsets[-1] <= staging.capacity:
             self._whole = staging.reserve(offsets[-1], timeout)
             self._views = {i: self._whole[offsets[i] : offsets[i] + n] for i, n in enumerate(sizes)}
             self._next = len(sizes)
-            return
-        self._next = 0
-        try:
-            window = 0
-            while self._next < len(sizes) and (
-                not window or window + sizes[self._next] <= staging.capacity // 2
-            ):
-                window += sizes[self._next]
-                self._reserve_next()
-        except BaseException:
-            self.release()
-            raise
-
-    def _reserve_next(self) -> tuple[int, int]:
-        index = self._next
-        self._views[index] = self._staging.reserve(self._sizes[index], self._timeout)
-        self._next += 1
-        return index, self._views[index].data_ptr()
+        else:
+            self._wait_for_next()
+            self._fill()
 
     def slots(self) -> list[tuple[int, int]]:
         """(chunk index, address) of every slot reserved so far."""
@@ -754,12 +742,34 @@ class _StagingWindow:
     def view(self, index: int) -> torch.Tensor:
         return self._views[index]
 
-    def decoded(self, index: int) -> tuple[int, int] | None:
-        """Chunk `index` is done with: in a window, free it and reserve the next chunk's slot."""
+    def decoded(self, index: int) -> list[tuple[int, int]]:
+        """Chunk `index` is done with: in a window, free its slot; the slots newly reserved."""
         if self._whole is not None:
-            return None
+            return []
         self._staging.release(self._views.pop(index))
-        return self._reserve_next() if self._next < len(self._sizes) else None
+        new = [self._wait_for_next()] if not self._views and self._next < len(self._sizes) else []
+        return new + self._fill()
+
+    def _wait_for_next(self) -> tuple[int, int]:
+        """Reserve the next chunk's slot, waiting for room (only while holding none)."""
+        index = self._next
+        self._views[index] = self._staging.reserve(self._sizes[index], self._timeout)
+        self._next += 1
+        return index, self._views[index].data_ptr()
+
+    def _fill(self) -> list[tuple[int, int]]:
+        """Reserve further slots while the window has room and so does the buffer, now."""
+        new = []
+        held = sum(view.numel() for view in self._views.values())
+        while self._next < len(self._sizes) and held + self._sizes[self._next] <= self._staging.capacity // 2:
+            view = self._staging.try_reserve(self._sizes[self._next])
+            if view is None:
+                break
+            self._views[self._next] = view
+            new.append((self._next, view.data_ptr()))
+            held += view.numel()
+            self._next += 1
+        return new
 
     def release(self) -> None:
         if self._whole is not None:
@@ -992,8 +1002,8 @@ class KVReceiver(_PipeSide):
                     finally:
                         if own is not None:
                             self.staging.release(own)
-                    if window is not None and (slot := window.decoded(index)) is not None:
-                        sidechannel.send_message(sock, {"type": "slot", "index": slot[0], "addr": slot[1]})
+                    for slot, addr in [] if window is None else window.decoded(index):
+                        sidechannel.send_message(sock, {"type": "slot", "index": slot, "addr": addr})
                 sidechannel.expect(sock, "done", self.config.transfer_timeout_s)
                 if failure is None and expectation.failure:
                     failure = TransferFailed(f"the load failed elsewhere: {expectation.failure}")
@@ -1015,7 +1025,7 @@ class KVReceiver(_PipeSide):
 
     def _reserve(
         self, offer: Mapping[str, Any], part: _Part
-    ) -> tuple[_StagingWindow | None, list[tuple[int, int]], list[int]]:
+    ) -> tuple[StagingWindow | None, list[tuple[int, int]], list[int]]:
         """Name where each chunk of this part goes: decode's block spans (zero-copy), or staging
         (one-sided: a window of it, the first slots named in the accept), or nothing (two-sided)."""
         block_ids, heads = part.expectation.block_ids, part.heads
@@ -1032,7 +1042,7 @@ class KVReceiver(_PipeSide):
         self.staging.check_fits(max(sizes))  # refused before the accept, whichever the transport
         if not self.transport.one_sided:  # the sender needs no addresses; batches reserve as they come
             return None, [], sizes
-        return _StagingWindow(self.staging, sizes, self.config.transfer_timeout_s), [], sizes
+        return StagingWindow(self.staging, sizes, self.config.transfer_timeout_s), [], sizes
 
     def _check_offer(self, offer: Mapping[str, Any]) -> _Part:
         """Compare the caches, then claim the sender's part of the expectation it names."""

@@ -14,7 +14,7 @@ from kv_peer import HOST
 from dllm_connector.checksum import spans_checksum
 from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, coalesce, layer_layout
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig, Protocol
-from dllm_connector.pipe import KVPipe, KVSender, PipeConfig, chunk_ranges, prompt_hash
+from dllm_connector.pipe import KVPipe, KVSender, PipeConfig, StagingWindow, chunk_ranges, prompt_hash
 from dllm_connector.transport.base import TransferTimeout, TransportError
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.staging import StagingBuffer
@@ -125,6 +125,35 @@ def test_staging_applies_back_pressure_until_space_is_released() -> None:
     second = staging.reserve(700, timeout=5)
     assert time.monotonic() - started >= 0.15
     staging.release(second)
+    assert staging.in_use == 0
+
+
+def test_a_payload_that_fits_the_staging_is_one_reservation_with_every_slot() -> None:
+    staging = StagingBuffer(1024)
+    window = StagingWindow(staging, [128] * 4, timeout=1)
+    slots = window.slots()
+    assert [index for index, _ in slots] == [0, 1, 2, 3]
+    assert [addr - slots[0][1] for _, addr in slots] == [0, 128, 256, 384]
+    assert window.decoded(0) == []
+    window.release()
+    assert staging.in_use == 0
+
+
+def test_a_staging_window_waits_for_room_only_while_it_holds_no_slot() -> None:
+    """A payload larger than the buffer: a window of at most half of it, refilled as batches are
+    decoded. Holding a slot, it never waits for more (other windows may hold the rest)."""
+    staging = StagingBuffer(1024)
+    others = staging.reserve(896, timeout=1)
+    window = StagingWindow(staging, [128] * 10, timeout=0.5)  # only 128 bytes free: one slot, no wait
+    assert [index for index, _ in window.slots()] == [0]
+    staging.release(others)
+    assert [index for index, _ in window.decoded(0)] == [1, 2, 3, 4]  # half the buffer
+    others = staging.reserve(staging.capacity - staging.in_use, timeout=1)  # the buffer is full
+    slots = [index for batch in range(1, 6) for index, _ in window.decoded(batch)]
+    assert slots == [5, 6, 7, 8, 9]  # each decoded batch's room goes to the next one
+    staging.release(others)
+    assert all(window.decoded(batch) == [] for batch in range(6, 10))
+    window.release()
     assert staging.in_use == 0
 
 

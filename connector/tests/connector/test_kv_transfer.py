@@ -316,3 +316,31 @@ def test_a_batch_larger_than_decode_staging_is_refused_clearly(
         assert receiver.staging.in_use == 0
     finally:
         receiver.close()
+
+
+def test_concurrent_transfers_larger_than_decode_staging_all_load(
+    transport: Transport, prefill: Prefill
+) -> None:
+    """Three prefills at once, each payload larger than decode's staging: their windows (two
+    batches each) do not all fit the buffer at once, and all three load (a window that waited for
+    room while holding slots would deadlock them until the timeout)."""
+    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
+    receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=1536 << 10), HOST, 0)
+    others = [Prefill(transport_kind(transport)) for _ in range(2)]
+    try:
+        thirds = [(SRC_BLOCKS[i::3], DST_BLOCKS[i::3]) for i in range(3)]  # 100 blocks: 1.7 MB as fp8
+        for index, (peer, (src, dst)) in enumerate(zip([prefill, *others], thirds, strict=True)):
+            receiver.expect(f"t-{index}", dst)
+            peer.send(receiver.port, [{"transfer_id": f"t-{index}", "block_ids": src}], compression="fp8")
+        assert [receiver.wait_for(f"t-{index}", timeout=60) for index in range(3)] == ["", "", ""]
+        for peer in [prefill, *others]:
+            report = peer.report()
+            assert report[0]["error"] is None
+            assert report[-1]["staging_in_use"] == 0
+        want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
+        assert relative_error(kv.gather(DST_BLOCKS), want) <= RELATIVE_ERROR[Compression.FP8]
+        assert receiver.staging.in_use == 0
+    finally:
+        for peer in others:
+            peer.close()
+        receiver.close()

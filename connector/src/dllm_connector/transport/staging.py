@@ -55,6 +55,16 @@ class StagingBuffer:
             bisect.insort(self._spans, (offset, length))
         return self.tensor[offset : offset + nbytes]
 
+    def try_reserve(self, nbytes: int) -> torch.Tensor | None:
+        """A view of nbytes of the buffer if there is room now, else None (never waits)."""
+        length = self.check_fits(nbytes)
+        with self._cond:
+            offset = self._first_fit(length)
+            if offset is None:
+                return None
+            bisect.insort(self._spans, (offset, length))
+        return self.tensor[offset : offset + nbytes]
+
     def _first_fit(self, length: int) -> int | None:
         cursor = 0
         for offset, used in self._spans:
