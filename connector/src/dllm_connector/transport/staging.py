@@ -47,22 +47,25 @@ class StagingBuffer:
         length = self.check_fits(nbytes)
         deadline = time.monotonic() + timeout
         with self._cond:
-            while (offset := self._first_fit(length)) is None:
+            while (view := self._take_locked(nbytes, length)) is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeout(f"staging buffer full: no {nbytes} bytes within {timeout:.1f}s")
                 self._cond.wait(left)
-            bisect.insort(self._spans, (offset, length))
-        return self.tensor[offset : offset + nbytes]
+        return view
 
     def try_reserve(self, nbytes: int) -> torch.Tensor | None:
         """A view of nbytes of the buffer if there is room now, else None (never waits)."""
         length = self.check_fits(nbytes)
         with self._cond:
-            offset = self._first_fit(length)
-            if offset is None:
-                return None
-            bisect.insort(self._spans, (offset, length))
+            return self._take_locked(nbytes, length)
+
+    def _take_locked(self, nbytes: int, length: int) -> torch.Tensor | None:
+        """The first free range of `length` bytes, marked in use; None if there is none."""
+        offset = self._first_fit(length)
+        if offset is None:
+            return None
+        bisect.insort(self._spans, (offset, length))
         return self.tensor[offset : offset + nbytes]
 
     def _first_fit(self, length: int) -> int | None:
