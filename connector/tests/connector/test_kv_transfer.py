@@ -6,6 +6,7 @@ process, with the real Mooncake transfer engine over TCP or a real gloo pair gro
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -49,6 +50,18 @@ def decode(transport: Transport) -> Iterator[tuple[KVReceiver, PagedKV]]:
     assert not receiver.pending
 
 
+@contextlib.contextmanager
+def decode_with_staging(transport: Transport, buffer_bytes: int) -> Iterator[tuple[KVReceiver, PagedKV]]:
+    """A receiver with a small staging buffer, which no transfer may leave in use."""
+    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
+    receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=buffer_bytes), HOST, 0)
+    try:
+        yield receiver, kv
+        assert receiver.staging.in_use == 0
+    finally:
+        receiver.close()
+
+
 def transport_kind(transport: Transport) -> str:
     return "mooncake" if transport.one_sided else "gloo"
 
@@ -64,15 +77,15 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-# Bytes per piece a batch is written in as it encodes: the default (a batch here is smaller: one
-# write), and one layer per piece.
-PIECES = {"whole batches": None, "layer pieces": 1}
+# Bytes per piece a batch is written in as it encodes, as sender spec: the default (a batch here is
+# smaller: one write), and one layer per piece.
+PIECES = {"whole batches": {}, "layer pieces": {"piece_bytes": 1}}
 
 
-@pytest.mark.parametrize("piece_bytes", PIECES.values(), ids=PIECES.keys())
+@pytest.mark.parametrize("pieces", PIECES.values(), ids=PIECES.keys())
 @pytest.mark.parametrize("compression", list(Compression))
 def test_paged_kv_arrives_in_scattered_blocks(
-    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression, piece_bytes: int | None
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression, pieces: dict[str, int]
 ) -> None:
     receiver, kv = decode
     receiver.expect("t-1", DST_BLOCKS, prompt_hash=prompt_hash([1, 2, 3]))
@@ -80,7 +93,7 @@ def test_paged_kv_arrives_in_scattered_blocks(
         receiver.port,
         [{"transfer_id": "t-1", "block_ids": SRC_BLOCKS, "hash": prompt_hash([1, 2, 3])}],
         compression=compression.value,
-        **({} if piece_bytes is None else {"piece_bytes": piece_bytes}),
+        **pieces,
     )
     assert receiver.wait_for("t-1", timeout=60) == ""
     report = prefill.report()
@@ -110,10 +123,10 @@ def test_decode_prefix_hits_are_skipped_and_never_overwritten(
     assert bool((kv.gather(cached) == 3.0).all())
 
 
-@pytest.mark.parametrize("piece_bytes", PIECES.values(), ids=PIECES.keys())
+@pytest.mark.parametrize("pieces", PIECES.values(), ids=PIECES.keys())
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.FP8])
 def test_corrupted_payload_fails_on_both_sides(
-    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression, piece_bytes: int | None
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression, pieces: dict[str, int]
 ) -> None:
     receiver, _ = decode
     receiver.expect("t-bad", DST_BLOCKS[:50])
@@ -122,7 +135,7 @@ def test_corrupted_payload_fails_on_both_sides(
         [{"transfer_id": "t-bad", "block_ids": SRC_BLOCKS[:50]}],
         compression=compression.value,
         double="corrupt",
-        **({} if piece_bytes is None else {"piece_bytes": piece_bytes}),
+        **pieces,
     )
     outcome = receiver.wait_for("t-bad", timeout=60)
     assert outcome is not None
@@ -215,9 +228,9 @@ def test_tokenization_mismatch_is_refused(decode: tuple[KVReceiver, PagedKV], pr
     assert prefill.report()[0]["error"] is not None
 
 
-@pytest.mark.parametrize("piece_bytes", PIECES.values(), ids=PIECES.keys())
+@pytest.mark.parametrize("pieces", PIECES.values(), ids=PIECES.keys())
 def test_nan_kv_under_int8_fails_fast_on_both_sides(
-    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, piece_bytes: int | None
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill, pieces: dict[str, int]
 ) -> None:
     """With pieces, the NaN scale is found after some layers were on the wire: the load still fails."""
     receiver, _ = decode
@@ -228,7 +241,7 @@ def test_nan_kv_under_int8_fails_fast_on_both_sides(
         [{"transfer_id": "t-nan", "block_ids": SRC_BLOCKS[:20]}],
         compression="int8",
         nan=True,
-        **({} if piece_bytes is None else {"piece_bytes": piece_bytes}),
+        **pieces,
     )
     outcome = receiver.wait_for("t-nan", timeout=30)
     assert outcome is not None
@@ -242,9 +255,7 @@ def test_nan_kv_under_int8_fails_fast_on_both_sides(
 def test_transfer_larger_than_decode_staging(transport: Transport, prefill: Prefill) -> None:
     """A payload larger than decode's staging buffer flows through it: two-sided transports stage one
     batch at a time, one-sided ones a window of batches that decode names to prefill as it frees them."""
-    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
-    receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=2 << 20), HOST, 0)
-    try:
+    with decode_with_staging(transport, 2 << 20) as (receiver, kv):
         receiver.expect("t-big", DST_BLOCKS)  # 300 blocks: 4.9 MB as fp8, 9.8 MB raw
         prefill.send(receiver.port, [{"transfer_id": "t-big", "block_ids": SRC_BLOCKS}], compression="fp8")
         assert receiver.wait_for("t-big", timeout=60) == ""
@@ -252,10 +263,7 @@ def test_transfer_larger_than_decode_staging(transport: Transport, prefill: Pref
         assert report[0]["error"] is None
         want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
         assert relative_error(kv.gather(DST_BLOCKS), want) <= RELATIVE_ERROR[Compression.FP8]
-        assert receiver.staging.in_use == 0
         assert report[-1]["staging_in_use"] == 0
-    finally:
-        receiver.close()
 
 
 class socket_port:
@@ -275,9 +283,7 @@ class socket_port:
 def test_corrupted_payload_through_a_staging_window_frees_it(transport: Transport, prefill: Prefill) -> None:
     """A checksum failure in a windowed transfer ends it on both sides with every slot freed, and the
     next transfer through the same receiver loads."""
-    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
-    receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=2 << 20), HOST, 0)
-    try:
+    with decode_with_staging(transport, 2 << 20) as (receiver, _):
         receiver.expect("t-bad", DST_BLOCKS)
         prefill.send(
             receiver.port,
@@ -294,17 +300,12 @@ def test_corrupted_payload_through_a_staging_window_frees_it(transport: Transpor
         prefill.send(receiver.port, [{"transfer_id": "t-next", "block_ids": SRC_BLOCKS}], compression="fp8")
         assert receiver.wait_for("t-next", timeout=60) == ""
         assert prefill.report()[-1]["staging_in_use"] == 0
-        assert receiver.staging.in_use == 0
-    finally:
-        receiver.close()
 
 
 def test_a_batch_larger_than_decode_staging_is_refused_clearly(
     transport: Transport, prefill: Prefill
 ) -> None:
-    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
-    receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=64 << 10), HOST, 0)
-    try:
+    with decode_with_staging(transport, 64 << 10) as (receiver, _):
         receiver.expect("t-huge", DST_BLOCKS[:50])  # 16-block batches: 262 kB each as fp8
         prefill.send(
             receiver.port, [{"transfer_id": "t-huge", "block_ids": SRC_BLOCKS[:50]}], compression="fp8"
@@ -313,9 +314,6 @@ def test_a_batch_larger_than_decode_staging_is_refused_clearly(
         assert outcome is not None
         assert "exceed the 65536-byte staging buffer" in outcome
         assert "exceed the 65536-byte staging buffer" in prefill.report()[0]["error"]
-        assert receiver.staging.in_use == 0
-    finally:
-        receiver.close()
 
 
 def test_concurrent_transfers_larger_than_decode_staging_all_load(
@@ -324,23 +322,20 @@ def test_concurrent_transfers_larger_than_decode_staging_all_load(
     """Three prefills at once, each payload larger than decode's staging: their windows (two
     batches each) do not all fit the buffer at once, and all three load (a window that waited for
     room while holding slots would deadlock them until the timeout)."""
-    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
-    receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=1536 << 10), HOST, 0)
     others = [Prefill(transport_kind(transport)) for _ in range(2)]
     try:
-        thirds = [(SRC_BLOCKS[i::3], DST_BLOCKS[i::3]) for i in range(3)]  # 100 blocks: 1.7 MB as fp8
-        for index, (peer, (src, dst)) in enumerate(zip([prefill, *others], thirds, strict=True)):
-            receiver.expect(f"t-{index}", dst)
-            peer.send(receiver.port, [{"transfer_id": f"t-{index}", "block_ids": src}], compression="fp8")
-        assert [receiver.wait_for(f"t-{index}", timeout=60) for index in range(3)] == ["", "", ""]
-        for peer in [prefill, *others]:
-            report = peer.report()
-            assert report[0]["error"] is None
-            assert report[-1]["staging_in_use"] == 0
-        want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
-        assert relative_error(kv.gather(DST_BLOCKS), want) <= RELATIVE_ERROR[Compression.FP8]
-        assert receiver.staging.in_use == 0
+        with decode_with_staging(transport, 1536 << 10) as (receiver, kv):
+            thirds = [(SRC_BLOCKS[i::3], DST_BLOCKS[i::3]) for i in range(3)]  # 100 blocks: 1.7 MB as fp8
+            for index, (peer, (src, dst)) in enumerate(zip([prefill, *others], thirds, strict=True)):
+                receiver.expect(f"t-{index}", dst)
+                peer.send(receiver.port, [{"transfer_id": f"t-{index}", "block_ids": src}], compression="fp8")
+            assert [receiver.wait_for(f"t-{index}", timeout=60) for index in range(3)] == ["", "", ""]
+            for peer in [prefill, *others]:
+                report = peer.report()
+                assert report[0]["error"] is None
+                assert report[-1]["staging_in_use"] == 0
+            want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
+            assert relative_error(kv.gather(DST_BLOCKS), want) <= RELATIVE_ERROR[Compression.FP8]
     finally:
         for peer in others:
             peer.close()
-        receiver.close()
