@@ -179,15 +179,11 @@ class Worker:
             # Allocated and touched once, like registered KV memory: page faults are not the link's.
             self._raw_buffer = torch.zeros(size, dtype=torch.uint8)
         buffer = self._raw_buffer.numpy().data.cast("B")
-        conn, _ = self._raw.accept()
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
-        with conn:
-            received = 0
-            while received < nbytes:  # a KV larger than the buffer wraps around it
-                offset = received % size
-                received += _received(
-                    conn.recv_into(buffer[offset:], min(nbytes - received, size - offset, 1 << 22))
-                )
+        with _accepted(self._raw) as conn:
+            # 4 MiB receives; a KV larger than the buffer goes through it in turn (256 MiB = 64 x 4 MiB)
+            for start in range(0, nbytes, _RAW_RECV):
+                offset = start % size
+                _recv_into_all(conn, buffer[offset : offset + min(_RAW_RECV, nbytes - start)])
             conn.sendall(b"k")
 
     def cmd_raw_send(self, host: str, port: int, nbytes: int) -> dict[str, Any]:
@@ -195,8 +191,7 @@ class Worker:
 
         payload = torch.ones(min(nbytes, _RAW_BUFFER), dtype=torch.uint8).numpy().data.cast("B")
         started = time.perf_counter()
-        with socket.create_connection((host, port)) as conn:
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+        with _connected(host, port) as conn:
             for start in range(0, nbytes, len(payload)):
                 conn.sendall(payload[: min(len(payload), nbytes - start)])
             conn.recv(1)
@@ -213,14 +208,9 @@ class Worker:
 
         assert self._raw is not None
         running = RunningChecksum()
-        conn, _ = self._raw.accept()
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
-        with conn:
+        with _accepted(self._raw) as conn:
             for addr, nbytes in spans:
-                block = _memory(addr, nbytes)
-                received = 0
-                while received < nbytes:
-                    received += _received(conn.recv_into(block[received:]))
+                _recv_into_all(conn, _memory(addr, nbytes))
                 if checksum:
                     running.add(addr, nbytes)
             conn.sendall(running.value.to_bytes(8, "little"))
@@ -232,8 +222,7 @@ class Worker:
         spans = self.kv.spans(blocks)
         running = RunningChecksum()
         started = time.perf_counter()
-        with socket.create_connection((host, port)) as conn:
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+        with _connected(host, port) as conn:
             for start in range(0, len(spans), _IOV):
                 group = spans[start : start + _IOV]
                 if checksum:
@@ -305,6 +294,7 @@ class Worker:
 
 _IOV = 256  # buffers per sendmsg call (IOV_MAX is 1024)
 _RAW_BUFFER = 256 << 20  # the raw socket's buffers; a larger KV is sent through them in turn
+_RAW_RECV = 4 << 20  # bytes per receive call of the raw row
 _MAX_STAGING = 1 << 30  # each engine's staging buffer (bufferSizeGB); the pipe waits when it is full
 _SOCKET_BUFFER = 4 << 20  # socket buffers of the raw and span rows: 64 KiB receives keep up with them
 
@@ -315,10 +305,25 @@ def _memory(addr: int, nbytes: int) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(addr)).cast("B")
 
 
-def _received(count: int) -> int:
-    if count == 0:
-        raise ConnectionError("the sender closed the connection early")
-    return count
+def _accepted(listener: socket.socket) -> socket.socket:
+    conn, _ = listener.accept()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
+    return conn
+
+
+def _connected(host: str, port: int) -> socket.socket:
+    conn = socket.create_connection((host, port))
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCKET_BUFFER)
+    return conn
+
+
+def _recv_into_all(conn: socket.socket, view: memoryview) -> None:
+    received = 0
+    while received < len(view):
+        count = conn.recv_into(view[received:])
+        if count == 0:
+            raise ConnectionError("the sender closed the connection early")
+        received += count
 
 
 def _send_all(conn: socket.socket, buffers: list[memoryview]) -> None:
