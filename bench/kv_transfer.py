@@ -232,9 +232,9 @@ class Worker:
             matched = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little") == running.value
         return {"seconds": time.perf_counter() - started, "matched": matched}
 
-    def cmd_codec(self, tokens: int, repeats: int) -> dict[str, Any]:
-        """The codec per core, here where its kernels are compiled already (saves a compile)."""
-        return {"codecs": codec_per_core(tokens, repeats)}
+    def cmd_codec(self, tokens: int, repeats: int, kernels: list[str]) -> dict[str, Any]:
+        """The codec per core, for each kernel set (the worker's own, in use for its transfers, first)."""
+        return {"codecs": [row for name in kernels for row in codec_per_core(tokens, repeats, name)]}
 
     def cmd_regions(self, blocks: list[int]) -> dict[str, Any]:
         """Decode's side of the Mooncake-alone rows: its KV spans, a contiguous buffer, its session."""
@@ -380,7 +380,7 @@ class Peer:
         command += ["--threads", str(settings.threads)]
         env = os.environ | {
             "MC_TCP_BIND_ADDRESS": host,
-            "DLLM_KV_CODEC_COMPILE": os.environ.get("DLLM_KV_CODEC_COMPILE", "1"),
+            "DLLM_KV_CODEC_KERNELS": os.environ.get("DLLM_KV_CODEC_KERNELS", "native"),
         }
         self.process = subprocess.Popen(
             command,
@@ -418,7 +418,7 @@ class Peer:
         self.process.wait(timeout=30)
 
 
-CodecFigures = list[tuple[str, float, float, bool]]  # (codec, encode GB/s, decode GB/s, compiled)
+CodecFigures = list[tuple[str, str, float, float]]  # (kernel set, codec, encode GB/s, decode GB/s)
 
 
 @dataclass
@@ -441,6 +441,7 @@ def measure_link(
     namespaces: tuple[str | None, str | None],
     settings: Settings,
     codec_tokens: int = 0,
+    codec_kernels: tuple[str, ...] = (),
 ) -> tuple[list[Row], CodecFigures]:
     """The table's rows, and with `codec_tokens` the codec per core measured in the prefill worker."""
     blocks = -(-tokens // BLOCK)
@@ -482,7 +483,10 @@ def measure_link(
             rows += _socket_spans_rows(prefill, decode, hosts[1], ports["raw"], (src, dst), kv_bytes, repeats)
         if not codec_tokens:
             return rows, []
-        return rows, prefill.call("codec", tokens=codec_tokens, repeats=repeats + 1)["codecs"]
+        measured = prefill.call(
+            "codec", tokens=codec_tokens, repeats=repeats + 1, kernels=list(codec_kernels)
+        )
+        return rows, [tuple(row) for row in measured["codecs"]]
     finally:
         prefill.close()
         decode.close()
@@ -539,8 +543,9 @@ def _socket_spans_rows(
     return rows
 
 
-def codec_per_core(tokens: int, repeats: int) -> CodecFigures:
-    """(codec, encode GB/s, decode GB/s, compiled) on one thread, for `tokens` of the KV.
+def codec_per_core(tokens: int, repeats: int, kernels: str) -> CodecFigures:
+    """(kernels, codec, encode GB/s, decode GB/s) on one thread, for `tokens` of the KV; nothing where
+    that kernel set is unavailable here. The worker's own kernels are in use again afterwards.
 
     As in the pipe, encode writes into a staging buffer and decode into a KV batch that were
     allocated (and touched) before, so page faults of fresh buffers are not counted.
@@ -551,7 +556,10 @@ def codec_per_core(tokens: int, repeats: int) -> CodecFigures:
     from dllm_connector.kvconfig import Compression
 
     torch.set_num_threads(1)
-    compiled = codec.kernels().compiled
+    own = codec.kernels().name
+    if codec.use_kernels(kernels) != kernels:
+        codec.use_kernels(own)
+        return []
     blocks = -(-tokens // BLOCK)
     batch = torch.randn(LAYERS * blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
     staging = torch.zeros(batch.numel() * batch.element_size(), dtype=torch.uint8)
@@ -565,7 +573,8 @@ def codec_per_core(tokens: int, repeats: int) -> CodecFigures:
         encode = _best_of(repeats, lambda c=compression: codec.encode(batch, c, groups, out=staging))
         decode = _best_of(repeats, lambda h=header, p=payload: codec.decode(h, p, target))
         nbytes = batch.numel() * batch.element_size()
-        results.append((name, nbytes / encode / 1e9, nbytes / decode / 1e9, compiled))
+        results.append((kernels, name, nbytes / encode / 1e9, nbytes / decode / 1e9))
+    codec.use_kernels(own)
     return results
 
 
@@ -659,10 +668,11 @@ def gpu_codec() -> None:
     rows = batch.reshape(-1, BLOCK * 2 * HEAD_DIM)
     codes = torch.empty(rows.shape, dtype=torch.uint8, device="cuda")
 
+    scales = torch.empty(rows.shape[0], device="cuda")
+
     def quantize(name: str) -> None:
         functions = codec.kernels().by_codec[Compression(name)]
-        inverse, _ = functions.scales(rows)
-        functions.codes(rows, inverse, codes if name == "fp8" else codes.view(torch.int8))
+        functions.encode_into(rows, codes if name == "fp8" else codes.view(torch.int8), scales)
         torch.cuda.synchronize()
 
     for name in ("fp8", "int8"):
@@ -702,12 +712,15 @@ def main() -> None:
     settings = Settings(args.batch_tokens, args.checksum, args.threads)
     shape = f"{LAYERS} layers, block {BLOCK}, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16"
     codec_tokens = 1024 if args.quick else 2048
+    # torch.compile's kernels side by side with the C ones (compiling them costs --quick 10-20 s)
+    own = os.environ.get("DLLM_KV_CODEC_KERNELS", "native")
+    codec_kernels = tuple(dict.fromkeys([own] if args.quick else [own, "compiled"]))
     codecs: CodecFigures = []
     for tokens in args.tokens:
         local = ("127.0.0.1", "127.0.0.1")
         wanted = 0 if codecs else codec_tokens
         rows, measured = measure_link(
-            tokens, args.repeats, args.transports, local, (None, None), settings, wanted
+            tokens, args.repeats, args.transports, local, (None, None), settings, wanted, codec_kernels
         )
         codecs = codecs or measured
         title = f"127.0.0.1, {tokens} tokens ({shape}; {rows[0].raw_bytes / 1e6:.0f} MB of KV)"
@@ -725,9 +738,8 @@ def main() -> None:
                 )
             print_table(f"veth + tc {args.link}, {tokens} tokens", rows)
     print(f"\ncodec on one core (torch threads = 1), {codec_tokens} tokens:")
-    for name, encode, decode, compiled in codecs:
-        kernels = "torch.compile" if compiled else "plain torch"
-        print(f"  {name:<5} encode {encode:5.2f} GB/s   decode {decode:5.2f} GB/s   ({kernels})")
+    for kernels, name, encode, decode in codecs:
+        print(f"  {name:<5} encode {encode:5.2f} GB/s   decode {decode:5.2f} GB/s   ({kernels} kernels)")
     gpu_codec()
     print(f"\ntotal {time.perf_counter() - started:.1f} s")
 

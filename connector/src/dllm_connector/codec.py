@@ -12,9 +12,12 @@ Defined edge cases:
   NaN/inf bit-exact, so a caller may fall back to it);
 - a KV cache that is already fp8 (--kv-cache-dtype fp8) passes through unchanged as codec none.
 
-fp8 scales are powers of two (exact scaling, integer rounding to e4m3). The kernels run fused through
-torch.compile where that works (it needs a C++ compiler) and fall back to plain torch ops otherwise
-(DLLM_KV_CODEC_COMPILE=0 forces the fallback); both write the same payload bytes.
+fp8 scales are powers of two (exact scaling, integer rounding to e4m3). Three sets of kernels write
+the same payload bytes (tests compare them), chosen by DLLM_KV_CODEC_KERNELS:
+- native (the default): C loops (native_codec, kvcodec.c) on host tensors, built for this CPU at first
+  use, plain torch ops on other devices; plain torch ops where no C compiler is found;
+- compiled: fused by torch.compile (which also needs a C++ compiler);
+- plain: torch ops, no compiler.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+from dllm_connector import native_codec
 from dllm_connector.checksum import RunningChecksum, combine_checksums
 from dllm_connector.kvconfig import Compression
 
@@ -220,12 +224,14 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 # ---- kernels -------------------------------------------------------------------------------------
 #
-# Each codec has three kernels on a chunk of rows (one row = one scale group): `scales` (per row: the
-# reciprocal used to encode, and the scale the payload carries), `codes` (rows -> 8-bit codes, written
-# straight into the payload) and `decode_into` (codes -> values in the KV dtype, written into the
-# target). Compiled, torch.compile fuses each into one loop (fp8's decode into two, over whole int32
-# words); plain torch ops (no compiler, or DLLM_KV_CODEC_COMPILE=0) use torch's fp8 casts instead of
-# the integer ops, which unfused would cost a pass each. Both give the same bytes (tests check it).
+# Each codec has two kernels on a chunk of rows (one row = one scale group): `encode_into` (rows ->
+# 8-bit codes and one scale per row, written straight into the payload) and `decode_into` (codes ->
+# values in the KV dtype, written into the target). The torch ones encode in two steps: `scales` (per
+# row: the reciprocal used to encode, and the scale the payload carries), then `codes`. Compiled,
+# torch.compile fuses each step into one loop (fp8's decode into two, over whole int32 words); plain
+# torch ops use torch's fp8 casts instead of the integer ops, which unfused would cost a pass each.
+# The C kernels (kvcodec.c) do each row's amax and codes in one call, the same arithmetic per element.
+# All give the same bytes (tests check it).
 #
 # fp8 uses power-of-two scales 2^k, the smallest with amax * 2^-k <= 448. Multiplying by 2^-k is
 # exact, and the float32 -> e4m3 rounding is then done with integer ops on the float32 bit pattern,
@@ -355,34 +361,42 @@ ValuesFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor], None]
 
 
+EncodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
 @dataclass(frozen=True)
 class _CodecKernels:
-    scales: ScalesFn
-    codes: CodesFn
+    encode_into: EncodeFn  # rows -> their codes and scales, written into the two outputs
     decode_into: DecodeFn
+
+
+def _encoding_with(scales: ScalesFn, codes: CodesFn) -> EncodeFn:
+    def encode_into(rows: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+        inverse, scale = scales(rows)
+        codes(rows, inverse, codes_out)
+        scales_out.copy_(scale)
+
+    return encode_into
 
 
 @dataclass
 class _Kernels:
     by_codec: Mapping[Compression, _CodecKernels]
-    compiled: bool
+    name: str  # native, compiled or plain
     # Rows per kernel call, in elements: compiled calls cost about 45 us each, so they take large
     # chunks; plain torch ops make float32 temporaries, so their chunks stay small.
     chunk_elements: int
 
 
 _PLAIN: Mapping[Compression, _CodecKernels] = {
-    Compression.FP8: _CodecKernels(_fp8_scales, _fp8_codes_cast, _decoding_with(_fp8_values_cast)),
-    Compression.INT8: _CodecKernels(_int8_scales, _int8_codes, _decoding_with(_int8_values)),
-}
-_FUSED: Mapping[Compression, _CodecKernels] = {
     Compression.FP8: _CodecKernels(
-        _fp8_scales, _fp8_codes, _fp8_decode_by_words(_fp8_half_words, _fp8_widen_into)
+        _encoding_with(_fp8_scales, _fp8_codes_cast), _decoding_with(_fp8_values_cast)
     ),
-    Compression.INT8: _CodecKernels(_int8_scales, _int8_codes, _decoding_with(_int8_values)),
+    Compression.INT8: _CodecKernels(_encoding_with(_int8_scales, _int8_codes), _decoding_with(_int8_values)),
 }
 _PLAIN_CHUNK_ELEMENTS = 1 << 18
 _COMPILED_CHUNK_ELEMENTS = 1 << 22
+_NATIVE_CHUNK_ELEMENTS = 1 << 22  # no temporaries: chunks only bound one call
 # Decode's temporaries per chunk (fp8: float16 bits; int8: float32 values) stay in cache at these sizes.
 _DECODE_CHUNK_ELEMENTS: Mapping[Compression, int] = {Compression.FP8: 1 << 21, Compression.INT8: 1 << 20}
 
@@ -414,31 +428,74 @@ def _compile(function: _F) -> _F:
     return cast(_F, call)
 
 
-def _compiled(codec: Compression, functions: _CodecKernels) -> _CodecKernels:
-    decode_into = functions.decode_into  # int8: eager on purpose (see _int8_values)
-    if codec is Compression.FP8:  # two compiled passes over words beat one over bytes
-        decode_into = _fp8_decode_by_words(_compile(_fp8_half_words), _compile(_fp8_widen_into))
-    return _CodecKernels(_compile(functions.scales), _compile(functions.codes), decode_into)
+def _compiled_kernels() -> Mapping[Compression, _CodecKernels]:
+    return {
+        Compression.FP8: _CodecKernels(
+            _encoding_with(_compile(_fp8_scales), _compile(_fp8_codes)),
+            # two compiled passes over words beat one over bytes
+            _fp8_decode_by_words(_compile(_fp8_half_words), _compile(_fp8_widen_into)),
+        ),
+        Compression.INT8: _CodecKernels(
+            _encoding_with(_compile(_int8_scales), _compile(_int8_codes)),
+            _decoding_with(_int8_values),  # eager on purpose (see _int8_values)
+        ),
+    }
 
 
-def _compile_kernels() -> _Kernels:
-    """Fused kernels via torch.compile, checked against the plain ones; plain torch ops if that fails."""
-    plain = _Kernels(_PLAIN, compiled=False, chunk_elements=_PLAIN_CHUNK_ELEMENTS)
-    try:
-        compiled = _Kernels(
-            {codec: _compiled(codec, functions) for codec, functions in _FUSED.items()},
-            compiled=True,
-            chunk_elements=_COMPILED_CHUNK_ELEMENTS,
-        )
-        probe = torch.linspace(-2.0, 2.0, 64, dtype=torch.bfloat16).reshape(2, 32)
-        for codec in _PLAIN:
-            if not all(_same_round_trip(rows, codec, plain, compiled) for rows in _row_shapes(probe)):
-                _log.warning("compiled %s KV codec differs from plain torch ops; using those", codec.value)
-                return plain
-    except Exception as error:  # noqa: BLE001 - any compiler failure means the plain path
-        _log.warning("torch.compile unavailable for the KV codec, using plain torch ops: %s", error)
-        return plain
-    return compiled
+def _native_kernels(library: native_codec.NativeCodec) -> Mapping[Compression, _CodecKernels]:
+    """The C kernels where they take the tensors (host, contiguous), plain torch ops elsewhere."""
+
+    def for_codec(codec: Compression) -> _CodecKernels:
+        fp8, plain = codec is Compression.FP8, _PLAIN[codec]
+
+        def encode_into(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+            if library.handles(rows, codes, scales):
+                library.encode(fp8, rows, codes, scales)
+            else:
+                plain.encode_into(rows, codes, scales)
+
+        def decode_into(codes: torch.Tensor, scale: torch.Tensor, limit: float, out: torch.Tensor) -> None:
+            if library.handles(out, codes, scale):
+                library.decode(fp8, codes, scale, limit, out)
+            else:
+                plain.decode_into(codes, scale, limit, out)
+
+        return _CodecKernels(encode_into, decode_into)
+
+    return {codec: for_codec(codec) for codec in _PLAIN}
+
+
+_PLAIN_KERNELS = _Kernels(_PLAIN, "plain", _PLAIN_CHUNK_ELEMENTS)
+
+
+def _checked(candidate: _Kernels) -> _Kernels:
+    """`candidate` if it writes what the plain kernels write on a probe; else (warned) the plain ones."""
+    probe = torch.linspace(-2.0, 2.0, 64, dtype=torch.bfloat16).reshape(2, 32)
+    for codec in _PLAIN:
+        if not all(_same_round_trip(rows, codec, _PLAIN_KERNELS, candidate) for rows in _row_shapes(probe)):
+            _log.warning(
+                "%s %s KV codec differs from plain torch ops; using those", candidate.name, codec.value
+            )
+            return _PLAIN_KERNELS
+    return candidate
+
+
+def _choose_kernels(name: str) -> _Kernels:
+    """The named kernel set, checked against the plain one; plain torch ops if it is unavailable."""
+    if name == "native":
+        library = native_codec.load()
+        if library is None:
+            return _PLAIN_KERNELS
+        return _checked(_Kernels(_native_kernels(library), "native", _NATIVE_CHUNK_ELEMENTS))
+    if name == "compiled":
+        try:
+            return _checked(_Kernels(_compiled_kernels(), "compiled", _COMPILED_CHUNK_ELEMENTS))
+        except Exception as error:  # noqa: BLE001 - any compiler failure means the plain path
+            _log.warning("torch.compile unavailable for the KV codec, using plain torch ops: %s", error)
+            return _PLAIN_KERNELS
+    if name != "plain":
+        _log.warning("DLLM_KV_CODEC_KERNELS=%s is none of native, compiled, plain; using plain", name)
+    return _PLAIN_KERNELS
 
 
 def _row_shapes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,10 +507,9 @@ def _round_trip_rows(
     rows: torch.Tensor, functions: _CodecKernels, code_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes, scales and decoded values of [rows, group] values, through all three kernels."""
-    inverse, scale = functions.scales(rows)
     codes = torch.empty(rows.shape, dtype=code_dtype)  # on the host, as staging is
-    functions.codes(rows, inverse, codes)
-    scale = scale.cpu()
+    scale = torch.empty(rows.shape[0], dtype=SCALE_DTYPE)
+    functions.encode_into(rows, codes, scale)
     restored = torch.empty(rows.shape, dtype=rows.dtype)  # decode runs on the host, as the pipe's does
     functions.decode_into(codes, scale, float(torch.finfo(rows.dtype).max), restored)
     return codes, scale, restored
@@ -470,7 +526,7 @@ _kernels_lock = threading.Lock()
 def kernels() -> _Kernels:
     with _kernels_lock:  # senders on several threads must not compile twice
         if _kernels is None:
-            use_compiled(os.environ.get("DLLM_KV_CODEC_COMPILE", "1") != "0")
+            use_kernels(os.environ.get("DLLM_KV_CODEC_KERNELS", "native"))
         assert _kernels is not None
         return _kernels
 
@@ -490,15 +546,12 @@ def warm_up(sample: torch.Tensor, requested: Compression, groups: int) -> None:
         _round_trip_rows(some, functions, _CODE_DTYPE[codec])
 
 
-def use_compiled(enabled: bool) -> bool:
-    """Choose the kernels explicitly (tests, benchmarks); returns whether compiled ones are in use."""
+def use_kernels(name: str) -> str:
+    """Choose the kernels explicitly (tests, benchmarks): native, compiled or plain; returns the name
+    of the set in use (plain where the one asked for is unavailable)."""
     global _kernels
-    _kernels = (
-        _compile_kernels()
-        if enabled
-        else _Kernels(_PLAIN, compiled=False, chunk_elements=_PLAIN_CHUNK_ELEMENTS)
-    )
-    return _kernels.compiled
+    _kernels = _choose_kernels(name)
+    return _kernels.name
 
 
 # ---- encode / decode -----------------------------------------------------------------------------
@@ -626,9 +679,7 @@ def _quantize_rows(rows: torch.Tensor, codec: Compression, codes: torch.Tensor, 
     chunks = _row_chunks(rows.shape[0], rows.shape[1], chosen.chunk_elements)
     for start in chunks:
         stop = start + chunks.step
-        inverse, scale = functions.scales(rows[start:stop])
-        functions.codes(rows[start:stop], inverse, codes[start:stop])
-        scales[start:stop].copy_(scale)
+        functions.encode_into(rows[start:stop], codes[start:stop], scales[start:stop])
 
 
 def verify(header: KVHeader, payload: torch.Tensor) -> torch.Tensor:

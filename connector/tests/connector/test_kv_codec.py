@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 import xxhash
 
-from dllm_connector import codec
+from dllm_connector import codec, native_codec
 from dllm_connector.kv_layout import Geometry, PagedKV
 from dllm_connector.kvconfig import Compression
 
@@ -303,24 +305,37 @@ def test_non_contiguous_blocks_are_refused() -> None:
         codec.encode(kv, Compression.NONE, GROUPS)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(240)
+@contextlib.contextmanager
+def kernel_set(name: str) -> Iterator[str]:
+    """The named kernels in use for the block (yields the name of the set in use), then the default."""
+    try:
+        yield codec.use_kernels(name)
+    finally:
+        codec.use_kernels(os.environ.get("DLLM_KV_CODEC_KERNELS", "native"))
+
+
+OTHER_KERNELS = [
+    pytest.param("native"),
+    pytest.param("compiled", marks=[pytest.mark.slow, pytest.mark.timeout(240)]),
+]
+
+
+@pytest.mark.parametrize("kernels", OTHER_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("compression", QUANTIZED)
-def test_compiled_kernels_match_plain_ones_bit_for_bit(compression: Compression, dtype: torch.dtype) -> None:
+def test_kernels_match_plain_ones_bit_for_bit(
+    compression: Compression, dtype: torch.dtype, kernels: str
+) -> None:
+    """Every finite 16-bit value, and edge groups: the same payload and decoded values, to the bit."""
     kv = adversarial_blocks(dtype)
-    try:
-        plain = codec.use_compiled(False)
+    with kernel_set("plain"):
         expected_header, expected = codec.encode(kv, compression, GROUPS)
         reference = codec.decode(expected_header, expected)
-        compiled = codec.use_compiled(True)
-        if not compiled:
-            pytest.skip("torch.compile is unavailable here; the plain kernels are in use")
+    with kernel_set(kernels) as in_use:
+        if in_use != kernels:
+            pytest.skip(f"the {kernels} kernels are unavailable here (no compiler)")
         header, payload = codec.encode(kv, compression, GROUPS)
         restored = codec.decode(header, payload)
-    finally:
-        codec.use_compiled(False)
-    assert not plain
     assert header == expected_header
     assert torch.equal(payload, expected)
     assert torch.equal(codec.as_bytes(restored), codec.as_bytes(reference))
@@ -340,8 +355,8 @@ def test_after_warm_up_no_transfer_compiles_a_kernel(compression: Compression) -
     caches = {name: torch.randn(shape).to(torch.bfloat16) for name in ("a", "b")}
     kv = PagedKV(caches, 12, Geometry(block_size=16, num_kv_heads=2, head_dim=32))
     torch._dynamo.reset()  # what other tests compiled must not hide a missing warm-up
-    try:
-        if not codec.use_compiled(True):
+    with kernel_set("compiled") as in_use:
+        if in_use != "compiled":
             pytest.skip("torch.compile is unavailable here; the plain kernels are in use")
         codec.warm_up(kv.gather([0]), compression, kv.layout.groups)
         after_warm_up = compiled_graphs()
@@ -351,8 +366,6 @@ def test_after_warm_up_no_transfer_compiles_a_kernel(compression: Compression) -
                 kv.gather_layers(ids), batch, kv.dtype, compression, kv.layout.groups
             )
             kv.scatter_layers(ids, codec.decode_parts(header, payload, kv.num_layers))
-    finally:
-        codec.use_compiled(False)
     assert after_warm_up > 0
     assert compiled_graphs() == after_warm_up
 
@@ -365,15 +378,24 @@ def test_encode_leaves_the_kv_untouched(compression: Compression) -> None:
     assert torch.equal(kv, before)
 
 
-FP8_DECODES = {
-    "per code": codec._decoding_with(codec._fp8_values),
-    "torch cast": codec._decoding_with(codec._fp8_values_cast),
-    "by words": codec._fp8_decode_by_words(codec._fp8_half_words, codec._fp8_widen_into),
+def native_fp8_decode() -> codec.DecodeFn:
+    library = native_codec.load()
+    if library is None:
+        pytest.skip("no C compiler here: the native kernels are unavailable")
+    return codec._native_kernels(library)[Compression.FP8].decode_into
+
+
+FP8_DECODES: dict[str, Callable[[], codec.DecodeFn]] = {
+    "per code": lambda: codec._decoding_with(codec._fp8_values),
+    "torch cast": lambda: codec._decoding_with(codec._fp8_values_cast),
+    "by words": lambda: codec._fp8_decode_by_words(codec._fp8_half_words, codec._fp8_widen_into),
+    "native": native_fp8_decode,
 }
 
 
-@pytest.mark.parametrize("decode_into", FP8_DECODES.values(), ids=FP8_DECODES.keys())
-def test_fp8_decode_is_exact_for_every_finite_code(decode_into: codec.DecodeFn) -> None:
+@pytest.mark.parametrize("make_decode", FP8_DECODES.values(), ids=FP8_DECODES.keys())
+def test_fp8_decode_is_exact_for_every_finite_code(make_decode: Callable[[], codec.DecodeFn]) -> None:
+    decode_into = make_decode()
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(2, 128)
     scale = torch.tensor([2.0**-126, 2.0**120])  # the smallest and largest scales encode writes
     want = codes.view(torch.float8_e4m3fn).float() * scale.unsqueeze(1)

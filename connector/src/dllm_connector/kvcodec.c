@@ -1,0 +1,227 @@
+/* KV codec kernels for host memory: fp8 (e4m3, power-of-two scales) and int8, one scale per row.
+ *
+ * The same payload bytes and decoded values as codec.py's torch kernels, bit for bit (the tests
+ * compare them on every finite 16-bit value): each loop is the torch kernel's arithmetic, element
+ * by element, written so that the compiler vectorizes it. native_codec.py compiles this file for
+ * the CPU it runs on (-O3 -march=native -ffp-contract=off: no fused multiply-add, whose single
+ * rounding would differ from torch's two) and calls it through ctypes, which releases the GIL.
+ *
+ * Rows are contiguous, `row_len` elements each; a row is one scale group. Source dtypes: 0 bfloat16,
+ * 1 float16, 2 float32. A row holding NaN or inf gets a NaN scale (the caller refuses the payload).
+ */
+#include <stdint.h>
+#include <string.h>
+
+enum { KV_BF16 = 0, KV_F16 = 1, KV_F32 = 2 };
+
+#define F32_EXP_MASK 0x7F800000u   /* float32 bits at or above: inf or NaN */
+#define E4M3_MIN_NORMAL (121u << 23) /* float32 bits of 2^-6 */
+#define E4M3_REBIAS (120 << 3)
+#define E4M3_MAX_CODE 0x7E
+#define SUBNORMAL_ROUNDER 16384.0f /* 2^14: its float32 ulp is 2^-9, e4m3's subnormal step */
+#define SUBNORMAL_ROUNDER_BITS 0x46800000
+#define MIN_SCALE 1.17549435e-38f /* the smallest normal float32 */
+
+static inline float f32_from_bits(uint32_t bits) {
+    float value;
+    memcpy(&value, &bits, sizeof value);
+    return value;
+}
+
+static inline uint32_t bits_of_f32(float value) {
+    uint32_t bits;
+    memcpy(&bits, &value, sizeof bits);
+    return bits;
+}
+
+static inline uint16_t bf16_from_f32(float value) {
+    uint32_t bits = bits_of_f32(value);
+    if ((bits & 0x7FFFFFFFu) > F32_EXP_MASK) return 0x7FC0; /* NaN, as torch's scalar cast */
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* ---- loading and storing one element of each source dtype ---- */
+
+static inline float load_bf16(const void *rows, int64_t i) {
+    return f32_from_bits((uint32_t)((const uint16_t *)rows)[i] << 16);
+}
+static inline float load_f16(const void *rows, int64_t i) { return (float)((const _Float16 *)rows)[i]; }
+static inline float load_f32(const void *rows, int64_t i) { return ((const float *)rows)[i]; }
+
+static inline void store_bf16(void *out, int64_t i, float v) { ((uint16_t *)out)[i] = bf16_from_f32(v); }
+static inline void store_f16(void *out, int64_t i, float v) { ((_Float16 *)out)[i] = (_Float16)v; }
+static inline void store_f32(void *out, int64_t i, float v) { ((float *)out)[i] = v; }
+
+/* The row's largest magnitude as float32 bits: the largest of the magnitudes' bit patterns, which
+ * order as the values do (NaN above inf), so one integer max per element. */
+static inline uint32_t amax_bits_bf16(const void *rows, int64_t n) {
+    const uint16_t *row = rows;
+    uint16_t top = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t magnitude = row[i] & 0x7FFF;
+        top = magnitude > top ? magnitude : top;
+    }
+    return (uint32_t)top << 16;
+}
+
+static inline uint32_t amax_bits_f16(const void *rows, int64_t n) {
+    const uint16_t *row = rows;
+    uint16_t top = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint16_t magnitude = row[i] & 0x7FFF;
+        top = magnitude > top ? magnitude : top;
+    }
+    _Float16 half;
+    memcpy(&half, &top, sizeof half);
+    return bits_of_f32((float)half);
+}
+
+static inline uint32_t amax_bits_f32(const void *rows, int64_t n) {
+    const uint32_t *row = rows;
+    uint32_t top = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t magnitude = row[i] & 0x7FFFFFFFu;
+        top = magnitude > top ? magnitude : top;
+    }
+    return top;
+}
+
+/* ---- fp8 ---- */
+
+/* 2^-k and 2^k, the smallest power of two with amax * 2^-k <= 448 (codec._fp8_scales). */
+static inline void fp8_scale_of(uint32_t amax_bits, float *inverse, float *scale) {
+    int32_t k = (int32_t)(amax_bits >> 23) - 135 + ((amax_bits & 0x7FFFFFu) > 0x600000u);
+    k = k < -126 ? -126 : k;
+    *inverse = f32_from_bits((uint32_t)(127 - k) << 23);
+    *scale = amax_bits >= F32_EXP_MASK ? f32_from_bits(0x7FC00000u) : f32_from_bits((uint32_t)(127 + k) << 23);
+}
+
+/* The e4m3 code of x * inverse, rounded to nearest even (codec._fp8_codes). */
+static inline uint8_t fp8_code(float x, float inverse) {
+    float scaled = __builtin_fabsf(x) * inverse;
+    int32_t bits = (int32_t)bits_of_f32(scaled);
+    int32_t normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - E4M3_REBIAS;
+    int32_t subnormal = (int32_t)bits_of_f32(scaled + SUBNORMAL_ROUNDER) - SUBNORMAL_ROUNDER_BITS;
+    int32_t code = bits < (int32_t)E4M3_MIN_NORMAL ? subnormal : normal;
+    code = code < E4M3_MAX_CODE ? code : E4M3_MAX_CODE;
+    code |= ((int32_t)bits_of_f32(x) >> 24) & 0x80;
+    return (uint8_t)code;
+}
+
+/* The code's e4m3 value times scale, within +-limit (codec._fp8_values: the two NaN codes read
+ * as +-480, as there). */
+static inline float fp8_value(uint8_t code, float scale, float limit) {
+    uint32_t magnitude = code & 0x7Fu;
+    float value = magnitude >= 8 ? f32_from_bits((magnitude << 20) + (120u << 23)) : (float)magnitude * 0x1p-9f;
+    value = f32_from_bits(bits_of_f32(value) | ((uint32_t)(code & 0x80u) << 24)) * scale;
+    return value < -limit ? -limit : (value > limit ? limit : value);
+}
+
+#define FP8_KERNELS(NAME)                                                                           \
+    static void fp8_encode_##NAME(const void *rows, int64_t nrows, int64_t n, uint8_t *codes,        \
+                                  float *scales) {                                                  \
+        for (int64_t r = 0; r < nrows; r++) {                                                       \
+            const char *row = (const char *)rows + r * n * (int64_t)sizeof(NAME##_t);               \
+            float inverse;                                                                          \
+            fp8_scale_of(amax_bits_##NAME(row, n), &inverse, &scales[r]);                           \
+            uint8_t *out = codes + r * n;                                                           \
+            for (int64_t i = 0; i < n; i++) out[i] = fp8_code(load_##NAME(row, i), inverse);        \
+        }                                                                                           \
+    }                                                                                               \
+    static void fp8_decode_##NAME(const uint8_t *codes, const float *scales, int64_t nrows,         \
+                                  int64_t n, float limit, void *out) {                              \
+        for (int64_t r = 0; r < nrows; r++) {                                                       \
+            const uint8_t *row = codes + r * n;                                                     \
+            char *target = (char *)out + r * n * (int64_t)sizeof(NAME##_t);                         \
+            float scale = scales[r];                                                                \
+            for (int64_t i = 0; i < n; i++) store_##NAME(target, i, fp8_value(row[i], scale, limit)); \
+        }                                                                                           \
+    }
+
+/* ---- int8 ---- */
+
+/* 127 / amax and amax / 127 (codec._int8_scales; NaN or inf stay so). */
+static inline void int8_scale_of(uint32_t amax_bits, float *inverse, float *scale) {
+    float value = f32_from_bits(amax_bits) / 127.0f;
+    value = value < MIN_SCALE ? MIN_SCALE : value;
+    *scale = value;
+    *inverse = 1.0f / value;
+}
+
+static inline int8_t int8_code(float x, float inverse) {
+    float value = x * inverse;
+    value = value < -127.0f ? -127.0f : (value > 127.0f ? 127.0f : value);
+    value = value == value ? value : 0.0f; /* NaN (a refused row): any code, but a defined one */
+    return (int8_t)__builtin_rintf(value);
+}
+
+#define INT8_KERNELS(NAME)                                                                          \
+    static void int8_encode_##NAME(const void *rows, int64_t nrows, int64_t n, int8_t *codes,        \
+                                   float *scales) {                                                 \
+        for (int64_t r = 0; r < nrows; r++) {                                                       \
+            const char *row = (const char *)rows + r * n * (int64_t)sizeof(NAME##_t);               \
+            float inverse;                                                                          \
+            int8_scale_of(amax_bits_##NAME(row, n), &inverse, &scales[r]);                          \
+            int8_t *out = codes + r * n;                                                            \
+            for (int64_t i = 0; i < n; i++) out[i] = int8_code(load_##NAME(row, i), inverse);       \
+        }                                                                                           \
+    }                                                                                               \
+    static void int8_decode_##NAME(const int8_t *codes, const float *scales, int64_t nrows,         \
+                                   int64_t n, void *out) {                                          \
+        for (int64_t r = 0; r < nrows; r++) {                                                       \
+            const int8_t *row = codes + r * n;                                                      \
+            char *target = (char *)out + r * n * (int64_t)sizeof(NAME##_t);                         \
+            float scale = scales[r];                                                                \
+            for (int64_t i = 0; i < n; i++) store_##NAME(target, i, (float)row[i] * scale);         \
+        }                                                                                           \
+    }
+
+typedef uint16_t bf16_t;
+typedef _Float16 f16_t;
+typedef float f32_t;
+
+FP8_KERNELS(bf16)
+FP8_KERNELS(f16)
+FP8_KERNELS(f32)
+INT8_KERNELS(bf16)
+INT8_KERNELS(f16)
+INT8_KERNELS(f32)
+
+/* ---- entry points: 0 on success, -1 for an unknown dtype ---- */
+
+int dllm_fp8_encode(int dtype, const void *rows, int64_t nrows, int64_t n, uint8_t *codes, float *scales) {
+    switch (dtype) {
+    case KV_BF16: fp8_encode_bf16(rows, nrows, n, codes, scales); return 0;
+    case KV_F16: fp8_encode_f16(rows, nrows, n, codes, scales); return 0;
+    case KV_F32: fp8_encode_f32(rows, nrows, n, codes, scales); return 0;
+    default: return -1;
+    }
+}
+
+int dllm_fp8_decode(int dtype, const uint8_t *codes, const float *scales, int64_t nrows, int64_t n, float limit,
+                    void *out) {
+    switch (dtype) {
+    case KV_BF16: fp8_decode_bf16(codes, scales, nrows, n, limit, out); return 0;
+    case KV_F16: fp8_decode_f16(codes, scales, nrows, n, limit, out); return 0;
+    case KV_F32: fp8_decode_f32(codes, scales, nrows, n, limit, out); return 0;
+    default: return -1;
+    }
+}
+
+int dllm_int8_encode(int dtype, const void *rows, int64_t nrows, int64_t n, int8_t *codes, float *scales) {
+    switch (dtype) {
+    case KV_BF16: int8_encode_bf16(rows, nrows, n, codes, scales); return 0;
+    case KV_F16: int8_encode_f16(rows, nrows, n, codes, scales); return 0;
+    case KV_F32: int8_encode_f32(rows, nrows, n, codes, scales); return 0;
+    default: return -1;
+    }
+}
+
+int dllm_int8_decode(int dtype, const int8_t *codes, const float *scales, int64_t nrows, int64_t n, void *out) {
+    switch (dtype) {
+    case KV_BF16: int8_decode_bf16(codes, scales, nrows, n, out); return 0;
+    case KV_F16: int8_decode_f16(codes, scales, nrows, n, out); return 0;
+    case KV_F32: int8_decode_f32(codes, scales, nrows, n, out); return 0;
+    default: return -1;
+    }
+}

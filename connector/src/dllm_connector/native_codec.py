@@ -1,0 +1,189 @@
+"""The host KV codec kernels in C (kvcodec.c): compiled for this CPU at first use, loaded by ctypes.
+
+codec.py runs them on host tensors; they write the same bytes as its torch kernels, 2-4x faster on
+one core than torch.compile's (docs/kv-connector.md). The library is built once per source, compiler
+and CPU into a private cache directory (DLLM_KV_CODEC_CACHE, else ~/.cache/dllm-connector), or taken
+ready-made from DLLM_KV_CODEC_LIBRARY (images build one for x86-64-v3). Without a C compiler,
+`load` returns None and the torch kernels stay in use.
+
+    python -m dllm_connector.native_codec OUT.so [--march x86-64-v3]   # build one ahead of time
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+__all__ = ["NativeCodec", "build", "load"]
+
+_log = logging.getLogger(__name__)
+# No fused multiply-add (its one rounding differs from torch's two); no trapping math, so the
+# element loops' selects vectorize. Neither changes a result.
+_FLAGS = (
+    "-O3",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-std=gnu11",
+    "-fPIC",
+    "-shared",
+)
+# What an x86-64-v3 build needs of the CPU that loads it (a missing one would be SIGILL, not an error).
+_X86_64_V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe"})
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class NativeCodec:
+    """The four entry points of a loaded kvcodec library, on tensors (checked by `handles`)."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._fp8_encode, self._int8_encode = library.dllm_fp8_encode, library.dllm_int8_encode
+        self._fp8_decode, self._int8_decode = library.dllm_fp8_decode, library.dllm_int8_decode
+        for encode in (self._fp8_encode, self._int8_encode):
+            encode.argtypes = [ctypes.c_int, _PTR, _I64, _I64, _PTR, _PTR]
+        self._fp8_decode.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _I64, ctypes.c_float, _PTR]
+        self._int8_decode.argtypes = [ctypes.c_int, _PTR, _PTR, _I64, _I64, _PTR]
+        for function in (self._fp8_encode, self._int8_encode, self._fp8_decode, self._int8_decode):
+            function.restype = ctypes.c_int
+
+    @staticmethod
+    def handles(values: torch.Tensor, *others: torch.Tensor) -> bool:
+        """Whether the kernels take these: host tensors, contiguous, values of a supported dtype."""
+        tensors = (values, *others)
+        return values.dtype in _DTYPES and all(t.device.type == "cpu" and t.is_contiguous() for t in tensors)
+
+    def encode(self, fp8: bool, rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Rows [n, group] -> codes [n, group] (uint8 e4m3 or int8) and one float32 scale per row."""
+        encode = self._fp8_encode if fp8 else self._int8_encode
+        nrows, length = rows.shape
+        encode(_DTYPES[rows.dtype], rows.data_ptr(), nrows, length, codes.data_ptr(), scales.data_ptr())
+
+    def decode(
+        self, fp8: bool, codes: torch.Tensor, scales: torch.Tensor, limit: float, out: torch.Tensor
+    ) -> None:
+        """Codes and their rows' scales -> values in out's dtype (fp8: within +-limit)."""
+        nrows, length = out.shape
+        dtype, args = _DTYPES[out.dtype], (codes.data_ptr(), scales.data_ptr(), nrows, length)
+        if fp8:
+            self._fp8_decode(dtype, *args, limit, out.data_ptr())
+        else:
+            self._int8_decode(dtype, *args, out.data_ptr())
+
+
+def _source() -> bytes:
+    return resources.files("dllm_connector").joinpath("kvcodec.c").read_bytes()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def build(out: Path, march: str = "native", compiler: str | None = None) -> Path:
+    """Compile kvcodec.c into `out` (written whole, then renamed into place); raises OSError or
+    CalledProcessError (with the compiler's message) on failure."""
+    compiler = compiler or _compiler()
+    if compiler is None:
+        raise FileNotFoundError("no C compiler (cc, gcc or $CC) to build the KV codec kernels")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+        source, partial = Path(scratch, "kvcodec.c"), Path(scratch, out.name)
+        source.write_bytes(_source())
+        command = [compiler, f"-march={march}", *_FLAGS, "-shared", "-o", str(partial), str(source)]
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+        os.replace(partial, out)
+    return out
+
+
+def _private_cache() -> Path:
+    """The cache directory, if only this user can write to it; else a fresh private temporary one
+    (a library someone else could replace must never be loaded)."""
+    configured = os.environ.get("DLLM_KV_CODEC_CACHE")
+    base = Path(configured) if configured else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    directory = base if configured else base / "dllm-connector"
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        status = directory.stat()
+        if status.st_uid == os.getuid() and not status.st_mode & 0o022:
+            return directory
+        _log.warning(
+            "KV codec cache %s is writable by others; building in a private temporary one", directory
+        )
+    except OSError as error:
+        _log.warning("KV codec cache %s is unusable (%s); building in a temporary one", directory, error)
+    return Path(tempfile.mkdtemp(prefix="dllm-kvcodec-"))
+
+
+def _cached_library() -> Path:
+    compiler = _compiler()
+    if compiler is None:
+        raise FileNotFoundError("no C compiler (cc, gcc or $CC)")
+    key = hashlib.sha256()
+    for part in (_source(), compiler.encode(), " ".join(_FLAGS).encode(), platform.machine().encode()):
+        key.update(part)
+    key.update(" ".join(sorted(_cpu_flags())).encode())
+    path = _private_cache() / f"kvcodec-{key.hexdigest()[:16]}.so"
+    return path if path.exists() else build(path)
+
+
+def _ready_made() -> Path | None:
+    """DLLM_KV_CODEC_LIBRARY, where this CPU can run an x86-64-v3 build (what images ship)."""
+    configured = os.environ.get("DLLM_KV_CODEC_LIBRARY")
+    if not configured:
+        return None
+    if platform.machine() in ("x86_64", "AMD64") and not _cpu_flags() >= _X86_64_V3_FLAGS:
+        _log.warning("this CPU lacks x86-64-v3 (AVX2); not loading %s", configured)
+        return None
+    return Path(configured)
+
+
+def load() -> NativeCodec | None:
+    """The kernels, built or taken ready-made; None (and a warning saying why) where neither works."""
+    try:
+        path = _ready_made() or _cached_library()
+        return NativeCodec(ctypes.CDLL(str(path)), path)
+    except subprocess.CalledProcessError as error:
+        _log.warning("building the KV codec kernels failed: %s", error.stderr.strip()[-2000:])
+    except (OSError, subprocess.SubprocessError, AttributeError) as error:
+        _log.warning("the native KV codec kernels are unavailable: %s", error)
+    return None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build the KV codec kernels ahead of time.")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--march", default="native", help="the CPU to build for (default: this one)")
+    args = parser.parse_args(argv)
+    try:
+        print(build(args.out, args.march))
+    except subprocess.CalledProcessError as error:
+        sys.exit(f"building the KV codec kernels failed:\n{error.stderr}")
+    except OSError as error:
+        sys.exit(f"building the KV codec kernels failed: {error}")
+
+
+if __name__ == "__main__":
+    main()
