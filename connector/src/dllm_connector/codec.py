@@ -442,23 +442,39 @@ def _compiled_kernels() -> Mapping[Compression, _CodecKernels]:
     }
 
 
+# The dtype numbers of kvcodec.c.
+_NATIVE_DTYPES: Mapping[torch.dtype, int] = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def _native_takes(values: torch.Tensor, *others: torch.Tensor) -> bool:
+    """Whether the C kernels take these: host tensors, contiguous, values of a dtype they know."""
+    tensors = (values, *others)
+    return values.dtype in _NATIVE_DTYPES and all(
+        t.device.type == "cpu" and t.is_contiguous() for t in tensors
+    )
+
+
 def _native_kernels(library: native_codec.NativeCodec) -> Mapping[Compression, _CodecKernels]:
-    """The C kernels where they take the tensors (host, contiguous), plain torch ops elsewhere."""
+    """The C kernels where they take the tensors, plain torch ops elsewhere (e.g. on a GPU)."""
 
     def for_codec(codec: Compression) -> _CodecKernels:
         fp8, plain = codec is Compression.FP8, _PLAIN[codec]
 
         def encode_into(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-            if library.handles(rows, codes, scales):
-                library.encode(fp8, rows, codes, scales)
-            else:
+            if not _native_takes(rows, codes, scales):
                 plain.encode_into(rows, codes, scales)
+                return
+            dtype, (nrows, length) = _NATIVE_DTYPES[rows.dtype], rows.shape
+            library.encode(fp8, dtype, rows.data_ptr(), nrows, length, codes.data_ptr(), scales.data_ptr())
 
         def decode_into(codes: torch.Tensor, scale: torch.Tensor, limit: float, out: torch.Tensor) -> None:
-            if library.handles(out, codes, scale):
-                library.decode(fp8, codes, scale, limit, out)
-            else:
+            if not _native_takes(out, codes, scale):
                 plain.decode_into(codes, scale, limit, out)
+                return
+            dtype, (nrows, length) = _NATIVE_DTYPES[out.dtype], out.shape
+            library.decode(
+                fp8, dtype, codes.data_ptr(), scale.data_ptr(), nrows, length, limit, out.data_ptr()
+            )
 
         return _CodecKernels(encode_into, decode_into)
 
