@@ -396,7 +396,7 @@ class PagedKV:
         wanted = views if layers is None else views[layers.start : layers.stop]
         placed = 0
         for view, part in zip(wanted, parts, strict=False):
-            view.index_copy_(0, ids, part.view(shape).to(self.device, non_blocking=True))
+            _copy_blocks(view, ids, part.view(shape).to(self.device, non_blocking=True))
             placed += 1
         if placed == len(wanted):
             return
@@ -492,3 +492,15 @@ def signature_mismatches(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> 
         for key in sorted(set(ours) | set(theirs))
         if ours.get(key) != theirs.get(key)
     ]
+
+
+def _copy_blocks(target: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """target[ids] = blocks, along the first axis, moved as 16-byte elements where the memory allows:
+    index_copy_ on the host copies element by element, so bf16 moved 1.2-1.3 GB/s and 16-byte
+    elements 16-17 (as fast as index_select's gather), measured on one core."""
+    try:
+        wide_target, wide_blocks = target.view(torch.complex128), blocks.view(torch.complex128)
+    except RuntimeError:  # a row's bytes or offsets not in 16-byte units: element by element
+        target.index_copy_(0, ids, blocks)
+        return
+    wide_target.index_copy_(0, ids, wide_blocks)

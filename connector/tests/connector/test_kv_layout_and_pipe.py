@@ -70,6 +70,24 @@ def test_layer_by_layer_gather_and_scatter_match_the_whole_batch(shape: tuple[in
     assert not bool(target.gather([1, 2, 3]).any())
 
 
+@pytest.mark.parametrize(
+    ("shape", "geometry"),
+    [
+        ((NUM_BLOCKS, 4, 16, 64), GEOMETRY),  # 128-byte rows: moved as 16-byte elements
+        ((NUM_BLOCKS, 4, 16, 6), Geometry(block_size=16, num_kv_heads=4, head_dim=3)),  # 12-byte rows
+    ],
+)
+def test_scatter_places_every_bit_pattern_exactly(shape: tuple[int, ...], geometry: Geometry) -> None:
+    """Codec none carries NaN payloads, infs and signed zeros as they are, whichever way a block moves."""
+    patterns = torch.randint(-(1 << 15), 1 << 15, (NUM_BLOCKS, *shape[1:]), dtype=torch.int16)
+    source = PagedKV({"a": patterns.view(torch.bfloat16)}, NUM_BLOCKS, geometry)
+    target = PagedKV({"a": torch.zeros(shape, dtype=torch.bfloat16)}, NUM_BLOCKS, geometry)
+    assert bool(source.gather(range(NUM_BLOCKS)).isnan().any())
+    target.scatter([4, 0, 9, 1], source.gather([1, 3, 5, 8]))
+    assert torch.equal(target.caches[0][[4, 0, 9, 1]].view(torch.int16), patterns[[1, 3, 5, 8]])
+    assert not bool(target.caches[0][[2, 3, 5, 6, 7, 8]].view(torch.int16).any())
+
+
 def test_a_batch_with_too_few_layers_is_refused_by_name() -> None:
     shape = (NUM_BLOCKS, 4, 16, 64)
     target = PagedKV({"a": torch.zeros(shape), "b": torch.zeros(shape)}, NUM_BLOCKS, GEOMETRY)
