@@ -21,7 +21,9 @@ Transfers are pipelined in batches of --batch-tokens (transferThresholdTokens, d
 the connector). `--checksum off` is an experiment, not a mode of the connector: it replaces the
 XXH3 checksum of zero-copy transfers by 0 on both sides, to show what the checksum costs (`crc32`:
 by zlib's CRC-32, the connector's checksum before XXH3). `--threads` sets the torch threads of each
-engine process (default 1; the codec runs on them).
+engine process (default 1; the codec runs on them). Decode's block ids are prefill's reversed, so
+that no two spans merge (the worst case); `--consecutive-ids` gives both the same ids, so that each
+layer's spans merge into one run (the best case: a fresh engine allocates blocks in order).
 
     python bench/kv_transfer.py --quick            # 2k tokens, under 50 s
     python bench/kv_transfer.py --tokens 2048 32768 --link 2gbit
@@ -367,6 +369,7 @@ class Settings:
     batch_tokens: int
     checksum: str
     threads: int
+    consecutive_ids: bool = False  # decode's blocks in prefill's order: spans merge into runs
 
 
 class Peer:
@@ -454,7 +457,8 @@ def measure_link(
         decode.wait_ready()
         ports = decode.call("ports")
         rows = [_raw_row(prefill, decode, hosts[1], ports["raw"], kv_bytes, repeats)]
-        src, dst = list(range(blocks)), list(reversed(range(blocks)))
+        src = list(range(blocks))
+        dst = list(src) if settings.consecutive_ids else list(reversed(src))
         for transport in transports:
             for codec in CODECS:
                 times, wire = [], 0
@@ -698,6 +702,12 @@ def main() -> None:
         help="zero-copy checksum (experiment)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of each engine process")
+    parser.add_argument(
+        "--consecutive-ids",
+        action="store_true",
+        help="decode's block ids in prefill's order (a fresh engine's allocation), so that block spans "
+        "merge; default: reversed, so that none merge",
+    )
     parser.add_argument("--serve", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
@@ -709,7 +719,7 @@ def main() -> None:
     if args.quick:
         args.tokens, args.repeats = [2048], 1  # plus the discarded warm-up run of every row
     started = time.perf_counter()
-    settings = Settings(args.batch_tokens, args.checksum, args.threads)
+    settings = Settings(args.batch_tokens, args.checksum, args.threads, args.consecutive_ids)
     shape = f"{LAYERS} layers, block {BLOCK}, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16"
     codec_tokens = 1024 if args.quick else 2048
     # torch.compile's kernels side by side with the C ones (compiling them costs --quick 10-20 s)
@@ -724,7 +734,9 @@ def main() -> None:
         )
         codecs = codecs or measured
         title = f"127.0.0.1, {tokens} tokens ({shape}; {rows[0].raw_bytes / 1e6:.0f} MB of KV)"
+        ids = "consecutive" if args.consecutive_ids else "scattered"
         run = f"batches of {args.batch_tokens} tokens, checksum {args.checksum}, {args.threads} thread(s)"
+        run += f", {ids} block ids"
         print_table(f"{title}, {run}", rows)
         if args.link:
             with emulated_link(args.link):
