@@ -446,11 +446,23 @@ def _compiled_kernels() -> Mapping[Compression, _CodecKernels]:
 _NATIVE_DTYPES: Mapping[torch.dtype, int] = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-def _native_takes(values: torch.Tensor, *others: torch.Tensor) -> bool:
-    """Whether the C kernels take these: host tensors, contiguous, values of a dtype they know."""
-    tensors = (values, *others)
-    return values.dtype in _NATIVE_DTYPES and all(
-        t.device.type == "cpu" and t.is_contiguous() for t in tensors
+def _native_takes(
+    codec: Compression, values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+) -> bool:
+    """Whether the C kernels take these as they are: host tensors, contiguous, plain (no lazy negation
+    or conjugate), values of a dtype they know, codes of the same shape and one float32 scale per row;
+    anything else goes to the torch ops."""
+    tensors = (values, codes, scales)
+    return (
+        values.dtype in _NATIVE_DTYPES
+        and values.dim() == 2
+        and codes.shape == values.shape
+        and codes.dtype == _CODE_DTYPE[codec]
+        and scales.dtype == SCALE_DTYPE
+        and scales.numel() == values.shape[0]
+        and all(
+            t.device.type == "cpu" and t.is_contiguous() and not (t.is_neg() or t.is_conj()) for t in tensors
+        )
     )
 
 
@@ -461,14 +473,14 @@ def _native_kernels(library: native_codec.NativeCodec) -> Mapping[Compression, _
         fp8, plain = codec is Compression.FP8, _PLAIN[codec]
 
         def encode_into(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-            if not _native_takes(rows, codes, scales):
+            if not _native_takes(codec, rows, codes, scales):
                 plain.encode_into(rows, codes, scales)
                 return
             dtype, (nrows, length) = _NATIVE_DTYPES[rows.dtype], rows.shape
             library.encode(fp8, dtype, rows.data_ptr(), nrows, length, codes.data_ptr(), scales.data_ptr())
 
         def decode_into(codes: torch.Tensor, scale: torch.Tensor, limit: float, out: torch.Tensor) -> None:
-            if not _native_takes(out, codes, scale):
+            if not _native_takes(codec, out, codes, scale):
                 plain.decode_into(codes, scale, limit, out)
                 return
             dtype, (nrows, length) = _NATIVE_DTYPES[out.dtype], out.shape
@@ -484,33 +496,63 @@ def _native_kernels(library: native_codec.NativeCodec) -> Mapping[Compression, _
 _PLAIN_KERNELS = _Kernels(_PLAIN, "plain", _PLAIN_CHUNK_ELEMENTS)
 
 
-def _checked(candidate: _Kernels) -> _Kernels:
-    """`candidate` if it writes what the plain kernels write on a probe; else (warned) the plain ones."""
-    probe = torch.linspace(-2.0, 2.0, 64, dtype=torch.bfloat16).reshape(2, 32)
-    for codec in _PLAIN:
-        if not all(_same_round_trip(rows, codec, _PLAIN_KERNELS, candidate) for rows in _row_shapes(probe)):
-            _log.warning(
-                "%s %s KV codec differs from plain torch ops; using those", candidate.name, codec.value
-            )
-            return _PLAIN_KERNELS
+def _probe_rows(dtype: torch.dtype) -> torch.Tensor:
+    """A few groups of each kind encode treats apart: ordinary values, zeros, subnormals, the dtype's
+    largest finite values and exact powers of two."""
+    info = torch.finfo(dtype)
+    groups = [
+        torch.linspace(-2.0, 2.0, 64),
+        torch.zeros(32),
+        torch.full((32,), info.tiny) * torch.linspace(-1.0, 1.0, 32),
+        torch.full((32,), info.max) * torch.linspace(-1.0, 1.0, 32),
+        2.0 ** torch.arange(-16, 16).float(),
+    ]
+    return torch.cat(groups).to(dtype).reshape(-1, 32)
+
+
+def _checked(candidate: _Kernels, dtypes: Iterable[torch.dtype]) -> _Kernels | None:
+    """`candidate` if it writes what the plain kernels write on probes of `dtypes`; else None (with a
+    warning)."""
+    for dtype in dtypes:
+        rows = _probe_rows(dtype)
+        for codec in _PLAIN:
+            if not all(
+                _same_round_trip(some, codec, _PLAIN_KERNELS, candidate) for some in _row_shapes(rows)
+            ):
+                _log.warning(
+                    "%s %s KV codec differs from plain torch ops on %s", candidate.name, codec, dtype
+                )
+                return None
     return candidate
 
 
+def _native_set() -> _Kernels | None:
+    library = native_codec.load()
+    if library is None:
+        return None
+    return _checked(_Kernels(_native_kernels(library), "native", _NATIVE_CHUNK_ELEMENTS), _NATIVE_DTYPES)
+
+
+def _compiled_set() -> _Kernels | None:
+    try:
+        # bf16 only: each dtype probed is a compile (seconds each) at engine start
+        return _checked(_Kernels(_compiled_kernels(), "compiled", _COMPILED_CHUNK_ELEMENTS), [torch.bfloat16])
+    except Exception as error:  # noqa: BLE001 - any compiler failure means the next set
+        _log.warning("torch.compile is unavailable for the KV codec: %s", error)
+        return None
+
+
 def _choose_kernels(name: str) -> _Kernels:
-    """The named kernel set, checked against the plain one; plain torch ops if it is unavailable."""
-    if name == "native":
-        library = native_codec.load()
-        if library is None:
-            return _PLAIN_KERNELS
-        return _checked(_Kernels(_native_kernels(library), "native", _NATIVE_CHUNK_ELEMENTS))
-    if name == "compiled":
-        try:
-            return _checked(_Kernels(_compiled_kernels(), "compiled", _COMPILED_CHUNK_ELEMENTS))
-        except Exception as error:  # noqa: BLE001 - any compiler failure means the plain path
-            _log.warning("torch.compile unavailable for the KV codec, using plain torch ops: %s", error)
-            return _PLAIN_KERNELS
-    if name != "plain":
-        _log.warning("DLLM_KV_CODEC_KERNELS=%s is none of native, compiled, plain; using plain", name)
+    """The named kernel set, checked against the plain one; where it is unavailable, the next of
+    native -> compiled -> plain (each step says why in a warning)."""
+    order = {"native": (_native_set, _compiled_set), "compiled": (_compiled_set,), "plain": ()}
+    if name not in order:
+        _log.warning("DLLM_KV_CODEC_KERNELS=%s is none of native, compiled, plain; using native", name)
+        name = "native"
+    for make in order[name]:
+        chosen = make()
+        if chosen is not None:
+            return chosen
     return _PLAIN_KERNELS
 
 
@@ -532,8 +574,9 @@ def _round_trip_rows(
 
 
 def _same_round_trip(probe: torch.Tensor, codec: Compression, plain: _Kernels, other: _Kernels) -> bool:
+    """Byte for byte (torch.equal would call NaNs unequal and -0.0 equal to 0.0)."""
     expected, got = (_round_trip_rows(probe, k.by_codec[codec], _CODE_DTYPE[codec]) for k in (plain, other))
-    return all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    return all(torch.equal(as_bytes(a), as_bytes(b)) for a, b in zip(expected, got, strict=True))
 
 
 _kernels_lock = threading.Lock()

@@ -8,18 +8,24 @@
  *
  * Rows are contiguous, `row_len` elements each; a row is one scale group. Source dtypes: 0 bfloat16,
  * 1 float16, 2 float32. A row holding NaN or inf gets a NaN scale (the caller refuses the payload).
+ * Plain C11, no compiler extensions: float16 is converted with integer operations, as bfloat16 is.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#ifndef KVCODEC_SOURCE_SHA256
+#define KVCODEC_SOURCE_SHA256 "unknown"
+#endif
 
 enum { KV_BF16 = 0, KV_F16 = 1, KV_F32 = 2 };
 
 #define F32_EXP_MASK 0x7F800000u   /* float32 bits at or above: inf or NaN */
 #define E4M3_MIN_NORMAL (121u << 23) /* float32 bits of 2^-6 */
-#define E4M3_REBIAS (120 << 3)
-#define E4M3_MAX_CODE 0x7E
+#define E4M3_REBIAS (120u << 3)
+#define E4M3_MAX_CODE 0x7Eu
 #define SUBNORMAL_ROUNDER 16384.0f /* 2^14: its float32 ulp is 2^-9, e4m3's subnormal step */
-#define SUBNORMAL_ROUNDER_BITS 0x46800000
+#define SUBNORMAL_ROUNDER_BITS 0x46800000u
 #define MIN_SCALE 1.17549435e-38f /* the smallest normal float32 */
 
 static inline float f32_from_bits(uint32_t bits) {
@@ -40,16 +46,41 @@ static inline uint16_t bf16_from_f32(float value) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+/* float16 bits -> float32, exactly (subnormals by a multiply that is exact, inf and NaN kept). */
+static inline float f32_from_f16(uint16_t half) {
+    uint32_t sign = (uint32_t)(half & 0x8000u) << 16;
+    uint32_t exponent = (half >> 10) & 0x1Fu, mantissa = half & 0x3FFu;
+    uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);
+    uint32_t special = F32_EXP_MASK | (mantissa << 13);
+    uint32_t subnormal = bits_of_f32((float)mantissa * 0x1p-24f);
+    uint32_t magnitude = exponent == 0 ? subnormal : (exponent == 31 ? special : normal);
+    return f32_from_bits(magnitude | sign);
+}
+
+/* float32 -> float16 bits, rounded to nearest even; overflow to inf, NaN to a quiet NaN. */
+static inline uint16_t f16_from_f32(float value) {
+    uint32_t bits = bits_of_f32(value);
+    uint32_t sign = (bits >> 16) & 0x8000u, magnitude = bits & 0x7FFFFFFFu;
+    /* normal: round the mantissa to 10 bits (a carry moves the exponent), exponent bias 127 -> 15 */
+    uint32_t normal = ((magnitude + 0xFFFu + ((magnitude >> 13) & 1u)) >> 13) - (112u << 10);
+    /* subnormal, below 2^-14: steps of 2^-24, and 1024 steps are the smallest normal's bits */
+    uint32_t subnormal = (uint32_t)rintf(f32_from_bits(magnitude) * 0x1p24f);
+    uint32_t out = magnitude < 0x38800000u ? subnormal : normal;
+    out = magnitude >= 0x477FF000u ? 0x7C00u : out; /* 65520 and above round to inf */
+    out = magnitude > F32_EXP_MASK ? 0x7E00u : out;
+    return (uint16_t)(sign | out);
+}
+
 /* ---- loading and storing one element of each source dtype ---- */
 
 static inline float load_bf16(const void *rows, int64_t i) {
     return f32_from_bits((uint32_t)((const uint16_t *)rows)[i] << 16);
 }
-static inline float load_f16(const void *rows, int64_t i) { return (float)((const _Float16 *)rows)[i]; }
+static inline float load_f16(const void *rows, int64_t i) { return f32_from_f16(((const uint16_t *)rows)[i]); }
 static inline float load_f32(const void *rows, int64_t i) { return ((const float *)rows)[i]; }
 
 static inline void store_bf16(void *out, int64_t i, float v) { ((uint16_t *)out)[i] = bf16_from_f32(v); }
-static inline void store_f16(void *out, int64_t i, float v) { ((_Float16 *)out)[i] = (_Float16)v; }
+static inline void store_f16(void *out, int64_t i, float v) { ((uint16_t *)out)[i] = f16_from_f32(v); }
 static inline void store_f32(void *out, int64_t i, float v) { ((float *)out)[i] = v; }
 
 /* The row's largest magnitude as float32 bits: the largest of the magnitudes' bit patterns, which
@@ -71,9 +102,7 @@ static inline uint32_t amax_bits_f16(const void *rows, int64_t n) {
         uint16_t magnitude = row[i] & 0x7FFF;
         top = magnitude > top ? magnitude : top;
     }
-    _Float16 half;
-    memcpy(&half, &top, sizeof half);
-    return bits_of_f32((float)half);
+    return bits_of_f32(f32_from_f16(top));
 }
 
 static inline uint32_t amax_bits_f32(const void *rows, int64_t n) {
@@ -96,16 +125,16 @@ static inline void fp8_scale_of(uint32_t amax_bits, float *inverse, float *scale
     *scale = amax_bits >= F32_EXP_MASK ? f32_from_bits(0x7FC00000u) : f32_from_bits((uint32_t)(127 + k) << 23);
 }
 
-/* The e4m3 code of x * inverse, rounded to nearest even (codec._fp8_codes). */
+/* The e4m3 code of x * inverse, rounded to nearest even (codec._fp8_codes). Unsigned arithmetic:
+ * for finite x the values are torch's int32 ones; for NaN (a refused row) it wraps, defined. */
 static inline uint8_t fp8_code(float x, float inverse) {
-    float scaled = __builtin_fabsf(x) * inverse;
-    int32_t bits = (int32_t)bits_of_f32(scaled);
-    int32_t normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - E4M3_REBIAS;
-    int32_t subnormal = (int32_t)bits_of_f32(scaled + SUBNORMAL_ROUNDER) - SUBNORMAL_ROUNDER_BITS;
-    int32_t code = bits < (int32_t)E4M3_MIN_NORMAL ? subnormal : normal;
+    float scaled = fabsf(x) * inverse;
+    uint32_t bits = bits_of_f32(scaled);
+    uint32_t normal = ((bits + 0x7FFFFu + ((bits >> 20) & 1u)) >> 20) - E4M3_REBIAS;
+    uint32_t subnormal = bits_of_f32(scaled + SUBNORMAL_ROUNDER) - SUBNORMAL_ROUNDER_BITS;
+    uint32_t code = bits < E4M3_MIN_NORMAL ? subnormal : normal;
     code = code < E4M3_MAX_CODE ? code : E4M3_MAX_CODE;
-    code |= ((int32_t)bits_of_f32(x) >> 24) & 0x80;
-    return (uint8_t)code;
+    return (uint8_t)(code | ((bits_of_f32(x) >> 24) & 0x80u));
 }
 
 /* The code's e4m3 value times scale, within +-limit (codec._fp8_values: the two NaN codes read
@@ -155,7 +184,7 @@ static inline int8_t int8_code(float x, float inverse) {
     float value = x * inverse;
     value = value < -127.0f ? -127.0f : (value > 127.0f ? 127.0f : value);
     value = value == value ? value : 0.0f; /* NaN (a refused row): any code, but a defined one */
-    return (int8_t)__builtin_rintf(value);
+    return (int8_t)rintf(value);
 }
 
 #define INT8_KERNELS(NAME)                                                                          \
@@ -180,7 +209,7 @@ static inline int8_t int8_code(float x, float inverse) {
     }
 
 typedef uint16_t bf16_t;
-typedef _Float16 f16_t;
+typedef uint16_t f16_t;
 typedef float f32_t;
 
 FP8_KERNELS(bf16)
@@ -191,6 +220,10 @@ INT8_KERNELS(f16)
 INT8_KERNELS(f32)
 
 /* ---- entry points: 0 on success, -1 for an unknown dtype ---- */
+
+/* The SHA-256 of the source this library was built from (native_codec passes it at build time), so
+ * that a library built from other source is never used. */
+const char *dllm_kvcodec_source(void) { return KVCODEC_SOURCE_SHA256; }
 
 int dllm_fp8_encode(int dtype, const void *rows, int64_t nrows, int64_t n, uint8_t *codes, float *scales) {
     switch (dtype) {

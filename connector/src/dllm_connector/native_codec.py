@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,7 @@ _FLAGS = (
     "-shared",
 )
 # What an x86-64-v3 build needs of the CPU that loads it (a missing one would be SIGILL, not an error).
-_X86_64_V3_FLAGS = frozenset({"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe"})
+_X86_64_V3_FLAGS = frozenset({"abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"})
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -86,8 +87,18 @@ def _source() -> bytes:
     return resources.files("dllm_connector").joinpath("kvcodec.c").read_bytes()
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def source_sha256() -> str:
+    """What a library built from this package's kvcodec.c reports (`dllm_kvcodec_source`)."""
+    return hashlib.sha256(_source()).hexdigest()
+
+
+def _compiler() -> list[str] | None:
+    """The C compiler's command: $CC as a shell would split it (e.g. `ccache gcc`), else cc or gcc."""
+    configured = os.environ.get("CC")
+    if configured:
+        return shlex.split(configured)
+    found = shutil.which("cc") or shutil.which("gcc")
+    return [found] if found else None
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -100,7 +111,7 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def build(out: Path, march: str = "native", compiler: str | None = None) -> Path:
+def build(out: Path, march: str = "native", compiler: list[str] | None = None) -> Path:
     """Compile kvcodec.c into `out` (written whole, then renamed into place); raises OSError or
     CalledProcessError (with the compiler's message) on failure."""
     compiler = compiler or _compiler()
@@ -110,8 +121,9 @@ def build(out: Path, march: str = "native", compiler: str | None = None) -> Path
     with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
         source, partial = Path(scratch, "kvcodec.c"), Path(scratch, out.name)
         source.write_bytes(_source())
-        command = [compiler, f"-march={march}", *_FLAGS, "-shared", "-o", str(partial), str(source)]
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+        stamp = f'-DKVCODEC_SOURCE_SHA256="{source_sha256()}"'
+        command = [*compiler, f"-march={march}", *_FLAGS, stamp, "-shared", "-o", str(partial), str(source)]
+        subprocess.run([*command, "-lm"], check=True, capture_output=True, text=True, timeout=120)
         os.replace(partial, out)
     return out
 
@@ -135,34 +147,62 @@ def _private_cache() -> Path:
     return Path(tempfile.mkdtemp(prefix="dllm-kvcodec-"))
 
 
-def _cached_library() -> Path:
+def _open(path: Path) -> NativeCodec:
+    """The library at `path`, if it was built from this package's source; else OSError."""
+    library = ctypes.CDLL(str(path))
+    try:
+        reported = library.dllm_kvcodec_source
+    except AttributeError:
+        raise OSError(f"{path} is no KV codec library of this version") from None
+    reported.restype = ctypes.c_char_p
+    if reported() != source_sha256().encode():
+        raise OSError(f"{path} was built from another kvcodec.c than this package's")
+    return NativeCodec(library, path)
+
+
+def _from_cache() -> NativeCodec:
+    """Built once per source, compiler and CPU; a cached library that does not load is built again."""
     compiler = _compiler()
     if compiler is None:
-        raise FileNotFoundError("no C compiler (cc, gcc or $CC)")
+        raise FileNotFoundError("no C compiler (cc, gcc or $CC) to build the KV codec kernels")
     key = hashlib.sha256()
-    for part in (_source(), compiler.encode(), " ".join(_FLAGS).encode(), platform.machine().encode()):
+    for part in (
+        _source(),
+        " ".join(compiler).encode(),
+        " ".join(_FLAGS).encode(),
+        platform.machine().encode(),
+    ):
         key.update(part)
     key.update(" ".join(sorted(_cpu_flags())).encode())
     path = _private_cache() / f"kvcodec-{key.hexdigest()[:16]}.so"
-    return path if path.exists() else build(path)
+    if path.exists():
+        try:
+            return _open(path)
+        except OSError as error:
+            _log.warning("rebuilding the KV codec kernels: %s", error)
+    return _open(build(path, compiler=compiler))
 
 
-def _ready_made() -> Path | None:
-    """DLLM_KV_CODEC_LIBRARY, where this CPU can run an x86-64-v3 build (what images ship)."""
+def _ready_made() -> NativeCodec | None:
+    """DLLM_KV_CODEC_LIBRARY (what images ship), where it exists, matches this package's source and
+    this CPU can run it (an x86-64-v3 build needs AVX2 and the rest); else None, with a warning."""
     configured = os.environ.get("DLLM_KV_CODEC_LIBRARY")
     if not configured:
         return None
     if platform.machine() in ("x86_64", "AMD64") and not _cpu_flags() >= _X86_64_V3_FLAGS:
         _log.warning("this CPU lacks x86-64-v3 (AVX2); not loading %s", configured)
         return None
-    return Path(configured)
+    try:
+        return _open(Path(configured))
+    except OSError as error:
+        _log.warning("not using DLLM_KV_CODEC_LIBRARY: %s", error)
+        return None
 
 
 def load() -> NativeCodec | None:
-    """The kernels, built or taken ready-made; None (and a warning saying why) where neither works."""
+    """The kernels, ready-made or built here; None (and a warning saying why) where neither works."""
     try:
-        path = _ready_made() or _cached_library()
-        return NativeCodec(ctypes.CDLL(str(path)), path)
+        return _ready_made() or _from_cache()
     except subprocess.CalledProcessError as error:
         _log.warning("building the KV codec kernels failed: %s", error.stderr.strip()[-2000:])
     except (OSError, subprocess.SubprocessError, AttributeError) as error:

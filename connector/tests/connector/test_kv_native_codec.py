@@ -10,7 +10,7 @@ import shutil
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -88,7 +88,10 @@ def test_the_library_is_built_once_and_then_reused(
 def test_without_a_compiler_plain_torch_serves_and_a_warning_says_why(
     cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """No C compiler: torch.compile, the next choice, needs one too; this machine has one, so for
+    torch.compile its absence is simulated (the compiled set reported unavailable)."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(codec, "_compiled_set", lambda: None)
     with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
         assert codec.use_kernels("native") == "plain"
     assert "native KV codec kernels are unavailable" in caplog.text
@@ -163,3 +166,123 @@ def test_building_for_an_unknown_cpu_fails_clearly(tmp_path: Path) -> None:
     assert "building the KV codec kernels failed" in built.stderr
     assert "no-such-cpu" in built.stderr
     assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_where_the_c_kernels_cannot_be_built_torch_compile_is_next(
+    cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if COMPILER is None:
+        pytest.skip("no C compiler here: torch.compile is unavailable too")
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert codec.use_kernels("native") == "compiled"
+
+
+def test_an_unknown_kernel_set_name_warns_and_the_default_serves(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="dllm_connector.codec"):
+        in_use = codec.use_kernels("fast")
+    assert "DLLM_KV_CODEC_KERNELS=fast is none of native, compiled, plain" in caplog.text
+    assert in_use == ("native" if COMPILER else "plain")
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "odd_rows",
+    [
+        pytest.param(lambda rows: torch._neg_view(rows.neg()), id="lazily negated view"),
+        pytest.param(lambda rows: rows.t().contiguous().t(), id="non-contiguous"),
+    ],
+)
+def test_tensors_the_c_kernels_cannot_take_as_they_are_go_to_torch(
+    odd_rows: Callable[[torch.Tensor], torch.Tensor],
+) -> None:
+    """A view whose memory is not the values in row order must not be read as if it were."""
+    library = native_codec.load()
+    assert library is not None
+    native = codec._native_kernels(library)[Compression.FP8]
+    rows = torch.randn(16, 64).to(torch.bfloat16)
+    view = odd_rows(rows)
+    assert torch.equal(view, rows)
+    codes, scales = torch.empty(16, 64, dtype=torch.uint8), torch.empty(16)
+    native.encode_into(view, codes, scales)
+    expected_codes, expected_scales = torch.empty(16, 64, dtype=torch.uint8), torch.empty(16)
+    native.encode_into(rows, expected_codes, expected_scales)
+    assert torch.equal(codes, expected_codes)
+    assert torch.equal(scales, expected_scales)
+
+
+def load_in_a_new_process() -> tuple[Path, str]:
+    """native_codec.load() in a fresh interpreter (one that has loaded no library from that path yet):
+    the library's path, and what it logged."""
+    script = (
+        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "from dllm_connector import native_codec\n"
+        "print(native_codec.load().path)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    return Path(done.stdout.strip()), done.stderr
+
+
+@needs_compiler
+def test_a_cached_library_that_does_not_load_is_built_again(cache: Path) -> None:
+    path, _ = load_in_a_new_process()
+    path.write_bytes(b"not a shared library")
+    again, logged = load_in_a_new_process()
+    assert again == path
+    assert "rebuilding the KV codec kernels" in logged
+    assert path.read_bytes().startswith(b"\x7fELF")
+
+
+@needs_compiler
+def test_a_ready_made_library_of_other_source_is_not_used(
+    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A library left from another version of the connector (e.g. a stale mount) is refused, and the
+    kernels are built from this version's source instead."""
+    stale = tmp_path / "stale.so"
+    source = tmp_path / "kvcodec.c"
+    source.write_bytes(native_codec._source())
+    command = [
+        str(COMPILER),
+        "-O2",
+        "-fPIC",
+        "-shared",
+        '-DKVCODEC_SOURCE_SHA256="0123abcd"',
+        "-o",
+        str(stale),
+    ]
+    subprocess.run([*command, str(source), "-lm"], check=True)
+    monkeypatch.setenv("DLLM_KV_CODEC_LIBRARY", str(stale))
+    with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
+        library = native_codec.load()
+    assert library is not None
+    assert library.path.parent == cache
+    assert "built from another kvcodec.c than this package's" in caplog.text
+
+
+@needs_compiler
+@pytest.mark.parametrize("reason", ["missing", "cpu without x86-64-v3"])
+def test_an_unusable_ready_made_library_is_passed_over_with_a_warning(
+    reason: str,
+    cache: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A CPU without AVX2 would die of SIGILL in an x86-64-v3 build; which CPU runs the test is
+    simulated by the flags /proc/cpuinfo is read for."""
+    ready = tmp_path / "kvcodec-v3.so"
+    if reason == "missing":
+        expected = "not using DLLM_KV_CODEC_LIBRARY"
+    else:
+        native_codec.build(ready)
+        monkeypatch.setattr(native_codec, "_cpu_flags", lambda: frozenset({"sse2"}))
+        monkeypatch.setattr(native_codec.platform, "machine", lambda: "x86_64")
+        expected = "lacks x86-64-v3"
+    monkeypatch.setenv("DLLM_KV_CODEC_LIBRARY", str(ready))
+    with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
+        library = native_codec.load()
+    assert library is not None
+    assert library.path.parent == cache
+    assert expected in caplog.text
