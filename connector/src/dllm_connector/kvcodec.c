@@ -52,7 +52,7 @@ static inline float f32_from_f16(uint16_t half) {
     uint32_t exponent = (half >> 10) & 0x1Fu, mantissa = half & 0x3FFu;
     uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);
     uint32_t special = F32_EXP_MASK | (mantissa << 13);
-    uint32_t subnormal = bits_of_f32((float)mantissa * 0x1p-24f);
+    uint32_t subnormal = bits_of_f32((float)(int32_t)mantissa * 0x1p-24f);
     uint32_t magnitude = exponent == 0 ? subnormal : (exponent == 31 ? special : normal);
     return f32_from_bits(magnitude | sign);
 }
@@ -64,7 +64,8 @@ static inline uint16_t f16_from_f32(float value) {
     /* normal: round the mantissa to 10 bits (a carry moves the exponent), exponent bias 127 -> 15 */
     uint32_t normal = ((magnitude + 0xFFFu + ((magnitude >> 13) & 1u)) >> 13) - (112u << 10);
     /* subnormal, below 2^-14: steps of 2^-24, and 1024 steps are the smallest normal's bits */
-    uint32_t subnormal = (uint32_t)rintf(f32_from_bits(magnitude) * 0x1p24f);
+    float small = f32_from_bits(magnitude) < 0x1p-14f ? f32_from_bits(magnitude) : 0x1p-14f;
+    uint32_t subnormal = (uint32_t)(int32_t)rintf(small * 0x1p24f); /* at most 1024: no overflow */
     uint32_t out = magnitude < 0x38800000u ? subnormal : normal;
     out = magnitude >= 0x477FF000u ? 0x7C00u : out; /* 65520 and above round to inf */
     out = magnitude > F32_EXP_MASK ? 0x7E00u : out;
@@ -141,7 +142,7 @@ static inline uint8_t fp8_code(float x, float inverse) {
  * as +-480, as there). */
 static inline float fp8_value(uint8_t code, float scale, float limit) {
     uint32_t magnitude = code & 0x7Fu;
-    float value = magnitude >= 8 ? f32_from_bits((magnitude << 20) + (120u << 23)) : (float)magnitude * 0x1p-9f;
+    float value = magnitude >= 8 ? f32_from_bits((magnitude << 20) + (120u << 23)) : (float)(int32_t)magnitude * 0x1p-9f;
     value = f32_from_bits(bits_of_f32(value) | ((uint32_t)(code & 0x80u) << 24)) * scale;
     return value < -limit ? -limit : (value > limit ? limit : value);
 }
