@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -466,6 +467,40 @@ def _native_takes(
     )
 
 
+# A call of the C kernels runs over torch's intra-op threads, as torch's own ops would (the calling
+# thread takes the first slice of rows), in slices of at least this many elements: smaller ones cost
+# more to hand out than to run.
+_MIN_ELEMENTS_PER_THREAD = 1 << 18
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _row_slices(nrows: int, length: int) -> list[tuple[int, int]]:
+    """[start, stop) row ranges, one per thread that gets work."""
+    threads = max(1, min(torch.get_num_threads(), nrows * length // _MIN_ELEMENTS_PER_THREAD, nrows))
+    step = -(-nrows // threads)
+    return [(start, min(start + step, nrows)) for start in range(0, nrows, step)]
+
+
+def _thread_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kv-codec")
+        return _pool
+
+
+def _over_rows(run: Callable[[int, int], None], nrows: int, length: int) -> None:
+    """run(start, stop) for every slice of rows, the slices on threads of their own but the first."""
+    first, *others = _row_slices(nrows, length)
+    pending = [_thread_pool().submit(run, start, stop) for start, stop in others]
+    try:
+        run(*first)
+    finally:
+        for future in pending:
+            future.result()
+
+
 def _native_kernels(library: native_codec.NativeCodec) -> Mapping[Compression, _CodecKernels]:
     """The C kernels where they take the tensors, plain torch ops elsewhere (e.g. on a GPU)."""
 
@@ -476,17 +511,38 @@ def _native_kernels(library: native_codec.NativeCodec) -> Mapping[Compression, _
             if not _native_takes(codec, rows, codes, scales):
                 plain.encode_into(rows, codes, scales)
                 return
-            dtype, (nrows, length) = _NATIVE_DTYPES[rows.dtype], rows.shape
-            library.encode(fp8, dtype, rows.data_ptr(), nrows, length, codes.data_ptr(), scales.data_ptr())
+            dtype, (nrows, length), item = _NATIVE_DTYPES[rows.dtype], rows.shape, rows.element_size()
+            values, out, scale = rows.data_ptr(), codes.data_ptr(), scales.data_ptr()
+
+            def run(start: int, stop: int) -> None:
+                at = start * length
+                library.encode(
+                    fp8, dtype, values + at * item, stop - start, length, out + at, scale + 4 * start
+                )
+
+            _over_rows(run, nrows, length)
 
         def decode_into(codes: torch.Tensor, scale: torch.Tensor, limit: float, out: torch.Tensor) -> None:
             if not _native_takes(codec, out, codes, scale):
                 plain.decode_into(codes, scale, limit, out)
                 return
-            dtype, (nrows, length) = _NATIVE_DTYPES[out.dtype], out.shape
-            library.decode(
-                fp8, dtype, codes.data_ptr(), scale.data_ptr(), nrows, length, limit, out.data_ptr()
-            )
+            dtype, (nrows, length), item = _NATIVE_DTYPES[out.dtype], out.shape, out.element_size()
+            source, scales, target = codes.data_ptr(), scale.data_ptr(), out.data_ptr()
+
+            def run(start: int, stop: int) -> None:
+                at = start * length
+                library.decode(
+                    fp8,
+                    dtype,
+                    source + at,
+                    scales + 4 * start,
+                    stop - start,
+                    length,
+                    limit,
+                    target + at * item,
+                )
+
+            _over_rows(run, nrows, length)
 
         return _CodecKernels(encode_into, decode_into)
 

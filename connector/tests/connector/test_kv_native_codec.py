@@ -286,3 +286,23 @@ def test_an_unusable_ready_made_library_is_passed_over_with_a_warning(
     assert library is not None
     assert library.path.parent == cache
     assert expected in caplog.text
+
+
+@needs_compiler
+@pytest.mark.parametrize("compression", [Compression.FP8, Compression.INT8])
+def test_the_c_kernels_split_rows_over_torch_threads_to_the_same_bytes(compression: Compression) -> None:
+    """Slices of rows on three threads (an uneven split) write what one thread and plain torch write."""
+    kv = torch.randn(1001, 2, 16, 64).to(torch.bfloat16)  # 2002 rows of 1024: three slices of 256k+
+    assert codec.use_kernels("native") == "native"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        header, payload = codec.encode(kv, compression, 2)
+        restored = codec.decode(header, payload)
+    finally:
+        torch.set_num_threads(threads)
+    codec.use_kernels("plain")
+    expected_header, expected = codec.encode(kv, compression, 2)
+    assert header == expected_header
+    assert torch.equal(payload, expected)
+    assert torch.equal(codec.as_bytes(restored), codec.as_bytes(codec.decode(expected_header, expected)))
