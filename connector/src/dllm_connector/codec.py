@@ -1,6 +1,7 @@
 """KV-cache codecs: none, fp8 (e4m3) and int8, with one scale per (block, KV head, K or V).
 
-Pure tensor code (torch only, no I/O). A payload is the quantized data followed by its float32 scales,
+Tensor code: the one I/O is choosing the kernels once (native_codec builds or loads the C library;
+torch.compile compiles). A payload is the quantized data followed by its float32 scales,
 described by a KVHeader (codec, source dtype, shape, scale groups, XXH3-64 checksum of the payload).
 
 Input is a contiguous batch of KV blocks, shape [N, ...]; each block is split into `groups` equal,
@@ -15,7 +16,7 @@ Defined edge cases:
 fp8 scales are powers of two (exact scaling, integer rounding to e4m3). Three sets of kernels write
 the same payload bytes (tests compare them), chosen by DLLM_KV_CODEC_KERNELS:
 - native (the default): C loops (native_codec, kvcodec.c) on host tensors, built for this CPU at first
-  use, plain torch ops on other devices; plain torch ops where no C compiler is found;
+  use, plain torch ops on other devices; where they cannot be built, compiled, else plain;
 - compiled: fused by torch.compile (which also needs a C++ compiler);
 - plain: torch ops, no compiler.
 """
@@ -613,14 +614,15 @@ def _choose_kernels(name: str) -> _Kernels:
 
 
 def _row_shapes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One row and two: the two sizes torch.compile tells apart (see `_compile`)."""
-    return rows[:1], rows[:1].repeat(2, 1)
+    """One row, and all of them (at least two): the two sizes torch.compile tells apart (see
+    `_compile`)."""
+    return rows[:1], rows if rows.shape[0] >= 2 else rows[:1].repeat(2, 1)
 
 
 def _round_trip_rows(
     rows: torch.Tensor, functions: _CodecKernels, code_dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes, scales and decoded values of [rows, group] values, through all three kernels."""
+    """Codes, scales and decoded values of [rows, group] values, through both kernels."""
     codes = torch.empty(rows.shape, dtype=code_dtype)  # on the host, as staging is
     scale = torch.empty(rows.shape[0], dtype=SCALE_DTYPE)
     functions.encode_into(rows, codes, scale)
@@ -663,7 +665,7 @@ def warm_up(sample: torch.Tensor, requested: Compression, groups: int) -> None:
 
 def use_kernels(name: str) -> str:
     """Choose the kernels explicitly (tests, benchmarks): native, compiled or plain; returns the name
-    of the set in use (plain where the one asked for is unavailable)."""
+    of the set in use (the next available one where the one asked for is not)."""
     global _kernels
     _kernels = _choose_kernels(name)
     return _kernels.name
