@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,16 +31,11 @@ import yaml
 from dllm_operator.api import parse
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import engine as engine_render
+from e2e.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
 _PAUSE = threading.Event()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def rendered_engine(

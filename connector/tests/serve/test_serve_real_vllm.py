@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,17 +20,11 @@ from pathlib import Path
 
 import pytest
 from e2e.dataplane.tiny_model import build as build_tiny_llama
+from e2e.ports import free_port
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(300)]
 
 START_TIMEOUT_S = 240.0
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def _get(url: str) -> int | None:
@@ -66,7 +59,7 @@ def engine(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path,
     model, store, log = tmp_path / "model", tmp_path / "kv", tmp_path / "engine.log"
     build_tiny_llama(model)
     store.mkdir()
-    port = _free_port()
+    port = free_port()
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(tmp_path),
@@ -78,7 +71,7 @@ def engine(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path,
         "VLLM_KV_CONNECTOR_CLASS": "ExampleConnector",
         "VLLM_KV_CONNECTOR_EXTRA_CONFIG": json.dumps({"shared_storage_path": str(store)}),
         "VLLM_KV_ROLE": "both",
-        "VLLM_KV_LISTEN_PORT": str(_free_port()),
+        "VLLM_KV_LISTEN_PORT": str(free_port()),
         "VLLM_KV_BUFFER_SIZE_GB": "1",
         "VLLM_HOST_IP": "127.0.0.1",
         "DLLM_ENGINE_ID": "serve-smoke-0",
