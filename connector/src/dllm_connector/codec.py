@@ -518,7 +518,13 @@ def _native_kernels(library: native_codec.NativeCodec) -> Mapping[Compression, _
             def run(start: int, stop: int) -> None:
                 at = start * length
                 library.encode(
-                    fp8, dtype, values + at * item, stop - start, length, out + at, scale + 4 * start
+                    fp8,
+                    dtype,
+                    values + at * item,
+                    stop - start,
+                    length,
+                    out + at,
+                    scale + _SCALE_BYTES * start,
                 )
 
             _over_rows(run, nrows, length)
@@ -536,7 +542,7 @@ def _native_kernels(library: native_codec.NativeCodec) -> Mapping[Compression, _
                     fp8,
                     dtype,
                     source + at,
-                    scales + 4 * start,
+                    scales + _SCALE_BYTES * start,
                     stop - start,
                     length,
                     limit,

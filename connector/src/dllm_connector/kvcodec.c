@@ -86,24 +86,22 @@ static inline void store_f32(void *out, int64_t i, float v) { ((float *)out)[i] 
 
 /* The row's largest magnitude as float32 bits: the largest of the magnitudes' bit patterns, which
  * order as the values do (NaN above inf), so one integer max per element. */
-static inline uint32_t amax_bits_bf16(const void *rows, int64_t n) {
+static inline uint16_t max_magnitude_16(const void *rows, int64_t n) {
     const uint16_t *row = rows;
     uint16_t top = 0;
     for (int64_t i = 0; i < n; i++) {
         uint16_t magnitude = row[i] & 0x7FFF;
         top = magnitude > top ? magnitude : top;
     }
-    return (uint32_t)top << 16;
+    return top;
+}
+
+static inline uint32_t amax_bits_bf16(const void *rows, int64_t n) {
+    return (uint32_t)max_magnitude_16(rows, n) << 16;
 }
 
 static inline uint32_t amax_bits_f16(const void *rows, int64_t n) {
-    const uint16_t *row = rows;
-    uint16_t top = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint16_t magnitude = row[i] & 0x7FFF;
-        top = magnitude > top ? magnitude : top;
-    }
-    return bits_of_f32(f32_from_f16(top));
+    return bits_of_f32(f32_from_f16(max_magnitude_16(rows, n)));
 }
 
 static inline uint32_t amax_bits_f32(const void *rows, int64_t n) {
