@@ -2,12 +2,12 @@
 
 codec.py runs them on host tensors; they write the same bytes as its torch kernels, about twice as
 fast on one core as torch.compile's (docs/kv-connector.md). No torch here: images build the library
-in a stage without it. The library is built once per source, compiler
-and CPU into a private cache directory (DLLM_KV_CODEC_CACHE, else ~/.cache/dllm-connector), or taken
-ready-made from DLLM_KV_CODEC_LIBRARY (images build one for x86-64-v3). Without a C compiler,
+in a stage without it. The library is built once per source, compiler and CPU into a private cache
+directory (DLLM_KV_CODEC_CACHE, else ~/.cache/dllm-connector), or taken ready-made from
+DLLM_KV_CODEC_LIBRARY (images build one for the architecture's baseline CPU). Without a C compiler,
 `load` returns None and the torch kernels stay in use.
 
-    python -m dllm_connector.native_codec OUT.so [--march x86-64-v3]   # build one ahead of time
+    python -m dllm_connector.native_codec OUT.so [--march baseline]   # build one ahead of time
 """
 
 from __future__ import annotations
@@ -31,15 +31,10 @@ __all__ = ["NativeCodec", "build", "load"]
 _log = logging.getLogger(__name__)
 # No fused multiply-add (its one rounding differs from torch's two); no trapping math, so the
 # element loops' selects vectorize. Neither changes a result.
-_FLAGS = (
-    "-O3",
-    "-ffp-contract=off",
-    "-fno-math-errno",
-    "-fno-trapping-math",
-    "-std=gnu11",
-    "-fPIC",
-    "-shared",
-)
+_FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-std=c11", "-fPIC")
+# What a ready-made library is built for (`--march baseline`): a CPU every server of its
+# architecture has, named by platform.machine().
+_BASELINES = {"x86_64": "x86-64-v3", "amd64": "x86-64-v3", "aarch64": "armv8-a", "arm64": "armv8-a"}
 # What an x86-64-v3 build needs of the CPU that loads it (a missing one would be SIGILL, not an error).
 _X86_64_V3_FLAGS = frozenset({"abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave"})
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -92,13 +87,25 @@ def source_sha256() -> str:
     return hashlib.sha256(_source()).hexdigest()
 
 
-def _compiler() -> list[str] | None:
+def _compiler() -> list[str]:
     """The C compiler's command: $CC as a shell would split it (e.g. `ccache gcc`), else cc or gcc."""
     configured = os.environ.get("CC")
     if configured:
         return shlex.split(configured)
     found = shutil.which("cc") or shutil.which("gcc")
-    return [found] if found else None
+    if found is None:
+        raise FileNotFoundError("no C compiler (cc, gcc or $CC) to build the KV codec kernels")
+    return [found]
+
+
+def _march(requested: str) -> str:
+    """The -march value: as given, or for `baseline` this architecture's (see _BASELINES)."""
+    if requested != "baseline":
+        return requested
+    machine = platform.machine()
+    if machine.lower() not in _BASELINES:
+        raise ValueError(f"no baseline CPU for {machine}: name one with --march")
+    return _BASELINES[machine.lower()]
 
 
 def _cpu_flags() -> frozenset[str]:
@@ -112,11 +119,11 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def build(out: Path, march: str = "native", compiler: list[str] | None = None) -> Path:
-    """Compile kvcodec.c into `out` (written whole, then renamed into place); raises OSError or
-    CalledProcessError (with the compiler's message) on failure."""
+    """Compile kvcodec.c for `march` (a gcc -march value, or `baseline`) into `out` (written whole,
+    then renamed into place); raises OSError, ValueError or CalledProcessError (with the compiler's
+    message) on failure."""
     compiler = compiler or _compiler()
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc, gcc or $CC) to build the KV codec kernels")
+    march = _march(march)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
         source, partial = Path(scratch, "kvcodec.c"), Path(scratch, out.name)
@@ -163,8 +170,6 @@ def _open(path: Path) -> NativeCodec:
 def _from_cache() -> NativeCodec:
     """Built once per source, compiler and CPU; a cached library that does not load is built again."""
     compiler = _compiler()
-    if compiler is None:
-        raise FileNotFoundError("no C compiler (cc, gcc or $CC) to build the KV codec kernels")
     key = hashlib.sha256()
     for part in (
         _source(),
@@ -213,13 +218,18 @@ def load() -> NativeCodec | None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build the KV codec kernels ahead of time.")
     parser.add_argument("out", type=Path)
-    parser.add_argument("--march", default="native", help="the CPU to build for (default: this one)")
+    parser.add_argument(
+        "--march",
+        default="native",
+        help="the CPU to build for: a gcc -march value, or `baseline` (x86-64-v3 on x86-64, armv8-a "
+        "on arm64: what images ship); default: this one",
+    )
     args = parser.parse_args(argv)
     try:
         print(build(args.out, args.march))
     except subprocess.CalledProcessError as error:
         sys.exit(f"building the KV codec kernels failed:\n{error.stderr}")
-    except OSError as error:
+    except (OSError, ValueError) as error:
         sys.exit(f"building the KV codec kernels failed: {error}")
 
 

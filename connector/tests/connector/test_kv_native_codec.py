@@ -129,20 +129,19 @@ def test_a_cache_that_others_can_write_to_is_never_used(
     assert "writable by others" in caplog.text
 
 
+def build_with_the_cli(out: Path, march: str) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, "-m", "dllm_connector.native_codec", str(out), "--march", march]
+    return subprocess.run(command, capture_output=True, text=True, check=False)
+
+
 @needs_compiler
 def test_a_library_built_ahead_of_time_is_loaded_from_dllm_kv_codec_library(
     cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What images do: build for x86-64-v3 at image build time, name it in the environment."""
-    if os.uname().machine != "x86_64":
-        pytest.skip("x86-64-v3 is an x86-64 target")
-    out = tmp_path / "kvcodec-v3.so"
-    built = subprocess.run(
-        [sys.executable, "-m", "dllm_connector.native_codec", str(out), "--march", "x86-64-v3"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    """What images do: build for the architecture's baseline CPU at image build time, name it in
+    the environment."""
+    out = tmp_path / "kvcodec-baseline.so"
+    built = build_with_the_cli(out, "baseline")
     assert built.returncode == 0, built.stderr
     monkeypatch.setenv("DLLM_KV_CODEC_LIBRARY", str(out))
     library = native_codec.load()
@@ -153,15 +152,20 @@ def test_a_library_built_ahead_of_time_is_loaded_from_dllm_kv_codec_library(
     assert round_trip_matches_plain(Compression.FP8)
 
 
+def test_an_architecture_without_a_baseline_cpu_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native_codec.platform, "machine", lambda: "riscv64")
+    out = tmp_path / "kvcodec.so"
+    with pytest.raises(ValueError, match="no baseline CPU for riscv64: name one with --march"):
+        native_codec.build(out, "baseline", compiler=["/nonexistent/cc"])
+    assert not out.exists()
+
+
 @needs_compiler
 def test_building_for_an_unknown_cpu_fails_clearly(tmp_path: Path) -> None:
     out = tmp_path / "kvcodec.so"
-    built = subprocess.run(
-        [sys.executable, "-m", "dllm_connector.native_codec", str(out), "--march", "no-such-cpu"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    built = build_with_the_cli(out, "no-such-cpu")
     assert built.returncode != 0
     assert "building the KV codec kernels failed" in built.stderr
     assert "no-such-cpu" in built.stderr
