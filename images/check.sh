@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Checks a built image by running it: its entrypoint answers --help, and every module it ships imports
+# with only what the image installed (tools/import_all.py, fed on stdin).
+#   images/check.sh NAME REF
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(dirname "$here")
+name=$1 ref=$2
+export CONTAINERS_CONF=${CONTAINERS_CONF:-$here/containers.conf}
+
+case $name in
+  operator) packages=("dllm_operator" "dllm_connector engine,dllm_connector.router") ;;
+  router) packages=("dllm_connector.router") ;;
+  # The router's extra is not installed in an engine image.
+  vllm-cpu) packages=("dllm_connector dllm_connector.router") ;;
+  *) echo "images/check.sh: no check for '$name'" >&2; exit 2 ;;
+esac
+
+help=$(podman run --rm --network none "$ref" --help 2>&1) || {
+  echo "$ref: '--help' failed:" >&2; echo "$help" >&2; exit 1
+}
+grep -qi usage <<<"$help" || { echo "$ref: '--help' printed no usage:" >&2; echo "$help" >&2; exit 1; }
+for spec in "${packages[@]}"; do
+  read -r package skip <<<"$spec"
+  podman run --rm -i --network none --entrypoint python3 "$ref" - "$package" "${skip:-}" \
+    <"$root/tools/import_all.py" | sed 's/^/  /' >&2
+done
+echo "  $ref: --help answers; modules import" >&2
