@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the local control plane's binaries from the Go module proxy, once per machine.
+# Builds the local control plane's binaries (and its real node's: containerd, kubelet, kube-proxy, CNI
+# plugins, CoreDNS, the pause and probe images) from the Go module proxy, once per machine.
 # Every binary lands in a versioned folder under $DLLM_CP_CACHE; a step whose binary already
 # reports the pinned version is skipped, so a warm run takes about a second.
 set -euo pipefail
@@ -13,6 +14,11 @@ K8S_BIN=$CACHE/bin/k8s-v$K8S_VERSION
 ETCD_BIN=$CACHE/bin/etcd-v$ETCD_VERSION
 KWOK_BIN=$CACHE/bin/kwok-v$KWOK_VERSION
 TOOLS_BIN=$CACHE/bin/tools-kubectl-v$KUBECTL_VERSION-helm-v$HELM_VERSION
+CONTAINERD_BIN=$CACHE/bin/containerd-v$CONTAINERD_VERSION
+CNI_BIN=$CACHE/bin/cni-plugins-v$CNI_PLUGINS_VERSION
+COREDNS_BIN=$CACHE/bin/coredns-v$COREDNS_VERSION
+IMAGES=$CACHE/images/node-v$NODE_IMAGES_VERSION-coredns-v$COREDNS_VERSION
+K8S_CMDS="kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy"
 start=$SECONDS
 
 log() { printf '[cluster-build %4ds] %s\n' $((SECONDS - start)) "$*" >&2; }
@@ -38,10 +44,15 @@ k8s_ldflags() {
   printf '%s' "$flags"
 }
 
+k8s_built() {
+  local c
+  for c in $K8S_CMDS; do
+    "$K8S_BIN/$c" --version 2>/dev/null | grep -q "v$K8S_VERSION\$" || return 1
+  done
+}
+
 build_k8s() {
-  if [ -x "$K8S_BIN/kube-scheduler" ] && "$K8S_BIN/kube-apiserver" --version 2>/dev/null | grep -q "v$K8S_VERSION\$"; then
-    log "kubernetes v$K8S_VERSION: cached"; return
-  fi
+  if k8s_built; then log "kubernetes v$K8S_VERSION: cached"; return; fi
   log "kubernetes v$K8S_VERSION: resolving modules"
   local mod=$CACHE/src/k8s-v$K8S_VERSION minor=${K8S_VERSION#1.}
   mkdir -p "$mod" "$K8S_BIN"
@@ -56,11 +67,12 @@ build_k8s() {
   for staging in $(sed -n 's#^[[:space:]]*\(k8s\.io/[^ ]*\) => \./staging/.*#\1#p' "$upstream_gomod"); do
     go mod edit -replace="$staging=$staging@v0.$minor"
   done
-  local cmds="kube-apiserver kube-controller-manager kube-scheduler" c pkgs=""
-  for c in $cmds; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c@v$K8S_VERSION"; done
+  local c pkgs=""
+  for c in $K8S_CMDS; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c@v$K8S_VERSION"; done
   # shellcheck disable=SC2086
   with_heartbeat "module download" go get -tool $pkgs
-  for c in $cmds; do
+  for c in $K8S_CMDS; do
+    if "$K8S_BIN/$c" --version 2>/dev/null | grep -q "v$K8S_VERSION\$"; then continue; fi
     log "kubernetes v$K8S_VERSION: building $c"
     with_heartbeat "$c" go build -trimpath -ldflags "$(k8s_ldflags)" -o "$K8S_BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c"
     mv "$K8S_BIN/$c.tmp" "$K8S_BIN/$c"
@@ -101,12 +113,86 @@ fetch_kubectl_helm() {
   rm -rf "$tmp"
 }
 
+# Builds Go commands of one module version into a folder: tool_build NAME MODULE VERSION BIN TAGS LDFLAGS PKG...
+tool_build() {
+  local name=$1 module=$2 version=$3 bin=$4 tags=$5 ldflags=$6; shift 6
+  local mod=$CACHE/src/$name-v$version pkg pkgs=""
+  mkdir -p "$mod" "$bin"
+  cd "$mod"
+  printf 'module local/%sbin\n\ngo 1.26.0\n' "$name" > go.mod
+  rm -f go.sum
+  for pkg in "$@"; do pkgs="$pkgs $module/$pkg@v$version"; done
+  # shellcheck disable=SC2086
+  with_heartbeat "$name modules" go get -tool $pkgs
+  for pkg in "$@"; do
+    log "$name v$version: building ${pkg##*/}"
+    with_heartbeat "${pkg##*/}" go build -trimpath -tags "$tags" -ldflags "-s -w $ldflags" \
+      -o "$bin/${pkg##*/}.tmp" "$module/$pkg"
+    mv "$bin/${pkg##*/}.tmp" "$bin/${pkg##*/}"
+  done
+}
+
+build_containerd() {
+  if [ -x "$CONTAINERD_BIN/ctr" ]; then log "containerd v$CONTAINERD_VERSION: cached"; return; fi
+  local m=github.com/containerd/containerd/v2
+  # CGO off: no btrfs/devmapper snapshotters (the node uses overlayfs).
+  tool_build containerd "$m" "$CONTAINERD_VERSION" "$CONTAINERD_BIN" "no_btrfs no_devmapper no_zfs" \
+    "-X $m/version.Version=v$CONTAINERD_VERSION -X $m/version.Revision=dllm" \
+    cmd/containerd cmd/containerd-shim-runc-v2 cmd/ctr
+}
+
+build_cni() {
+  if [ -x "$CNI_BIN/portmap" ]; then log "CNI plugins v$CNI_PLUGINS_VERSION: cached"; return; fi
+  tool_build cni-plugins github.com/containernetworking/plugins "$CNI_PLUGINS_VERSION" "$CNI_BIN" "" "" \
+    plugins/ipam/host-local plugins/main/loopback plugins/main/bridge plugins/meta/portmap
+}
+
+build_coredns() {
+  if [ -x "$COREDNS_BIN/coredns" ]; then log "coredns v$COREDNS_VERSION: cached"; return; fi
+  local mod=$CACHE/src/coredns-v$COREDNS_VERSION
+  # Its main package is the module root, so tool_build's per-package loop would name it after the module.
+  mkdir -p "$mod" "$COREDNS_BIN"
+  cd "$mod"
+  printf 'module local/corednsbin\n\ngo 1.26.0\n' > go.mod
+  rm -f go.sum
+  with_heartbeat "coredns modules" go get -tool "github.com/coredns/coredns@v$COREDNS_VERSION"
+  log "coredns v$COREDNS_VERSION: building"
+  with_heartbeat "coredns" go build -trimpath -ldflags "-s -w" -o "$COREDNS_BIN/coredns.tmp" github.com/coredns/coredns
+  mv "$COREDNS_BIN/coredns.tmp" "$COREDNS_BIN/coredns"
+}
+
+# The pause (C, static) and probe (Go) programs and CoreDNS, each as an OCI archive for `ctr images import`.
+build_node_images() {
+  if [ -f "$IMAGES/coredns.tar" ]; then log "node images v$NODE_IMAGES_VERSION: cached"; return; fi
+  log "node images v$NODE_IMAGES_VERSION: building pause, probe, coredns"
+  local work=$CACHE/src/node-images-v$NODE_IMAGES_VERSION
+  rm -rf "$work" && mkdir -p "$work/probe" "$IMAGES"
+  gcc -static -Os -s -Wall -Werror -o "$work/pause" "$here/pause.c"
+  cp "$here/probe/main.go" "$work/probe/main.go"
+  printf 'module local/probe\n\ngo 1.26.0\n' > "$work/probe/go.mod"
+  (cd "$work/probe" && go build -trimpath -ldflags "-s -w" -o "$work/probe-bin" .)
+  local tag=$NODE_IMAGES_VERSION
+  python3 "$here/ociimage.py" "$IMAGES/pause.tar.tmp" "localhost/dllm/pause:$tag" \
+    --file "$work/pause:pause" --entrypoint /pause
+  python3 "$here/ociimage.py" "$IMAGES/probe.tar.tmp" "localhost/dllm/probe:$tag" \
+    --file "$work/probe-bin:probe" --entrypoint /probe
+  python3 "$here/ociimage.py" "$IMAGES/coredns.tar.tmp" "localhost/dllm/coredns:v$COREDNS_VERSION" \
+    --file "$COREDNS_BIN/coredns:coredns" --entrypoint /coredns
+  for image in pause probe coredns; do mv "$IMAGES/$image.tar.tmp" "$IMAGES/$image.tar"; done
+}
+
 main() {
   mkdir -p "$CACHE"
+  # runc, iptables, conntrack, socat... for the real node; without root this prints the apt command.
+  bash "$here/../../tools/system-deps.sh" node || log "real node: Debian packages missing (above); the cluster runs without it"
   fetch_kubectl_helm
   build_kwok
   build_etcd
   build_k8s
+  build_containerd
+  build_cni
+  build_coredns
+  build_node_images
   log "done: binaries under $CACHE/bin"
 }
 
