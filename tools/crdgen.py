@@ -369,10 +369,10 @@ def resources_schema() -> Schema:
     )
 
 
-def tolerations_schema() -> Schema:
+def tolerations_schema(pods: str = "engine") -> Schema:
     return {
         "type": "array",
-        "description": "core/v1 Tolerations of the engine pods.",
+        "description": f"core/v1 Tolerations of the {pods} pods.",
         "maxItems": MAX_ITEMS,
         "items": obj(
             "A toleration.",
@@ -469,6 +469,8 @@ def router_schema() -> Schema:
             ),
             "image": string("Router image; default the operator's.", 512),
             "resources": resources_schema(),
+            "nodeSelector": string_map("Node labels the router pods require."),
+            "tolerations": tolerations_schema("router"),
         },
         default={},
     )

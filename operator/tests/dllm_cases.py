@@ -101,6 +101,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "spec.prefill.tolerations[0].operator",
     ),
     (
+        "bad-router-toleration-operator",
+        spec(router={"tolerations": [{"key": "k", "operator": "Maybe"}]}),
+        "spec.router.tolerations[0].operator",
+    ),
+    (
         "unknown-load-failure-policy",
         spec(kvTransfer={"loadFailurePolicy": "retry"}),
         "spec.kvTransfer.loadFailurePolicy",

@@ -152,6 +152,21 @@ def test_router_disabled_renders_no_router() -> None:
     assert [m["metadata"]["name"] for m in manifests if "router" in m["metadata"]["name"]] == []
 
 
+def test_router_lands_where_its_spec_says() -> None:
+    """The router's own nodeSelector and tolerations (e.g. the local cluster's tainted real node)."""
+    placement = {
+        "nodeSelector": {"dllm.dev/node": "real"},
+        "tolerations": [{"key": "dllm.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}],
+    }
+    manifests = rendered(merged(minimal(), {"spec": {"router": placement}}))
+    pod = of_kind(manifests, "Deployment")[0]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == placement["nodeSelector"]
+    assert pod["tolerations"] == placement["tolerations"]
+    unplaced = of_kind(rendered(minimal()), "Deployment")[0]["spec"]["template"]["spec"]
+    assert "nodeSelector" not in unplaced
+    assert "tolerations" not in unplaced
+
+
 def test_user_labels_never_reach_selectors() -> None:
     body = merged(
         minimal(), {"spec": {"decode": {"podLabels": {"team": "a", "app.kubernetes.io/name": "x"}}}}

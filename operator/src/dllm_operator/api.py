@@ -219,6 +219,8 @@ class RouterSpec(_Model):
     flow: Literal["auto", "dllm", "mooncake", "nixl"] = "auto"
     image: Annotated[str, Field(max_length=512)] = ""
     resources: ResourceRequirements = ResourceRequirements()
+    node_selector: StringMap = Field(default_factory=dict)
+    tolerations: Annotated[tuple[Toleration, ...], Field(max_length=64)] = ()
 
 
 class LocalObjectReference(_Model):

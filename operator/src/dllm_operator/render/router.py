@@ -79,6 +79,12 @@ def router_deployment(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str,
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
     }
+    if router.node_selector:
+        pod["nodeSelector"] = dict(router.node_selector)
+    if router.tolerations:
+        pod["tolerations"] = [
+            t.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True) for t in router.tolerations
+        ]
     if cr.spec.image_pull_secrets:
         pod["imagePullSecrets"] = [{"name": s.name} for s in cr.spec.image_pull_secrets]
     return {
