@@ -1,11 +1,13 @@
-"""Command line of the local control plane (make cluster-up / cluster-down / cluster-env)."""
+"""Command line of the local control plane + real node (make cluster-up / cluster-down / cluster-env)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from e2e.cluster import controlplane as cp
+from e2e.cluster import node
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("down", help="stop everything, free every port")
     sub.add_parser("env", help="print shell exports (KUBECONFIG, PATH); never builds or starts")
     sub.add_parser("status", help="which components run")
+    load = sub.add_parser(
+        "load-image", help="import an OCI or docker archive into the real node's containerd"
+    )
+    load.add_argument("archive", help="archive path, or - to stream it from stdin")
     restart = sub.add_parser("restart", help="restart one component")
     restart.add_argument("component", choices=cp.COMPONENTS)
     args = parser.parse_args(argv)
@@ -31,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
             for component in cp.COMPONENTS:
                 state = "running" if component in cp.running_components(layout) else "stopped"
                 print(f"{component:24} {state}")
+            for component in node.COMPONENTS:
+                pid = cp.read_pid(layout, component)
+                print(f"{component:24} {'running' if pid and cp.pid_alive(pid) else 'stopped'}")
+        elif args.command == "load-image":
+            sys.stdout.write(node.load_image(None if args.archive == "-" else Path(args.archive)))
         else:
             cp.restart_component(cp.Layout.from_env(), args.component)
     except cp.ClusterError as error:

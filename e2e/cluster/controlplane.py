@@ -9,6 +9,7 @@ component can be restarted alone (the operator tests restart the API server).
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -19,10 +20,13 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from e2e.cluster.nodeconfig import HOST_IP
 
 HERE = Path(__file__).resolve().parent
 COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
@@ -254,7 +258,7 @@ def make_pki(pki: Path) -> None:
         cwd=pki,
     )
     sans = (
-        "subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
+        f"subjectAltName=IP:127.0.0.1,IP:10.96.0.1,IP:{HOST_IP},DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,"
         "DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\nextendedKeyUsage=serverAuth\n"
     )
     (pki / "server.ext").write_text(sans)
@@ -262,6 +266,7 @@ def make_pki(pki: Path) -> None:
     for name, subject, ext in (
         ("apiserver", "/CN=kube-apiserver", "server.ext"),
         ("admin", "/O=system:masters/CN=dllm-admin", "client.ext"),
+        ("kubelet-client", "/O=system:masters/CN=kube-apiserver-kubelet-client", "client.ext"),
     ):
         openssl(
             "req",
@@ -350,11 +355,15 @@ def apiserver_argv(layout: Layout) -> list[str]:
         str(layout.k8s_bin / "kube-apiserver"),
         f"--etcd-servers=http://127.0.0.1:{p['etcd']}",
         "--bind-address=127.0.0.1",
-        "--advertise-address=127.0.0.1",
+        # Pods on the real node reach the API server through a forwarder on the host end of its veth.
+        f"--advertise-address={HOST_IP}",
         f"--secure-port={p['kube-apiserver']}",
         f"--tls-cert-file={pki / 'apiserver.crt'}",
         f"--tls-private-key-file={pki / 'apiserver.key'}",
         f"--client-ca-file={pki / 'ca.crt'}",
+        f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
+        f"--kubelet-client-key={pki / 'kubelet-client.key'}",
+        "--kubelet-preferred-address-types=InternalIP",  # never resolve node names on the host
         "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
         f"--service-account-key-file={pki / 'sa.pub'}",
         f"--service-account-signing-key-file={pki / 'sa.key'}",
@@ -564,6 +573,7 @@ def up(nodes: int = 2) -> Layout:
     alive = running_components(layout)
     if alive == list(COMPONENTS) and all(healthy(layout, c) for c in COMPONENTS):
         log(f"already running at {layout.server}: reusing it (make cluster-down to stop)")
+        real_node().ensure(layout, start)
         return layout
     if alive:
         log(f"stale cluster ({', '.join(alive)} still alive): stopping it first")
@@ -590,6 +600,7 @@ def up(nodes: int = 2) -> Layout:
         wait_healthy(layout, component, start)
     create_nodes(layout, nodes, start)
     wait_default_service_account(layout, start)
+    real_node().ensure(layout, start)
     log(f"ready in {time.monotonic() - start:.1f}s: {layout.server}", start)
     return layout
 
@@ -597,6 +608,7 @@ def up(nodes: int = 2) -> Layout:
 def down(quiet: bool = False) -> None:
     layout = Layout.from_env()
     start = time.monotonic()
+    real_node().down(layout, quiet)  # first: its mounts live under the state folder removed below
     for component in reversed(COMPONENTS):
         stop_component(layout, component)
     for name, port in layout.ports.items():
@@ -605,6 +617,11 @@ def down(quiet: bool = False) -> None:
         shutil.rmtree(layout.state)
     if not quiet:
         log("stopped; no process or port left", start)
+
+
+def real_node() -> types.ModuleType:
+    """e2e.cluster.node, imported late: it imports this module."""
+    return importlib.import_module("e2e.cluster.node")
 
 
 def env_exports() -> str:

@@ -1,0 +1,183 @@
+"""The real node of the local cluster: Ready with its label and taint beside the kwok nodes, pods get IPs
+from the pod network, Services work through kube-proxy and CoreDNS, a pod's ServiceAccount token reaches
+the API server, and `down` leaves nothing of the node on the machine, even after its daemons crashed."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e.cluster import controlplane as cp
+from e2e.cluster import node
+from e2e.cluster import nodeconfig as nc
+from e2e.cluster import nodehost as host
+from e2e.fixtures import Cluster, wait_until
+
+pytestmark = [pytest.mark.k8s, pytest.mark.node]
+
+
+@pytest.fixture
+def layout(cluster: Cluster) -> cp.Layout:
+    if cluster.layout is None or not node.running(cluster.layout):
+        pytest.skip("the real node is not running (needs root and `make cluster-build`; DLLM_CP_REAL_NODE)")
+    return cluster.layout
+
+
+def probe_pod(name: str, namespace: str, args: list[str], layout: cp.Layout, **spec: Any) -> dict[str, Any]:
+    container: dict[str, Any] = {
+        "name": "probe", "image": node.probe_image(layout), "imagePullPolicy": "Never", "args": args,
+    }  # fmt: skip
+    if args[0] == "serve":
+        container["readinessProbe"] = {"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1}
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": name, "namespace": namespace, "labels": {"app": name}},
+        "spec": {
+            "nodeSelector": dict([nc.LABEL]), "tolerations": [{**nc.TAINT, "operator": "Equal"}],
+            "terminationGracePeriodSeconds": 1, "containers": [container], **spec,
+        },
+    }  # fmt: skip
+
+
+def pod_status(cluster: Cluster, name: str, namespace: str) -> dict[str, Any]:
+    status: dict[str, Any] = cluster.get_json("pod", name, "-n", namespace).get("status", {})
+    return status
+
+
+def ready(cluster: Cluster, name: str, namespace: str) -> bool:
+    conditions = pod_status(cluster, name, namespace).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def finished(cluster: Cluster, name: str, namespace: str) -> str:
+    phase = str(pod_status(cluster, name, namespace).get("phase", ""))
+    return phase if phase in ("Succeeded", "Failed") else ""
+
+
+def http_get(url: str) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as response:  # noqa: S310 (pod and Service IPs only)
+            return str(response.read().decode())
+    except OSError:
+        return ""
+
+
+def test_real_node_is_ready_with_its_label_and_taint_beside_the_kwok_nodes(
+    cluster: Cluster, layout: cp.Layout
+) -> None:
+    real = cluster.get_json("node", nc.NODE_NAME)
+    assert real["metadata"]["labels"][nc.LABEL[0]] == nc.LABEL[1]
+    assert {"key": nc.TAINT["key"], "value": "true", "effect": "NoSchedule"} in real["spec"]["taints"]
+    assert any(c["type"] == "Ready" and c["status"] == "True" for c in real["status"]["conditions"])
+    assert {"type": "InternalIP", "address": nc.NODE_IP} in real["status"]["addresses"]
+    assert real["status"]["nodeInfo"]["kubeletVersion"] == f"v{layout.versions['K8S_VERSION']}"
+    assert real["status"]["nodeInfo"]["containerRuntimeVersion"].startswith("containerd://2.")
+    for name, _ in cp.node_names(2):
+        assert cluster.exists("node", name)
+
+
+def test_pod_without_the_toleration_never_lands_on_the_real_node(cluster: Cluster, namespace: str) -> None:
+    pod = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "intruder", "namespace": namespace},
+        "spec": {"nodeSelector": dict([nc.LABEL]), "containers": [{"name": "c", "image": "none.invalid/x"}]},
+    }  # fmt: skip
+    cluster.apply(pod)
+
+    def unschedulable() -> str:
+        conditions = pod_status(cluster, "intruder", namespace).get("conditions", [])
+        return next((c.get("message", "") for c in conditions if c.get("reason") == "Unschedulable"), "")
+
+    assert "1 node(s) had untolerated taint" in wait_until(unschedulable, 60, "the pod to be Unschedulable")
+    assert not cluster.get_json("pod", "intruder", "-n", namespace)["spec"].get("nodeName")
+
+
+def test_pod_runs_on_the_real_node_with_an_ip_from_the_pod_network(
+    cluster: Cluster, namespace: str, layout: cp.Layout
+) -> None:
+    cluster.apply(probe_pod("server", namespace, ["serve", ":8080"], layout))
+    wait_until(lambda: ready(cluster, "server", namespace), 90, "the probe server pod to be Ready")
+    pod = cluster.get_json("pod", "server", "-n", namespace)
+    assert pod["spec"]["nodeName"] == nc.NODE_NAME
+    assert ipaddress.ip_address(pod["status"]["podIP"]) in ipaddress.ip_network(nc.POD_CIDR)
+    # The host reaches the pod through its route via the node's veth.
+    assert wait_until(
+        lambda: http_get(f"http://{pod['status']['podIP']}:8080/"), 30, "HTTP from the host"
+    ) == ("probe server\n")
+    assert "serving on :8080" in cluster.run("logs", "server", "-n", namespace).stdout
+
+
+def test_service_reached_by_cluster_ip_and_by_name_through_coredns(
+    cluster: Cluster, namespace: str, layout: cp.Layout
+) -> None:
+    cluster.apply(probe_pod("web", namespace, ["serve", ":8080"], layout))
+    service = {
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "web", "namespace": namespace},
+        "spec": {"selector": {"app": "web"}, "ports": [{"port": 80, "targetPort": 8080}]},
+    }  # fmt: skip
+    cluster.apply(service)
+    wait_until(lambda: ready(cluster, "web", namespace), 90, "the web pod to be Ready")
+    cluster_ip = cluster.get_json("service", "web", "-n", namespace)["spec"]["clusterIP"]
+    assert ipaddress.ip_address(cluster_ip) in ipaddress.ip_network(nc.SERVICE_CIDR)
+    # From the host, through the route to the node and kube-proxy's DNAT there.
+    assert wait_until(lambda: http_get(f"http://{cluster_ip}/"), 60, "HTTP to the ClusterIP") == "probe web\n"
+    # From a pod, by name: CoreDNS answers, kube-proxy forwards.
+    url = f"http://web.{namespace}.svc.cluster.local/"
+    cluster.apply(probe_pod("client", namespace, ["get", url, "60"], layout, restartPolicy="Never"))
+    assert (
+        wait_until(lambda: finished(cluster, "client", namespace), 120, "the client pod to finish")
+        == "Succeeded"
+    )
+    assert cluster.run("logs", "client", "-n", namespace).stdout == "probe web\n"
+    short = probe_pod("short", namespace, ["get", "http://web/", "60"], layout, restartPolicy="Never")
+    cluster.apply(short)  # the namespace's search domain
+    assert wait_until(lambda: finished(cluster, "short", namespace), 120, "the short-name pod") == "Succeeded"
+
+
+def test_pod_calls_the_api_server_with_its_service_account_token(
+    cluster: Cluster, namespace: str, layout: cp.Layout
+) -> None:
+    cluster.apply(probe_pod("whoami", namespace, ["whoami", "60"], layout, restartPolicy="Never"))
+    assert wait_until(lambda: finished(cluster, "whoami", namespace), 120, "the whoami pod") == "Succeeded"
+    review = json.loads(cluster.run("logs", "whoami", "-n", namespace).stdout)
+    assert review["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:default"
+
+
+def leftovers(layout: cp.Layout) -> list[str]:
+    found = [f"netns {host.NETNS_PATH}"] if host.NETNS_PATH.exists() else []
+    found += [f"link {link}" for link in (nc.HOST_VETH, nc.BRIDGE) if host.link_exists(link)]
+    routes = host.run("ip", "route", "show").stdout
+    found += [f"route {cidr}" for cidr in host.HOST_ROUTES if cidr in routes]
+    node_root = str(layout.state / "node")
+    found += [
+        f"mount {p}" for p, _ in host.mountinfo() if p.startswith(node_root) or p == str(host.NETNS_PATH)
+    ]
+    found += [f"cgroup {root}" for root in host.cgroup_roots() if root.exists()]
+    rules = host.run("iptables-save").stdout
+    found += [f"iptables {line}" for line in rules.splitlines() if "KUBE-" in line or nc.POD_CIDR in line]
+    binaries = node.Binaries(layout)
+    exes = [binaries.containerd / b for b in ("containerd", "containerd-shim-runc-v2")]
+    exes += [binaries.kubelet, binaries.kube_proxy, Path(nc.RUNC)]
+    found += [f"process {pid}" for pid in host.pids_running(exes)]
+    found += [f"component {c}" for c in node.COMPONENTS if (p := cp.read_pid(layout, c)) and cp.pid_alive(p)]
+    return found
+
+
+@pytest.mark.slow
+def test_down_after_a_crash_leaves_nothing_then_up_again(
+    cluster: Cluster, namespace: str, layout: cp.Layout
+) -> None:
+    """Runs last: SIGKILLs the node's daemons with a pod running, tears down, checks, starts it again."""
+    cluster.apply(probe_pod("victim", namespace, ["serve", ":8080"], layout))
+    wait_until(lambda: ready(cluster, "victim", namespace), 90, "the victim pod to be Ready")
+    in_node = host.in_netns("iptables-save").stdout
+    assert "KUBE-SERVICES" in in_node  # kube-proxy's rules live in the node's namespace only
+    node.kill_for_test(layout)
+    node.down(layout)
+    assert leftovers(layout) == []
+    node.ensure(layout, time.monotonic())
+    assert node.node_ready(layout)
