@@ -72,7 +72,7 @@ test-unit: .venv/.ready ## Tests that need no cluster and start no engine
 test-k8s: .venv/.ready cluster-build ## Tests on the local control plane
 	$(PY) -m pytest -m k8s -q
 
-test-dataplane: .venv/.ready ## The CPU PD pipeline with real vLLM engines
+test-dataplane: .venv/.ready images ## The CPU PD pipeline with real vLLM engines (on the host, and in containers by compose)
 	$(PY) -m pytest -m dataplane -q
 
 test: .venv/.ready cluster-build images lint typecheck ## Every test (installs and builds what it needs on a fresh machine)

@@ -12,8 +12,8 @@ packages_for() {
     images) echo buildah podman runc mmdebstrap uidmap fuse-overlayfs ;;
     # The real node: runc for containerd, kube-proxy's and the CNI's netfilter tools.
     node) echo runc iptables conntrack iproute2 ethtool socat util-linux kmod ;;
-    # The seed's docker-compose shape, run over podman.
-    compose) echo podman-compose ;;
+    # The seed's docker-compose shape, run over podman; netavark and aardvark-dns resolve service names.
+    compose) echo podman-compose netavark aardvark-dns ;;
     *) echo "system-deps: unknown group '$1' (engine, images, node, compose)" >&2; return 2 ;;
   esac
 }

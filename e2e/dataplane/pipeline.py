@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -204,6 +205,21 @@ def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int
             return int(response.status), dict(json.loads(response.read()))
     except urllib.error.HTTPError as error:
         return int(error.code), dict(json.loads(error.read() or b"{}"))
+
+
+# The one chat request every way of running the CPU sample answers: make demo, the compose file, the node.
+DEMO_CHAT: dict[str, Any] = {
+    "model": "tiny-llama",
+    "messages": [{"role": "user", "content": "Prefill computes the prompt's KV; decode loads it. Hello!"}],
+    "max_tokens": 12,
+    "temperature": 0,
+}
+
+
+def counter(text: str, name: str) -> float:
+    """The sum of a Prometheus counter's samples (any labels) in a /metrics text."""
+    pattern = re.compile(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+    return sum(float(v) for v in pattern.findall(text))
 
 
 def metrics_text(url: str) -> str:

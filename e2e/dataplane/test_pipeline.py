@@ -10,7 +10,6 @@ in the single engine, so they are compared within 0.02 nats (bf16 keeps ~3 signi
 
 from __future__ import annotations
 
-import re
 import signal
 import threading
 from collections.abc import Iterator
@@ -20,7 +19,14 @@ from typing import Any
 
 import pytest
 
-from e2e.dataplane.pipeline import Pipeline, metrics_text, post_json, start_single_engine, wait_healthy
+from e2e.dataplane.pipeline import (
+    Pipeline,
+    counter,
+    metrics_text,
+    post_json,
+    start_single_engine,
+    wait_healthy,
+)
 from e2e.dataplane.tiny_model import build
 from e2e.fixtures import wait_until
 
@@ -98,11 +104,6 @@ def pipeline(
     model: Path, reference: dict[str, Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Pipeline]:
     yield from run_pipeline(model, tmp_path_factory.mktemp("pd-none"), "none")
-
-
-def counter(text: str, name: str) -> float:
-    pattern = re.compile(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", re.MULTILINE)
-    return sum(float(v) for v in pattern.findall(text))
 
 
 def test_pd_pipeline_matches_one_engine_token_for_token(

@@ -11,6 +11,11 @@ import sys
 from pathlib import Path
 
 SPECIALS = {"<unk>": 0, "<s>": 1, "</s>": 2}
+# A plain "role: content" chat format, so /v1/chat/completions works (vLLM needs a template).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
 
 
 def byte_level_tokenizer(out: Path) -> int:
@@ -36,6 +41,7 @@ def byte_level_tokenizer(out: Path) -> int:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
     return len(vocab)
 

@@ -216,6 +216,12 @@ def test_seed_compose_kv_variables_are_a_subset_of_the_rendered_env() -> None:
     )
 
 
+def test_compose_of_a_cpu_deployment_reserves_no_gpu() -> None:
+    compose = yaml.safe_load(render_compose(parse(load_cr(ROOT / "crds/samples/cpu-tiny.yaml"))))
+    for service in ("prefill-server", "decode-server"):
+        assert "deploy" not in compose["services"][service]
+
+
 def test_compose_mirrors_the_seed_topology() -> None:
     text = render_compose(parse(load_cr(ROOT / "crds/samples/seed-llama2-70b.yaml")))
     compose = yaml.safe_load(text)
@@ -223,6 +229,9 @@ def test_compose_mirrors_the_seed_topology() -> None:
     assert prefill["environment"]["VLLM_KV_DECODE_IP"] == "decode-server"
     assert prefill["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["0", "1", "2", "3"]
     assert decode["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["4", "5", "6", "7"]
-    assert decode["ports"] == ["8001:8000"]
+    assert decode["ports"] == ["127.0.0.1:${DLLM_DECODE_HOST_PORT:-8001}:8000"]
+    assert compose["services"]["router"]["ports"] == ["127.0.0.1:${DLLM_ROUTER_HOST_PORT:-9000}:9000"]
     assert "--no-enable-chunked-prefill" in decode["command"]
-    assert compose["services"]["router"]["command"][0] == "dllm-router"
+    assert compose["services"]["router"]["entrypoint"] == ["dllm-router"]
+    assert decode["entrypoint"] == ["dllm-serve"]
+    assert decode["command"][0] == "--"

@@ -28,18 +28,25 @@ def _engine_service(
     env[ENV_HOST_IP] = SERVICE[role]
     env[ENV_ENGINE_ID] = SERVICE[role]
     env |= {var.name: var.value for var in spec.env if var.value is not None}
-    tp = spec.tensor_parallel_size
+    gpus = gpu_count(cr, role)
     return {
         "service": SERVICE[role],
         "image": spec.image or cr.spec.image or config.engine_image,
-        "command": ["dllm-serve", "--", *engine.engine_args(cr, role)],
+        "entrypoint": ["dllm-serve"],
+        "command": ["--", *engine.engine_args(cr, role)],
         "env": env,
-        "gpus": [str(i) for i in range(first_gpu, first_gpu + tp)],
+        "gpus": [str(i) for i in range(first_gpu, first_gpu + gpus)],
         "rdma": cr.spec.rdma.enabled,
         "shm": str(spec.shm_size_limit).replace("Gi", "g").replace("Mi", "m"),
         "port": spec.port,
         "host_port": HOST_PORT[role] if spec.port == 8000 else spec.port,
+        "port_variable": f"DLLM_{role.upper()}_HOST_PORT",
     }
+
+
+def gpu_count(cr: DisaggregatedLLM, role: engine.EngineRole) -> int:
+    """The GPUs the role's pods would request: its tensor-parallel size, or the user's count (0: CPU)."""
+    return int(engine.engine_resources(cr, role)["limits"].get(engine.GPU_RESOURCE, 0))
 
 
 def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any] | None:
@@ -49,10 +56,10 @@ def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, A
     port = spec.router.port if spec.router.port not in HOST_PORT.values() else 9000
     endpoints = ["--prefill-url", f"http://{SERVICE['prefill']}:{spec.prefill.port}",
                  "--decode-url", f"http://{SERVICE['decode']}:{spec.decode.port}"]  # fmt: skip
-    command = ["dllm-router", *router_command_args(cr, port, endpoints)]
     return {
         "image": spec.router.image or config.router_image,
-        "command": command,
+        "entrypoint": ["dllm-router"],
+        "command": router_command_args(cr, port, endpoints),
         "port": port,
         "depends": list(SERVICE.values()),
     }
@@ -60,7 +67,7 @@ def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, A
 
 def render_compose(cr: DisaggregatedLLM, config: OperatorConfig | None = None) -> str:
     config = config or OperatorConfig()
-    prefill_gpus = cr.spec.prefill.tensor_parallel_size
+    prefill_gpus = gpu_count(cr, "prefill")
     engines = [_engine_service(cr, "prefill", 0, config), _engine_service(cr, "decode", prefill_gpus, config)]
     template_text = resources.files("dllm_operator").joinpath("templates/compose.yaml.j2").read_text()
     # YAML, not HTML: every value goes through tojson, so HTML autoescaping does not apply.

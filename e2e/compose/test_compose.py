@@ -1,0 +1,124 @@
+"""The seed's own shape: `render --format compose` of the CPU sample, run by podman-compose on the images
+built here, answers the CPU sample's chat request, with decode loading the prompt's KV over the wire.
+
+The test adds a compose override file, as a user would: the local images' names, the tiny model (made
+here) mounted read-only at /models, and host ports drawn free (the file publishes on 127.0.0.1 only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from e2e.dataplane.pipeline import DEMO_CHAT, counter, metrics_text, post_json
+from e2e.dataplane.tiny_model import build
+from e2e.fixtures import wait_until
+from e2e.ports import free_port
+
+pytestmark = [pytest.mark.dataplane, pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFIX = os.environ.get("DLLM_IMAGE_PREFIX", "localhost/dllm")
+ENV = {**os.environ, "CONTAINERS_CONF": str(ROOT / "images" / "containers.conf")}
+BLOCK = 32  # the sample's blockSize
+
+
+def podman(*args: str) -> str:
+    return subprocess.run(["podman", *args], check=True, capture_output=True, text=True, env=ENV).stdout
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (127.0.0.1)
+            return int(response.status) == 200
+    except OSError:
+        return False
+
+
+class Compose:
+    def __init__(self, workdir: Path, project: str, ports: dict[str, int]) -> None:
+        self.workdir, self.project, self.ports = workdir, project, ports
+        self.env = {**ENV, **{f"DLLM_{role.upper()}_HOST_PORT": str(p) for role, p in ports.items()}}
+
+    def run(self, *args: str) -> subprocess.CompletedProcess[str]:
+        files = ["-f", "compose.yaml", "-f", "override.yaml"]
+        argv = ["podman-compose", "-p", self.project, *files, *args]
+        return subprocess.run(
+            argv, cwd=self.workdir, env=self.env, capture_output=True, text=True, check=False
+        )
+
+    def url(self, role: str) -> str:
+        return f"http://127.0.0.1:{self.ports[role]}"
+
+    def leftovers(self) -> list[str]:
+        label = f"label=io.podman.compose.project={self.project}"
+        containers = podman("ps", "-a", "--filter", label, "--format", "{{.Names}}").split()
+        networks = podman("network", "ls", "--filter", label, "--format", "{{.Name}}").split()
+        return containers + networks
+
+
+@pytest.fixture(scope="module")
+def compose() -> Iterator[Compose]:
+    for image in ("vllm-cpu", "router"):
+        exists = subprocess.run(["podman", "image", "exists", f"{PREFIX}/{image}:dev"], check=False, env=ENV)
+        assert exists.returncode == 0, f"{PREFIX}/{image}:dev is not built: run `make images`"
+    # A directory the engines' user (10001) can read, as a model volume would be.
+    workdir = Path(tempfile.mkdtemp(prefix="dllm-compose-"))
+    workdir.chmod(0o755)
+    model = build(workdir / "models" / "tiny-llama")
+    for path in (workdir / "models", model, *model.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    render = [sys.executable, "-m", "dllm_operator", "render", "--format", "compose"]
+    sample = ["-f", "crds/samples/cpu-tiny.yaml"]
+    rendered = subprocess.run([*render, *sample], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    (workdir / "compose.yaml").write_text(rendered)
+    engine = {"image": f"{PREFIX}/vllm-cpu:dev", "volumes": [f"{workdir / 'models'}:/models:ro"]}
+    override = {"services": {"prefill-server": engine, "decode-server": engine,
+                             "router": {"image": f"{PREFIX}/router:dev"}}}  # fmt: skip
+    (workdir / "override.yaml").write_text(yaml.safe_dump(override))
+    ports = {role: free_port() for role in ("prefill", "decode", "router")}
+    stack = Compose(workdir, f"dllmtest{os.getpid()}", ports)
+    try:
+        started = stack.run("up", "-d")
+        assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+        for role in ("prefill", "decode"):
+            wait_until(lambda role=role: http_ok(stack.url(role) + "/health"), 300, f"{role} engine /health")
+        # /ready is 503 until the router's own checks have seen both engines ready.
+        wait_until(lambda: http_ok(stack.url("router") + "/ready"), 60, "the router's /ready")
+        yield stack
+    finally:
+        stack.run("down")
+        for network in podman("network", "ls", "--format", "{{.Name}}").split():
+            if network.startswith(stack.project):
+                podman("network", "rm", "-f", network)
+        shutil.rmtree(workdir, ignore_errors=True)
+    assert stack.leftovers() == []
+
+
+def test_the_rendered_compose_file_answers_a_chat_completion(compose: Compose) -> None:
+    before = counter(metrics_text(compose.url("decode")), "vllm:external_prefix_cache_hits")
+    status, body = post_json(compose.url("router") + "/v1/chat/completions", DEMO_CHAT)
+    assert status == 200, json.dumps(body)[:2000]
+    assert body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] == DEMO_CHAT["max_tokens"]
+    prompt_tokens = body["usage"]["prompt_tokens"]
+    loaded = wait_until(
+        lambda: (
+            counter(metrics_text(compose.url("decode")), "vllm:external_prefix_cache_hits") - before or None
+        ),
+        10,
+        "decode to count the prompt's KV as loaded",
+    )
+    # Decode computed none of the prompt's full blocks itself: they came from prefill, over Mooncake.
+    assert loaded >= (prompt_tokens // BLOCK) * BLOCK > 0
+    assert counter(metrics_text(compose.url("decode")), "vllm:prefix_cache_hits") == 0
