@@ -220,7 +220,8 @@ def up(layout: cp.Layout, start: float) -> None:
     down(layout, quiet=True)
     netns_mounted = any(p == "/run/netns" for p, _ in host.mountinfo())
     OWNER.write_text(json.dumps({"state": str(layout.state), "sysctls": _save_sysctls(),
-                                 "netns_was_mounted": netns_mounted}))  # fmt: skip
+                                 "netns_was_mounted": netns_mounted,
+                                 "shim_sockets": host.shim_sockets()}))  # fmt: skip
     host.create_network()
     host.create_cgroups()
     write_files(layout, paths, binaries)
@@ -292,6 +293,9 @@ def down(layout: cp.Layout, quiet: bool = False) -> None:
         cp.stop_component(layout, "containerd")
         shims = [Binaries(layout).containerd / "containerd-shim-runc-v2"]
         host.kill_all(host.pids_in_netns() + host.pids_running(shims))
+    with _step("shim sockets", errors):
+        sockets = owner.get("shim_sockets")
+        host.remove_shim_sockets({str(s) for s in sockets} if isinstance(sockets, list) else set())
     with _step("unmount", errors):
         for state in states:
             for _ in range(10):  # stacked mounts come off one layer per pass
@@ -306,8 +310,9 @@ def down(layout: cp.Layout, quiet: bool = False) -> None:
     with _step("API forwarder", errors):
         cp.stop_component(layout, "node-apiforward")
     with _step("sysctls", errors):
-        for key, value in dict(owner.get("sysctls", {})).items():  # type: ignore[call-overload]
-            Path("/proc/sys", key.replace(".", "/")).write_text(value)
+        sysctls = owner.get("sysctls")
+        for key, value in (sysctls if isinstance(sysctls, dict) else {}).items():
+            Path("/proc/sys", str(key).replace(".", "/")).write_text(str(value))
     with _step("logs", errors):
         _remove_log_links(states)
     for state in states:

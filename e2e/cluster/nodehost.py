@@ -187,3 +187,25 @@ def unmount_below(folder: Path) -> int:
             if errno not in (22, 2):  # EINVAL: no longer a mount point; ENOENT: gone
                 raise ClusterError(f"umount {point}: {os.strerror(errno)}")
     return len(points)
+
+
+# ---- shim sockets ----------------------------------------------------------------------------------
+
+SHIM_SOCKETS = Path("/run/containerd/s")  # fixed in containerd's shim code, not configurable
+
+
+def shim_sockets() -> list[str]:
+    return sorted(p.name for p in SHIM_SOCKETS.iterdir()) if SHIM_SOCKETS.is_dir() else []
+
+
+def remove_shim_sockets(keep: set[str]) -> None:
+    """Drop shim sockets that appeared since `keep` was taken and that no live process in this
+    namespace listens on (the shims ran in the node's namespace, now gone)."""
+    bound = {line.rsplit(" ", 1)[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:]}
+    for name in set(shim_sockets()) - keep:
+        if str(SHIM_SOCKETS / name) not in bound:
+            (SHIM_SOCKETS / name).unlink(missing_ok=True)
+    for folder in (SHIM_SOCKETS, SHIM_SOCKETS.parent):
+        with contextlib.suppress(OSError):  # only when empty and not there before the node
+            if not keep and not any(folder.iterdir()):
+                folder.rmdir()
