@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import subprocess
+import sys
+import tarfile
 import time
 import urllib.request
 from pathlib import Path
@@ -13,12 +16,13 @@ from typing import Any
 
 import pytest
 from e2e.cluster import controlplane as cp
-from e2e.cluster import node
+from e2e.cluster import node, ociimage
 from e2e.cluster import nodeconfig as nc
 from e2e.cluster import nodehost as host
 from e2e.fixtures import Cluster, wait_until
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -145,6 +149,32 @@ def test_pod_calls_the_api_server_with_its_service_account_token(
     assert wait_until(lambda: finished(cluster, "whoami", namespace), 120, "the whoami pod") == "Succeeded"
     review = json.loads(cluster.run("logs", "whoami", "-n", namespace).stdout)
     assert review["status"]["userInfo"]["username"] == f"system:serviceaccount:{namespace}:default"
+
+
+def test_load_image_streams_an_archive_from_stdin(
+    cluster: Cluster, namespace: str, layout: cp.Layout, tmp_path: Path
+) -> None:
+    """An archive made here (the probe program under a new name) goes in through the CLI's stdin."""
+    with tarfile.open(node.Binaries(layout).images / "probe.tar") as archive:
+        layer = max(archive.getmembers(), key=lambda m: m.size)
+        with tarfile.open(fileobj=archive.extractfile(layer)) as files:
+            (tmp_path / "probe").write_bytes(files.extractfile("probe").read())  # type: ignore[union-attr]
+    name = f"localhost/dllm-test/loaded:{namespace[-8:]}"
+    ociimage.write_image(tmp_path / "image.tar", name, [(tmp_path / "probe", "probe")], ["/probe"])
+    with (tmp_path / "image.tar").open("rb") as stdin:
+        loaded = subprocess.run(
+            [sys.executable, "-m", "e2e.cluster", "load-image", "-"],
+            stdin=stdin, capture_output=True, text=True, timeout=120, check=False, cwd=ROOT,
+        )  # fmt: skip
+    assert loaded.returncode == 0, loaded.stderr
+    assert name in node.ctr(layout, "images", "ls", "-q")
+    pod = probe_pod("loaded", namespace, ["serve", ":8080"], layout)
+    pod["spec"]["containers"][0]["image"] = name
+    cluster.apply(pod)
+    wait_until(lambda: ready(cluster, "loaded", namespace), 90, "the pod of the loaded image to be Ready")
+    ip = cluster.get_json("pod", "loaded", "-n", namespace)["status"]["podIP"]
+    assert wait_until(lambda: http_get(f"http://{ip}:8080/"), 30, "HTTP from the host") == "probe loaded\n"
+    node.ctr(layout, "images", "rm", name)
 
 
 def leftovers(layout: cp.Layout) -> list[str]:
