@@ -196,19 +196,21 @@ def ctr(layout: cp.Layout, *args: str, stdin: IO[bytes] | None = None) -> str:
     return result.stdout.decode(errors="replace")
 
 
-def load_image(archive: Path | None, layout: cp.Layout | None = None) -> str:
-    """Import an OCI or docker archive (None: read it from stdin) into the node's k8s.io namespace.
+def load_image(source: Path | IO[bytes] | None, layout: cp.Layout | None = None) -> str:
+    """Import an OCI or docker archive into the node's k8s.io namespace, streaming it: a path, a binary
+    file object (e.g. `podman save`'s stdout pipe) or None for this process's stdin. Returns ctr's report.
 
-    Pods then use the image by its name with imagePullPolicy: Never (or IfNotPresent)."""
+    Pods then use the image by its full name with imagePullPolicy: Never (or IfNotPresent). Images live in
+    the node's containerd under the state folder: load them again after `down`/`up`."""
     layout = layout or cp.Layout.from_env()
     pid = cp.read_pid(layout, "containerd")
     if pid is None or not cp.pid_alive(pid):
         raise cp.ClusterError("the real node's containerd is not running (python3 -m e2e.cluster up)")
-    args = ["images", "import", "--snapshotter=overlayfs", "--platform=linux/amd64"]
-    if archive is None:
-        return ctr(layout, *args, "-", stdin=None)
-    with archive.open("rb") as source:
-        return ctr(layout, *args, "-", stdin=source)
+    args = ["images", "import", "--snapshotter=overlayfs", "--platform=linux/amd64", "-"]
+    if isinstance(source, Path):
+        with source.open("rb") as stream:
+            return ctr(layout, *args, stdin=stream)
+    return ctr(layout, *args, stdin=source)
 
 
 def _save_sysctls() -> dict[str, str]:
