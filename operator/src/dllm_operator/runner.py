@@ -9,7 +9,7 @@ import contextlib
 import logging
 import os
 import socket
-from typing import Any
+from typing import Any, cast
 
 import kopf
 from aiohttp import web
@@ -78,13 +78,13 @@ async def operate(args: argparse.Namespace) -> None:
     await web.TCPSite(runner, args.health_host, args.health_port).start()
     tasks: list[asyncio.Task[Any]] = []
     elector: LeaderElector | None = None
+    identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}-{os.getpid()}"
     if args.leader_elect:
         namespace = (
             args.lease_namespace
             or os.environ.get("POD_NAMESPACE")
             or (config.namespaces[0] if config.namespaces else "default")
         )
-        identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}-{os.getpid()}"
         elector = LeaderElector(
             client, namespace, args.lease_name, identity, on_elected=controller.requeue_all
         )
@@ -100,6 +100,9 @@ async def operate(args: argparse.Namespace) -> None:
             clusterwide=not config.namespaces,
             namespaces=list(config.namespaces),
             standalone=True,
+            # kopf would otherwise name itself after the user's passwd entry, which a numeric
+            # non-root user in a container does not have (getpwuid fails and the operator exits).
+            identity=cast(Any, identity),  # kopf types it as a NewType it does not export
         )
     finally:
         for task in tasks:
