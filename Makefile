@@ -19,10 +19,10 @@ venv: .venv/.ready ## Make .venv (pinned dependencies cached outside the clone)
 
 # ---- the main job ----
 .PHONY: demo demo-down
-demo: cluster-build .venv/.ready ## Local control plane + helm install + operator + CPU sample, shown until Ready
+demo: cluster-build images .venv/.ready ## Local cluster with a real node, helm install, the CPU sample Ready, one answer
 	@$(PY) -m e2e.demo up
 
-demo-down: ## Stop the demo's operator, uninstall the chart, stop the control plane
+demo-down: ## Delete the CPU sample, uninstall the chart, stop the cluster
 	@if [ -x $(PY) ]; then $(PY) -m e2e.demo down; else python3 -m e2e.cluster down; fi
 
 # ---- local control plane (e2e/cluster) ----
@@ -65,12 +65,15 @@ typecheck: .venv/.ready ## mypy --strict
 	$(PY) -m mypy
 
 # ---- tests ----
-.PHONY: test test-unit test-k8s test-dataplane
+.PHONY: test test-unit test-k8s test-node test-dataplane
 test-unit: .venv/.ready ## Tests that need no cluster and start no engine
 	$(PY) -m pytest -m "not k8s and not dataplane" -q
 
 test-k8s: .venv/.ready cluster-build ## Tests on the local control plane
 	$(PY) -m pytest -m k8s -q
+
+test-node: .venv/.ready cluster-build images ## The real node: the chart, the CPU sample and its faults, in pods
+	$(PY) -m pytest -m node -q
 
 test-dataplane: .venv/.ready images ## The CPU PD pipeline with real vLLM engines (on the host, and in containers by compose)
 	$(PY) -m pytest -m dataplane -q

@@ -35,12 +35,12 @@ import yaml  # noqa: E402
 from e2e.cluster import controlplane as cp  # noqa: E402
 from e2e.fixtures import operator_writes  # noqa: E402
 from e2e.operator_process import OperatorProcess  # noqa: E402
+from e2e.samples import cpu_sample_on_kwok  # noqa: E402
 
 from dllm_operator.api import parse  # noqa: E402
 from dllm_operator.kube import KubeClient, load_credentials  # noqa: E402
 from dllm_operator.render import render_all  # noqa: E402
 
-SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
 CHILD_KINDS = ("statefulsets", "deployments", "services")
 READY_FORMAT = 'jsonpath={.metadata.name} {.status.conditions[?(@.type=="Ready")].status}{"\\n"}'
 _PAUSE = threading.Event()
@@ -74,7 +74,7 @@ class Watcher:
 
 
 def cr_body(name: str) -> dict[str, Any]:
-    body = next(d for d in yaml.safe_load_all(SAMPLE.read_text()) if d and d["kind"] == "DisaggregatedLLM")
+    body = cpu_sample_on_kwok()
     body["metadata"] = {"name": name}
     return body
 

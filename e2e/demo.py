@@ -1,10 +1,14 @@
-"""`make demo`: the whole control flow on the local control plane, as a user would run it.
+"""`make demo`: the product as a user runs it, on the local cluster's real node.
 
-1. the local control plane (built once per machine, then reused), 2. `helm install` of the chart (CRD,
-RBAC, the operator Deployment), 3. the operator itself on this host, with the chart's ServiceAccount
-identity (kwok runs no containers, so the operator pod Helm creates is only a placeholder here),
-4. the CPU sample applied, 5. its status shown until Ready, 6. the children and the KV env of each role.
-`make demo-down` (python -m e2e.demo down) stops the operator, uninstalls, and stops the control plane.
+1. the local cluster: control plane, kwok's GPU nodes and one real node (built once per machine);
+2. the images `make images` built, loaded into the node (nothing is pulled: no registry);
+3. `helm install` of the chart: the operator runs as a pod from its image, as the chart's
+   ServiceAccount, in a namespace that enforces Pod Security "restricted";
+4. the tiny model (made here) as a read-only volume, and the CPU sample applied;
+5. its status shown until Ready (real probes on real engines);
+6. one chat completion through the router's Service (its ClusterIP, through kube-proxy), the KV that
+   decode loaded instead of computing, and a command to try another.
+`make demo-down` (python -m e2e.demo down) deletes the sample, uninstalls, and stops the cluster.
 """
 
 from __future__ import annotations
@@ -12,229 +16,171 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+from e2e import models_volume, node_images
 from e2e.cluster import controlplane as cp
+from e2e.dataplane.pipeline import DEMO_CHAT, counter, metrics_text, post_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "dllm-operator"
+VALUES = ROOT / "e2e" / "demo-values.yaml"
 SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
 SYSTEM_NAMESPACE = "dllm-system"
 RELEASE = "dllm"
+NAME = "tiny-cpu"
 _PAUSE = threading.Event()  # never set: wait(t) is an interruptible pause
+
+
+class DemoError(RuntimeError):
+    pass
 
 
 def step(message: str, started: float) -> None:
     print(f"\n==> [{time.monotonic() - started:5.1f}s] {message}", flush=True)
 
 
-def run(layout: cp.Layout, tool: str, *args: str, check: bool = True, quiet: bool = False) -> str:
-    binary = str(layout.tools_bin / tool)
+def tool(layout: cp.Layout, name: str, *args: str, stdin: str | None = None, check: bool = True) -> str:
+    """kubectl or helm (the pinned ones) against the local cluster; a failure is a DemoError."""
     result = subprocess.run(
-        [binary, f"--kubeconfig={layout.kubeconfig}", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+        [str(layout.tools_bin / name), f"--kubeconfig={layout.kubeconfig}", *args],
+        input=stdin, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
     if check and result.returncode != 0:
-        raise SystemExit(f"{tool} {' '.join(args)} failed:\n{result.stderr}")
-    if not quiet and result.stdout.strip():
-        print(result.stdout.rstrip(), flush=True)
+        raise DemoError(f"{name} {' '.join(args)} failed: {result.stderr.strip()}")
     return result.stdout
 
 
-def operator_paths(layout: cp.Layout) -> tuple[Path, Path, Path]:
-    base = layout.state / "demo"
-    base.mkdir(parents=True, exist_ok=True)
-    return base / "operator.pid", base / "operator.log", base / "operator.kubeconfig"
+def kubectl_json(layout: cp.Layout, *args: str) -> Any:
+    return json.loads(tool(layout, "kubectl", "get", *args, "-o", "json"))
 
 
-def service_account_kubeconfig(layout: cp.Layout, path: Path) -> Path:
-    """A kubeconfig holding only a TokenRequest token of the chart's ServiceAccount."""
-    token = run(
-        layout,
-        "kubectl",
-        "create",
-        "token",
-        f"{RELEASE}-dllm-operator",
-        "-n",
-        SYSTEM_NAMESPACE,
-        "--duration=24h",
-        quiet=True,
-    ).strip()
-    config = json.loads(
-        run(layout, "kubectl", "config", "view", "--raw", "--minify", "-o", "json", quiet=True)
-    )
-    config["users"] = [{"name": "dllm-operator", "user": {"token": token}}]
-    config["contexts"][0]["context"]["user"] = "dllm-operator"
-    path.write_text(json.dumps(config))
-    path.chmod(0o600)
-    return path
-
-
-def start_operator(layout: cp.Layout, started: float) -> Path:
-    pid_file, log_file, kubeconfig = operator_paths(layout)
-    stop_operator(layout)
-    service_account_kubeconfig(layout, kubeconfig)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-    env |= {
-        "PYTHONUNBUFFERED": "1",
-        "POD_NAMESPACE": SYSTEM_NAMESPACE,
-        "DLLM_ENGINE_IMAGE": "ghcr.io/dllm-operator/vllm:0.1.0",
+def install_chart(layout: cp.Layout) -> None:
+    namespace = {
+        "apiVersion": "v1",
+        "kind": "Namespace",
+        "metadata": {
+            "name": SYSTEM_NAMESPACE,
+            "labels": {"pod-security.kubernetes.io/enforce": "restricted"},
+        },
     }
-    with log_file.open("ab") as log:
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "dllm_operator",
-                "run",
-                "--all-namespaces",
-                "--kubeconfig",
-                str(kubeconfig),
-                "--health-host",
-                "127.0.0.1",
-                "--health-port",
-                "18080",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            env=env,
-            start_new_session=True,
-        )
-    pid_file.write_text(str(process.pid))
-    step(
-        f"operator running on this host as system:serviceaccount:{SYSTEM_NAMESPACE}:{RELEASE}-dllm-operator "
-        f"(pid {process.pid}, log {log_file})",
-        started,
-    )
-    return log_file
+    tool(layout, "kubectl", "apply", "--server-side", "-f", "-", stdin=json.dumps(namespace))
+    tool(layout, "helm", "upgrade", "--install", RELEASE, str(CHART), "-n", SYSTEM_NAMESPACE,
+         "-f", str(VALUES), "--wait", "--timeout=180s")  # fmt: skip
+    tool(layout, "kubectl", "wait", "--for=condition=Established", "crd/disaggregatedllms.disagg.dev")
 
 
-def stop_operator(layout: cp.Layout) -> None:
-    pid_file, _, _ = operator_paths(layout)
-    if not pid_file.exists():
-        return
-    pid = int(pid_file.read_text())
-    if cp.pid_alive(pid):
-        os.killpg(pid, signal.SIGTERM)
-        cp.wait_for(lambda: not cp.pid_alive(pid), 20, "the demo operator to stop")
-    pid_file.unlink()
-
-
-def describe_status(cr: dict[str, object]) -> str:
+def describe(cr: dict[str, Any], pods: list[dict[str, Any]]) -> str:
     status = cr.get("status") or {}
-    assert isinstance(status, dict)
     conditions = {c["type"]: c for c in status.get("conditions", [])}
     ready = conditions.get("Ready", {})
     counts = ", ".join(
         f"{role} {status.get(role, {}).get('ready', '-')}" for role in ("prefill", "decode", "router")
     )
-    return f"{counts}, Ready={ready.get('status', '?')} ({ready.get('reason', 'waiting for the operator')})"
+    states = []
+    for pod in pods:
+        waiting = [s["state"]["waiting"]["reason"] for s in pod["status"].get("containerStatuses", [])
+                   if "waiting" in s.get("state", {})]  # fmt: skip
+        states.append(f"{pod['metadata']['name']}={waiting[0] if waiting else pod['status'].get('phase')}")
+    return (
+        f"{counts}, Ready={ready.get('status', '?')} ({ready.get('reason', 'waiting')}); {' '.join(states)}"
+    )
 
 
-def wait_ready(layout: cp.Layout, namespace: str, name: str, timeout: float, log_file: Path) -> None:
+def wait_ready(layout: cp.Layout, namespace: str, timeout: float) -> None:
     deadline, last = time.monotonic() + timeout, ""
-    while time.monotonic() < deadline:
-        cr = json.loads(
-            run(layout, "kubectl", "get", "dllm", name, "-n", namespace, "-o", "json", quiet=True)
-        )
-        line = describe_status(cr)
+    while True:
+        cr = kubectl_json(layout, "dllm", NAME, "-n", namespace)
+        pods = kubectl_json(layout, "pods", "-n", namespace, "-l", f"app.kubernetes.io/instance={NAME}")[
+            "items"
+        ]
+        line = describe(cr, pods)
         if line != last:
             print(f"    {line}", flush=True)
             last = line
         if "Ready=True" in line:
             return
-        _PAUSE.wait(0.5)
-    raise SystemExit(f"{name} not Ready after {timeout:.0f}s; operator log: {log_file}")
+        if time.monotonic() > deadline:
+            raise DemoError(f"{NAME} not Ready after {timeout:.0f}s: {line}")
+        _PAUSE.wait(1.0)
 
 
-def print_kv_env(layout: cp.Layout, namespace: str, name: str) -> None:
-    for role in ("prefill", "decode"):
-        sts = json.loads(
-            run(layout, "kubectl", "get", "sts", f"{name}-{role}", "-n", namespace, "-o", "json", quiet=True)
-        )
-        container = sts["spec"]["template"]["spec"]["containers"][0]
-        print(
-            f"\n--- {role}: KV-transfer env of {name}-{role} (dllm-serve turns it into --kv-transfer-config)"
-        )
-        for var in container["env"]:
-            value = var.get("value") or f"<{next(iter(var.get('valueFrom', {})))}>"
-            if var["name"].startswith(("VLLM_", "MOONCAKE_", "MC_", "DLLM_")):
-                print(f"    {var['name']}={value}")
-        print(f"    engine args: {' '.join(container['args'][1:])}")
+def ask(layout: cp.Layout, namespace: str, model: Path) -> dict[str, Any]:
+    """One chat completion through the router Service; what decode loaded, from its own counters."""
+    service = kubectl_json(layout, "service", f"{NAME}-router", "-n", namespace)
+    router = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+    decode_ip = kubectl_json(layout, "pod", f"{NAME}-decode-0", "-n", namespace)["status"]["podIP"]
+    decode = f"http://{decode_ip}:{8000}"
+    before = counter(metrics_text(decode), "vllm:external_prefix_cache_hits")
+    status, body = post_json(f"{router}/v1/chat/completions", DEMO_CHAT)
+    if status != 200:
+        raise DemoError(f"the router answered {status}: {json.dumps(body)[:500]}")
+    loaded = counter(metrics_text(decode), "vllm:external_prefix_cache_hits") - before
+    return {"router": router, "body": body, "tokens": int(loaded),
+            "bytes": int(loaded) * models_volume.kv_bytes_per_token(model)}  # fmt: skip
+
+
+def show_answer(result: dict[str, Any]) -> None:
+    body = result["body"]
+    print(f"    question: {DEMO_CHAT['messages'][0]['content']}")
+    answer = body["choices"][0]["message"]["content"]
+    print(f"    answer:   {answer!r} (random weights: no words expected)")
+    print(f"    decode loaded {result['tokens']} prompt tokens of KV from prefill over Mooncake "
+          f"({result['bytes']} bytes) instead of computing them")  # fmt: skip
+    print("\n    Try another (from this machine: the ClusterIP is routed to the node):")
+    request = json.dumps({"model": DEMO_CHAT["model"], "max_tokens": 16,
+                          "messages": [{"role": "user", "content": "Tell me about KV caches."}]})  # fmt: skip
+    headers = "-H 'Content-Type: application/json'"
+    print(f"    curl -s {result['router']}/v1/chat/completions {headers} -d '{request}'")
+
+
+def deploy(layout: cp.Layout, namespace: str, timeout: float, started: float) -> Path:
+    """Images on the node, the chart installed, the model's claim and the CPU sample Ready: the model."""
+    step("the images built here, into the node's containerd (make images built them)", started)
+    node_images.load_all(layout)
+    step(
+        f"helm install {RELEASE} charts/dllm-operator -f e2e/demo-values.yaml (restricted Pod Security)",
+        started,
+    )
+    install_chart(layout)
+    print(tool(layout, "kubectl", "get", "pods", "-n", SYSTEM_NAMESPACE, "-o", "wide").rstrip())
+    step(f"the tiny model as the read-only claim '{models_volume.CLAIM}', then the CPU sample", started)
+    model = models_volume.make_model()
+    tool(layout, "kubectl", "create", "namespace", namespace, check=False)
+    for manifest in models_volume.manifests(namespace):
+        tool(layout, "kubectl", "apply", "--server-side", "-f", "-", stdin=json.dumps(manifest))
+    tool(layout, "kubectl", "apply", "--server-side", "-n", namespace, "-f", str(SAMPLE))
+    step(f"waiting until {NAME} is Ready (engines load the model, probes pass)", started)
+    wait_ready(layout, namespace, timeout)
+    return model
+
+
+def undeploy(layout: cp.Layout, namespace: str) -> None:
+    tool(layout, "kubectl", "delete", "namespace", namespace, "--ignore-not-found", "--timeout=180s")
+    tool(layout, "kubectl", "delete", "pv", models_volume.volume_name(namespace), "--ignore-not-found")
+    tool(layout, "helm", "uninstall", RELEASE, "-n", SYSTEM_NAMESPACE, "--ignore-not-found", "--wait")
 
 
 def up(namespace: str, timeout: float) -> None:
     started = time.monotonic()
-    step(
-        "local control plane (etcd, kube-apiserver, controller-manager, scheduler, kwok) on 127.0.0.1",
-        started,
-    )
+    step("the local cluster: control plane, kwok GPU nodes, and the real node dllm-real-0", started)
     layout = cp.up()
-    step(
-        f"helm install {RELEASE} charts/dllm-operator (CRD, least-privilege RBAC, operator Deployment)",
-        started,
-    )
-    run(
-        layout,
-        "helm",
-        "upgrade",
-        "--install",
-        RELEASE,
-        str(CHART),
-        "-n",
-        SYSTEM_NAMESPACE,
-        "--create-namespace",
-        "--wait",
-        "--timeout=120s",
-        quiet=True,
-    )
-    run(
-        layout,
-        "kubectl",
-        "wait",
-        "--for=condition=Established",
-        "crd/disaggregatedllms.disagg.dev",
-        "--timeout=60s",
-        quiet=True,
-    )
-    log_file = start_operator(layout, started)
-    step(f"kubectl apply -n {namespace} -f crds/samples/cpu-tiny.yaml", started)
-    run(layout, "kubectl", "create", "namespace", namespace, check=False, quiet=True)
-    run(layout, "kubectl", "apply", "--server-side", "-n", namespace, "-f", str(SAMPLE))
-    step("waiting until tiny-cpu is Ready", started)
-    wait_ready(layout, namespace, "tiny-cpu", timeout, log_file)
-    step(f"kubectl get dllm,statefulsets,pods,svc -n {namespace}", started)
-    run(layout, "kubectl", "get", "dllm,statefulsets,pods,svc", "-n", namespace)
-    print_kv_env(layout, namespace, "tiny-cpu")
-    step(
-        f'done. Try: eval "$(make -s cluster-env)"; kubectl get dllm -n {namespace}; make demo-down', started
-    )
+    model = deploy(layout, namespace, timeout, started)
+    print(tool(layout, "kubectl", "get", "dllm,pods,svc", "-n", namespace, "-o", "wide").rstrip())
+    step("one chat completion through the router Service", started)
+    show_answer(ask(layout, namespace, model))
+    step('done. eval "$(make -s cluster-env)" gives you kubectl; make demo-down stops it all', started)
 
 
 def down(namespace: str, keep_cluster: bool) -> None:
     layout = cp.Layout.from_env()
-    if set(cp.running_components(layout)) == set(cp.COMPONENTS):
-        stop_operator(layout)
-        run(
-            layout,
-            "kubectl",
-            "delete",
-            "namespace",
-            namespace,
-            "--ignore-not-found",
-            "--wait=false",
-            quiet=True,
-        )
-        run(layout, "helm", "uninstall", RELEASE, "-n", SYSTEM_NAMESPACE, "--ignore-not-found", quiet=True)
+    if set(cp.running_components(layout)) >= set(cp.COMPONENTS):
+        undeploy(layout, namespace)
     if not keep_cluster:
         cp.down()
     print("demo stopped", flush=True)
@@ -244,15 +190,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m e2e.demo")
     parser.add_argument("command", choices=["up", "down"])
     parser.add_argument("--namespace", default=os.environ.get("DLLM_DEMO_NAMESPACE", "demo"))
-    parser.add_argument("--timeout", type=float, default=120)
-    parser.add_argument("--keep-cluster", action="store_true", help="down: leave the control plane running")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--keep-cluster", action="store_true", help="down: leave the cluster running")
     args = parser.parse_args()
     try:
         if args.command == "up":
             up(args.namespace, args.timeout)
         else:
             down(args.namespace, args.keep_cluster)
-    except cp.ClusterError as error:
+    except (cp.ClusterError, DemoError) as error:
         print(f"demo: {error}", file=sys.stderr)
         return 1
     return 0

@@ -25,4 +25,11 @@ for spec in "${packages[@]}"; do
   podman run --rm -i --network none --entrypoint python3 "$ref" - "$package" "${skip:-}" \
     <"$root/tools/import_all.py" | sed 's/^/  /' >&2
 done
+if [ "$name" = vllm-cpu ]; then
+  # torch.compile at run time (vLLM's CPU sampler uses it) needs the image's C++ compiler.
+  podman run --rm --network none --entrypoint python3 "$ref" -c \
+    'import torch; assert torch.compile(lambda x: x * 2)(torch.ones(4)).sum().item() == 8' >/dev/null 2>&1 || {
+    echo "$ref: torch.compile does not work in the image (no C++ compiler?)" >&2; exit 1
+  }
+fi
 echo "  $ref: --help answers; modules import" >&2

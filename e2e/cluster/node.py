@@ -61,7 +61,8 @@ class Binaries:
 
 
 def paths_of(layout: cp.Layout) -> nc.NodePaths:
-    return nc.NodePaths(layout.state / "node")
+    store = layout.cache / "node-store" / f"containerd-v{layout.versions['CONTAINERD_VERSION']}"
+    return nc.NodePaths(layout.state / "node", store)
 
 
 def probe_image(layout: cp.Layout | None = None) -> str:
@@ -213,6 +214,16 @@ def load_image(source: Path | IO[bytes] | None, layout: cp.Layout | None = None)
     return ctr(layout, *args, stdin=source)
 
 
+def forget_old_pods(layout: cp.Layout) -> None:
+    """The store outlives `down`, and with it the records of the last run's sandboxes and containers
+    (their processes and mounts are gone): remove them, with their snapshots, before the kubelet starts,
+    so it starts from an empty node as the fresh API server expects. Images stay."""
+    for kind in ("containers", "sandboxes"):
+        ids = ctr(layout, kind, "ls", "-q").split()
+        if ids:
+            ctr(layout, kind, "rm", *ids)
+
+
 def _save_sysctls() -> dict[str, str]:
     return {k: Path("/proc/sys", k.replace(".", "/")).read_text().strip() for k in KUBELET_SYSCTLS}
 
@@ -245,6 +256,7 @@ def up(layout: cp.Layout, start: float) -> None:
         )
 
     cp.wait_for(containerd_up, 60, f"containerd (log: {layout.log('containerd')})")
+    forget_old_pods(layout)
     for name in binaries.image_names:
         load_image(binaries.images / f"{name}.tar", layout)
     cp.log(f"containerd v{layout.versions['CONTAINERD_VERSION']} up, images loaded", start)

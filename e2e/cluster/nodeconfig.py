@@ -25,9 +25,12 @@ NOFILE = 20000  # the machine's hard limit: asking more fails with EPERM
 
 @dataclass(frozen=True)
 class NodePaths:
-    """Every file and folder of the node, all under the cluster's state folder."""
+    """Every file and folder of the node: all under the cluster's state folder, but for containerd's
+    store (content and unpacked images), which outlives `down` so that a multi-GB image is imported
+    once per machine, not once per cluster."""
 
     root: Path
+    store: Path
 
     @property
     def containerd(self) -> Path:
@@ -72,7 +75,7 @@ def containerd_toml(paths: NodePaths, pause_image: str, cni_bin: Path) -> str:
     cri, runtime = "plugins.'io.containerd.cri.v1.images'", "plugins.'io.containerd.cri.v1.runtime'"
     state = paths.containerd / "state"
     return f"""version = 3
-root = '{paths.containerd / "root"}'
+root = '{paths.store}'
 state = '{state}'
 disabled_plugins = ['io.containerd.nri.v1.nri', 'io.containerd.tracing.processor.v1.otlp',
   'io.containerd.internal.v1.tracing', 'io.containerd.snapshotter.v1.btrfs',

@@ -27,15 +27,19 @@ $PY -m e2e.dataplane.tiny_model /tmp/dllm-kind-models/tiny-llama
 trap '[ -n "${KEEP:-}" ] || "$KIND" delete cluster --name dllm-e2e' EXIT
 bash images/build.sh
 for image in operator router vllm-cpu; do
-  "$KIND" load docker-image --name dllm-e2e "ghcr.io/dllm-operator/$image:0.1.0"
+  # images/build.sh builds with buildah: hand each to kind as an archive.
+  CONTAINERS_CONF=images/containers.conf podman save --format docker-archive -o "/tmp/dllm-kind-$image.tar" \
+    "localhost/dllm/$image:dev"
+  "$KIND" load image-archive --name dllm-e2e "/tmp/dllm-kind-$image.tar"
+  rm -f "/tmp/dllm-kind-$image.tar"
 done
+kubectl label node --all dllm.dev/node=real --overwrite
 helm upgrade --install dllm charts/dllm-operator -n dllm-system --create-namespace --wait \
-  --set defaults.engineImage=ghcr.io/dllm-operator/vllm-cpu:0.1.0
+  -f e2e/demo-values.yaml
 helm test dllm -n dllm-system
 kubectl create namespace demo --dry-run=client -o yaml | kubectl apply -f -
 kubectl apply -n demo -f e2e/kind/models-volume.yaml
-$PY -m dllm_operator render -f crds/samples/cpu-tiny.yaml >/dev/null  # the sample is valid
-kubectl apply -n demo -f e2e/kind/cpu-tiny-kind.yaml
+kubectl apply -n demo -f crds/samples/cpu-tiny.yaml
 kubectl wait -n demo dllm/tiny-cpu --for=condition=Ready --timeout=15m
 kubectl port-forward -n demo svc/tiny-cpu-router 18000:8000 >/tmp/dllm-kind-pf.log 2>&1 &
 pf=$!

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 from e2e.fixtures import Cluster, wait_until
 from e2e.operator_process import OperatorProcess
+from e2e.samples import cpu_sample_on_kwok
 
 pytestmark = pytest.mark.k8s
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "dllm-operator"
-CPU_SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def test_chart_identity_reconciles_and_nothing_more(
         kubeconfig, [watched], tmp_path / "op.log", namespace, extra_args=("--lease-name", "dllm-operator")
     ).start()
     try:
-        cluster.run("apply", "--server-side", "-n", watched, "-f", str(CPU_SAMPLE))
+        cluster.apply(cpu_sample_on_kwok(), "-n", watched)
 
         def ready() -> bool:
             cr = cluster.get_json("dllm", "tiny-cpu", "-n", watched)

@@ -35,7 +35,8 @@ def test_apiserver_ready_and_controllers_running(cluster: Cluster) -> None:
     assert cluster.run("get", "--raw=/readyz").stdout.strip() == "ok"
     # The token controller (controller-manager) made the default ServiceAccount.
     assert cluster.exists("serviceaccount", "default", "-n", "kube-system")
-    nodes = cluster.get_json("nodes")["items"]
+    # kwok's fake GPU nodes; the real node (dllm.dev/node=real) has no GPU.
+    nodes = [n for n in cluster.get_json("nodes")["items"] if n["metadata"]["labels"].get("type") == "kwok"]
     assert len(nodes) >= 2
     assert all(n["status"]["allocatable"]["nvidia.com/gpu"] == "8" for n in nodes)
     assert all(n["status"]["allocatable"][cp.RDMA_RESOURCE] for n in nodes)

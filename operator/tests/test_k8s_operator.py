@@ -14,6 +14,7 @@ import yaml
 from dllm_cases import ROOT, load_cr, merged
 from e2e.fixtures import Cluster, holds_for, operator_writes, wait_until
 from e2e.operator_process import OperatorProcess
+from e2e.samples import on_kwok_nodes
 
 pytestmark = pytest.mark.k8s
 CPU_SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
@@ -27,7 +28,7 @@ def operator(cluster: Cluster, crd: str, namespace: str, tmp_path: Path) -> Iter
 
 
 def cpu_cr(name: str = "tiny-cpu", **spec: Any) -> dict[str, Any]:
-    return merged(load_cr(CPU_SAMPLE), {"metadata": {"name": name}, "spec": spec})
+    return merged(on_kwok_nodes(load_cr(CPU_SAMPLE)), {"metadata": {"name": name}, "spec": spec})
 
 
 def condition(cr: dict[str, Any], kind: str) -> dict[str, Any]:

@@ -1,0 +1,67 @@
+"""The CPU sample's model on the real node: the tiny model made here, offered read-only through a
+PersistentVolume (hostPath on the node, which shares this machine's files) bound to the claim `models`
+that crds/samples/cpu-tiny.yaml names."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from e2e.dataplane.tiny_model import build
+
+CACHE = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm"))
+MODELS = CACHE / "models"
+CLAIM = "models"
+
+
+def make_model() -> Path:
+    """The tiny model under the cache (made once), readable by the engines' non-root user."""
+    model = build(MODELS / "tiny-llama")
+    for path in (MODELS, model, *model.iterdir()):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return model
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """K and V of every layer and KV head, in the model's dtype (bf16: 2 bytes)."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+
+
+def volume_name(namespace: str) -> str:
+    return f"dllm-models-{namespace}"
+
+
+def manifests(namespace: str) -> list[dict[str, Any]]:
+    """A PersistentVolume on the real node and the claim that binds only it (no provisioner involved)."""
+    name = volume_name(namespace)
+    node_term = {"matchExpressions": [{"key": "dllm.dev/node", "operator": "In", "values": ["real"]}]}
+    volume = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolume",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "dllm-demo"}},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadOnlyMany"],
+            "persistentVolumeReclaimPolicy": "Retain",
+            "storageClassName": "",
+            "claimRef": {"namespace": namespace, "name": CLAIM},
+            "hostPath": {"path": str(MODELS), "type": "Directory"},
+            "nodeAffinity": {"required": {"nodeSelectorTerms": [node_term]}},
+        },
+    }
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": CLAIM, "namespace": namespace},
+        "spec": {
+            "accessModes": ["ReadOnlyMany"],
+            "storageClassName": "",
+            "volumeName": name,
+            "resources": {"requests": {"storage": "1Gi"}},
+        },
+    }
+    return [volume, claim]

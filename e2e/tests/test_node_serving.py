@@ -1,0 +1,314 @@
+"""The product on the real node, as users run it: the chart's operator pod, the CPU sample's engines
+and router in pods from the images built here, requests through the router's Service (a ClusterIP
+through kube-proxy, engines found through the headless Services' DNS), and the faults users meet."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from e2e import demo
+from e2e.cluster import controlplane as cp
+from e2e.cluster import node, nodehost
+from e2e.dataplane.pipeline import counter, metrics_text, post_json, start_single_engine, wait_healthy
+from e2e.fixtures import Cluster, wait_until
+
+from dllm_operator.api import parse
+from dllm_operator.config import OperatorConfig
+from dllm_operator.render.router import router_args
+
+pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+NAMESPACE = "node-serving"
+NAME = demo.NAME
+PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "0123456789 abcdefghij KLMNOPQRST " * 2]
+MAX_TOKENS = 12
+
+
+@dataclass
+class Served:
+    cluster: Cluster
+    layout: cp.Layout
+    model: Path
+
+    def get(self, *args: str) -> Any:
+        return self.cluster.get_json(*args, "-n", NAMESPACE)
+
+    @property
+    def router(self) -> str:
+        service = self.get("service", f"{NAME}-router")
+        return f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+
+    def pod_url(self, pod: str) -> str:
+        return f"http://{self.get('pod', pod)['status']['podIP']}:8000"
+
+    def condition(self, kind: str) -> dict[str, Any]:
+        cr = self.get("dllm", NAME)
+        return next((c for c in cr.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+@pytest.fixture(scope="module")
+def served(cluster: Cluster) -> Iterator[Served]:
+    layout = cp.Layout.from_env()
+    if not node.running(layout):
+        pytest.fail(f"the real node is not running: {node.why_not(layout)}")
+    model = demo.deploy(layout, NAMESPACE, 900, time.monotonic())
+    try:
+        yield Served(cluster, layout, model)
+    finally:
+        demo.undeploy(layout, NAMESPACE)
+    # Deleting the CR and uninstalling leaves no pod, Service or kube-proxy rule of ours on the node.
+    leftover = cluster.run("get", "pods,svc", "-n", NAMESPACE, "--ignore-not-found", "-o", "name").stdout
+    assert leftover.strip() == ""
+    operator_pods = ("get", "pods", "-n", demo.SYSTEM_NAMESPACE, "-o", "name")
+    wait_until(lambda: cluster.run(*operator_pods).stdout.strip() == "", 120, "the operator pod to go")
+
+    def rules_of_ours() -> list[str]:
+        rules = nodehost.in_netns("iptables-save").stdout.splitlines()
+        return [rule for rule in rules if f"{NAMESPACE}/" in rule or f"{demo.SYSTEM_NAMESPACE}/" in rule]
+
+    wait_until(lambda: not rules_of_ours(), 60, "kube-proxy's rules for our Services to go")
+
+
+def completion(url: str, prompt: str) -> tuple[int, dict[str, Any]]:
+    body = {
+        "model": "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": 1,
+    }
+    return post_json(url + "/v1/completions", body)
+
+
+def tokens(body: dict[str, Any]) -> list[str]:
+    return list(body["choices"][0]["logprobs"]["tokens"])
+
+
+def test_the_operator_runs_as_a_pod_from_its_image_with_the_charts_identity(served: Served) -> None:
+    pods = served.cluster.get_json(
+        "pods", "-n", demo.SYSTEM_NAMESPACE, "-l", "app.kubernetes.io/name=dllm-operator"
+    )
+    [pod] = pods["items"]
+    assert pod["spec"]["nodeName"] == "dllm-real-0"
+    assert pod["spec"]["containers"][0]["image"] == "localhost/dllm/operator:dev"
+    assert pod["spec"]["serviceAccountName"] == "dllm-dllm-operator"
+    assert all(s["ready"] for s in pod["status"]["containerStatuses"])
+    namespace = served.cluster.get_json("namespace", demo.SYSTEM_NAMESPACE)
+    assert namespace["metadata"]["labels"]["pod-security.kubernetes.io/enforce"] == "restricted"
+    # It reconciled the sample: the status is the operator's, at the current generation.
+    cr = served.get("dllm", NAME)
+    assert cr["status"]["observedGeneration"] == cr["metadata"]["generation"]
+
+
+def test_engines_are_ready_through_their_own_probes_on_the_real_node(served: Served) -> None:
+    for pod_name in (f"{NAME}-prefill-0", f"{NAME}-decode-0"):
+        pod = served.get("pod", pod_name)
+        assert pod["spec"]["nodeName"] == "dllm-real-0"
+        container = pod["spec"]["containers"][0]
+        assert container["image"] == "localhost/dllm/vllm-cpu:dev"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert container[probe]["httpGet"]["path"] == "/health", probe
+        assert pod["status"]["containerStatuses"][0]["ready"]
+        assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def test_the_router_runs_exactly_the_arguments_the_operator_rendered(served: Served) -> None:
+    [pod] = served.get("pods", "-l", "app.kubernetes.io/component=router")["items"]
+    cmdline = served.cluster.run(
+        "exec", "-n", NAMESPACE, pod["metadata"]["name"], "--", "cat", "/proc/1/cmdline"
+    )
+    argv = cmdline.stdout.split("\0")[:-1]
+    script = next(i for i, arg in enumerate(argv) if arg.endswith("/dllm-router"))
+    sample = parse(
+        {**yaml.safe_load(demo.SAMPLE.read_text()), "metadata": {"name": NAME, "namespace": NAMESPACE}}
+    )
+    assert argv[script + 1 :] == router_args(sample, OperatorConfig())
+
+
+def test_completions_through_the_router_service_equal_one_engine(served: Served, tmp_path: Path) -> None:
+    decode = served.pod_url(f"{NAME}-decode-0")
+    before = counter(metrics_text(decode), "vllm:external_prefix_cache_hits")
+    through_service = {}
+    for prompt in PROMPTS:
+        status, body = completion(served.router, prompt)
+        assert status == 200, body
+        through_service[prompt] = tokens(body)
+    loaded = counter(metrics_text(decode), "vllm:external_prefix_cache_hits") - before
+    # Decode's own counter: the prompts' full blocks came from prefill, none were recomputed there.
+    assert loaded >= 32 * len(PROMPTS)
+    assert counter(metrics_text(decode), "vllm:prefix_cache_hits") == 0
+    reference = wait_healthy(start_single_engine(served.model, tmp_path))
+    try:
+        for prompt in PROMPTS:
+            status, body = completion(reference.url, prompt)
+            assert status == 200, body
+            assert through_service[prompt] == tokens(body), prompt[:30]
+    finally:
+        reference.stop()
+
+
+def _stream_first_event(url: str) -> tuple[Any, bytes]:
+    body = {
+        "model": "tiny-llama",
+        "prompt": "stream " * 20,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    request = urllib.request.Request(  # noqa: S310 (a ClusterIP of the local cluster)
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    response = urllib.request.urlopen(request, timeout=120)  # noqa: S310
+    return response, response.readline()
+
+
+def _kill_container(served: Served, pod_name: str) -> None:
+    """SIGKILL the engine's process from the host, as a crash would (not a graceful delete)."""
+    container_id = served.get("pod", pod_name)["status"]["containerStatuses"][0]["containerID"].split("//")[1]
+    tasks = node.ctr(served.layout, "tasks", "ls").splitlines()[1:]
+    pid = next(int(line.split()[1]) for line in tasks if line.split()[0] == container_id)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready(served: Served) -> None:
+    response, first = _stream_first_event(served.router)
+    assert first.startswith(b"data: ")
+    _kill_container(served, f"{NAME}-decode-0")
+    rest = response.read().decode()
+    response.close()
+    # The stream ends with an error event in OpenAI's shape, not a hang and not a cut without a word.
+    assert '"type":"stream_broken"' in rest.replace(" ", "") or '"error"' in rest, rest[-500:]
+    degraded = wait_until(
+        lambda: served.condition("Degraded") if served.condition("Ready").get("status") == "False" else None,
+        120,
+        "Ready=False once decode died",
+    )
+    assert f"{NAME}-decode-0" in json.dumps(served.get("dllm", NAME)["status"]), degraded
+    wait_until(
+        lambda: served.condition("Ready").get("status") == "True", 600, "Ready again after the restart"
+    )
+    status, body = completion(served.router, PROMPTS[0])
+    assert status == 200, body
+
+
+def _faulty_cr(name: str, **prefill: Any) -> dict[str, Any]:
+    """The sample with a broken prefill (no model volume needed: it never gets that far)."""
+    body = yaml.safe_load(demo.SAMPLE.read_text())
+    body["metadata"] = {"name": name, "namespace": NAMESPACE}
+    body["spec"]["model"].pop("source")
+    body["spec"]["prefill"].update(prefill)
+    body["spec"]["decode"]["replicas"] = 0
+    body["spec"]["router"]["enabled"] = False
+    return dict(body)
+
+
+@pytest.mark.parametrize(
+    ("fault", "prefill", "reasons"),
+    [
+        ("crashloop", {"extraArgs": ["--no-such-vllm-flag"]}, ("CrashLoopBackOff",)),
+        # A registry on the node's own loopback that nothing serves: refused at once, no traffic leaves.
+        ("nopull", {"image": "localhost:1/dllm/nothing:0"}, ("ErrImagePull", "ImagePullBackOff")),
+    ],
+)
+def test_a_failing_engine_shows_as_degraded_naming_the_pod_and_reason(
+    served: Served, fault: str, prefill: dict[str, Any], reasons: tuple[str, ...]
+) -> None:
+    name = f"broken-{fault}"
+    served.cluster.apply(_faulty_cr(name, **prefill))
+    try:
+
+        def degraded() -> str | None:
+            cr = served.get("dllm", name)
+            cond = next(
+                (c for c in cr.get("status", {}).get("conditions", []) if c["type"] == "Degraded"), {}
+            )
+            message = str(cond.get("message", ""))
+            hit = cond.get("status") == "True" and f"{name}-prefill-0" in message
+            return message if hit and any(r in message for r in reasons) else None
+
+        message = wait_until(degraded, 300, f"{name}: Degraded naming {name}-prefill-0 and {reasons}")
+        assert served.condition("Ready").get("status") == "True", "the served sample must not be affected"
+        print(f"{fault}: {message}")
+    finally:
+        served.cluster.run("delete", "dllm", name, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
+
+
+def test_a_rolling_spec_change_fails_no_accepted_request(served: Served) -> None:
+    """maxNumSeqs changes on both roles: each StatefulSet replaces its pod while requests keep coming.
+    A request may be refused up front (503 naming the role with no ready pod: not accepted); one that
+    an engine accepted is drained by its preStop hook, never cut."""
+    results: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        deadline = time.monotonic() + 900
+        while not stop.is_set() and time.monotonic() < deadline:
+            status, body = completion(served.router, PROMPTS[1])
+            results.append((status, str(body.get("error", {}).get("type", ""))))
+            stop.wait(0.2)
+
+    before = served.get("dllm", NAME)["metadata"]["generation"]
+    worker = threading.Thread(target=trickle, daemon=True)
+    worker.start()
+    try:
+        wait_until(lambda: len(results) >= 3, 60, "the first requests of the trickle")
+        patch = {"spec": {"prefill": {"maxNumSeqs": 6}, "decode": {"maxNumSeqs": 6}}}
+        served.cluster.run("patch", "dllm", NAME, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch))
+
+        def rolled() -> bool:
+            cr = served.get("dllm", NAME)
+            status = cr.get("status", {})
+            done = all(status.get(role, {}).get("updatedReplicas") == 1 for role in ("prefill", "decode"))
+            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+            return done and ready and status.get("observedGeneration") == before + 1
+
+        wait_until(rolled, 900, "both roles rolled to the new spec and Ready")
+        served_after = len(results)
+        wait_until(
+            lambda: any(code == 200 for code, _ in results[served_after:]), 120, "a 200 after the roll"
+        )
+    finally:
+        stop.set()
+        worker.join(timeout=180)
+    refused = {"no_prefill", "no_decode"}
+    failed = [(code, kind) for code, kind in results if code != 200 and not (code == 503 and kind in refused)]
+    assert failed == [], f"accepted requests failed during the roll: {failed} of {len(results)}"
+    assert sum(code == 200 for code, _ in results) >= 2
+
+
+def test_scaling_decode_to_two_sends_requests_to_both(served: Served) -> None:
+    served.cluster.run("scale", "-n", NAMESPACE, f"dllm/{NAME}", "--replicas", "2")
+    wait_until(
+        lambda: served.get("dllm", NAME)["status"]["decode"]["ready"] == "2/2", 600, "two ready decodes"
+    )
+    wait_until(lambda: served.condition("Ready").get("status") == "True", 120, "Ready with two decodes")
+    urls = [served.pod_url(f"{NAME}-decode-{i}") for i in range(2)]
+    before = [counter(metrics_text(url), "vllm:request_success") for url in urls]
+
+    def both_served() -> bool:
+        status, body = completion(served.router, PROMPTS[1])
+        assert status == 200, body
+        return all(
+            counter(metrics_text(u), "vllm:request_success") > b for u, b in zip(urls, before, strict=True)
+        )
+
+    wait_until(both_served, 300, "both decode pods to serve a request through the router", interval=0.0)
+
+
+def test_helm_test_passes_on_the_real_node(served: Served) -> None:
+    result = served.cluster.helm(
+        "test", demo.RELEASE, "-n", demo.SYSTEM_NAMESPACE, "--timeout=180s", check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Succeeded" in result.stdout
