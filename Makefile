@@ -17,9 +17,14 @@ help: ## List the targets
 .PHONY: venv
 venv: .venv/.ready ## Make .venv (pinned dependencies cached outside the clone)
 
+# ---- what the demo and the tests need, built side by side (each step is cached and prints progress) ----
+.PHONY: prepare
+prepare: ## Build what is missing: venv, cluster binaries and images, in parallel
+	@$(MAKE) --no-print-directory -j3 .venv/.ready cluster-build images
+
 # ---- the main job ----
 .PHONY: demo demo-down
-demo: cluster-build images .venv/.ready ## Local cluster with a real node, helm install, the CPU sample Ready, one answer
+demo: prepare ## Local cluster with a real node, helm install, the CPU sample Ready, one answer
 	@$(PY) -m e2e.demo up
 
 demo-down: ## Delete the CPU sample, uninstall the chart, stop the cluster
@@ -78,7 +83,7 @@ test-node: .venv/.ready cluster-build images ## The real node: the chart, the CP
 test-dataplane: .venv/.ready images ## The CPU PD pipeline with real vLLM engines (on the host, and in containers by compose)
 	$(PY) -m pytest -m dataplane -q
 
-test: .venv/.ready cluster-build images lint typecheck ## Every test (installs and builds what it needs on a fresh machine)
+test: prepare lint typecheck ## Every test (installs and builds what it needs on a fresh machine)
 	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
 
 # ---- benchmarks (not run by CI; each prints ratios measured side by side) ----

@@ -37,6 +37,9 @@ main() {
       "$cmd" >&2
     return 1
   fi
+  # make -j runs several steps that may each install: one apt at a time.
+  exec 9>"${TMPDIR:-/tmp}/dllm-system-deps.lock"
+  flock 9
   printf '[system-deps] installing: %s\n' "${missing[*]}" >&2
   # apt's lists may be empty or stale on a fresh machine; this runs only when something is missing.
   DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 update -q >&2

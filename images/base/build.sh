@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Makes the Python base image the Dockerfiles take as BASE, from Debian's archive with mmdebstrap,
 # since no registry is reachable here to pull python:3.11-slim-bookworm. It offers what the
-# Dockerfiles use of that image: python, pip, venv, apt sources for Debian 12 (with its updates and
-# security suites, so the Dockerfiles' `deb12u*` pins resolve), and pip free to install system-wide.
+# Dockerfiles use of that image: python, pip, venv, Python's C headers (torch.compile builds against
+# them at run time), apt sources for Debian 12 (with its updates and security suites, so the
+# Dockerfiles' `deb12u*` pins resolve), and pip free to install system-wide.
 # Prints the image's name on stdout; cached by the hash of this script (a warm run takes a second).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
@@ -24,7 +25,7 @@ log "$name: mmdebstrap bookworm (about 2 minutes)"
 # EXTERNALLY-MANAGED goes: like the python image, this base is a container whose one Python is
 # the application's, so pip installs system-wide (into /usr/local).
 mmdebstrap --variant=minbase --mode=root --format=tar \
-  --include=python3,python3-pip,python3-venv,python-is-python3,ca-certificates \
+  --include=python3,python3-dev,python3-pip,python3-venv,python-is-python3,ca-certificates \
   --customize-hook='rm -f "$1"/usr/lib/python3*/EXTERNALLY-MANAGED' \
   bookworm "$tmp/rootfs.tar" \
   "deb $mirror bookworm main" "deb $mirror bookworm-updates main" \
