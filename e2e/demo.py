@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -110,10 +111,24 @@ def wait_ready(layout: cp.Layout, namespace: str, timeout: float) -> None:
         _PAUSE.wait(1.0)
 
 
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (the local cluster)
+            return int(response.status) == 200
+    except OSError:
+        return False
+
+
 def ask(layout: cp.Layout, namespace: str, model: Path) -> dict[str, Any]:
     """One chat completion through the router Service; what decode loaded, from its own counters."""
     service = kubectl_json(layout, "service", f"{NAME}-router", "-n", namespace)
     router = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+    # The router answers 503 until its own checks have seen a ready engine of each role.
+    deadline = time.monotonic() + 60
+    while not _answers(f"{router}/ready"):
+        if time.monotonic() > deadline:
+            raise DemoError(f"{router}/ready did not answer 200 within 60s")
+        _PAUSE.wait(0.5)
     decode_ip = kubectl_json(layout, "pod", f"{NAME}-decode-0", "-n", namespace)["status"]["podIP"]
     decode = f"http://{decode_ip}:{8000}"
     before = counter(metrics_text(decode), "vllm:external_prefix_cache_hits")

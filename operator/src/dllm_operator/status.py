@@ -57,6 +57,13 @@ def pod_problem(pod: dict[str, Any]) -> str | None:
         waiting = status.get("state", {}).get("waiting", {})
         if waiting.get("reason") in _WAITING_FAILURES:
             return f"{name} {waiting['reason']}: {waiting.get('message', '')}".strip()
+    for status in statuses:
+        # A container that died and is not back yet (a crash, an OOM kill): the pod is broken until
+        # it is ready again, not merely starting, even while the startup probe runs anew.
+        ended = status.get("lastState", {}).get("terminated")
+        if ended and not status.get("ready"):
+            exit_code, why = ended.get("exitCode", "?"), ended.get("reason") or "exited"
+            return f"{name} restarting: container {status.get('name', '?')} {why} (exit code {exit_code})"
     ready = _pod_condition(pod, "Ready")
     # The kubelet reports started=false until the startup probe passes (a loading model is not broken).
     started = bool(statuses) and all(s.get("started", True) for s in statuses)

@@ -61,9 +61,9 @@ def router_deployment(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str,
         "command": ["dllm-router"],
         "args": router_args(cr, config),
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
-        # Ready only once it has seen a ready engine of each role (/ready), so the Service and the
-        # CR's RouterReady never send clients to a router that would answer 503.
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 5},
+        # /health, not /ready: while a role has no ready engine the router should still answer, with a
+        # 503 naming the role; out of the Service's endpoints, clients would get "network unreachable".
+        "readinessProbe": {**health, "periodSeconds": 5},
         # Endpoints drop a terminating pod a moment after SIGTERM: keep accepting until they have.
         "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
         "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6},
