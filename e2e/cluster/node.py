@@ -219,7 +219,8 @@ def forget_old_pods(layout: cp.Layout) -> None:
     (their processes and mounts are gone): remove them, with their snapshots, before the kubelet starts,
     so it starts from an empty node as the fresh API server expects. Images stay."""
     for kind in ("containers", "sandboxes"):
-        ids = ctr(layout, kind, "ls", "-q").split()
+        # `ctr sandboxes ls` has no -q: the id is the first column, under a header line.
+        ids = [line.split()[0] for line in ctr(layout, kind, "ls").splitlines()[1:] if line.strip()]
         if ids:
             ctr(layout, kind, "rm", *ids)
 
