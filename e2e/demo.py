@@ -111,7 +111,7 @@ def wait_ready(layout: cp.Layout, namespace: str, timeout: float) -> None:
         _PAUSE.wait(1.0)
 
 
-def _answers(url: str) -> bool:
+def answers(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (the local cluster)
             return int(response.status) == 200
@@ -125,7 +125,7 @@ def ask(layout: cp.Layout, namespace: str, model: Path) -> dict[str, Any]:
     router = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
     # The router answers 503 until its own checks have seen a ready engine of each role.
     deadline = time.monotonic() + 60
-    while not _answers(f"{router}/ready"):
+    while not answers(f"{router}/ready"):
         if time.monotonic() > deadline:
             raise DemoError(f"{router}/ready did not answer 200 within 60s")
         _PAUSE.wait(0.5)

@@ -64,7 +64,14 @@ def served(cluster: Cluster) -> Iterator[Served]:
         pytest.fail(f"the real node is not running: {node.why_not(layout)}")
     model = demo.deploy(layout, NAMESPACE, 900, time.monotonic())
     try:
-        yield Served(cluster, layout, model)
+        served = Served(cluster, layout, model)
+        # Ready (the CR's) comes a moment before the router's own checks have seen both engines.
+        wait_until(lambda: demo.answers(served.router + "/ready"), 60, "the router's /ready")
+        # vLLM's CPU sampler compiles its log-probability op (torch.compile) at the first request that
+        # asks for them: on two busy cores that takes about a minute, once per engine start.
+        status, body = completion(served.router, PROMPTS[0], timeout=600)
+        assert status == 200, body
+        yield served
     finally:
         demo.undeploy(layout, NAMESPACE)
     # Deleting the CR and uninstalling leaves no pod, Service or kube-proxy rule of ours on the node.
@@ -200,7 +207,9 @@ def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready
     wait_until(
         lambda: served.condition("Ready").get("status") == "True", 600, "Ready again after the restart"
     )
-    status, body = completion(served.router, PROMPTS[0])
+    wait_until(lambda: demo.answers(served.router + "/ready"), 60, "the router's /ready after the restart")
+    # The restarted decode compiles its log-probability op again at its first request.
+    status, body = completion(served.router, PROMPTS[0], timeout=600)
     assert status == 200, body
 
 
@@ -258,7 +267,8 @@ def test_a_rolling_spec_change_fails_no_accepted_request(served: Served) -> None
         deadline = time.monotonic() + 900
         while not stop.is_set() and time.monotonic() < deadline:
             try:
-                status, body = completion(served.router, PROMPTS[1])
+                # Long enough for a restarted engine's first log-probability compile.
+                status, body = completion(served.router, PROMPTS[1], timeout=600)
                 results.append((status, str(body.get("error", {}).get("type", ""))))
             except OSError as error:  # counted as a failure: the router itself must stay reachable
                 results.append((0, repr(error)))
@@ -268,7 +278,7 @@ def test_a_rolling_spec_change_fails_no_accepted_request(served: Served) -> None
     worker = threading.Thread(target=trickle, daemon=True)
     worker.start()
     try:
-        wait_until(lambda: len(results) >= 3, 60, "the first requests of the trickle")
+        wait_until(lambda: len(results) >= 3, 120, "the first requests of the trickle")
         patch = {"spec": {"prefill": {"maxNumSeqs": 6}, "decode": {"maxNumSeqs": 6}}}
         served.cluster.run("patch", "dllm", NAME, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch))
 
@@ -303,7 +313,7 @@ def test_scaling_decode_to_two_sends_requests_to_both(served: Served) -> None:
     before = [counter(metrics_text(url), "vllm:request_success") for url in urls]
 
     def both_served() -> bool:
-        status, body = completion(served.router, PROMPTS[1])
+        status, body = completion(served.router, PROMPTS[1], timeout=600)  # decode-1's first compile
         assert status == 200, body
         return all(
             counter(metrics_text(u), "vllm:request_success") > b for u, b in zip(urls, before, strict=True)
