@@ -87,7 +87,7 @@ def served(cluster: Cluster) -> Iterator[Served]:
     wait_until(lambda: not rules_of_ours(), 60, "kube-proxy's rules for our Services to go")
 
 
-def completion(url: str, prompt: str) -> tuple[int, dict[str, Any]]:
+def completion(url: str, prompt: str, timeout: float = 120) -> tuple[int, dict[str, Any]]:
     body = {
         "model": "tiny-llama",
         "prompt": prompt,
@@ -95,7 +95,7 @@ def completion(url: str, prompt: str) -> tuple[int, dict[str, Any]]:
         "temperature": 0,
         "logprobs": 1,
     }
-    return post_json(url + "/v1/completions", body)
+    return post_json(url + "/v1/completions", body, timeout=timeout)
 
 
 def tokens(body: dict[str, Any]) -> list[str]:
