@@ -20,13 +20,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from e2e import models_volume, node_images
 from e2e.cluster import controlplane as cp
-from e2e.dataplane.pipeline import DEMO_CHAT, counter, metrics_text, post_json
+from e2e.dataplane.pipeline import DEMO_CHAT, counter, http_status, metrics_text, post_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "dllm-operator"
@@ -112,11 +111,7 @@ def wait_ready(layout: cp.Layout, namespace: str, timeout: float) -> None:
 
 
 def answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:  # noqa: S310 (the local cluster)
-            return int(response.status) == 200
-    except OSError:
-        return False
+    return http_status(url) == 200
 
 
 def ask(layout: cp.Layout, namespace: str, model: Path) -> dict[str, Any]:

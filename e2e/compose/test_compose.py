@@ -13,14 +13,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import yaml
 
-from e2e.dataplane.pipeline import DEMO_CHAT, counter, metrics_text, post_json
+from e2e.dataplane.pipeline import DEMO_CHAT, counter, http_status, metrics_text, post_json
 from e2e.dataplane.tiny_model import build
 from e2e.fixtures import wait_until
 from e2e.ports import free_port
@@ -35,14 +34,6 @@ BLOCK = 32  # the sample's blockSize
 
 def podman(*args: str) -> str:
     return subprocess.run(["podman", *args], check=True, capture_output=True, text=True, env=ENV).stdout
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (127.0.0.1)
-            return int(response.status) == 200
-    except OSError:
-        return False
 
 
 class Compose:
@@ -92,9 +83,13 @@ def compose() -> Iterator[Compose]:
         started = stack.run("up", "-d")
         assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
         for role in ("prefill", "decode"):
-            wait_until(lambda role=role: http_ok(stack.url(role) + "/health"), 300, f"{role} engine /health")
+            wait_until(
+                lambda role=role: http_status(stack.url(role) + "/health") == 200,
+                300,
+                f"{role} engine /health",
+            )
         # /ready is 503 until the router's own checks have seen both engines ready.
-        wait_until(lambda: http_ok(stack.url("router") + "/ready"), 60, "the router's /ready")
+        wait_until(lambda: http_status(stack.url("router") + "/ready") == 200, 60, "the router's /ready")
         yield stack
     finally:
         stack.run("down")
