@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import socket
+from functools import partial
 from typing import Any, cast
 
 import kopf
@@ -23,6 +24,20 @@ from dllm_operator.kube import KubeClient, load_credentials
 from dllm_operator.leader import LeaderElector
 
 log = logging.getLogger("dllm_operator")
+LEASE_CALL_TIMEOUT_S = 5.0
+
+
+class BackgroundTaskEnded(RuntimeError):
+    """The leader loop or the workers stopped: the process exits so that its pod restarts."""
+
+
+def _stop_when_done(stop: asyncio.Event, ended: list[str], task: asyncio.Task[Any]) -> None:
+    """Never keep running with a dead leader loop or dead workers (a stale leader, or no reconciles)."""
+    if task.cancelled() or stop.is_set():
+        return
+    ended.append(f"{task.get_name()} stopped: {task.exception()!r}")
+    log.critical("%s; exiting", ended[-1])
+    stop.set()
 
 
 def operator_config(args: argparse.Namespace) -> OperatorConfig:
@@ -71,6 +86,7 @@ async def operate(args: argparse.Namespace) -> None:
     config = operator_config(args)
     credentials = load_credentials(args.kubeconfig)
     client = KubeClient(credentials)
+    clients = [client]
     controller = Controller(client=client, config=config)
     ready = asyncio.Event()
     runner = web.AppRunner(health_app(controller, ready), access_log=None)
@@ -85,8 +101,12 @@ async def operate(args: argparse.Namespace) -> None:
             or os.environ.get("POD_NAMESPACE")
             or (config.namespaces[0] if config.namespaces else "default")
         )
+        # Its own connection pool and a timeout shorter than the renew deadline: a renewal never
+        # queues behind reconcile writes, and a hung call cannot outlive the leadership it renews.
+        lease_client = KubeClient(credentials, timeout=LEASE_CALL_TIMEOUT_S)
+        clients.append(lease_client)
         elector = LeaderElector(
-            client, namespace, args.lease_name, identity, on_elected=controller.requeue_all
+            lease_client, namespace, args.lease_name, identity, on_elected=controller.requeue_all
         )
         controller.is_leader = elector.is_leader
         tasks.append(asyncio.create_task(elector.run(), name="leader"))
@@ -94,6 +114,9 @@ async def operate(args: argparse.Namespace) -> None:
     ready.set()
     log.info("watching %s", ", ".join(config.namespaces) or "all namespaces")
     tasks.append(asyncio.create_task(controller.run_workers(), name="workers"))
+    stop, ended = asyncio.Event(), list[str]()
+    for task in tasks:
+        task.add_done_callback(partial(_stop_when_done, stop, ended))
     try:
         await kopf.operator(
             registry=build_registry(controller, credentials),
@@ -103,6 +126,7 @@ async def operate(args: argparse.Namespace) -> None:
             # kopf would otherwise name itself after the user's passwd entry, which a numeric
             # non-root user in a container does not have (getpwuid fails and the operator exits).
             identity=cast(Any, identity),  # kopf types it as a NewType it does not export
+            stop_flag=stop,
         )
     finally:
         for task in tasks:
@@ -113,8 +137,11 @@ async def operate(args: argparse.Namespace) -> None:
         if elector is not None:
             with contextlib.suppress(Exception):
                 await elector.release()
-        await client.close()
+        for each in clients:
+            await each.close()
         await runner.cleanup()
+    if ended:
+        raise BackgroundTaskEnded("; ".join(ended))
 
 
 def run_operator(args: argparse.Namespace) -> int:
