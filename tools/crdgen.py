@@ -14,7 +14,13 @@ from typing import Any
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connector" / "src"))
-from dllm_connector.kvconfig import CONTRACT_ENV_NAMES
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator" / "src"))
+from dllm_operator.api import (
+    DEFAULT_ROUTER_GRACE_SECONDS,
+    MIN_ROUTER_GRACE_SECONDS,
+    OPERATOR_ENV_NAMES,
+    RESERVED_ENV_NAMES,
+)
 
 GROUP = "disagg.dev"
 OUT = Path(__file__).resolve().parents[1] / "crds" / f"disaggregatedllms.{GROUP}.yaml"
@@ -297,9 +303,18 @@ def rdma_schema() -> Schema:
                 "Multus NetworkAttachmentDefinition names for the RDMA network (k8s.v1.cni.cncf.io/networks)."
             ),
             "hostNetwork": boolean(
-                "Use the host network; then one engine pod per node per role "
-                "(anti-affinity) so ports do not clash.",
+                "Use the host network (requires enabled); then one engine pod per node per role "
+                "(anti-affinity) so ports do not clash. NetworkPolicy does not apply to host-network "
+                "pods, and the chart's admission policy refuses it outside namespaces an admin labelled "
+                "dllm.dev/allow-privileged-engines=true.",
                 default=False,
+            ),
+            "ipcLock": boolean(
+                "Add the IPC_LOCK capability (with enabled) so Mooncake can pin its registered buffer "
+                "whatever the node's memlock limit. Pod Security baseline does not allow IPC_LOCK: set "
+                "false where the container runtime gives containers an unlimited RLIMIT_MEMLOCK and the "
+                "namespace enforces baseline.",
+                default=True,
             ),
         },
         default={},
@@ -310,7 +325,13 @@ def rdma_schema() -> Schema:
                     "(has(self.enabled) && self.enabled)",
                     "message": "mode hostDevices requires enabled: true",
                     "fieldPath": ".mode",
-                }
+                },
+                {
+                    "rule": "!has(self.hostNetwork) || !self.hostNetwork || "
+                    "(has(self.enabled) && self.enabled)",
+                    "message": "hostNetwork requires enabled: true",
+                    "fieldPath": ".hostNetwork",
+                },
             ]
         },
     )
@@ -320,12 +341,14 @@ def rdma_schema() -> Schema:
 
 
 def env_var_schema() -> Schema:
-    reserved = ", ".join(f"'{name}'" for name in CONTRACT_ENV_NAMES)
+    reserved = ", ".join(f"'{name}'" for name in RESERVED_ENV_NAMES)
     return {
         "type": "array",
         "description": "Extra environment variables (core/v1 EnvVar). Names the operator sets for KV "
-        "transfer (VLLM_KV_*, MOONCAKE_*, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID) are "
-        "refused.",
+        "transfer (VLLM_KV_*, MOONCAKE_*, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID) and "
+        f"authentication ({', '.join(OPERATOR_ENV_NAMES)}) are refused. The chart's admission policy "
+        "refuses valueFrom.secretKeyRef other than the model's hub token Secret outside opted-in "
+        "namespaces.",
         "maxItems": MAX_ITEMS,
         "items": obj(
             "One environment variable.",
@@ -343,7 +366,8 @@ def env_var_schema() -> Schema:
             {
                 "rule": f"self.all(e, !(e.name in [{reserved}]))",
                 "message": "env may not set a name the operator owns (the KV-transfer contract: VLLM_KV_*, "
-                "MOONCAKE_PROTOCOL, MOONCAKE_RDMA_DEVICE, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID)",
+                "MOONCAKE_PROTOCOL, MOONCAKE_RDMA_DEVICE, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID; "
+                f"authentication and ports: {', '.join(OPERATOR_ENV_NAMES)})",
             }
         ],
     }
@@ -471,6 +495,60 @@ def router_schema() -> Schema:
             "resources": resources_schema(),
             "nodeSelector": string_map("Node labels the router pods require."),
             "tolerations": tolerations_schema("router"),
+            "terminationGracePeriodSeconds": integer(
+                "Seconds a router pod gets on deletion: a 5 s preStop sleep (endpoints catch up), then "
+                "it stops accepting and lets in-flight requests finish for this minus 15 s "
+                "(dllm-router --drain-seconds). The default covers the router's 600 s request timeout, "
+                "so a rollout does not cut streams.",
+                MIN_ROUTER_GRACE_SECONDS,
+                86400,
+                default=DEFAULT_ROUTER_GRACE_SECONDS,
+            ),
+        },
+        default={},
+    )
+
+
+def peers_schema(description: str) -> Schema:
+    return {
+        "type": "array",
+        "description": description,
+        "maxItems": 16,
+        "items": passthrough(
+            "A networking.k8s.io/v1 NetworkPolicyPeer (podSelector, namespaceSelector, ipBlock), passed "
+            "through as is (a bad one shows as Degraded)."
+        ),
+    }
+
+
+def security_schema() -> Schema:
+    return obj(
+        "Isolation and authentication of the data plane. Both are on by default; turning one off is an "
+        "explicit choice. The namespace is the trust boundary: anyone who can create pods with this "
+        "resource's labels in its namespace can join its Services (docs/architecture.md).",
+        {
+            "networkPolicy": boolean(
+                "Render NetworkPolicies: the engines accept any port from this resource's engines and "
+                "only their HTTP port from its router pods (plus engineAllowedFrom); the router pods "
+                "accept their port from routerAllowedFrom (default anywhere). Needs a CNI that enforces "
+                "NetworkPolicy; false: no policy (an existing one is deleted).",
+                default=True,
+            ),
+            "authentication": boolean(
+                "Authenticate the data plane with a per-resource Secret (<name>-auth, random, made by the "
+                "operator): the KV side channel's HMAC key (DLLM_KV_AUTH_TOKEN), vLLM's --api-key on "
+                "/v1 (VLLM_API_KEY; /health and /metrics stay open) and the key the router sends "
+                "(DLLM_ENGINE_API_KEY). false: none of these.",
+                default=True,
+            ),
+            "routerAllowedFrom": peers_schema(
+                "Who may reach the router pods' port, with networkPolicy. Empty: anyone."
+            ),
+            "engineAllowedFrom": peers_schema(
+                "Extra peers allowed on the engines' HTTP port (/health, /metrics, /v1), with "
+                "networkPolicy: e.g. a Prometheus namespace, or node addresses (ipBlock) where the CNI "
+                "polices the kubelet's probes."
+            ),
         },
         default={},
     )
@@ -512,6 +590,7 @@ def spec_schema() -> Schema:
                 "decode", {"maxNumSeqs": 256, "maxNumBatchedTokens": 2048, "enableChunkedPrefill": False}
             ),
             "router": router_schema(),
+            "security": security_schema(),
         },
         required=["model"],
         **{

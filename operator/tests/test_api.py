@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dllm_cases import CRD_PATH, INVALID, ROOT, SAMPLES, invalid_body, load_cr, minimal
+from dllm_cases import CRD_PATH, INVALID, ROOT, SAMPLES, invalid_body, load_cr, merged, minimal
 
 from dllm_connector.kvconfig import Compression, Connector
-from dllm_operator.api import SpecInvalid, parse
+from dllm_operator.api import RESERVED_ENV_NAMES, SpecInvalid, parse
+from dllm_operator.render import auth
+from dllm_operator.render.ports import TRANSFER_PORTS_ENV
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
@@ -69,6 +71,30 @@ def test_at_least_25_invalid_cases() -> None:
     assert len(INVALID) >= 25
 
 
+def test_security_is_on_unless_turned_off() -> None:
+    """Existing YAML gets isolation and authentication; a user turns either off explicitly."""
+    security = parse(minimal()).spec.security
+    assert (security.network_policy, security.authentication) == (True, True)
+    off = parse(merged(minimal(), {"spec": {"security": {"networkPolicy": False, "authentication": False}}}))
+    assert (off.spec.security.network_policy, off.spec.security.authentication) == (False, False)
+
+
+def test_router_grace_default_covers_the_request_timeout() -> None:
+    assert parse(minimal()).spec.router.termination_grace_period_seconds == 630
+
+
+def test_operator_owned_env_names_are_reserved() -> None:
+    for name in (auth.KV_TOKEN_ENV, auth.ENGINE_API_KEY_ENV, auth.ROUTER_API_KEY_ENV, TRANSFER_PORTS_ENV):
+        assert name in RESERVED_ENV_NAMES
+        body = merged(minimal(), {"spec": {"decode": {"env": [{"name": name, "value": "x"}]}}})
+        with pytest.raises(SpecInvalid, match=rf"spec.decode.env: .*{name}"):
+            parse(body)
+    crd_rule = yaml.safe_load(CRD_PATH.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    env_rule = crd_rule["properties"]["spec"]["properties"]["prefill"]["properties"]["env"]
+    for name in RESERVED_ENV_NAMES:
+        assert f"'{name}'" in env_rule["x-kubernetes-validations"][0]["rule"]
+
+
 def test_missing_spec_is_refused() -> None:
     with pytest.raises(SpecInvalid, match=r"^spec: Required value$"):
         parse({"metadata": {"name": "x"}})
@@ -96,8 +122,9 @@ def test_crd_shape() -> None:
     ]
     text = CRD_PATH.read_text()
     # Unknown fields are kept only where a core type or a free-form map is passed through: per role
-    # env[].valueFrom, affinity and topologySpreadConstraints[]; and kvTransfer.custom.extraConfig.
-    assert text.count("x-kubernetes-preserve-unknown-fields") == 2 * 3 + 1
+    # env[].valueFrom, affinity and topologySpreadConstraints[]; kvTransfer.custom.extraConfig; and the
+    # NetworkPolicyPeers of security.routerAllowedFrom[] and engineAllowedFrom[].
+    assert text.count("x-kubernetes-preserve-unknown-fields") == 2 * 3 + 1 + 2
 
 
 def test_render_cli_refuses_an_invalid_file_without_partial_output(tmp_path: Path) -> None:

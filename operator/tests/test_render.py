@@ -12,9 +12,11 @@ import yaml
 from dllm_cases import ROOT, SAMPLES, load_cr, merged, minimal
 
 from dllm_connector.kvconfig import CONTRACT_ENV_NAMES, DOWNWARD_API_ENV
-from dllm_operator.api import parse
+from dllm_operator.api import SpecInvalid, parse
+from dllm_operator.config import ConfigInvalid, OperatorConfig
 from dllm_operator.render import HASH_ANNOTATION, render_all
 from dllm_operator.render.compose import render_compose
+from dllm_operator.render.ports import transfer_port_range
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 UID = "11111111-2222-3333-4444-555555555555"
@@ -235,3 +237,250 @@ def test_compose_mirrors_the_seed_topology() -> None:
     assert compose["services"]["router"]["entrypoint"] == ["dllm-router"]
     assert decode["entrypoint"] == ["dllm-serve"]
     assert decode["command"][0] == "--"
+
+
+# ---- C2, H7, M4: isolation, authentication, non-root engines, the router's drain -----------------
+
+
+def engine_pods(manifests: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {
+        sts["metadata"]["name"].rsplit("-", 1)[1]: sts["spec"]["template"]["spec"]
+        for sts in of_kind(manifests, "StatefulSet")
+    }
+
+
+def policy(manifests: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(m for m in of_kind(manifests, "NetworkPolicy") if m["metadata"]["name"] == name)
+
+
+def matches(selector: dict[str, Any], pod_labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels, matchExpressions with In) against one pod's labels."""
+    if not selector.get("matchLabels", {}).items() <= pod_labels.items():
+        return False
+    return all(pod_labels.get(e["key"]) in e["values"] for e in selector.get("matchExpressions", []))
+
+
+def test_engines_accept_each_other_on_any_port_and_the_router_on_http_only() -> None:
+    manifests = rendered(load_cr(ROOT / "crds/samples/cpu-tiny.yaml"))
+    engines = policy(manifests, "tiny-cpu-engines")
+    assert engines["metadata"]["ownerReferences"][0]["uid"] == UID
+    pod_labels = {
+        sts["metadata"]["name"]: sts["spec"]["template"]["metadata"]["labels"]
+        for sts in of_kind(manifests, "StatefulSet")
+    }
+    router_labels = of_kind(manifests, "Deployment")[0]["spec"]["template"]["metadata"]["labels"]
+    assert all(matches(engines["spec"]["podSelector"], labels) for labels in pod_labels.values())
+    assert not matches(engines["spec"]["podSelector"], router_labels)
+    assert engines["spec"]["policyTypes"] == ["Ingress"]
+    peers, router_rule = engines["spec"]["ingress"]
+    assert "ports" not in peers  # any port: side channel, Mooncake, TCPStore
+    assert all(matches(peers["from"][0]["podSelector"], labels) for labels in pod_labels.values())
+    assert not matches(peers["from"][0]["podSelector"], {**router_labels, "app.kubernetes.io/instance": "x"})
+    assert matches(router_rule["from"][0]["podSelector"], router_labels)
+    assert router_rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    other_cr = {**router_labels, "app.kubernetes.io/instance": "other"}
+    assert not matches(router_rule["from"][0]["podSelector"], other_cr)
+    router = policy(manifests, "tiny-cpu-router")
+    assert matches(router["spec"]["podSelector"], router_labels)
+    assert router["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]  # from anywhere
+
+
+def test_network_policy_peers_and_the_mooncake_bootstrap_port() -> None:
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    clients = {"podSelector": {"matchLabels": {"role": "client"}}}
+    body = merged(
+        minimal(),
+        {
+            "spec": {
+                "kvTransfer": {"connector": "custom", "custom": {"connectorClass": "MooncakeConnector"}},
+                "security": {"engineAllowedFrom": [prometheus], "routerAllowedFrom": [clients]},
+            }
+        },
+    )
+    manifests = rendered(body)
+    ingress = policy(manifests, "minimal-engines")["spec"]["ingress"]
+    assert ingress[1]["ports"] == [{"port": "http", "protocol": "TCP"}, {"port": 8998, "protocol": "TCP"}]
+    assert ingress[2] == {"from": [prometheus], "ports": [{"port": "http", "protocol": "TCP"}]}
+    assert policy(manifests, "minimal-router")["spec"]["ingress"][0]["from"] == [clients]
+
+
+def test_without_a_router_the_engines_http_port_is_the_endpoint() -> None:
+    manifests = rendered(merged(minimal(), {"spec": {"router": {"enabled": False}}}))
+    assert [m["metadata"]["name"] for m in of_kind(manifests, "NetworkPolicy")] == ["minimal-engines"]
+    assert policy(manifests, "minimal-engines")["spec"]["ingress"][1] == {
+        "ports": [{"port": "http", "protocol": "TCP"}]
+    }
+
+
+def test_auth_secret_reaches_engines_and_router_by_reference_only() -> None:
+    manifests = rendered(minimal())
+    for pod in engine_pods(manifests).values():
+        env = {e["name"]: e for e in pod["containers"][0]["env"]}
+        assert env["DLLM_KV_AUTH_TOKEN"]["valueFrom"] == {
+            "secretKeyRef": {"name": "minimal-auth", "key": "kv-token"}
+        }
+        assert env["VLLM_API_KEY"]["valueFrom"] == {
+            "secretKeyRef": {"name": "minimal-auth", "key": "api-key"}
+        }
+        assert "value" not in env["VLLM_API_KEY"]
+    router = of_kind(manifests, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
+    assert router["env"] == [
+        {
+            "name": "DLLM_ENGINE_API_KEY",
+            "valueFrom": {"secretKeyRef": {"name": "minimal-auth", "key": "api-key"}},
+        }
+    ]
+    assert of_kind(manifests, "Secret") == []  # random values: the controller creates it once
+
+
+def test_security_opt_out_renders_no_policy_and_no_secret_refs() -> None:
+    body = merged(minimal(), {"spec": {"security": {"networkPolicy": False, "authentication": False}}})
+    manifests = rendered(body)
+    assert of_kind(manifests, "NetworkPolicy") == []
+    text = yaml.safe_dump_all(manifests)
+    assert "secretKeyRef" not in text
+    assert "DLLM_ENGINE_API_KEY" not in text
+
+
+def test_transfer_ports_are_a_function_of_the_kv_port() -> None:
+    assert transfer_port_range(50051) == (50115, 50178)
+    assert transfer_port_range(65408) == (65472, 65535)  # the last port that fits above
+    assert transfer_port_range(65409) == (65345, 65408)  # would pass 65535: below the port
+    assert transfer_port_range(65535) == (65471, 65534)
+    assert transfer_port_range(1) == (65, 128)
+    body = merged(minimal(), {"spec": {"kvTransfer": {"port": 65000}, "decode": {"tensorParallelSize": 2}}})
+    pods = engine_pods(rendered(body))
+    decode = pods["decode"]["containers"][0]
+    assert env_of_container(decode)["DLLM_KV_TRANSFER_PORTS"] == "65064-65127"
+    assert [(p["name"], p["containerPort"]) for p in decode["ports"]] == [
+        ("http", 8000),
+        ("kv", 65000),
+        ("kv-1", 65001),
+    ]
+
+
+def env_of_container(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+def test_engines_run_as_the_images_non_root_user_without_rdma() -> None:
+    for pod in engine_pods(rendered(minimal())).values():
+        assert pod["securityContext"] == {
+            "seccompProfile": {"type": "RuntimeDefault"},
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "fsGroup": 10001,
+            "fsGroupChangePolicy": "OnRootMismatch",
+        }
+        container = pod["containers"][0]["securityContext"]
+        assert container["allowPrivilegeEscalation"] is False
+        assert container["capabilities"] == {"drop": ["ALL"]}
+        assert container["runAsNonRoot"] is True
+        assert "hostNetwork" not in pod
+        assert all("hostPath" not in volume for volume in pod["volumes"])
+
+
+def test_rdma_capabilities_decide_root() -> None:
+    with_lock = engine_pods(rendered(merged(minimal(), {"spec": {"rdma": {"enabled": True}}})))
+    assert "runAsUser" not in with_lock["decode"]["securityContext"]  # IPC_LOCK reaches root only
+    assert with_lock["decode"]["containers"][0]["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    body = merged(minimal(), {"spec": {"rdma": {"enabled": True, "ipcLock": False}}})
+    without = engine_pods(rendered(body))["decode"]
+    assert without["securityContext"]["runAsUser"] == 10001
+    assert without["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert without["containers"][0]["resources"]["limits"]["rdma/hca_shared_devices_a"] == "1"
+
+
+def router_pod(manifests: list[dict[str, Any]]) -> dict[str, Any]:
+    return dict(of_kind(manifests, "Deployment")[0]["spec"]["template"]["spec"])
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_router_grace_covers_its_drain_and_prestop() -> None:
+    pod = router_pod(rendered(minimal()))
+    container = pod["containers"][0]
+    drain = int(flag(container["args"], "--drain-seconds"))
+    prestop = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert drain >= 600  # the router's request timeout: a stream started before SIGTERM can finish
+    assert pod["terminationGracePeriodSeconds"] >= drain + prestop + 5
+    short = router_pod(
+        rendered(merged(minimal(), {"spec": {"router": {"terminationGracePeriodSeconds": 15}}}))
+    )
+    assert (
+        short["terminationGracePeriodSeconds"],
+        flag(short["containers"][0]["args"], "--drain-seconds"),
+    ) == (
+        15,
+        "0",
+    )
+
+
+@pytest.mark.parametrize(
+    ("limits", "body_mb"),
+    [
+        ({"memory": "1Gi"}, "8"),
+        ({"memory": "512Mi"}, "4"),
+        ({"memory": "64Mi"}, "1"),
+        ({"memory": "64Gi"}, "64"),
+        ({}, "8"),
+    ],
+)
+def test_router_body_limit_follows_its_memory_limit(limits: dict[str, str], body_mb: str) -> None:
+    resources = {"requests": {"memory": "64Mi"}, "limits": limits}
+    pod = router_pod(rendered(merged(minimal(), {"spec": {"router": {"resources": resources}}})))
+    assert flag(pod["containers"][0]["args"], "--max-body-mb") == body_mb
+
+
+MULTUS = {"k8s.v1.cni.cncf.io/networks": "x"}
+APPARMOR = {"container.apparmor.security.beta.kubernetes.io/vllm": "unconfined"}
+OTHER_SECRET = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "team-b", "key": "k"}}}]
+TOLERATE_ALL = [{"operator": "Exists"}]
+PRIVILEGED = [
+    ("host-network", {"rdma": {"enabled": True, "hostNetwork": True}}, "spec.rdma.hostNetwork"),
+    ("host-devices", {"rdma": {"enabled": True, "mode": "hostDevices"}}, "spec.rdma.mode"),
+    ("other-secret", {"decode": {"env": OTHER_SECRET}}, "spec.decode.env[0].valueFrom.secretKeyRef"),
+    ("multus", {"prefill": {"podAnnotations": MULTUS}}, "spec.prefill.podAnnotations"),
+    ("apparmor", {"prefill": {"podAnnotations": APPARMOR}}, "spec.prefill.podAnnotations"),
+    ("tolerate-all", {"decode": {"tolerations": TOLERATE_ALL}}, "spec.decode.tolerations[0].key"),
+    ("router-tolerate-all", {"router": {"tolerations": TOLERATE_ALL}}, "spec.router.tolerations[0].key"),
+    ("foreign-network", {"rdma": {"enabled": True, "networks": ["kube-system/net"]}}, "spec.rdma.networks"),
+]
+
+
+@pytest.mark.parametrize(("case", "patch", "path"), PRIVILEGED, ids=[c[0] for c in PRIVILEGED])
+def test_operator_refuses_privileged_engines_when_configured(
+    case: str, patch: dict[str, Any], path: str
+) -> None:
+    body = merged(merged(minimal(), {"metadata": {"namespace": "serving", "uid": UID}}), {"spec": patch})
+    cr = parse(body)
+    assert render_all(cr)  # allowed by default: the chart's admission policy decides per namespace
+    with pytest.raises(SpecInvalid) as refused:
+        render_all(cr, OperatorConfig(allow_privileged_engines=False))
+    assert path in [error.path for error in refused.value.errors], case
+
+
+def test_hub_token_secret_stays_allowed_and_images_can_be_pinned_to_a_registry() -> None:
+    hub = {"huggingFace": {"tokenSecretRef": {"name": "hf", "key": "token"}}}
+    env = [{"name": "HF_TOKEN_COPY", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    body = merged(minimal(), {"spec": {"model": {"name": "m", "source": hub}, "decode": {"env": env}}})
+    assert render_all(parse(body), OperatorConfig(allow_privileged_engines=False))
+    pinned = OperatorConfig(allowed_image_prefixes=("registry.example/",))
+    assert render_all(parse(merged(minimal(), {"spec": {"image": "registry.example/vllm:1"}})), pinned)
+    with pytest.raises(SpecInvalid, match=r"spec.router.image: evil.example/r:1"):
+        render_all(parse(merged(minimal(), {"spec": {"router": {"image": "evil.example/r:1"}}})), pinned)
+
+
+def test_operator_flags_from_the_environment() -> None:
+    config = OperatorConfig.from_env(
+        {"DLLM_ALLOW_PRIVILEGED_ENGINES": "false", "DLLM_ALLOWED_IMAGE_PREFIXES": "a.example/, b.example/"}
+    )
+    assert (config.allow_privileged_engines, config.allowed_image_prefixes) == (
+        False,
+        ("a.example/", "b.example/"),
+    )
+    assert OperatorConfig.from_env({}).allow_privileged_engines is True
+    with pytest.raises(ConfigInvalid, match="DLLM_ALLOW_PRIVILEGED_ENGINES: 'no' is not true or false"):
+        OperatorConfig.from_env({"DLLM_ALLOW_PRIVILEGED_ENGINES": "no"})

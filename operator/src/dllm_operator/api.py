@@ -31,6 +31,16 @@ API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "DisaggregatedLLM"
 PLURAL = "disaggregatedllms"
 
+# Env names the operator sets beside the KV-transfer contract: the auth Secret's keys (render/auth.py)
+# and Mooncake's port range (render/ports.py). A role's `env` may not use them either.
+OPERATOR_ENV_NAMES: tuple[str, ...] = (
+    "DLLM_KV_AUTH_TOKEN",
+    "VLLM_API_KEY",
+    "DLLM_ENGINE_API_KEY",
+    "DLLM_KV_TRANSFER_PORTS",
+)
+RESERVED_ENV_NAMES: tuple[str, ...] = tuple(dict.fromkeys((*CONTRACT_ENV_NAMES, *OPERATOR_ENV_NAMES)))
+
 MAX_NAME_LENGTH = 44
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 QUANTITY = re.compile(
@@ -128,6 +138,7 @@ class RDMASpec(_Model):
     gid_index: Annotated[int, Field(ge=0, le=255)] | None = None
     networks: Annotated[tuple[Name, ...], Field(max_length=64)] = ()
     host_network: bool = False
+    ipc_lock: bool = True
 
 
 # ---- spec.prefill / spec.decode -------------------------------------------------------------------
@@ -193,9 +204,10 @@ class RoleSpec(_Model):
     @classmethod
     def _no_contract_names(cls, env: tuple[EnvVar, ...]) -> tuple[EnvVar, ...]:
         for var in env:
-            if var.name in CONTRACT_ENV_NAMES:
+            if var.name in RESERVED_ENV_NAMES:
                 raise ValueError(
-                    f"env may not set {var.name}: the operator owns the KV-transfer contract names"
+                    f"env may not set {var.name}: the operator owns the KV-transfer contract and "
+                    "authentication names"
                 )
         return env
 
@@ -211,6 +223,12 @@ class DecodeSpec(RoleSpec):
     enable_chunked_prefill: bool | None = False
 
 
+# The router's default request timeout (dllm-router --request-timeout-s) plus its preStop sleep and a
+# margin: a stream started just before SIGTERM can finish (M4).
+DEFAULT_ROUTER_GRACE_SECONDS = 630
+MIN_ROUTER_GRACE_SECONDS = 15  # the 5 s preStop sleep plus the 10 s the router keeps to shut down
+
+
 class RouterSpec(_Model):
     enabled: bool = True
     replicas: Annotated[int, Field(ge=0, le=1000)] = 1
@@ -221,6 +239,22 @@ class RouterSpec(_Model):
     resources: ResourceRequirements = ResourceRequirements()
     node_selector: StringMap = Field(default_factory=dict)
     tolerations: Annotated[tuple[Toleration, ...], Field(max_length=64)] = ()
+    termination_grace_period_seconds: Annotated[int, Field(ge=MIN_ROUTER_GRACE_SECONDS, le=86400)] = (
+        DEFAULT_ROUTER_GRACE_SECONDS
+    )
+
+
+# A core/v1 NetworkPolicyPeer (podSelector, namespaceSelector, ipBlock), passed through as is.
+NetworkPolicyPeer = dict[str, Any]
+
+
+class SecuritySpec(_Model):
+    """Isolation and authentication of the data plane; both on unless a user turns them off."""
+
+    network_policy: bool = True
+    authentication: bool = True
+    router_allowed_from: Annotated[tuple[NetworkPolicyPeer, ...], Field(max_length=16)] = ()
+    engine_allowed_from: Annotated[tuple[NetworkPolicyPeer, ...], Field(max_length=16)] = ()
 
 
 class LocalObjectReference(_Model):
@@ -237,6 +271,7 @@ class Spec(_Model):
     prefill: PrefillSpec = PrefillSpec()
     decode: DecodeSpec = DecodeSpec()
     router: RouterSpec = RouterSpec()
+    security: SecuritySpec = SecuritySpec()
 
 
 class Metadata(BaseModel):
@@ -334,6 +369,8 @@ def _cross_field_errors(spec: Spec) -> list[FieldError]:
         errors.append(FieldError("spec.model.source", "at most one of pvc and huggingFace may be set"))
     if spec.rdma.mode is RDMAMode.HOST_DEVICES and not spec.rdma.enabled:
         errors.append(FieldError("spec.rdma.mode", "mode hostDevices requires enabled: true"))
+    if spec.rdma.host_network and not spec.rdma.enabled:
+        errors.append(FieldError("spec.rdma.hostNetwork", "hostNetwork requires enabled: true"))
     if kv.protocol == Protocol.RDMA.value and not spec.rdma.enabled:
         errors.append(
             FieldError("spec.kvTransfer.protocol", "kvTransfer.protocol rdma requires rdma.enabled: true")

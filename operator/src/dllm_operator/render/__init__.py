@@ -10,9 +10,9 @@ import hashlib
 import json
 from typing import Any
 
-from dllm_operator.api import DisaggregatedLLM
+from dllm_operator.api import DisaggregatedLLM, SpecInvalid
 from dllm_operator.config import OperatorConfig
-from dllm_operator.render import engine, router
+from dllm_operator.render import engine, netpol, policy, router
 
 HASH_ANNOTATION = "disagg.dev/desired-hash"
 ROLES: tuple[engine.EngineRole, ...] = ("prefill", "decode")
@@ -30,9 +30,13 @@ def with_hash(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def render_all(cr: DisaggregatedLLM, config: OperatorConfig | None = None) -> list[dict[str, Any]]:
-    """Every child the spec wants, in apply order (Services before the workloads that use them)."""
+    """Every child the spec wants, in apply order (policies, then Services before the workloads that use
+    them). Raises SpecInvalid, naming the fields, for what the operator's configuration refuses."""
     config = config or OperatorConfig()
-    children: list[dict[str, Any] | None] = []
+    refused = policy.refused(cr, config)
+    if refused:
+        raise SpecInvalid(refused)
+    children: list[dict[str, Any] | None] = [*netpol.network_policies(cr)]
     for role in ROLES:
         children += [
             engine.headless_service(cr, role),

@@ -14,7 +14,8 @@ from dllm_connector.kvconfig import (
 )
 from dllm_operator.api import DisaggregatedLLM, RDMAMode, RoleSpec
 from dllm_operator.config import OperatorConfig
-from dllm_operator.render import labels
+from dllm_operator.render import auth, labels
+from dllm_operator.render.ports import TRANSFER_PORTS_ENV, side_channel_ports, transfer_ports_value
 from dllm_operator.render.quantity import gigabytes_to_bytes, mebibytes, to_bytes
 
 EngineRole = Literal["prefill", "decode"]
@@ -23,6 +24,9 @@ MODEL_MOUNT = "/models"
 HF_CACHE_MOUNT = "/var/cache/huggingface"
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 GPU_RESOURCE = "nvidia.com/gpu"
+# The images' numeric non-root user (images/vllm, images/vllm-cpu); engines run as it unless RDMA needs
+# a capability, which Kubernetes gives only to root.
+ENGINE_UID = 10001
 
 
 def role_spec(cr: DisaggregatedLLM, role: EngineRole) -> RoleSpec:
@@ -74,10 +78,16 @@ def kv_settings(cr: DisaggregatedLLM, role: EngineRole) -> KVTransferSettings:
 
 def engine_env(cr: DisaggregatedLLM, role: EngineRole) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in to_env(kv_settings(cr, role)).items()]
+    env.append({"name": TRANSFER_PORTS_ENV, "value": transfer_ports_value(cr.spec.kv_transfer.port)})
     env += [
         {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
         for name, path in DOWNWARD_API_ENV.items()
     ]
+    if cr.spec.security.authentication:  # by reference: the operator never reads the values
+        env += [
+            auth.secret_ref(cr, auth.KV_TOKEN_ENV, auth.KV_TOKEN_KEY),
+            auth.secret_ref(cr, auth.ENGINE_API_KEY_ENV, auth.API_KEY_KEY),
+        ]
     env += _model_source_env(cr)
     env += [var.model_dump(by_alias=True, exclude_none=True) for var in role_spec(cr, role).env]
     return env
@@ -159,17 +169,50 @@ def _without_zero_gpus(resources: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in resources.items() if not (k == GPU_RESOURCE and str(v) == "0")}
 
 
-def security_context(cr: DisaggregatedLLM) -> dict[str, Any]:
-    """Never privileged. RDMA needs pinned memory (IPC_LOCK); host devices also raise rlimits."""
+def added_capabilities(cr: DisaggregatedLLM) -> list[str]:
+    """RDMA pins memory (IPC_LOCK, unless the runtime's memlock limit suffices); host devices also
+    raise rlimits."""
+    rdma = cr.spec.rdma
     add: list[str] = []
-    if cr.spec.rdma.enabled:
+    if rdma.enabled and rdma.ipc_lock:
         add.append("IPC_LOCK")
-    if cr.spec.rdma.mode is RDMAMode.HOST_DEVICES:
+    if rdma.enabled and rdma.mode is RDMAMode.HOST_DEVICES:
         add.append("SYS_RESOURCE")
+    return add
+
+
+def runs_as_root(cr: DisaggregatedLLM) -> bool:
+    """Added capabilities reach only root's processes (Kubernetes sets no ambient capabilities)."""
+    return bool(added_capabilities(cr))
+
+
+def security_context(cr: DisaggregatedLLM) -> dict[str, Any]:
+    """Never privileged. Without added capabilities the pod meets Pod Security "restricted" (H7)."""
+    add = added_capabilities(cr)
     capabilities: dict[str, Any] = {"drop": ["ALL"]}
     if add:
         capabilities["add"] = add
-    return {"privileged": False, "allowPrivilegeEscalation": False, "capabilities": capabilities}
+    context: dict[str, Any] = {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "capabilities": capabilities,
+    }
+    if not runs_as_root(cr):
+        context["runAsNonRoot"] = True
+    return context
+
+
+def pod_security_context(cr: DisaggregatedLLM) -> dict[str, Any]:
+    context: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
+    if not runs_as_root(cr):
+        # fsGroup: a writable hub cache volume for the non-root user.
+        context |= {
+            "runAsNonRoot": True,
+            "runAsUser": ENGINE_UID,
+            "fsGroup": ENGINE_UID,
+            "fsGroupChangePolicy": "OnRootMismatch",
+        }
+    return context
 
 
 def volumes_and_mounts(
@@ -253,10 +296,7 @@ def engine_container(cr: DisaggregatedLLM, role: EngineRole, config: OperatorCon
         "image": spec.image or cr.spec.image or config.engine_image,
         "command": ["dllm-serve"],
         "args": ["--", *engine_args(cr, role)],
-        "ports": [
-            {"name": "http", "containerPort": spec.port, "protocol": "TCP"},
-            {"name": "kv", "containerPort": cr.spec.kv_transfer.port, "protocol": "TCP"},
-        ],
+        "ports": engine_ports(cr, role),
         "env": engine_env(cr, role),
         "resources": engine_resources(cr, role),
         "securityContext": security_context(cr),
@@ -264,6 +304,20 @@ def engine_container(cr: DisaggregatedLLM, role: EngineRole, config: OperatorCon
         "lifecycle": drain_hook(spec),
         **probes(spec.port),
     }
+
+
+def engine_ports(cr: DisaggregatedLLM, role: EngineRole) -> list[dict[str, Any]]:
+    """HTTP, and each TP rank's side channel (rank r: kv port + r). Mooncake's 64-port range
+    (DLLM_KV_TRANSFER_PORTS) is not listed: the engines' NetworkPolicy admits any port between them."""
+    spec = role_spec(cr, role)
+    kv_ports = side_channel_ports(cr.spec.kv_transfer.port, spec.tensor_parallel_size)
+    return [
+        {"name": "http", "containerPort": spec.port, "protocol": "TCP"},
+        *(
+            {"name": "kv" if rank == 0 else f"kv-{rank}", "containerPort": port, "protocol": "TCP"}
+            for rank, port in enumerate(kv_ports)
+        ),
+    ]
 
 
 def pod_annotations(cr: DisaggregatedLLM, role: EngineRole) -> dict[str, str]:
@@ -280,7 +334,7 @@ def pod_template(cr: DisaggregatedLLM, role: EngineRole, config: OperatorConfig)
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
-        "securityContext": {"seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": pod_security_context(cr),
         "containers": [engine_container(cr, role, config)],
         "volumes": volumes,
     }

@@ -64,5 +64,15 @@ def metadata(cr: DisaggregatedLLM, component: Component, name: str | None = None
     }
 
 
+def shared_metadata(cr: DisaggregatedLLM, name: str) -> dict[str, Any]:
+    """Metadata of a child that belongs to no single component (a NetworkPolicy over both engines)."""
+    return {
+        "name": name,
+        "namespace": cr.namespace,
+        "labels": instance_selector(cr) | {PART_OF: cr.name},
+        "ownerReferences": [owner_reference(cr)],
+    }
+
+
 def service_host(cr: DisaggregatedLLM, component: Component, cluster_domain: str) -> str:
     return f"{child_name(cr, component)}.{cr.namespace}.svc.{cluster_domain}"

@@ -7,10 +7,18 @@ from typing import Any
 from dllm_connector.kvconfig import Connector
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
-from dllm_operator.render import labels
+from dllm_operator.render import auth, labels
+from dllm_operator.render.quantity import to_bytes
 
 # vLLM built-in connectors whose PD protocol the router speaks.
 _BUILTIN_FLOWS = {"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}
+PRESTOP_SLEEP_S = 5  # endpoints drop a terminating pod a moment after SIGTERM
+SHUTDOWN_MARGIN_S = 10  # after the drain: closing connections, flushing logs
+DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+# H2: a JSON body expands 20-25x once parsed, and several arrive at once: 1/128 of the memory limit.
+BODY_FRACTION = 128
+DEFAULT_MAX_BODY_MB = 8  # the router's own default, used when no memory limit is set
+MAX_BODY_MB_CAP = 64
 
 
 def router_flow(cr: DisaggregatedLLM) -> str:
@@ -34,7 +42,10 @@ def router_args(cr: DisaggregatedLLM, config: OperatorConfig) -> list[str]:
 
 
 def router_command_args(cr: DisaggregatedLLM, port: int, endpoints: list[str]) -> list[str]:
-    """dllm-router's flags, given how it reaches the engines (DNS in a cluster, URLs on one host)."""
+    """dllm-router's flags, given how it reaches the engines (DNS in a cluster, URLs on one host).
+
+    The other limits (--max-prompts, --max-n, --max-connections, --head-timeout-s, --body-timeout-s)
+    stay at the router's defaults."""
     spec = cr.spec
     return [
         "--host", "0.0.0.0",
@@ -44,18 +55,41 @@ def router_command_args(cr: DisaggregatedLLM, port: int, endpoints: list[str]) -
         "--decode-kv-port", str(spec.kv_transfer.port),
         "--prefill-tp-size", str(spec.prefill.tensor_parallel_size),
         "--decode-tp-size", str(spec.decode.tensor_parallel_size),
+        "--max-body-mb", str(max_body_mb(cr)),
+        "--drain-seconds", str(drain_seconds(cr)),
     ]  # fmt: skip
+
+
+def router_resources(cr: DisaggregatedLLM) -> dict[str, Any]:
+    router = cr.spec.router
+    if router.resources.limits or router.resources.requests:
+        return router.resources.model_dump(by_alias=True)
+    return DEFAULT_RESOURCES
+
+
+def max_body_mb(cr: DisaggregatedLLM) -> int:
+    """The largest request body, from the router's memory limit (H2)."""
+    limit = router_resources(cr).get("limits", {}).get("memory")
+    try:
+        limit_bytes = to_bytes(limit) if limit is not None else None
+    except ValueError:  # a quantity spelled in a form this parser does not read (e.g. 1e9)
+        limit_bytes = None
+    if limit_bytes is None:
+        return DEFAULT_MAX_BODY_MB
+    return max(1, min(limit_bytes // BODY_FRACTION // 2**20, MAX_BODY_MB_CAP))
+
+
+def drain_seconds(cr: DisaggregatedLLM) -> int:
+    """What in-flight requests get after SIGTERM: the grace period less the preStop sleep and a margin
+    (M4); at least 0 (the CRD's minimum grace is their sum)."""
+    grace = cr.spec.router.termination_grace_period_seconds
+    return max(grace - PRESTOP_SLEEP_S - SHUTDOWN_MARGIN_S, 0)
 
 
 def router_deployment(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any]:
     router = cr.spec.router
     health = {"httpGet": {"path": "/health", "port": "http"}}
-    resources = (
-        router.resources.model_dump(by_alias=True)
-        if (router.resources.limits or router.resources.requests)
-        else {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
-    )
-    container = {
+    container: dict[str, Any] = {
         "name": "router",
         "image": router.image or config.router_image,
         "command": ["dllm-router"],
@@ -65,9 +99,9 @@ def router_deployment(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str,
         # 503 naming the role; out of the Service's endpoints, clients would get "network unreachable".
         "readinessProbe": {**health, "periodSeconds": 5},
         # Endpoints drop a terminating pod a moment after SIGTERM: keep accepting until they have.
-        "lifecycle": {"preStop": {"sleep": {"seconds": 5}}},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
         "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 6},
-        "resources": resources,
+        "resources": router_resources(cr),
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
@@ -75,9 +109,12 @@ def router_deployment(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str,
             "capabilities": {"drop": ["ALL"]},
         },
     }
+    if cr.spec.security.authentication:  # the engines' vLLM API key, sent as a Bearer token
+        container["env"] = [auth.secret_ref(cr, auth.ROUTER_API_KEY_ENV, auth.API_KEY_KEY)]
     pod: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": router.termination_grace_period_seconds,
         "securityContext": {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
     }
