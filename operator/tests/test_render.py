@@ -484,3 +484,22 @@ def test_operator_flags_from_the_environment() -> None:
     assert OperatorConfig.from_env({}).allow_privileged_engines is True
     with pytest.raises(ConfigInvalid, match="DLLM_ALLOW_PRIVILEGED_ENGINES: 'no' is not true or false"):
         OperatorConfig.from_env({"DLLM_ALLOW_PRIVILEGED_ENGINES": "no"})
+
+
+def test_compose_takes_credentials_from_the_run_environment_and_holds_none() -> None:
+    text = render_compose(parse(load_cr(ROOT / "crds/samples/cpu-tiny.yaml")))
+    compose = yaml.safe_load(text)
+    for service in ("prefill-server", "decode-server"):
+        env = compose["services"][service]["environment"]
+        assert (env["DLLM_KV_AUTH_TOKEN"], env["VLLM_API_KEY"]) == (None, None)  # passed through if set
+        assert env["DLLM_KV_TRANSFER_PORTS"] == "50115-50178"
+    router = compose["services"]["router"]
+    assert router["environment"] == {"DLLM_ENGINE_API_KEY": "${VLLM_API_KEY:-}"}
+    assert router["stop_grace_period"] == "630s"
+    assert "--drain-seconds" in router["command"]
+    off = merged(
+        load_cr(ROOT / "crds/samples/cpu-tiny.yaml"), {"spec": {"security": {"authentication": False}}}
+    )
+    plain = yaml.safe_load(render_compose(parse(off)))
+    assert "VLLM_API_KEY" not in plain["services"]["decode-server"]["environment"]
+    assert "environment" not in plain["services"]["router"]

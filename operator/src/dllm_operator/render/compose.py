@@ -10,8 +10,14 @@ import jinja2
 from dllm_connector.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, to_env
 from dllm_operator.api import DisaggregatedLLM, RDMAMode
 from dllm_operator.config import OperatorConfig
-from dllm_operator.render import engine
+from dllm_operator.render import auth, engine
+from dllm_operator.render.ports import TRANSFER_PORTS_ENV, transfer_ports_value
 from dllm_operator.render.router import router_command_args
+
+# The compose file holds no secret: with authentication on, the engines take DLLM_KV_AUTH_TOKEN and
+# VLLM_API_KEY from the environment of the compose run (unset there: none), and the router gets the
+# same VLLM_API_KEY. A null value is compose's "pass this variable through".
+COMPOSE_API_KEY = "${VLLM_API_KEY:-}"
 
 # The seed's service names and host ports: both engines share one host, so decode moves to 8001.
 SERVICE = {"prefill": "prefill-server", "decode": "decode-server"}
@@ -22,11 +28,14 @@ def _engine_service(
     cr: DisaggregatedLLM, role: engine.EngineRole, first_gpu: int, config: OperatorConfig
 ) -> dict[str, Any]:
     spec = engine.role_spec(cr, role)
-    env = to_env(engine.kv_settings(cr, role))
+    env: dict[str, str | None] = dict(to_env(engine.kv_settings(cr, role)))
     if ENV_DECODE_IP in env:
         env[ENV_DECODE_IP] = SERVICE["decode"]
     env[ENV_HOST_IP] = SERVICE[role]
     env[ENV_ENGINE_ID] = SERVICE[role]
+    env[TRANSFER_PORTS_ENV] = transfer_ports_value(cr.spec.kv_transfer.port)
+    if cr.spec.security.authentication:
+        env |= {auth.KV_TOKEN_ENV: None, auth.ENGINE_API_KEY_ENV: None}
     env |= {var.name: var.value for var in spec.env if var.value is not None}
     gpus = gpu_count(cr, role)
     return {
@@ -62,6 +71,8 @@ def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, A
         "command": router_command_args(cr, port, endpoints),
         "port": port,
         "depends": list(SERVICE.values()),
+        "env": {auth.ROUTER_API_KEY_ENV: COMPOSE_API_KEY} if spec.security.authentication else {},
+        "grace": spec.router.termination_grace_period_seconds,
     }
 
 
