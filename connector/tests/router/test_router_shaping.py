@@ -162,18 +162,23 @@ def test_cached_dllm_plans_refuse_what_the_protocol_refuses() -> None:
 
 def test_mooncake_plan_and_data_parallel_header() -> None:
     plan = flows.mooncake_plan("rid", 0, "http://10.0.0.1:8998", "eng-1", dp_rank=1, dp_size=2)
-    assert plan.prefill_kv == {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "transfer_id": "xfer-rid-0",
-    }
+    tid = plan.transfer_id
+    assert tid is not None
+    assert re.fullmatch(r"xfer-rid-0-[0-9a-f]{12}", tid), tid
+    assert plan.prefill_kv == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
     assert plan.decode_kv == {
         "do_remote_decode": False, "do_remote_prefill": True, "remote_bootstrap_addr": "http://10.0.0.1:8998",
-        "remote_engine_id": "eng-1", "transfer_id": "xfer-rid-0",
+        "remote_engine_id": "eng-1", "transfer_id": tid,
     }  # fmt: skip
     assert plan.prefill_headers == b"X-data-parallel-rank: 1\r\n"
     assert flows.mooncake_plan("r", 0, "a", "e", 0, 1).prefill_headers == b""
     assert flows.bootstrap_url("fd00::1", 8998) == "http://[fd00::1]:8998"
+
+
+def test_mooncake_transfer_ids_are_fresh_for_a_reused_request_id() -> None:
+    """H9: one X-Request-Id twice never gives one transfer (a decode could load the other's KV)."""
+    ids = {flows.mooncake_plan("same", 0, "a", "e", 0, 1).transfer_id for _ in range(100)}
+    assert len(ids) == 100
 
 
 def test_nixl_plan_lets_prefill_fill_in_the_remote_fields() -> None:

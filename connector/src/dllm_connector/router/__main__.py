@@ -17,7 +17,6 @@ from dllm_connector.router.config import ConfigError, RouterConfig, parse_config
 from dllm_connector.router.server import Router, serve
 
 log = logging.getLogger("dllm.router")
-DRAIN_S = 25.0  # in-flight requests finish before SIGKILL (30 s after SIGTERM by default)
 LOG_FLUSH_S = 0.1  # log lines written while serving reach stderr in one write per this interval
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
@@ -26,15 +25,17 @@ async def run(config: RouterConfig) -> None:
     router = Router(config)
     router.access_line = direct_access_line(log)
     await router.start()
-    server = await serve(router, config.host, config.port, drain_s=DRAIN_S)
+    # --drain-seconds (M4): the operator derives it from the pod's terminationGracePeriodSeconds
+    server = await serve(router, config.host, config.port, drain_s=config.drain_seconds)
     log.info(
-        "dllm-router on %s:%d, flow %s, event loop %s, prefill %s, decode %s",
+        "dllm-router on %s:%d, flow %s, event loop %s, prefill %s, decode %s, engine API key %s",
         config.host,
-        config.port,
+        server.addresses[0][1],  # the bound port (--port 0 picks a free one)
         config.flow,
         type(asyncio.get_running_loop()).__module__.split(".")[0],
         config.prefill.dns or ",".join(config.prefill.urls),
         config.decode.dns or ",".join(config.decode.urls),
+        "set" if config.engine_api_key else "not set",  # never the key itself
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -42,7 +43,7 @@ async def run(config: RouterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        log.info("stopping: no new connections; in-flight requests get up to %.0f s", DRAIN_S)
+        log.info("stopping: no new connections; in-flight requests get up to %.0f s", config.drain_seconds)
     finally:
         await server.cleanup()
         await router.close()

@@ -2,13 +2,16 @@
 
 Pure: `parse_config(argv, environ)` turns strings into a frozen `RouterConfig` or raises `ConfigError`
 naming the flag (and its variable). A flag given on the command line wins over its variable.
+
+The engines' API key is not a flag (a flag would show in the pod spec and in `ps`): it comes from
+DLLM_ENGINE_API_KEY only, which the operator fills from a per-CR Secret.
 """
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -17,6 +20,7 @@ FLOWS: tuple[Flow, ...] = ("dllm", "mooncake", "nixl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 ENV_PREFIX = "DLLM_ROUTER_"
+ENGINE_API_KEY_ENV = "DLLM_ENGINE_API_KEY"
 Address = tuple[str, int]
 
 
@@ -48,9 +52,17 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 600.0
     retries: int = 1
-    max_body_mb: int = 64
+    max_body_mb: int = 8  # H2: a body expands 5-25x when parsed; the pod's limit is 1 GiB
+    max_prompts: int = 64  # prompts per completions request (each is two upstream calls)
+    max_n: int = 16  # choices per prompt (n, best_of)
+    max_connections: int = 1024  # client connections; above, 503 and close
+    head_timeout_s: float = 10.0  # a request head must arrive within this from its first byte
+    body_timeout_s: float = 60.0  # a request body must arrive within this from the end of its head
+    drain_seconds: float = 25.0  # in-flight requests' time after SIGTERM (grace period minus preStop)
     log_level: str = "info"
     event_loop: str = "auto"  # uvloop when it is installed, else asyncio
+    # sent as `Authorization: Bearer` on every engine call instead of the client's; never shown
+    engine_api_key: str | None = field(default=None, repr=False)
 
 
 def env_name(flag: str) -> str:
@@ -83,7 +95,13 @@ def _parser() -> argparse.ArgumentParser:
     add("--connect-timeout-s", help="upstream connect and health-check timeout (default 5)")
     add("--request-timeout-s", help="whole upstream request timeout, streams included (default 600)")
     add("--retries", help="extra attempts on another pod when no byte reached the client (default 1)")
-    add("--max-body-mb", help="largest request body accepted, in MiB (default 64)")
+    add("--max-body-mb", help="largest request body accepted, in MiB (default 8)")
+    add("--max-prompts", help="most prompts in one completions request (default 64)")
+    add("--max-n", help="most choices per prompt, n and best_of (default 16)")
+    add("--max-connections", help="most open client connections; more get 503 (default 1024)")
+    add("--head-timeout-s", help="seconds a request head may take from its first byte (default 10)")
+    add("--body-timeout-s", help="seconds a request body may take after its head (default 60)")
+    add("--drain-seconds", help="seconds in-flight requests get after SIGTERM (default 25)")
     add("--log-level", help="debug | info | warning | error (default info)")
     add("--event-loop", help="auto | asyncio | uvloop (default auto: uvloop when it is installed)")
     return p
@@ -121,7 +139,7 @@ def _int(values: Mapping[str, object], key: str, default: int, lo: int, hi: int)
     return n
 
 
-def _seconds(values: Mapping[str, object], key: str, default: float) -> float:
+def _seconds(values: Mapping[str, object], key: str, default: float, zero: bool = False) -> float:
     raw = values.get(key)
     if raw is None:
         return default
@@ -129,9 +147,19 @@ def _seconds(values: Mapping[str, object], key: str, default: float) -> float:
         s = float(str(raw))
     except ValueError:
         raise ConfigError(f"{_where(key)}: {raw!r} is not a number of seconds") from None
-    if not s > 0:
-        raise ConfigError(f"{_where(key)}: must be > 0, got {raw!r}")
+    if not (s >= 0 if zero else s > 0) or s == float("inf"):
+        raise ConfigError(f"{_where(key)}: must be {'>=' if zero else '>'} 0 and finite, got {raw!r}")
     return s
+
+
+def engine_api_key(environ: Mapping[str, str]) -> str | None:
+    """The engines' key from DLLM_ENGINE_API_KEY; empty means none. The error never quotes it."""
+    key = environ.get(ENGINE_API_KEY_ENV, "").strip()
+    if not key:
+        return None
+    if not key.isascii() or not key.isprintable():
+        raise ConfigError(f"{ENGINE_API_KEY_ENV}: must be printable ASCII (it goes into a header)")
+    return key
 
 
 def parse_dns_target(key: str, raw: str) -> Address:
@@ -193,7 +221,14 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> RouterConfi
         connect_timeout_s=_seconds(values, "connect_timeout_s", 5.0),
         request_timeout_s=_seconds(values, "request_timeout_s", 600.0),
         retries=_int(values, "retries", 1, 0, 10),
-        max_body_mb=_int(values, "max_body_mb", 64, 1, 4096),
+        max_body_mb=_int(values, "max_body_mb", 8, 1, 4096),
+        max_prompts=_int(values, "max_prompts", 64, 1, 4096),
+        max_n=_int(values, "max_n", 16, 1, 1024),
+        max_connections=_int(values, "max_connections", 1024, 1, 1_000_000),
+        head_timeout_s=_seconds(values, "head_timeout_s", 10.0),
+        body_timeout_s=_seconds(values, "body_timeout_s", 60.0),
+        drain_seconds=_seconds(values, "drain_seconds", 25.0, zero=True),
         log_level=level,
         event_loop=event_loop,
+        engine_api_key=engine_api_key(environ),
     )

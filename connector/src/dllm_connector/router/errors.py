@@ -29,10 +29,31 @@ class Unreachable(Exception):
         self.endpoint, self.connect_failed = endpoint, connect_failed
 
 
+_VISIBLE = bytes(range(0x21, 0x7F))
+MAX_REQUEST_ID = 128  # characters: a uuid or a trace id fits; transfer ids add ~20 and stay under 256
+
+
 def request_id(request: Request) -> str:
-    """The client's X-Request-Id, or a new random one (128 bits, as a uuid4's hex; an id, not a secret)."""
+    """The client's X-Request-Id, or a new random one (128 bits, as a uuid4's hex; an id, not a secret).
+
+    An id over MAX_REQUEST_ID characters, or with anything but visible ASCII, is a 400 (L1): it goes
+    into transfer ids the connector limits to 256 characters, and into every access line."""
     rid = request.header(b"x-request-id")
-    return rid.decode("latin-1") if rid else f"{getrandbits(128):032x}"
+    if not rid:
+        return f"{getrandbits(128):032x}"
+    if len(rid) > MAX_REQUEST_ID or rid.translate(None, _VISIBLE):  # something not visible ASCII is left
+        raise RouterError(
+            400, "bad_request", f"X-Request-Id must be 1-{MAX_REQUEST_ID} visible ASCII characters"
+        )
+    return rid.decode("ascii")
+
+
+def request_id_or_new(request: Request | None) -> str:
+    """The client's id when it is acceptable, else a new one (for answers that must not fail)."""
+    if request is not None:
+        with contextlib.suppress(RouterError):
+            return request_id(request)
+    return f"{getrandbits(128):032x}"
 
 
 def header_value(value: str) -> bytes:

@@ -98,7 +98,9 @@ def bootstrap_url(host: str, port: int) -> str:
 def mooncake_plan(
     request_id: str, index: int, bootstrap_addr: str, engine_id: str, dp_rank: int, dp_size: int
 ) -> PairPlan:
-    tid = f"xfer-{request_id}-{index}"
+    # fresh randomness in every id (H9): two requests with the same X-Request-Id (a retry, an SDK's
+    # constant, a copied id) must never share a transfer, or one decode could load the other's KV
+    tid = "xfer-" + new_transfer_id(request_id, index)
     headers = f"X-data-parallel-rank: {dp_rank}\r\n".encode() if dp_size > 1 else b""
     return PairPlan(
         prefill_kv={"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid},

@@ -13,7 +13,14 @@ Behaviour a client sees:
 - request bodies by Content-Length or chunked; over `max_body` the answer is 413 (before the body is read
   when its length is declared) and the connection is closed; `Expect: 100-continue` gets `100 Continue`
   when the request is next in line and its body is within the limit;
-- a malformed request gets 400 (an over-long head 431) and the connection is closed;
+- a malformed request gets 400 (an over-long head 431) and the connection is closed; the head's size is
+  counted before its bytes reach the parser (H1), so one unterminated header cannot grow;
+- a head must arrive within `head_timeout_s` of its first byte and a body within `body_timeout_s` of
+  its head, else 408 and close (M1); above `max_connections` open connections a new one gets 503 and
+  is closed;
+- write back-pressure (H3): while the transport's writes are paused (the client does not read), no
+  further request is read or started; a connection whose writes stay paused for `write_timeout_s` is
+  aborted, as is an idle one whose answer never drained;
 - streamed answers use chunked transfer encoding (raw bytes until close for HTTP/1.0 clients), and a
   writer waits while the client does not read (the transport's pause_writing / resume_writing);
 - a client that closes its connection cancels the handler of its request (as aiohttp's
@@ -40,6 +47,9 @@ MAX_HEAD = 64 * 1024  # request line and headers
 MAX_PIPELINE = 16  # requests queued on one connection before it stops reading
 KEEPALIVE_S = 75.0  # idle keep-alive connections are closed after this (aiohttp's default)
 LINGER_S = 2.0  # after a refusal, unread request bytes are drained this long so the client sees the answer
+HEAD_TIMEOUT_S = 10.0  # a request head, from its first byte
+BODY_TIMEOUT_S = 60.0  # a request body, from the end of its head
+WRITE_TIMEOUT_S = 60.0  # writes paused this long (the client reads nothing): the connection is aborted
 
 
 class Request:
@@ -235,17 +245,86 @@ class _Connection(asyncio.Protocol):
         self._drain: asyncio.Future[None] | None = None
         self._refused = False  # parsing stopped: what follows is drained, not read
         self._read_paused = False
+        self._over_cap = False  # refused at connect (too many connections): not in server.connections
+        # H1: bytes fed to the parser since the current head began; a head ends at its blank line, so
+        # data is fed in pieces that end there, and a head's bytes are counted before the parser sees them
+        self._head_bytes = 0
+        self._in_body = False  # between a head's end and its message's end
+        self._body_left: int | None = None  # declared body bytes not yet read (None: chunked)
+        self._head_began: float | None = None  # M1: when the pending head's first byte came
+        self._body_began: float | None = None  # M1: when the pending body's head ended
+        self._paused_since: float | None = None  # H3: when the transport paused our writes
+        self._unfed: tuple[bytes, int] | None = None  # read but held back while not reading (H3)
+        self._resuming = False
 
     # ---- transport callbacks ----
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
-        self.server.connections.add(self)
+        server = self.server
+        if len(server.connections) >= server.max_connections:
+            self._refuse_connection()
+            return
+        server.connections.add(self)
+
+    def _refuse_connection(self) -> None:
+        """Over the connection cap (M1): 503 at once, then close. Such connections are not counted as
+        open, so lingering ones are bounded too: past the cap again they are cut without an answer."""
+        server = self.server
+        self._over_cap = self._refused = True
+        if server.lingering >= server.max_connections:
+            assert self.transport is not None
+            self.transport.abort()
+            return
+        server.lingering += 1
+        server.refused_connections += 1
+        request = Request()
+        request.keep_alive = False
+        message = f"too many connections (over {server.max_connections}, --max-connections)"
+        self._write_whole(request, self._error_page(503, message, None))
+        self._linger()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering after a refusal: discard
-        self.idle_since = self.loop.time()  # a head that stalls (no request queued yet) is swept too
+        now = self.idle_since = self.loop.time()  # a head that stalls (no request queued yet) is swept too
+        if self._unfed is not None:  # cannot happen while reading is paused; kept in order regardless
+            raw, pos = self._unfed
+            self._unfed = None
+            data = raw[pos:] + data
+        self._consume(data, 0, now)
+
+    def _consume(self, raw: bytes, pos: int, now: float) -> None:
+        """Feed `raw[pos:]` to the parser piece by piece: a head's bytes are counted before the parser
+        sees them, and what follows a head or a declared body waits while reading is held back."""
+        view = memoryview(raw)
+        size = len(raw)
+        while pos < size:
+            if self._refused or self.closed:
+                return
+            if self._holding():
+                self._unfed = (raw, pos)
+                self._update_reading()
+                return
+            if self._in_body:
+                left = self._body_left
+                end = size if not left else min(size, pos + left)
+            else:
+                if self._head_began is None:
+                    self._head_began = now
+                budget = MAX_HEAD + 1 - self._head_bytes
+                blank = raw.find(b"\r\n\r\n", pos, pos + budget + 3)
+                end = min(size, pos + budget) if blank < 0 else blank + 4
+            in_head = not self._in_body
+            self._feed(view[pos:end])
+            if in_head and self._head_began is not None and not self._refused:
+                self._head_bytes += end - pos  # the head is still open: all of the piece was head
+                if self._head_bytes > MAX_HEAD:
+                    self._refuse(431, f"request head over {MAX_HEAD} bytes")
+                    return
+            pos = end
+
+    def _feed(self, data: memoryview) -> None:
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError as e:
@@ -265,6 +344,8 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._over_cap:
+            self.server.lingering -= 1
         self.server.connections.discard(self)
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client went away: its handler (and upstream calls) stop
@@ -276,15 +357,67 @@ class _Connection(asyncio.Protocol):
             self._drain.set_exception(ConnectionResetError("the client closed the connection"))
             self._drain.exception()  # retrieved: the writer may already be cancelled
         self._queue.clear()
+        self._unfed = None
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        self._paused_since = self.loop.time()
+        self._update_reading()
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.transport is not None and not self.transport.is_closing():
+            self._paused_since = None  # a closing connection's rest keeps its deadline
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self._drain = None
+        self._update_reading()
+        self._advance()  # a request held back while the client was not reading
+
+    # ---- reading, held back while answers pile up (H3) ----
+
+    def _holding(self) -> bool:
+        return self.write_paused or len(self._queue) > MAX_PIPELINE
+
+    def _update_reading(self) -> None:
+        """Pause reading while holding back; resume (after feeding what was held) once not."""
+        if self.closed or self.transport is None:
+            return
+        if self._holding() and not self._refused:
+            if not self._read_paused:
+                self._read_paused = True
+                self.transport.pause_reading()
+        elif self._read_paused and not self._resuming:
+            self._resuming = True
+            self.loop.call_soon(self._resume_reading)  # never inside a parser callback
+
+    def _resume_reading(self) -> None:
+        self._resuming = False
+        if self.closed or (self._holding() and not self._refused):
+            return
+        unfed, self._unfed = self._unfed, None
+        if unfed is not None and not self._refused:
+            self._consume(*unfed, self.loop.time())
+        held = self._holding() and not self._refused
+        if self._unfed is None and self._read_paused and not self.closed and not held:
+            self._read_paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
+
+    def check_deadlines(self, now: float) -> None:
+        """The sweep's look at this connection: write, head, body and keep-alive limits."""
+        server = self.server
+        if self._paused_since is not None and now - self._paused_since > server.write_timeout_s:
+            self.abort()  # the client has read nothing for that long: drop what it never took
+            return
+        if self._read_paused or self._refused:
+            return  # not reading is our doing (or the connection is closing): the client is not late
+        if self._head_began is not None and now - self._head_began > server.head_timeout_s:
+            self._refuse(408, f"request head not complete within {server.head_timeout_s:g} s")
+        elif self._body_began is not None and now - self._body_began > server.body_timeout_s:
+            self._refuse(408, f"request body not complete within {server.body_timeout_s:g} s")
+        elif not self.busy and now - self.idle_since > KEEPALIVE_S:
+            self.close()
 
     # ---- parser callbacks ----
 
@@ -307,6 +440,8 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         request = self._current
         assert request is not None
+        self._head_bytes, self._head_began = 0, None
+        self._in_body, self._body_began = True, self.idle_since
         parser = self.parser
         request.method = parser.get_method().decode("ascii", errors="replace")
         request.keep_alive = parser.should_keep_alive()
@@ -315,11 +450,15 @@ class _Connection(asyncio.Protocol):
         request.path = path.decode("latin-1")
         request.query = query.decode("latin-1")
         self._queue.append(request)
-        if len(self._queue) > MAX_PIPELINE:
-            self._pause_reading()
+        self._update_reading()
         length = request.headers.get(b"content-length")
-        if length is not None and _length(length) > self.server.max_body:
-            raise _Refusal(413, self.server.too_large)
+        self._body_left = None
+        if length is not None:
+            declared = _length(length)
+            if declared > self.server.max_body:
+                raise _Refusal(413, self.server.too_large)
+            if b"transfer-encoding" not in request.headers:
+                self._body_left = declared
         expect = request.headers.get(b"expect")
         if expect is not None:
             if expect.lower() != b"100-continue":
@@ -331,6 +470,8 @@ class _Connection(asyncio.Protocol):
         request = self._current
         assert request is not None
         request._size += len(body)
+        if self._body_left is not None:
+            self._body_left -= len(body)
         if request._size > self.server.max_body:
             raise _Refusal(413, self.server.too_large)
         request._pieces.append(body)
@@ -339,6 +480,7 @@ class _Connection(asyncio.Protocol):
         request = self._current
         assert request is not None
         self._current = None
+        self._in_body, self._body_began, self._body_left = False, None, None
         pieces = request._pieces
         request.body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         request._pieces = []
@@ -356,6 +498,8 @@ class _Connection(asyncio.Protocol):
         """Start on the request at the head of the line, if nothing is being answered now."""
         if self._task is not None or self.pending is not None or not self._queue or self.closed:
             return
+        if self.write_paused:
+            return  # H3: the client is not reading; resume_writing starts the next one
         request = self._queue[0]
         if request.refusal is not None:
             self._answer_refusal(request)
@@ -407,6 +551,8 @@ class _Connection(asyncio.Protocol):
         assert transport is not None
         self._refused = True
         self._queue.clear()
+        self._unfed = None
+        self._update_reading()  # reading resumes, to discard what the client still sends
         if transport.can_write_eof():
             transport.write_eof()
             self.loop.call_later(LINGER_S, self.close)
@@ -456,10 +602,7 @@ class _Connection(asyncio.Protocol):
         if not request.keep_alive or self.server.draining:
             self.close()
             return
-        if self._read_paused and len(self._queue) <= MAX_PIPELINE:
-            self._read_paused = False
-            assert self.transport is not None
-            self.transport.resume_reading()
+        self._update_reading()
         if self._queue:
             self._advance()
         else:
@@ -510,13 +653,16 @@ class _Connection(asyncio.Protocol):
         await self._drain
 
     def close(self) -> None:
-        if not self.closed and self.transport is not None:
-            self.transport.close()
+        """Close after what is written has gone out; an answer that cannot go out is dropped."""
+        transport = self.transport
+        if not self.closed and transport is not None:
+            if self._paused_since is None and transport.get_write_buffer_size():
+                self._paused_since = self.loop.time()  # what is left must go out within write_timeout_s
+            transport.close()
 
-    def _pause_reading(self) -> None:
-        if not self._read_paused and self.transport is not None:
-            self._read_paused = True
-            self.transport.pause_reading()
+    def abort(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.abort()
 
     @property
     def busy(self) -> bool:
@@ -540,7 +686,7 @@ class _Connection(asyncio.Protocol):
 class HttpServer:
     """Routes `(method, path)` to handlers; GET routes answer HEAD too. Other paths get 404, known
     paths with another method 405. `error_page(status, message, request)` renders the server's own
-    refusals (400, 404, 405, 413, 417, 431, 500)."""
+    refusals (400, 404, 405, 408, 413, 417, 431, 500, 503)."""
 
     loop: asyncio.AbstractEventLoop  # set by start()
 
@@ -553,6 +699,10 @@ class HttpServer:
         too_large: str = "request body too large",
         error_page: ErrorPage = plain_error,
         drain_s: float = 30.0,
+        max_connections: int = 1024,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
+        body_timeout_s: float = BODY_TIMEOUT_S,
+        write_timeout_s: float = WRITE_TIMEOUT_S,
     ) -> None:
         self.routes = dict(routes)
         for (method, path), handler in routes.items():
@@ -566,7 +716,12 @@ class HttpServer:
         self.too_large = too_large
         self.error_page = error_page
         self.drain_s = drain_s
+        self.max_connections = max_connections
+        self.head_timeout_s, self.body_timeout_s = head_timeout_s, body_timeout_s
+        self.write_timeout_s = write_timeout_s
         self.connections: set[_Connection] = set()
+        self.lingering = 0  # connections refused over the cap, still closing
+        self.refused_connections = 0
         self.draining = False
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.TimerHandle | None = None
@@ -576,7 +731,7 @@ class HttpServer:
     async def start(self, host: str, port: int, backlog: int = 1024) -> None:
         self.loop = loop = asyncio.get_running_loop()
         self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=backlog)
-        self._sweeper = loop.call_later(KEEPALIVE_S / 4, self._sweep_idle)
+        self._sweeper = loop.call_later(self._sweep_every(), self._sweep_idle)
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
@@ -602,13 +757,17 @@ class HttpServer:
             self._date = b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
         return self._date
 
+    def _sweep_every(self) -> float:
+        """A deadline is noticed within a quarter of the shortest one (one timer, not one per request)."""
+        shortest = min(KEEPALIVE_S, self.head_timeout_s, self.body_timeout_s, self.write_timeout_s)
+        return max(shortest / 4, 0.01)
+
     def _sweep_idle(self) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
         for conn in list(self.connections):
-            if not conn.busy and now - conn.idle_since > KEEPALIVE_S:
-                conn.close()
-        self._sweeper = loop.call_later(KEEPALIVE_S / 4, self._sweep_idle)
+            conn.check_deadlines(now)
+        self._sweeper = loop.call_later(self._sweep_every(), self._sweep_idle)
 
     async def cleanup(self, drain_s: float | None = None) -> None:
         """Stop listening; requests in flight get `drain_s` seconds, then everything is closed."""

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+from dllm_connector.router.jsonshape import TooComplex, check_shape
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 JsonObject = dict[str, Any]
 DONE = b"[DONE]"
+MAX_SSE_EVENT = 16 * 1024 * 1024  # one upstream event (a chunk of a few tokens is ~1 KiB)
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
@@ -58,21 +62,52 @@ class BadRequest(ValueError):
     """The client's body is not a request the router can route."""
 
 
-def parse_request(raw: bytes, route: str) -> JsonObject:
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for (H2): prompts fan out to two upstream calls each, n to n choices."""
+
+    max_prompts: int = 64
+    max_n: int = 16
+
+
+def parse_request(raw: bytes, route: str, limits: Limits = Limits()) -> JsonObject:
+    """The client's body as a JSON object, or BadRequest. Never raises anything else for any bytes:
+    a shape too costly to parse, a >4300-digit integer or deep nesting is a 400 like bad JSON (L1)."""
     try:
+        check_shape(raw)
         body = loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BadRequest(f"request body is not JSON: {e}") from None
+    except TooComplex as e:
+        raise BadRequest(str(e)) from None
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, int digits limit
+        raise BadRequest(f"request body is not JSON: {str(e)[:200]}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     if route == COMPLETIONS and "prompt" not in body:
         raise BadRequest("'prompt' is required")
     if route == CHAT and not isinstance(body.get("messages"), list):
         raise BadRequest("'messages' must be a list")
-    n = body.get("n", 1)
-    if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise BadRequest("'n' must be a positive integer")
+    for key in ("n", "best_of"):
+        n = body.get(key, 1)
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise BadRequest(f"'{key}' must be a positive integer")
+        if n is not None and n > limits.max_n:
+            raise BadRequest(f"'{key}' is {n}; this router allows at most {limits.max_n} (--max-n)")
+    prompts = prompt_count(route, body)
+    if prompts > limits.max_prompts:
+        raise BadRequest(
+            f"too many prompts: {prompts}; this router allows at most {limits.max_prompts} (--max-prompts)"
+        )
     return body
+
+
+def prompt_count(route: str, body: JsonObject) -> int:
+    """How many prompts `split_prompts` makes of the body (without copying it)."""
+    prompt = body.get("prompt") if route == COMPLETIONS else None
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return 1
+    if all(isinstance(p, str) for p in prompt) or all(isinstance(p, list) for p in prompt):
+        return len(prompt)
+    return 1
 
 
 def split_prompts(route: str, body: JsonObject) -> list[JsonObject]:
@@ -109,16 +144,21 @@ _PREFILL_DROPS = frozenset({"stream_options", "min_tokens", "min_completion_toke
 
 
 def decode_request(body: JsonObject, kv_params: JsonObject | None) -> JsonObject:
-    if kv_params is None:
-        return body
-    return {**body, "kv_transfer_params": kv_params}
+    """The body with the router's kv_transfer_params, and never the client's own (C1)."""
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"} if CLIENT_KV in body else body
+    return out if kv_params is None else {**out, CLIENT_KV: kv_params}
+
+
+CLIENT_KV = "kv_transfer_params"
 
 
 def decode_payload(body: JsonObject, raw: bytes | None, kv_params: JsonObject | None) -> bytes:
-    """Decode's body as bytes: the client's own bytes with kv_transfer_params spliced in before the
-    closing brace, so a long prompt is not encoded again. Re-encoded when the client sent the key itself
-    (no duplicate keys), or the bytes are not plain UTF-8 JSON, or there are no client bytes."""
-    if raw is not None and "kv_transfer_params" not in body:
+    """An answering call's body as bytes (decode's, or prefill's for a one-token request): the client's
+    own bytes, with kv_transfer_params spliced in before the closing brace, so a long prompt is not
+    encoded again. Re-encoded without the key when the client sent kv_transfer_params itself: a client
+    must never choose an engine's KV transfer (C1: it crashes the engine or points it anywhere). Also
+    re-encoded when the bytes are not plain UTF-8 JSON, or there are no client bytes."""
+    if raw is not None and CLIENT_KV not in body:
         if kv_params is None:
             return raw
         stripped = raw.strip()
@@ -176,21 +216,32 @@ def sse(payloads: list[bytes]) -> bytes:
 
 
 class SseSplitter:
-    """Splits an upstream SSE byte stream into the payloads of its `data:` events."""
+    """Splits an upstream SSE byte stream into the payloads of its `data:` events. Linear: each byte is
+    searched once (the search resumes where the last one stopped) and the buffer is trimmed once per
+    feed, not once per event (L7)."""
 
     def __init__(self) -> None:
-        self._buffer = b""
+        self._buffer = bytearray()
+        self._searched = 0  # bytes of the buffer known to hold no event end
 
-    def feed(self, chunk: bytes) -> Iterator[bytes]:
-        self._buffer += chunk
+    def feed(self, chunk: bytes) -> list[bytes]:
+        buffer = self._buffer
+        buffer += chunk
+        payloads: list[bytes] = []
+        start = 0
         while True:
-            end = self._buffer.find(b"\n\n")
+            end = buffer.find(b"\n\n", max(start, self._searched - 1))
             if end < 0:
-                return
-            event, self._buffer = self._buffer[:end], self._buffer[end + 2 :]
-            for line in event.split(b"\n"):
+                break
+            for line in bytes(buffer[start:end]).split(b"\n"):
                 if line.startswith(b"data:"):
-                    yield line[5:].strip()
+                    payloads.append(line[5:].strip())
+            start = self._searched = end + 2
+        del buffer[:start]
+        self._searched = len(buffer)
+        if len(buffer) > MAX_SSE_EVENT:
+            raise ValueError(f"an upstream SSE event is over {MAX_SSE_EVENT} bytes")
+        return payloads
 
 
 def add_usage(total: JsonObject, usage: object) -> None:

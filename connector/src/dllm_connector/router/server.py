@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -37,6 +36,7 @@ from dllm_connector.router.errors import (
     pod_error,
     prefill_answer,
     request_id,
+    request_id_or_new,
 )
 from dllm_connector.router.fastpath import FastExchange
 from dllm_connector.router.httpserver import FastHandler, Handler, HttpServer, Request, Response, StreamWriter
@@ -50,6 +50,8 @@ JsonObject = dict[str, Any]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 GENERATION_ROUTES = (oa.COMPLETIONS, oa.CHAT)
 FAST_FLOWS = ("nixl", "dllm")  # the flows the fast path serves (mooncake's needs DP ranks: coroutine path)
+EXCHANGES_PER_REQUEST = 16  # H2: one request's prompts run at most this many pairs of calls at once
+RELAY_QUEUE = 64  # L7: events of several prompts' streams waiting for a slow client
 Reply = Response | StreamWriter
 
 
@@ -99,6 +101,12 @@ class Router:
         }
         self.metrics = Metrics()
         self.deadlines = Deadlines(config.request_timeout_s)  # the fast path's calls
+        self.limits = oa.Limits(max_prompts=config.max_prompts, max_n=config.max_n)
+        # The engines' key replaces the client's Authorization on every engine call; it is kept as
+        # header bytes only and never logged (the repr of RouterConfig leaves it out).
+        key = config.engine_api_key
+        self._engine_auth = b"Authorization: Bearer " + key.encode("ascii") + b"\r\n" if key else None
+        self._probe_headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._dllm_plans = flows.DllmPlans(config)
         # writes an INFO line of dllm.router as logging would, without a record (set by the CLI when its
         # logging setup makes that exact); None: access lines go through logging
@@ -202,7 +210,8 @@ class Router:
 
     async def _is_healthy(self, ep: Endpoint) -> tuple[bool, str]:
         try:
-            async with self.session.get(ep.url + "/health", timeout=self._probe_timeout) as r:
+            timeout, headers = self._probe_timeout, self._probe_headers
+            async with self.session.get(ep.url + "/health", timeout=timeout, headers=headers) as r:
                 if r.status != 200:
                     return False, f"/health answered {r.status}"
             if ep.role == "prefill" and self.config.flow == "mooncake":
@@ -221,11 +230,14 @@ class Router:
         prompt of the nixl or dllm flow is answered by callbacks (`fastpath.py`); anything else is
         handed to the coroutine path, with the body already parsed."""
         started = perf_counter()
-        rid = request_id(request)
+        rid = ""
         try:
-            body = oa.parse_request(request.body, route)
-        except oa.BadRequest as e:
-            response = self.error_response(RouterError(400, "bad_request", str(e)), rid)
+            rid = request_id(request)
+            body = oa.parse_request(request.body, route, self.limits)
+        except (oa.BadRequest, RouterError) as e:
+            rid = rid or request_id_or_new(None)
+            error = e if isinstance(e, RouterError) else RouterError(400, "bad_request", str(e))
+            response = self.error_response(error, rid)
             conn.reply(request, response)
             self.account(route, rid, response.status, "-", "-", started, sent=True)
             return None
@@ -238,7 +250,7 @@ class Router:
             conn.reply(request, self.error_response(e, rid))
             self.account(route, rid, e.status, "-", "-", started, sent=True)
             return None
-        headers = _upstream_headers(request) + rid_line
+        headers = self.upstream_headers(request) + rid_line
         FastExchange(self, conn, request, route, body, rid, rid_line, headers, started).start()
         return None
 
@@ -254,12 +266,18 @@ class Router:
         """The coroutine path: every request the fast path does not take (streams, several prompts,
         the mooncake flow)."""
         started = perf_counter() if started is None else started
-        rid = request_id(request) if rid is None else rid
         answers: list[Answer] = []
+        if rid is None:
+            try:
+                rid = request_id(request)
+            except RouterError as e:
+                rid = request_id_or_new(None)
+                self.account(route, rid, e.status, "-", "-", started)
+                return self.error_response(e, rid)
         try:
             raw = request.body
             if body is None:
-                body = oa.parse_request(raw, route)
+                body = oa.parse_request(raw, route, self.limits)
             response = await self._serve(request, route, body, raw, rid, started, answers)
         except oa.BadRequest as e:
             response = self.error_response(RouterError(400, "bad_request", str(e)), rid)
@@ -305,9 +323,10 @@ class Router:
     def error_page(self, status: int, message: str, request: Request | None) -> Response:
         """The HTTP server's own refusals (malformed request 400, body over the limit 413, 404, ...)."""
         kind = _SERVER_ERROR_KINDS.get(status, "bad_request")
-        rid = request_id(request) if request is not None else os.urandom(16).hex()
-        if kind == "bad_request":
+        rid = request_id_or_new(request)
+        if kind not in ("not_found", "method_not_allowed"):
             self.metrics.errors[kind] += 1
+        if kind == "bad_request":  # the others come in floods (503, 408): counted, not logged
             log.warning("%s %s: %s", rid, kind, message)
         if request is not None and request.path in GENERATION_ROUTES:
             self.metrics.requests[(request.path, status)] += 1
@@ -329,7 +348,7 @@ class Router:
     ) -> Response | StreamWriter:
         stream = bool(body.get("stream"))
         prompts = oa.split_prompts(route, body)
-        headers = _upstream_headers(request)
+        headers = self.upstream_headers(request)
         if len(prompts) == 1:
             answers.append(
                 await self._exchange(route, Prompt(body, raw, rid, 0), headers, read_all=not stream)
@@ -363,10 +382,13 @@ class Router:
     async def _exchange_all(
         self, route: str, prompts: list[JsonObject], rid: str, headers: bytes, read_all: bool
     ) -> list[Answer]:
-        tasks = [
-            asyncio.create_task(self._exchange(route, Prompt(p, None, f"{rid}-{i}", i), headers, read_all))
-            for i, p in enumerate(prompts)
-        ]
+        gate = asyncio.Semaphore(EXCHANGES_PER_REQUEST)
+
+        async def exchange(i: int, p: JsonObject) -> Answer:
+            async with gate:  # until its answer (or its stream's head) is in
+                return await self._exchange(route, Prompt(p, None, f"{rid}-{i}", i), headers, read_all)
+
+        tasks = [asyncio.create_task(exchange(i, p)) for i, p in enumerate(prompts)]
         try:
             return list(await asyncio.gather(*tasks))
         except BaseException:
@@ -596,7 +618,7 @@ class Router:
 
     async def _relay_many(self, route: str, answers: list[Answer], body: JsonObject) -> AsyncGenerator[bytes]:
         """Several prompts' streams interleaved, choices renumbered, one usage chunk and one [DONE]."""
-        queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        queue: asyncio.Queue[bytes | None] = asyncio.Queue(RELAY_QUEUE)  # pumps wait for a slow client
         usage: JsonObject = {}
         n = oa.choices_per_prompt(body)
 
@@ -649,8 +671,13 @@ class Router:
         rid = request_id(request)
         try:
             ep = self.pick(self.decode, [])
+            headers = dict(self._probe_headers)  # L5: the engines' key, else the client's own
+            auth = request.header(b"authorization")
+            if not headers and auth is not None:
+                headers["Authorization"] = auth.decode("latin-1")
             try:
-                async with self.session.get(ep.url + "/v1/models", timeout=self._probe_timeout) as r:
+                url = ep.url + "/v1/models"
+                async with self.session.get(url, timeout=self._probe_timeout, headers=headers) as r:
                     return Response(await r.read(), status=r.status)
             except (TimeoutError, aiohttp.ClientError) as e:
                 raise RouterError(502, "decode_unreachable", f"decode pod {ep.name}: {e!r}") from e
@@ -683,13 +710,15 @@ class Router:
         text = self.metrics.render((self.prefill, self.decode))
         return Response(text.encode(), content_type="text/plain; charset=utf-8")
 
-
-def _upstream_headers(request: Request) -> bytes:
-    """The header lines both engine calls carry besides X-Request-Id: the client's Authorization."""
-    auth = request.header(b"authorization")
-    if auth is None:
-        return _JSON_LINE
-    return _JSON_LINE + b"Authorization: " + auth + b"\r\n"  # the parser refuses line breaks in values
+    def upstream_headers(self, request: Request) -> bytes:
+        """The header lines both engine calls carry besides X-Request-Id: the engines' key when one is
+        configured (DLLM_ENGINE_API_KEY, instead of the client's), else the client's Authorization."""
+        if self._engine_auth is not None:
+            return _JSON_LINE + self._engine_auth
+        auth = request.header(b"authorization")
+        if auth is None:
+            return _JSON_LINE
+        return _JSON_LINE + b"Authorization: " + auth + b"\r\n"  # the parser refuses line breaks in values
 
 
 _JSON_LINE = b"Content-Type: application/json\r\n"
@@ -703,7 +732,13 @@ async def _cancel(task: asyncio.Future[Any]) -> None:
         task.exception()  # retrieved, so asyncio does not log it as never retrieved
 
 
-_SERVER_ERROR_KINDS = {404: "not_found", 405: "method_not_allowed", 500: "internal_error"}
+_SERVER_ERROR_KINDS = {
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    500: "internal_error",
+    503: "too_many_connections",
+}
 
 
 def _json(data: bytes | None) -> JsonObject:
@@ -725,6 +760,9 @@ async def serve(router: Router, host: str, port: int, *, drain_s: float = 30.0) 
         too_large=router.body_limit_message,
         error_page=router.error_page,
         drain_s=drain_s,
+        max_connections=router.config.max_connections,
+        head_timeout_s=router.config.head_timeout_s,
+        body_timeout_s=router.config.body_timeout_s,
     )
     await server.start(host, port)
     return server

@@ -14,11 +14,13 @@ connection the pod had already closed is resent once on a fresh connection.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 MAX_HEAD = 64 * 1024
+MAX_LINE = 4096  # a chunk-size line, extensions included
 PAUSE_AT = 1024 * 1024  # bytes buffered for a slow reader before the socket is paused
 IDLE_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive, so an idle connection is not reused as it closes
 MAX_IDLE = 512
@@ -463,11 +465,12 @@ class _Connection(asyncio.Protocol):
             elif state == _CHUNK_SIZE:
                 end = buf.find(b"\r\n")
                 if end < 0:
+                    if len(buf) > MAX_LINE:
+                        raise BadResponse(f"{self.pool.name}: chunk-size line over {MAX_LINE} bytes")
                     return
-                try:
-                    size = int(bytes(buf[:end]).split(b";", 1)[0], 16)
-                except ValueError:
-                    raise BadResponse(f"{self.pool.name}: bad chunk size {bytes(buf[:end])[:20]!r}") from None
+                size = chunk_size(bytes(buf[:end]))
+                if size is None:
+                    raise BadResponse(f"{self.pool.name}: bad chunk size {bytes(buf[:end])[:20]!r}")
                 del buf[: end + 2]
                 self._state, self._remaining = (_TRAILERS, 0) if size == 0 else (_CHUNK_DATA, size)
             elif state == _CHUNK_END:
@@ -478,6 +481,8 @@ class _Connection(asyncio.Protocol):
             elif state == _TRAILERS:
                 end = buf.find(b"\r\n")
                 if end < 0:
+                    if len(buf) > MAX_HEAD:
+                        raise BadResponse(f"{self.pool.name}: trailer line over {MAX_HEAD} bytes")
                     return
                 del buf[: end + 2]
                 if end == 0:
@@ -514,6 +519,16 @@ class _Connection(asyncio.Protocol):
             self._state, self._keep_alive = _UNTIL_CLOSE, False
         assert self._sink is not None
         self._sink._head_ready(status)
+
+
+_CHUNK_SIZE_RE = re.compile(rb"([0-9A-Fa-f]{1,15})(?:;[^\r\n]*)?")
+
+
+def chunk_size(line: bytes) -> int | None:
+    """A chunk-size line's size: hex digits only, optionally `;extensions` (L7: `int(x, 16)` also took
+    `-1`, `0x10`, `1_0` and spaces). None when the line is not that."""
+    match = _CHUNK_SIZE_RE.fullmatch(line)
+    return None if match is None else int(match.group(1), 16)
 
 
 def _field(head: bytes, prefix: bytes) -> bytes | None:
