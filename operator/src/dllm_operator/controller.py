@@ -22,18 +22,22 @@ from dllm_operator import metrics
 from dllm_operator.api import API_VERSION, KIND, DisaggregatedLLM, SpecInvalid, parse
 from dllm_operator.config import OperatorConfig
 from dllm_operator.kube import ApiError, KubeClient
-from dllm_operator.plan import Key, key_of, only_replicas_changed, plan
-from dllm_operator.render import labels, render_all
+from dllm_operator.plan import MANAGED_KINDS, Key, key_of, only_replicas_changed, plan
+from dllm_operator.redact import redact_values
+from dllm_operator.render import auth, labels, render_all
 from dllm_operator.status import (
     Observed,
     compute_status,
     invalid_spec_status,
+    missing_pods,
     pods_by_component,
+    replica_failure,
     without_times,
 )
 
 log = logging.getLogger("dllm_operator")
 CRKey = tuple[str, str]  # (namespace, name)
+CREATE_FAILURE_RECHECK_S = 10.0
 
 
 def _resource_version(obj: dict[str, Any]) -> int:
@@ -79,6 +83,30 @@ class Store:
         elif _resource_version(obj) >= _resource_version(bucket.get(child_key, {})):
             bucket[child_key] = obj
         return key
+
+    def merge_listing(self, listed: Store, listed_at: int) -> set[CRKey]:
+        """Take a fresh listing: newer objects replace older ones, and an object the listing lacks is
+        dropped unless it changed after the listing was taken. Returns the CR keys that are gone.
+
+        kopf re-lists after a watch gap without DELETED events for what vanished meanwhile; without
+        this, a child deleted in the gap is never recreated and a deleted CR is reconciled forever.
+        """
+
+        def merge(mine: dict[Any, dict[str, Any]], theirs: dict[Any, dict[str, Any]]) -> None:
+            for name in [name for name in mine if name not in theirs]:
+                if _resource_version(mine[name]) <= listed_at:
+                    del mine[name]
+            for name, obj in theirs.items():
+                if _resource_version(obj) >= _resource_version(mine.get(name, {})):
+                    mine[name] = obj
+
+        before = set(self.resources)
+        merge(self.resources, listed.resources)
+        for key in set(self.children) | set(listed.children):
+            merge(self.children[key], listed.children.get(key, {}))
+        for key in set(self.pods) | set(listed.pods):
+            merge(self.pods[key], listed.pods.get(key, {}))
+        return before - set(self.resources)
 
 
 class WorkQueue:
@@ -171,6 +199,7 @@ class Controller:
         default_factory=dict
     )
     _event_tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    _secrets_made: set[tuple[CRKey, str]] = field(default_factory=set)
 
     # ---- inputs ----
 
@@ -199,13 +228,34 @@ class Controller:
 
     async def seed(self, namespaces: tuple[str, ...]) -> None:
         """Fill the caches before the first reconcile, so a restart makes no needless writes."""
+        listed, _ = await self._listing(namespaces)
+        self.store = listed
+
+    async def relist(self) -> None:
+        """Merge a fresh listing into the caches, forget CRs that are gone, and reconcile the rest."""
+        listed, listed_at = await self._listing(self.config.namespaces)
+        for key in self.store.merge_listing(listed, listed_at):
+            self._forget(key)
+        self._secrets_made.clear()  # one create each (409 if still there): a deleted Secret comes back
+        metrics.MANAGED.set(len(self.store.resources))
+        self.requeue_all()
+
+    async def _listing(self, namespaces: tuple[str, ...]) -> tuple[Store, int]:
+        """Every CR and child, and the oldest of the lists' resourceVersions."""
+        store, versions = Store(), []
         selector = f"{labels.MANAGED_BY}={labels.MANAGER}"
         for namespace in namespaces or (None,):
-            for kind in ("Service", "StatefulSet", "PodDisruptionBudget", "Deployment", "Pod"):
-                for obj in await self.client.list(kind, selector, namespace):
-                    self.store.put_child(obj)
-            for body in await self.client.list(KIND, "", namespace):
-                self.store.put_resource(body)
+            for kind in (*MANAGED_KINDS, "Pod"):
+                objects, version = await self.client.list_at(kind, selector, namespace)
+                versions.append(version)
+                for obj in objects:
+                    store.put_child(obj)
+            bodies, version = await self.client.list_at(KIND, "", namespace)
+            versions.append(version)
+            for body in bodies:
+                store.put_resource(body)
+        oldest = min((int(v) for v in versions if v.isdigit()), default=0)
+        return store, oldest
 
     # ---- workers ----
 
@@ -215,7 +265,11 @@ class Controller:
     async def _resync(self) -> None:
         while True:
             await asyncio.sleep(self.resync_seconds)
-            self.requeue_all()
+            try:
+                await self.relist()
+            except Exception as error:  # noqa: BLE001 (the next resync tries again; watches go on)
+                log.warning("resync listing failed: %s", error)
+                self.requeue_all()
 
     async def _worker(self) -> None:
         while True:
@@ -252,6 +306,7 @@ class Controller:
                 ),
             )
             return
+        await self._ensure_auth_secret(key, body, cr)
         actual = self.store.children[key]
         writes = plan(desired, actual, cr.metadata.uid)
         # Children are independent objects: apply them at once (a StatefulSet may precede its Service).
@@ -271,6 +326,23 @@ class Controller:
             self._event(body, "Deleted", f"{kind} {name} is no longer wanted by the spec")
         self._apply_errors[key] = tuple(errors)
         await self._update_status(key, body, cr)
+
+    async def _ensure_auth_secret(self, key: CRKey, body: dict[str, Any], cr: DisaggregatedLLM) -> None:
+        """Create the CR's auth Secret once (random values; never read back, never updated).
+
+        Create-only RBAC: the operator can neither read nor change a Secret, so a user who wants new
+        keys deletes the Secret; the next resync creates a fresh one (and the pods need a restart).
+        """
+        made = (key, cr.metadata.uid)
+        if not cr.spec.security.authentication or made in self._secrets_made:
+            return
+        try:
+            await self.client.create(auth.new_secret(cr))
+            self._event(body, "Created", f"created Secret {auth.secret_name(cr)} (the data plane's keys)")
+        except ApiError as error:
+            if error.status != 409:  # 409: it exists already, made by an earlier run
+                raise
+        self._secrets_made.add(made)
 
     def _desired(self, key: CRKey, body: dict[str, Any]) -> tuple[DisaggregatedLLM, list[dict[str, Any]]]:
         """The parsed CR and its rendered children, reused while the spec's generation stays the same.
@@ -299,9 +371,12 @@ class Controller:
         except ApiError as error:
             if error.status >= 500 or error.status in (401, 403, 409, 429):
                 raise  # transient or permission: retry with backoff
-            message = f"{_describe(obj)}: {error.message}"
+            message = f"{_describe(obj)}: {redact_values(error.message)}"
             self._event(body, "FailedApply", message, warning=True)
             return message
+        if result is None:
+            actual.pop(key, None)
+            return None
         result.setdefault("kind", obj["kind"])
         actual[key] = result
         if before is None:
@@ -316,16 +391,23 @@ class Controller:
 
     async def _apply_or_replace(
         self, body: dict[str, Any], obj: dict[str, Any], before: dict[str, Any] | None
-    ) -> dict[str, Any]:
+    ) -> dict[str, Any] | None:
+        """The applied object, or None when an immutable field forced a delete: the object is then
+        created again by the reconcile that its deletion event brings."""
         try:
             return await self.client.apply(obj)
         except ApiError as error:
             if not error.immutable_field or before is None:
                 raise
+        # Orphan, not Background: the pods keep serving, and the StatefulSet created next adopts them
+        # by its (unchanged) selector and rolls them under its update strategy; a Background delete
+        # would take the whole role down at once (after an operator upgrade, every CR's at once).
         meta = obj["metadata"]
-        await self.client.delete(obj["kind"], meta["namespace"], meta["name"], before["metadata"].get("uid"))
-        self._event(body, "Replaced", f"replaced {_describe(obj)}: an immutable field changed")
-        return await self.client.apply(obj)
+        await self.client.delete(
+            obj["kind"], meta["namespace"], meta["name"], before["metadata"].get("uid"), propagation="Orphan"
+        )
+        self._event(body, "Replaced", f"replacing {_describe(obj)}: an immutable field changed; pods kept")
+        return None
 
     async def _update_status(self, key: CRKey, body: dict[str, Any], cr: Any) -> None:
         children = self.store.children[key]
@@ -335,19 +417,50 @@ class Controller:
             if kind in ("StatefulSet", "Deployment")
             and (component := name.removeprefix(f"{cr.name}-")) in ("prefill", "decode", "router")
         }
+        pods = pods_by_component(self.store.pods[key].values())
         observed = Observed(
             workloads=workloads,
-            pods=pods_by_component(self.store.pods[key].values()),
+            pods=pods,
             apply_errors=self._apply_errors.get(key, ()),
+            create_failures=await self._create_failures(key, workloads, pods),
         )
         status = compute_status(cr, observed, body.get("status"), now_iso())
         await self._write_status(body, status)
+
+    async def _create_failures(
+        self, key: CRKey, workloads: dict[str, dict[str, Any]], pods: dict[str, list[dict[str, Any]]]
+    ) -> tuple[str, ...]:
+        """Why pods that should exist do not: a StatefulSet says so only in a FailedCreate Event (no
+        status condition), a Deployment in its ReplicaFailure condition. Looked up only while pods are
+        missing, and looked at again shortly, since no watched object changes when creation fails."""
+        failures: list[str] = []
+        for component, workload in workloads.items():
+            if not missing_pods(workload, pods.get(component, [])):
+                continue
+            self.queue.add_after(key, CREATE_FAILURE_RECHECK_S)
+            if workload.get("kind") == "Deployment":
+                failure = replica_failure(workload)
+            else:
+                name = workload["metadata"]["name"]
+                event = await self.client.latest_event(key[0], "StatefulSet", name, "FailedCreate")
+                failure = f"StatefulSet {name}: {event.get('message', '')}" if event else None
+            if failure:
+                failures.append(redact_values(failure)[:1000])
+        return tuple(failures)
 
     async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
         if without_times(status) == without_times(body.get("status")):
             return
         meta = body["metadata"]
-        await self.client.patch_status(meta["namespace"], meta["name"], status)
+        try:
+            await self.client.patch_status(meta["namespace"], meta["name"], status)
+        except ApiError as error:
+            if error.status != 404:
+                raise
+            key = (meta["namespace"], meta["name"])  # deleted while the watch was away
+            self.store.resources.pop(key, None)
+            self._forget(key)
+            return
         body["status"] = status  # until the watch brings the new version
 
     def _event(self, body: dict[str, Any], reason: str, message: str, warning: bool = False) -> None:

@@ -21,6 +21,7 @@ CHILD_RESOURCES = (
     ("apps", "v1", "deployments"),
     ("", "v1", "services"),
     ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
     ("", "v1", "pods"),
 )
 CHILD_KINDS = {
@@ -28,6 +29,7 @@ CHILD_KINDS = {
     "deployments": "Deployment",
     "services": "Service",
     "poddisruptionbudgets": "PodDisruptionBudget",
+    "networkpolicies": "NetworkPolicy",
     "pods": "Pod",
 }
 

@@ -30,6 +30,8 @@ RESOURCES: dict[str, tuple[str, str]] = {
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Secret": ("/api/v1", "secrets"),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
     "DisaggregatedLLM": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
@@ -144,11 +146,24 @@ class KubeClient:
             content_type="application/apply-patch+yaml",
         )
 
-    async def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> None:
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """POST: for objects written once and never read back (the auth Secret: create-only RBAC)."""
+        meta = obj["metadata"]
+        return await self.request(
+            "POST",
+            object_path(obj["kind"], meta["namespace"]),
+            body=obj,
+            params={"fieldValidation": "Strict"},
+        )
+
+    async def delete(
+        self, kind: str, namespace: str, name: str, uid: str | None = None, propagation: str = "Background"
+    ) -> None:
+        """Delete one object; `propagation` "Orphan" keeps its dependents (pods) running."""
         body: dict[str, Any] = {
             "kind": "DeleteOptions",
             "apiVersion": "v1",
-            "propagationPolicy": "Background",
+            "propagationPolicy": propagation,
         }
         if uid:
             body["preconditions"] = {"uid": uid}
@@ -158,16 +173,22 @@ class KubeClient:
             if error.status not in (404, 409):
                 raise
 
-    async def list(
+    async def list_at(
         self, kind: str, label_selector: str, namespace: str | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The items and the list's resourceVersion (the moment the list was taken)."""
         prefix, plural = RESOURCES[kind]
         path = f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
         result = await self.request("GET", path, params={"labelSelector": label_selector})
         items: list[dict[str, Any]] = result.get("items", [])
         for item in items:  # list items carry no kind
             item.setdefault("kind", kind)
-        return items
+        return items, str(result.get("metadata", {}).get("resourceVersion", ""))
+
+    async def list(
+        self, kind: str, label_selector: str, namespace: str | None = None
+    ) -> list[dict[str, Any]]:
+        return (await self.list_at(kind, label_selector, namespace))[0]
 
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
@@ -187,6 +208,19 @@ class KubeClient:
             content_type="application/merge-patch+json",
             params={"fieldManager": FIELD_MANAGER},
         )
+
+    async def latest_event(self, namespace: str, kind: str, name: str, reason: str) -> dict[str, Any] | None:
+        """The most recent Event of `reason` about one object, or None."""
+        selector = f"involvedObject.kind={kind},involvedObject.name={name},reason={reason}"
+        result = await self.request(
+            "GET", object_path("Event", namespace), params={"fieldSelector": selector}
+        )
+        events: list[dict[str, Any]] = result.get("items", [])
+
+        def stamp(event: dict[str, Any]) -> str:
+            return str(event.get("lastTimestamp") or event.get("eventTime") or "")
+
+        return max(events, key=stamp, default=None)
 
     async def create_event(self, event: dict[str, Any]) -> None:
         await self.request("POST", object_path("Event", event["metadata"]["namespace"]), body=event)

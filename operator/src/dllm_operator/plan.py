@@ -15,7 +15,7 @@ from typing import Any
 from dllm_operator.render import HASH_ANNOTATION
 
 # Kinds the operator creates, in the order it applies them; pods are the controllers' business.
-MANAGED_KINDS = ("Service", "StatefulSet", "PodDisruptionBudget", "Deployment")
+MANAGED_KINDS = ("NetworkPolicy", "Service", "StatefulSet", "PodDisruptionBudget", "Deployment")
 Key = tuple[str, str]  # (kind, name)
 
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")

@@ -40,6 +40,23 @@ class Observed:
     workloads: Mapping[str, dict[str, Any]]
     pods: Mapping[str, list[dict[str, Any]]]
     apply_errors: tuple[str, ...] = ()
+    create_failures: tuple[str, ...] = ()  # why a workload's controller could not create its pods
+
+
+def missing_pods(workload: dict[str, Any] | None, pods: list[dict[str, Any]]) -> bool:
+    """The workload wants more pods than exist: its controller may be failing to create them."""
+    if workload is None:
+        return False
+    return int(workload.get("spec", {}).get("replicas") or 0) > len(pods)
+
+
+def replica_failure(deployment: dict[str, Any] | None) -> str | None:
+    """A Deployment's ReplicaFailure condition (its ReplicaSet could not create a pod), if set."""
+    for condition in (deployment or {}).get("status", {}).get("conditions", []):
+        if condition.get("type") == "ReplicaFailure" and condition.get("status") == "True":
+            name = deployment["metadata"]["name"] if deployment else "?"
+            return f"Deployment {name}: {condition.get('reason', '')}: {condition.get('message', '')}"
+    return None
 
 
 def _pod_condition(pod: dict[str, Any], kind: str) -> dict[str, Any] | None:
@@ -127,16 +144,17 @@ def role_condition(kind: str, component: str, workload: dict[str, Any] | None) -
 
 
 def _degraded(observed: Observed) -> Condition:
-    problems = list(observed.apply_errors)
+    problems = [*observed.apply_errors, *observed.create_failures]
     for component in ("prefill", "decode", "router"):
         problems += [p for pod in observed.pods.get(component, []) if (p := pod_problem(pod))]
     if not problems:
         return Condition("Degraded", False, "AsExpected")
-    reason = (
-        "ApplyFailed"
-        if observed.apply_errors
-        else ("Unschedulable" if any("Unschedulable" in p for p in problems) else "PodsNotHealthy")
-    )
+    if observed.apply_errors:
+        reason = "ApplyFailed"
+    elif observed.create_failures:
+        reason = "FailedCreate"
+    else:
+        reason = "Unschedulable" if any("Unschedulable" in p for p in problems) else "PodsNotHealthy"
     return Condition("Degraded", True, reason, "; ".join(problems)[:4000])
 
 
