@@ -60,7 +60,8 @@ class FakeVllmEngine:
     `eos_at_prefill` (prefill's one token ends the answer), `hold` (an Event every generation waits
     on before answering), `hold_after_first_chunk` (streams stop after one chunk until it is set),
     `break_after_first_chunk` (the connection is dropped mid-stream), `nixl` (prefill returns NIXL's
-    kv_transfer_params).
+    kv_transfer_params), `api_key` (as vLLM's VLLM_API_KEY: /v1 routes answer 401 without
+    `Authorization: Bearer <key>`). `authorizations` records (path, Authorization) of every request.
     """
 
     def __init__(self, name: str, *, nixl: bool = False) -> None:
@@ -73,6 +74,8 @@ class FakeVllmEngine:
         self.hold_after_first_chunk: asyncio.Event | None = None
         self.break_after_first_chunk = False
         self.seen: list[Seen] = []
+        self.api_key: str | None = None
+        self.authorizations: list[tuple[str, str | None]] = []
         self.record = True  # False: keep no history (benchmarks)
         self.arrived = asyncio.Event()
         self.cancelled: list[str] = []
@@ -89,7 +92,7 @@ class FakeVllmEngine:
         return [s for s in self.seen if s.path.startswith("/v1/") and s.path != "/v1/models"]
 
     async def start(self, port: int = 0) -> FakeVllmEngine:
-        app = web.Application(client_max_size=64 * 1024 * 1024)  # vLLM sets no body limit
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=[self._auth])  # vLLM: no limit
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/health", self._health)
@@ -108,6 +111,16 @@ class FakeVllmEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        auth = request.headers.get("Authorization")
+        if self.record:
+            self.authorizations.append((request.path, auth))
+        if self.api_key is not None and request.path.startswith("/v1") and auth != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
 
     async def _health(self, _: web.Request) -> web.Response:
         return web.Response(status=200 if self.healthy else 503)
