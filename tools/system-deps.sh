@@ -10,8 +10,9 @@ packages_for() {
     engine) echo libibverbs1 ibverbs-providers libnuma1 libcurl4 ;;
     # Daemonless image builds and base images made from Debian's archive.
     images) echo buildah podman runc mmdebstrap uidmap fuse-overlayfs ;;
-    # The real node: runc for containerd, kube-proxy's and the CNI's netfilter tools.
-    node) echo runc iptables conntrack iproute2 ethtool socat util-linux kmod ;;
+    # The real node: runc for containerd, kube-proxy's and the CNI's netfilter tools, ipset for
+    # kube-router's NetworkPolicy firewall.
+    node) echo runc iptables ipset conntrack iproute2 ethtool socat util-linux kmod ;;
     # The seed's docker-compose shape, run over podman; netavark and aardvark-dns resolve service names.
     compose) echo podman-compose netavark aardvark-dns ;;
     *) echo "system-deps: unknown group '$1' (engine, images, node, compose)" >&2; return 2 ;;

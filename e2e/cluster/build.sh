@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the local control plane's binaries (and its real node's: containerd, kubelet, kube-proxy, CNI
-# plugins, CoreDNS, the pause and probe images) from the Go module proxy, once per machine.
+# plugins, CoreDNS, kube-router, the pause and probe images) from the Go module proxy, once per machine.
 # Every binary lands in a versioned folder under $DLLM_CP_CACHE; a step whose binary already
 # reports the pinned version is skipped, so a warm run takes about a second.
 set -euo pipefail
@@ -17,6 +17,7 @@ TOOLS_BIN=$CACHE/bin/tools-kubectl-v$KUBECTL_VERSION-helm-v$HELM_VERSION
 CONTAINERD_BIN=$CACHE/bin/containerd-v$CONTAINERD_VERSION
 CNI_BIN=$CACHE/bin/cni-plugins-v$CNI_PLUGINS_VERSION
 COREDNS_BIN=$CACHE/bin/coredns-v$COREDNS_VERSION
+KUBE_ROUTER_BIN=$CACHE/bin/kube-router-v$KUBE_ROUTER_VERSION
 IMAGES=$CACHE/images/node-v$NODE_IMAGES_VERSION-coredns-v$COREDNS_VERSION
 K8S_CMDS="kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy"
 start=$SECONDS
@@ -114,6 +115,7 @@ fetch_kubectl_helm() {
 }
 
 # Builds Go commands of one module version into a folder: tool_build NAME MODULE VERSION BIN TAGS LDFLAGS PKG...
+# $TOOL_REQUIRES (module@version ...) raises dependencies above what the module asks for.
 tool_build() {
   local name=$1 module=$2 version=$3 bin=$4 tags=$5 ldflags=$6; shift 6
   local mod=$CACHE/src/$name-v$version pkg pkgs=""
@@ -124,6 +126,11 @@ tool_build() {
   for pkg in "$@"; do pkgs="$pkgs $module/$pkg@v$version"; done
   # shellcheck disable=SC2086
   with_heartbeat "$name modules" go get -tool $pkgs
+  if [ -n "${TOOL_REQUIRES:-}" ]; then
+    # shellcheck disable=SC2086
+    with_heartbeat "$name dependencies" go get $TOOL_REQUIRES
+    go mod tidy  # the raised modules need go.sum lines for their own new dependencies
+  fi
   for pkg in "$@"; do
     log "$name v$version: building ${pkg##*/}"
     with_heartbeat "${pkg##*/}" go build -trimpath -tags "$tags" -ldflags "-s -w $ldflags" \
@@ -161,6 +168,20 @@ build_coredns() {
   mv "$COREDNS_BIN/coredns.tmp" "$COREDNS_BIN/coredns"
 }
 
+# The binary's folder holds the KUBE_ROUTER_REQUIRES it was built with: a change of them rebuilds it.
+kube_router_built() {
+  [ -x "$KUBE_ROUTER_BIN/kube-router" ] && [ "$(cat "$KUBE_ROUTER_BIN/requires" 2>/dev/null)" = "$KUBE_ROUTER_REQUIRES" ]
+}
+
+build_kube_router() {
+  if kube_router_built; then log "kube-router v$KUBE_ROUTER_VERSION: cached"; return; fi
+  local m=github.com/cloudnativelabs/kube-router/v2
+  TOOL_REQUIRES=$KUBE_ROUTER_REQUIRES tool_build kube-router "$m" "$KUBE_ROUTER_VERSION" "$KUBE_ROUTER_BIN" "" \
+    "-X $m/pkg/version.Version=v$KUBE_ROUTER_VERSION -X $m/pkg/version.BuildDate=1970-01-01T00:00:00Z" \
+    cmd/kube-router
+  printf '%s' "$KUBE_ROUTER_REQUIRES" > "$KUBE_ROUTER_BIN/requires"
+}
+
 # The pause (C, static) and probe (Go) programs and CoreDNS, each as an OCI archive for `ctr images import`.
 build_node_images() {
   if [ -f "$IMAGES/coredns.tar" ]; then log "node images v$NODE_IMAGES_VERSION: cached"; return; fi
@@ -192,6 +213,7 @@ main() {
   build_containerd
   build_cni
   build_coredns
+  build_kube_router
   build_node_images
   log "done: binaries under $CACHE/bin"
 }

@@ -1,5 +1,6 @@
-"""One real node beside the kwok ones: containerd, kubelet and kube-proxy in their own network namespace,
-CoreDNS as a pod on it, images loaded from local archives (no registry anywhere).
+"""One real node beside the kwok ones: containerd, kubelet, kube-proxy and kube-router's NetworkPolicy
+firewall in their own network namespace, CoreDNS as a pod on it, images loaded from local archives (no
+registry anywhere).
 
 The node is a singleton of the machine (one namespace, veth pair and pod network), owned by the cluster
 that started it (/run/dllm-node.json names its state folder); a second cluster runs without it.
@@ -25,7 +26,7 @@ from e2e.cluster import nodeconfig as nc
 from e2e.cluster import nodehost as host
 
 OWNER = Path("/run/dllm-node.json")
-COMPONENTS = ("node-apiforward", "containerd", "kubelet", "kube-proxy")
+COMPONENTS = ("node-apiforward", "containerd", "kubelet", "kube-proxy", "kube-router")
 # The kubelet sets these machine-wide; `down` puts back what was there before.
 KUBELET_SYSCTLS = ("vm.overcommit_memory", "vm.panic_on_oom", "kernel.panic", "kernel.panic_on_oops",
                    "kernel.keys.root_maxkeys", "kernel.keys.root_maxbytes")  # fmt: skip
@@ -37,6 +38,7 @@ class Binaries:
         self.containerd = b / f"containerd-v{v['CONTAINERD_VERSION']}"
         self.cni = b / f"cni-plugins-v{v['CNI_PLUGINS_VERSION']}"
         self.kubelet, self.kube_proxy = layout.k8s_bin / "kubelet", layout.k8s_bin / "kube-proxy"
+        self.kube_router = b / f"kube-router-v{v['KUBE_ROUTER_VERSION']}" / "kube-router"
         self.images = (
             layout.cache / "images" / f"node-v{v['NODE_IMAGES_VERSION']}-coredns-v{v['COREDNS_VERSION']}"
         )
@@ -53,10 +55,10 @@ class Binaries:
     def missing(self) -> list[Path]:
         wanted = [self.containerd / "containerd", self.containerd / "containerd-shim-runc-v2", self.ctr,
                   self.cni / "bridge", self.cni / "host-local", self.cni / "loopback", self.cni / "portmap",
-                  self.kubelet, self.kube_proxy, Path(nc.RUNC)]  # fmt: skip
+                  self.kubelet, self.kube_proxy, self.kube_router, Path(nc.RUNC)]  # fmt: skip
         wanted += [self.images / f"{name}.tar" for name in self.image_names]
         return [p for p in wanted if not p.exists()] + [
-            Path(t) for t in ("socat", "iptables") if not shutil.which(t)
+            Path(t) for t in ("socat", "iptables", "ipset") if not shutil.which(t)
         ]
 
 
@@ -168,6 +170,7 @@ def write_files(layout: cp.Layout, paths: nc.NodePaths, binaries: Binaries) -> N
     shutil.copy(layout.state / "pki" / "ca.crt", paths.pki / "ca.crt")
     _issue(layout, paths, "kubelet", f"/O=system:nodes/CN=system:node:{nc.NODE_NAME}")
     _issue(layout, paths, "kube-proxy", "/CN=system:kube-proxy")
+    _issue(layout, paths, "kube-router", f"/CN={nc.KUBE_ROUTER_USER}")
     paths.containerd_config.write_text(nc.containerd_toml(paths, binaries.image_names["pause"], binaries.cni))
     (paths.cni_conf / f"10-{nc.CNI_NETWORK}.conflist").write_text(json.dumps(nc.cni_conflist(paths)))
     paths.config("kubelet").write_text(json.dumps(nc.kubelet_config(paths)))
@@ -270,16 +273,37 @@ def up(layout: cp.Layout, start: float) -> None:
                                             f"--config={paths.config('kube-proxy')}", "--v=1"))  # fmt: skip
 
     def ready() -> bool:
-        for component in COMPONENTS:
+        for component in COMPONENTS[:-1]:
             _alive_or_raise(layout, component)
         return node_ready(layout)
 
     cp.wait_for(ready, 120, f"node {nc.NODE_NAME} Ready (log: {layout.log('kubelet')})", interval=0.5)
     cp.log(f"real node {nc.NODE_NAME} Ready ({nc.NODE_IP}, pods {nc.POD_CIDR})", start)
+    start_firewall(layout, binaries, paths)
+    cp.log(f"kube-router v{layout.versions['KUBE_ROUTER_VERSION']} enforcing NetworkPolicy", start)
     cp.kubectl(layout, "apply", "--server-side", "--force-conflicts", "-f", "-",
                input_text=nc.coredns_manifests(binaries.image_names["coredns"]))  # fmt: skip
     cp.kubectl(layout, "-n", "kube-system", "rollout", "status", "deployment/coredns", "--timeout=120s")
     cp.log(f"CoreDNS ready at {nc.DNS_IP}", start)
+
+
+def start_firewall(layout: cp.Layout, binaries: Binaries, paths: nc.NodePaths) -> None:
+    """kube-router's firewall beside kube-proxy; it reads its Node for the node IP, so it starts once the
+    kubelet registered it. Returns when its first sync put every existing policy's rules in place."""
+    rbac = nc.kube_router_rbac()
+    cp.kubectl(layout, "apply", "--server-side", "--force-conflicts", "-f", "-", input_text=rbac)
+    log, env = layout.log("kube-router"), f"NODE_NAME={nc.NODE_NAME}"
+    offset = log.stat().st_size if log.exists() else 0  # the log file is appended to across runs
+    cp.spawn(layout, "kube-router",
+             _in_node(binaries, env, str(binaries.kube_router), *nc.kube_router_args(paths)))  # fmt: skip
+
+    def synced() -> bool:
+        _alive_or_raise(layout, "kube-router")
+        with log.open("rb") as lines:
+            lines.seek(offset)
+            return nc.KUBE_ROUTER_SYNCED.encode() in lines.read()
+
+    cp.wait_for(synced, 60, f"kube-router's first policy sync (log: {log})", interval=0.2)
 
 
 # ---- down ------------------------------------------------------------------------------------------
@@ -299,8 +323,8 @@ def down(layout: cp.Layout, quiet: bool = False) -> None:
         return
     start, owner, errors = time.monotonic(), _owner(), list[str]()
     states = {layout.state, Path(str(owner["state"]))} if owner.get("state") else {layout.state}
-    with _step("stop kubelet, kube-proxy", errors):
-        for component in ("kubelet", "kube-proxy"):
+    with _step("stop kubelet, kube-proxy, kube-router", errors):
+        for component in ("kubelet", "kube-proxy", "kube-router"):
             cp.stop_component(layout, component)
     with _step("kill containers", errors):
         host.kill_all(host.cgroup_pids())

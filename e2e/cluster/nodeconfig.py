@@ -1,5 +1,6 @@
 """Configuration files and manifests of the real node (e2e/cluster/node.py): containerd, the CNI network,
-the kubelet, kube-proxy and CoreDNS. Pure functions of paths and constants; nothing here starts anything."""
+the kubelet, kube-proxy, the NetworkPolicy enforcer (kube-router's firewall) and CoreDNS. Pure functions
+of paths and constants; nothing here starts anything."""
 
 from __future__ import annotations
 
@@ -196,6 +197,48 @@ def kubeconfig(server: str, ca: Path, cert: Path, key: Path) -> dict[str, object
         "users": [{"name": "node", "user": {"client-certificate": str(cert), "client-key": str(key)}}],
         "contexts": [{"name": "node", "context": {"cluster": "local", "user": "node"}}],
     }  # fmt: skip
+
+
+# kube-router's firewall identity: a client certificate with this CN and no group, bound only to
+# the read-only ClusterRole below.
+KUBE_ROUTER_USER = "system:dllm:kube-router"
+KUBE_ROUTER_ROLE = "dllm:kube-router-firewall"
+# Logged by kube-router after each successful iptables-restore of its policy chains: the first one means
+# the rules of every NetworkPolicy present at start are in force.
+KUBE_ROUTER_SYNCED = "Restoring IPv4 iptables rules took"
+
+
+def kube_router_args(paths: NodePaths) -> list[str]:
+    """Only the firewall: routes come from the bridge CNI and Services from kube-proxy."""
+    return [
+        "--run-firewall=true", "--run-router=false", "--run-service-proxy=false", "--run-loadbalancer=false",
+        f"--kubeconfig={paths.kubeconfig('kube-router')}", f"--hostname-override={NODE_NAME}",
+        f"--service-cluster-ip-range={SERVICE_CIDR}", "--enable-ipv4=true", "--enable-ipv6=false",
+        # Its health server shares Go's default mux with net/http/pprof, on every address of the node:
+        # pods could read its profiles. Metrics off too: nothing listens.
+        "--health-port=0", "--metrics-port=0",
+        "--iptables-sync-period=5m", "--v=1",
+    ]  # fmt: skip
+
+
+def kube_router_rbac() -> str:
+    """Read-only access to what its informers list and watch. Its informer factory starts informers for
+    Services, Endpoints and EndpointSlices even with only the firewall on, and waits for all of them to
+    sync, so those are read too; it gets its own Node for the node IP. No write verb anywhere."""
+    watch, core = ["get", "list", "watch"], ["pods", "namespaces", "nodes", "services", "endpoints"]
+    rules = [
+        {"apiGroups": [""], "resources": core, "verbs": watch},
+        {"apiGroups": ["networking.k8s.io"], "resources": ["networkpolicies"], "verbs": watch},
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": watch},
+    ]  # fmt: skip
+    rbac, name = "rbac.authorization.k8s.io", KUBE_ROUTER_ROLE
+    items = [
+        {"apiVersion": f"{rbac}/v1", "kind": "ClusterRole", "metadata": {"name": name}, "rules": rules},
+        {"apiVersion": f"{rbac}/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
+         "roleRef": {"apiGroup": rbac, "kind": "ClusterRole", "name": name},
+         "subjects": [{"apiGroup": rbac, "kind": "User", "name": KUBE_ROUTER_USER}]},
+    ]  # fmt: skip
+    return json.dumps({"apiVersion": "v1", "kind": "List", "items": items})
 
 
 COREFILE = """.:53 {

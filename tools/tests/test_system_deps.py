@@ -38,6 +38,13 @@ def test_not_root_it_stops_at_once_with_the_exact_command() -> None:
     assert "install -y --no-install-recommends libibverbs1" in result.stderr
 
 
+def test_the_real_node_group_names_the_netfilter_tools_its_firewall_runs() -> None:
+    """kube-router execs iptables-save/-restore and ipset: a fresh machine must get them with the node's."""
+    result = _run_as_nobody("node")
+    assert result.returncode == 1
+    assert "runc iptables ipset conntrack" in result.stderr
+
+
 def test_an_unknown_group_is_refused() -> None:
     result = _run_as_nobody("engine", "gpu-drivers")
     assert result.returncode == 2
