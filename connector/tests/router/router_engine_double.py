@@ -75,6 +75,7 @@ class FakeVllmEngine:
         self.break_after_first_chunk = False
         self.seen: list[Seen] = []
         self.api_key: str | None = None
+        self.active = self.max_active = 0  # generations being answered now, and the most at once
         self.authorizations: list[tuple[str, str | None]] = []
         self.record = True  # False: keep no history (benchmarks)
         self.arrived = asyncio.Event()
@@ -134,6 +135,8 @@ class FakeVllmEngine:
         if self.record:
             self.seen.append(seen)
         self.arrived.set()
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
         try:
             if self.hold is not None:
                 await self.hold.wait()
@@ -151,6 +154,8 @@ class FakeVllmEngine:
             self.cancelled.append(request.headers.get("X-Request-Id", ""))
             self.cancelled_event.set()
             raise
+        finally:
+            self.active -= 1
 
     def _head(self, seen: Seen, chunk: bool = False) -> JsonObject:
         chat = seen.path.endswith("chat/completions")

@@ -141,3 +141,54 @@ def test_unknown_flag_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
         parse_config(["--prefil-url", "http://p:1"], {})
     assert exited.value.code == 2
     assert "unrecognized arguments: --prefil-url" in capsys.readouterr().err
+
+
+def test_hardening_flags_default_and_take_their_variables() -> None:
+    """H2, M1, M4: the operator renders these flags (or their DLLM_ROUTER_* twins)."""
+    config = parse_config(BASE, {})
+    assert (config.max_body_mb, config.max_prompts, config.max_n) == (8, 64, 16)
+    assert (config.max_connections, config.head_timeout_s, config.body_timeout_s) == (1024, 10.0, 60.0)
+    assert config.drain_seconds == 25.0
+    assert config.engine_api_key is None
+    args = [*BASE, "--max-prompts", "3", "--max-n", "2", "--max-connections", "10", "--drain-seconds", "0"]
+    env = {
+        "DLLM_ROUTER_MAX_BODY_MB": "2",
+        "DLLM_ROUTER_HEAD_TIMEOUT_S": "1.5",
+        "DLLM_ROUTER_BODY_TIMEOUT_S": "7",
+        "DLLM_ROUTER_DRAIN_SECONDS": "55",
+        "DLLM_ROUTER_MAX_N": "9",
+    }
+    config = parse_config(args, env)
+    assert (config.max_body_mb, config.max_prompts, config.max_n) == (2, 3, 2)  # flags win
+    assert (config.max_connections, config.head_timeout_s, config.body_timeout_s) == (10, 1.5, 7.0)
+    assert config.drain_seconds == 0.0  # a grace period of 5 s leaves none after the preStop sleep
+    assert parse_config(BASE, {"DLLM_ROUTER_DRAIN_SECONDS": "55"}).drain_seconds == 55.0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-prompts", "0"], "--max-prompts (or DLLM_ROUTER_MAX_PROMPTS): 0 is outside"),
+        (["--max-n", "x"], "--max-n (or DLLM_ROUTER_MAX_N): 'x' is not an integer"),
+        (["--max-connections", "0"], "--max-connections (or DLLM_ROUTER_MAX_CONNECTIONS): 0 is outside"),
+        (["--head-timeout-s", "0"], "--head-timeout-s (or DLLM_ROUTER_HEAD_TIMEOUT_S): must be > 0"),
+        (["--body-timeout-s", "inf"], "--body-timeout-s (or DLLM_ROUTER_BODY_TIMEOUT_S): must be > 0"),
+        (["--drain-seconds", "-1"], "--drain-seconds (or DLLM_ROUTER_DRAIN_SECONDS): must be >= 0"),
+    ],
+)
+def test_bad_hardening_values_are_refused(args: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_config([*BASE, *args], {})
+    assert message in str(refused.value)
+
+
+def test_engine_api_key_comes_from_its_variable_and_never_shows() -> None:
+    key = "k3y-from-a-secret"
+    config = parse_config(BASE, {"DLLM_ENGINE_API_KEY": f" {key}\n"})
+    assert config.engine_api_key == key
+    assert key not in repr(config)
+    assert parse_config(BASE, {"DLLM_ENGINE_API_KEY": ""}).engine_api_key is None
+    with pytest.raises(ConfigError) as refused:
+        parse_config(BASE, {"DLLM_ENGINE_API_KEY": "abc\r\nX-Injected: 1"})
+    assert "DLLM_ENGINE_API_KEY: must be printable ASCII" in str(refused.value)
+    assert "abc" not in str(refused.value)

@@ -36,11 +36,11 @@ def check_shape(raw: bytes) -> None:
     if quotes > 2 * MAX_STRINGS + 1:
         raise TooComplex(f"request JSON has more than {MAX_STRINGS} strings")
     outside = b"".join(cleaned.split(b'"')[0::2]) if quotes else cleaned
-    if outside.count(b",") > MAX_VALUES:
-        raise TooComplex(f"request JSON has more than {MAX_VALUES} values")
     brackets = outside.translate(None, _NOT_BRACKETS)
     if len(brackets) > 2 * MAX_CONTAINERS + 1:
         raise TooComplex(f"request JSON has more than {MAX_CONTAINERS} arrays and objects")
+    if outside.count(b",") > MAX_VALUES:
+        raise TooComplex(f"request JSON has more than {MAX_VALUES} values")
     if brackets.count(b"[") + brackets.count(b"{") > MAX_DEPTH:
         _check_depth(brackets)
 
