@@ -20,6 +20,7 @@ import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -135,28 +136,63 @@ def build(out: Path, march: str = "native", compiler: list[str] | None = None) -
     return out
 
 
+def _untrusted_part(directory: Path) -> Path | None:
+    """The first part of `directory`'s path that someone else could change, or None.
+
+    Like ssh's StrictModes: the directory is not a symlink and is this user's, writable by no one
+    else; every parent (symlinks resolved) is root's or this user's and writable by no one else, or
+    sticky (/tmp: others cannot rename or replace what is ours inside it)."""
+    uid = os.getuid()
+    leaf = directory.lstat()
+    if stat.S_ISLNK(leaf.st_mode) or leaf.st_uid != uid or leaf.st_mode & 0o022:
+        return directory
+    for part in directory.resolve().parents:
+        status = part.stat()
+        if status.st_uid not in (0, uid) or (status.st_mode & 0o022 and not status.st_mode & stat.S_ISVTX):
+            return part
+    return None
+
+
 def _private_cache() -> Path:
-    """The cache directory, if only this user can write to it; else a fresh private temporary one
-    (a library someone else could replace must never be loaded)."""
+    """The cache directory, if only this user can change it or its path; else a fresh private
+    temporary one (a library someone else could replace must never be loaded)."""
     configured = os.environ.get("DLLM_KV_CODEC_CACHE")
     base = Path(configured) if configured else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
     directory = base if configured else base / "dllm-connector"
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        status = directory.stat()
-        if status.st_uid == os.getuid() and not status.st_mode & 0o022:
+        untrusted = _untrusted_part(directory)
+        if untrusted is None:
             return directory
         _log.warning(
-            "KV codec cache %s is writable by others; building in a private temporary one", directory
+            "KV codec cache %s: %s could be changed by others; building in a private temporary one",
+            directory,
+            untrusted,
         )
     except OSError as error:
         _log.warning("KV codec cache %s is unusable (%s); building in a temporary one", directory, error)
     return Path(tempfile.mkdtemp(prefix="dllm-kvcodec-"))
 
 
-def _open(path: Path) -> NativeCodec:
-    """The library at `path`, if it was built from this package's source; else OSError."""
-    library = ctypes.CDLL(str(path))
+def _open(path: Path, owners: frozenset[int] | None = None) -> NativeCodec:
+    """The library at `path`, if it is a regular file of one of `owners` (default: this user) that no
+    one else can write, built from this package's source; else OSError.
+
+    The checked file is the loaded one: it is opened once without following symlinks, and dlopen is
+    given that descriptor, so nothing can be swapped in between (a library's constructors run at
+    load, before any check of what it reports)."""
+    allowed = owners if owners is not None else frozenset({os.getuid()})
+    descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        status = os.fstat(descriptor)
+        if not stat.S_ISREG(status.st_mode) or status.st_uid not in allowed or status.st_mode & 0o022:
+            raise OSError(f"{path} is not a file that only its owner (uid {sorted(allowed)}) can write")
+        library = ctypes.CDLL(f"/proc/self/fd/{descriptor}")
+    except BaseException:
+        os.close(descriptor)
+        raise
+    # The descriptor stays open while the library is loaded, for good: the dynamic loader knows a
+    # loaded object by its name, and a reused /proc/self/fd/N would be taken for the earlier library.
     try:
         reported = library.dllm_kvcodec_source
     except AttributeError:
@@ -197,8 +233,8 @@ def _ready_made() -> NativeCodec | None:
     if platform.machine() in ("x86_64", "AMD64") and not _cpu_flags() >= _X86_64_V3_FLAGS:
         _log.warning("this CPU lacks x86-64-v3 (AVX2); not loading %s", configured)
         return None
-    try:
-        return _open(Path(configured))
+    try:  # images install it as root; the engine runs as another user
+        return _open(Path(configured), owners=frozenset({0, os.getuid()}))
     except OSError as error:
         _log.warning("not using DLLM_KV_CODEC_LIBRARY: %s", error)
         return None

@@ -126,7 +126,34 @@ def test_a_cache_that_others_can_write_to_is_never_used(
     assert library is not None
     assert library.path.parent != cache
     assert not list(cache.iterdir())
-    assert "writable by others" in caplog.text
+    assert "could be changed by others" in caplog.text
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="making a file another user's takes root")
+def test_a_cached_library_another_user_owns_is_built_again_not_loaded(cache: Path) -> None:
+    """Review L4: only a file this user owns is loaded from the cache."""
+    first = native_codec.load()
+    assert first is not None
+    os.chown(first.path, 65534, 65534)
+    again = native_codec.load()
+    assert again is not None
+    assert again.path == first.path
+    assert first.path.stat().st_uid == os.getuid(), "rebuilt in place by this user"
+
+
+def test_a_symlinked_cache_or_one_under_a_directory_others_can_write_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    open_parent = tmp_path / "open"
+    open_parent.mkdir()
+    open_parent.chmod(0o777)  # not sticky: anyone could rename the cache inside it
+    for directory in (link, open_parent / "cache"):
+        monkeypatch.setenv("DLLM_KV_CODEC_CACHE", str(directory))
+        assert native_codec._private_cache() != directory
 
 
 def build_with_the_cli(out: Path, march: str) -> subprocess.CompletedProcess[str]:
