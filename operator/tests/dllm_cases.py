@@ -126,6 +126,25 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
 ]
 
 
+# Valid, but privileged: refused by the chart's admission policy outside opted-in namespaces and by an
+# operator with DLLM_ALLOW_PRIVILEGED_ENGINES=false. (id, patch over minimal()'s spec, the model's path;
+# the policy names the part before any index.)
+MULTUS = {"k8s.v1.cni.cncf.io/networks": "x"}
+APPARMOR = {"container.apparmor.security.beta.kubernetes.io/vllm": "unconfined"}
+OTHER_SECRET = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "team-b", "key": "k"}}}]
+TOLERATE_ALL = [{"operator": "Exists"}]
+PRIVILEGED: list[tuple[str, dict[str, Any], str]] = [
+    ("host-network", {"rdma": {"enabled": True, "hostNetwork": True}}, "spec.rdma.hostNetwork"),
+    ("host-devices", {"rdma": {"enabled": True, "mode": "hostDevices"}}, "spec.rdma.mode"),
+    ("other-secret", {"decode": {"env": OTHER_SECRET}}, "spec.decode.env[0].valueFrom.secretKeyRef"),
+    ("multus", {"prefill": {"podAnnotations": MULTUS}}, "spec.prefill.podAnnotations"),
+    ("apparmor", {"prefill": {"podAnnotations": APPARMOR}}, "spec.prefill.podAnnotations"),
+    ("tolerate-all", {"decode": {"tolerations": TOLERATE_ALL}}, "spec.decode.tolerations[0].key"),
+    ("router-tolerate-all", {"router": {"tolerations": TOLERATE_ALL}}, "spec.router.tolerations[0].key"),
+    ("foreign-network", {"rdma": {"enabled": True, "networks": ["kube-system/net"]}}, "spec.rdma.networks"),
+]
+
+
 def invalid_body(patch: dict[str, Any], name: str) -> dict[str, Any]:
     patch = copy.deepcopy(patch)
     drop_model = patch.pop("_drop_model", False)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
-from dllm_cases import INVALID, SAMPLES, invalid_body, load_cr, minimal
-from e2e.fixtures import Cluster
+from dllm_cases import INVALID, PRIVILEGED, ROOT, SAMPLES, invalid_body, load_cr, merged, minimal
+from e2e.fixtures import Cluster, wait_until
+from e2e.samples import cpu_sample_on_kwok
 
 from dllm_operator.api import parse
 from dllm_operator.render import render_all
@@ -78,3 +82,130 @@ def test_printer_columns(cluster: Cluster, crd: str, namespace: str) -> None:
     cluster.run("create", "-n", namespace, "-f", "-", input_text=json.dumps(minimal("cols")))
     header = cluster.run("get", "dllm", "-n", namespace).stdout.splitlines()[0].split()
     assert header == ["NAME", "PREFILL", "DECODE", "READY", "CONNECTOR", "AGE"]
+
+
+# ---- H7: the chart's admission policy and Pod Security -------------------------------------------
+
+CHART = ROOT / "charts" / "dllm-operator"
+OPT_IN = "dllm.dev/allow-privileged-engines"
+HUB = {"huggingFace": {"tokenSecretRef": {"name": "hf-token", "key": "token"}}}
+
+
+def chart_policies(cluster: Cluster, release: str, namespace: str, *values: str) -> list[dict[str, Any]]:
+    """The chart's admission policies, their bindings confined to `namespace` (tests run side by side)."""
+    sets = [item for value in values for item in ("--set", value)]
+    text = cluster.helm(
+        "template",
+        release,
+        str(CHART),
+        "-n",
+        namespace,
+        "--show-only",
+        "templates/admission-policy.yaml",
+        *sets,
+    ).stdout
+    docs = [d for d in yaml.safe_load_all(text) if d]
+    for doc in docs:
+        if doc["kind"] == "ValidatingAdmissionPolicyBinding":
+            selector = doc["spec"].setdefault("matchResources", {}).setdefault("namespaceSelector", {})
+            expressions = selector.setdefault("matchExpressions", [])
+            expressions.append(
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [namespace]}
+            )
+    return docs
+
+
+@pytest.fixture
+def engine_policy(cluster: Cluster, crd: str, namespace: str) -> Iterator[str]:
+    release = f"p{namespace[-8:]}"
+    docs = chart_policies(cluster, release, namespace, "admissionPolicy.limitOperator=false")
+    cluster.run("apply", "--server-side", "-f", "-", input_text=yaml.safe_dump_all(docs))
+    probe = json.dumps(merged(minimal("probe"), {"spec": PRIVILEGED[0][1]}))
+
+    def refused() -> bool:
+        result = cluster.run(
+            "create", "--dry-run=server", "-n", namespace, "-f", "-", input_text=probe, check=False
+        )
+        return result.returncode != 0
+
+    wait_until(refused, 30, "the admission policy to take effect")
+    yield release
+    for doc in docs:
+        cluster.run("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", check=False)
+
+
+def create(cluster: Cluster, namespace: str, body: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+    text = json.dumps(body)
+    return cluster.run("create", "--dry-run=server", "-n", namespace, "-f", "-", input_text=text, check=False)
+
+
+def test_privileged_engine_settings_need_the_namespace_opt_in(
+    cluster: Cluster, namespace: str, engine_policy: str
+) -> None:
+    bodies = {case: merged(minimal(case), {"spec": patch}) for case, patch, _ in PRIVILEGED}
+    for case, _, path in PRIVILEGED:
+        result = create(cluster, namespace, bodies[case])
+        assert result.returncode != 0, f"{case} was admitted in an unlabelled namespace"
+        assert path.split("[")[0] in result.stderr, f"{case}: {result.stderr}"
+        assert OPT_IN in result.stderr, f"{case}: {result.stderr}"
+    hub_ref = {"name": "HF_COPY", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+    allowed = merged(
+        minimal("hub"), {"spec": {"model": {"name": "m", "source": HUB}, "decode": {"env": [hub_ref]}}}
+    )
+    assert create(cluster, namespace, allowed).returncode == 0  # the model's own hub token Secret
+    assert create(cluster, namespace, load_cr(ROOT / "crds/samples/cpu-tiny.yaml")).returncode == 0
+    cluster.run("label", "namespace", namespace, f"{OPT_IN}=true")
+
+    def all_admitted() -> list[str]:
+        return [case for case, body in bodies.items() if create(cluster, namespace, body).returncode != 0]
+
+    wait_until(lambda: not all_admitted(), 30, "every privileged ask admitted once the namespace opts in")
+
+
+def test_rendered_engine_pods_meet_pod_security_restricted(
+    cluster: Cluster, crd: str, namespace: str
+) -> None:
+    """The StatefulSet controller creates the CPU sample's engine pods in a namespace enforcing
+    "restricted" (the router's too): pods exist, and no FailedCreate."""
+    cluster.run("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    body = cpu_sample_on_kwok()
+    cluster.run("create", "-n", namespace, "-f", "-", input_text=json.dumps(body))
+    stored = cluster.get_json("dllm", "tiny-cpu", "-n", namespace)
+    manifests = render_all(parse(stored))
+    cluster.run(
+        "apply", "--server-side", "--field-manager=dllm-operator", "-n", namespace, "-f", "-",
+        input_text=yaml.safe_dump_all(manifests),
+    )  # fmt: skip
+
+    def pods() -> set[str]:
+        items = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/instance=tiny-cpu")[
+            "items"
+        ]
+        return {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in items}
+
+    def failed_creates() -> list[str]:
+        events = cluster.get_json("events", "-n", namespace)["items"]
+        return [e["message"] for e in events if e["reason"] == "FailedCreate"]
+
+    wait_until(lambda: pods() == {"prefill", "decode", "router"} or failed_creates(), 60, "the pods")
+    assert failed_creates() == []
+    assert pods() == {"prefill", "decode", "router"}
+
+
+def test_rdma_device_plugin_engines_meet_baseline_without_ipc_lock(
+    cluster: Cluster, crd: str, namespace: str
+) -> None:
+    """IPC_LOCK is outside Pod Security "baseline": with rdma.ipcLock false (memlock from the runtime) the
+    engines run as the non-root user and a baseline namespace admits them; with it, it refuses them."""
+    cluster.run("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=baseline")
+    for ipc_lock, admitted in ((False, True), (True, False)):
+        body = merged(minimal("rdma"), {"metadata": {"namespace": namespace, "uid": "u"}})
+        body = merged(body, {"spec": {"rdma": {"enabled": True, "ipcLock": ipc_lock}}})
+        sts = next(m for m in render_all(parse(body)) if m["kind"] == "StatefulSet")
+        template = sts["spec"]["template"]
+        metadata = {**template["metadata"], "name": "rdma-engine"}
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}
+        result = create(cluster, namespace, pod)
+        assert (result.returncode == 0) is admitted, (ipc_lock, result.stderr)
+        if not admitted:
+            assert "IPC_LOCK" in result.stderr

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from dllm_cases import ROOT, SAMPLES, load_cr, merged, minimal
+from dllm_cases import PRIVILEGED, ROOT, SAMPLES, load_cr, merged, minimal
 
 from dllm_connector.kvconfig import CONTRACT_ENV_NAMES, DOWNWARD_API_ENV
 from dllm_operator.api import SpecInvalid, parse
@@ -432,22 +432,6 @@ def test_router_body_limit_follows_its_memory_limit(limits: dict[str, str], body
     resources = {"requests": {"memory": "64Mi"}, "limits": limits}
     pod = router_pod(rendered(merged(minimal(), {"spec": {"router": {"resources": resources}}})))
     assert flag(pod["containers"][0]["args"], "--max-body-mb") == body_mb
-
-
-MULTUS = {"k8s.v1.cni.cncf.io/networks": "x"}
-APPARMOR = {"container.apparmor.security.beta.kubernetes.io/vllm": "unconfined"}
-OTHER_SECRET = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "team-b", "key": "k"}}}]
-TOLERATE_ALL = [{"operator": "Exists"}]
-PRIVILEGED = [
-    ("host-network", {"rdma": {"enabled": True, "hostNetwork": True}}, "spec.rdma.hostNetwork"),
-    ("host-devices", {"rdma": {"enabled": True, "mode": "hostDevices"}}, "spec.rdma.mode"),
-    ("other-secret", {"decode": {"env": OTHER_SECRET}}, "spec.decode.env[0].valueFrom.secretKeyRef"),
-    ("multus", {"prefill": {"podAnnotations": MULTUS}}, "spec.prefill.podAnnotations"),
-    ("apparmor", {"prefill": {"podAnnotations": APPARMOR}}, "spec.prefill.podAnnotations"),
-    ("tolerate-all", {"decode": {"tolerations": TOLERATE_ALL}}, "spec.decode.tolerations[0].key"),
-    ("router-tolerate-all", {"router": {"tolerations": TOLERATE_ALL}}, "spec.router.tolerations[0].key"),
-    ("foreign-network", {"rdma": {"enabled": True, "networks": ["kube-system/net"]}}, "spec.rdma.networks"),
-]
 
 
 @pytest.mark.parametrize(("case", "patch", "path"), PRIVILEGED, ids=[c[0] for c in PRIVILEGED])

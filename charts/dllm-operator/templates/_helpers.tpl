@@ -61,6 +61,14 @@ app.kubernetes.io/part-of: dllm-operator
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# The per-CR auth Secret: created once with random values (POST), never read, listed or patched; pods
+# take its keys by secretKeyRef and the garbage collector deletes it with the CR.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 # Pods only to read readiness and scheduling failures for status.
 - apiGroups: [""]
   resources: ["pods"]
@@ -69,4 +77,10 @@ app.kubernetes.io/part-of: dllm-operator
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- end -}}
+
+
+{{/* The operator's own identity, as the API server names it in admission requests. */}}
+{{- define "dllm-operator.username" -}}
+system:serviceaccount:{{ .Release.Namespace }}:{{ include "dllm-operator.serviceAccountName" . }}
 {{- end -}}
