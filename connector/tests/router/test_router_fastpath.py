@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 from conftest import EngineFactory, MutableSource, RouterFactory, RunningRouter, wait_event, wait_until
+from raw_client import RawClient, completion, post
 from router_engine_double import FakeVllmEngine, expected_text
-from test_router_http import RawClient, completion, post
 
 from dllm_connector.protocol import DecodeParams, PrefillParams
 from dllm_connector.router.metrics import Histogram

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass
 
 import pytest
-from conftest import WAIT_S, EngineFactory, RouterFactory, RunningRouter, wait_event, wait_until
+from conftest import EngineFactory, RouterFactory, RunningRouter, wait_event, wait_until
+from raw_client import Answer, RawClient, completion, post
 from router_engine_double import expected_text
 
 from dllm_connector.router import httpserver
@@ -19,76 +19,6 @@ from dllm_connector.router.httpserver import HttpServer, Request, Response, Stre
 from dllm_connector.router.openai import COMPLETIONS
 
 pytestmark = pytest.mark.timeout(20)
-
-
-@dataclass
-class Answer:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-
-class RawClient:
-    """One TCP connection; requests written as given, answers parsed (Content-Length or chunked)."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def to(cls, r: RunningRouter | int) -> RawClient:
-        port = r if isinstance(r, int) else int(r.url.rsplit(":", 1)[1])
-        return cls(*await asyncio.open_connection("127.0.0.1", port))
-
-    def send(self, data: bytes) -> None:
-        self.writer.write(data)
-
-    async def head(self) -> tuple[int, dict[str, str]]:
-        async with asyncio.timeout(WAIT_S):
-            status_line = await self.reader.readuntil(b"\r\n")
-            assert status_line.startswith(b"HTTP/1.1 "), status_line
-            headers: dict[str, str] = {}
-            while (line := await self.reader.readuntil(b"\r\n")) != b"\r\n":
-                name, _, value = line.decode().partition(":")
-                headers[name.strip().lower()] = value.strip()
-        return int(status_line.split()[1]), headers
-
-    async def chunk(self) -> bytes:
-        """One piece of a chunked body (b"" for the last)."""
-        async with asyncio.timeout(WAIT_S):
-            size = int((await self.reader.readuntil(b"\r\n")).strip(), 16)
-            data = await self.reader.readexactly(size + 2)
-        assert data.endswith(b"\r\n")
-        return data[:-2]
-
-    async def answer(self) -> Answer:
-        status, headers = await self.head()
-        if headers.get("transfer-encoding") == "chunked":
-            pieces = []
-            while piece := await self.chunk():
-                pieces.append(piece)
-            body = b"".join(pieces)
-        else:
-            async with asyncio.timeout(WAIT_S):
-                body = await self.reader.readexactly(int(headers["content-length"]))
-        return Answer(status, headers, body)
-
-    async def closed_by_server(self) -> bool:
-        async with asyncio.timeout(WAIT_S):
-            return await self.reader.read() == b""
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def post(body: bytes, *, path: str = COMPLETIONS, extra: bytes = b"") -> bytes:
-    return (
-        b"POST %b HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n%b\r\n%b" % (path.encode(), len(body), extra, body)
-    )
-
-
-def completion(prompt: str, tokens: int = 2, **more: object) -> bytes:
-    return json.dumps({"prompt": prompt, "max_tokens": tokens, **more}).encode()
 
 
 def text_of(answer: Answer) -> str:
