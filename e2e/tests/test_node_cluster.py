@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from e2e.cluster import controlplane as cp
-from e2e.cluster import node, ociimage
+from e2e.cluster import node, ociimage, probepod
 from e2e.cluster import nodeconfig as nc
 from e2e.cluster import nodehost as host
 from e2e.fixtures import Cluster, wait_until
@@ -33,19 +33,7 @@ def layout(cluster: Cluster) -> cp.Layout:
 
 
 def probe_pod(name: str, namespace: str, args: list[str], layout: cp.Layout, **spec: Any) -> dict[str, Any]:
-    container: dict[str, Any] = {
-        "name": "probe", "image": node.probe_image(layout), "imagePullPolicy": "Never", "args": args,
-    }  # fmt: skip
-    if args[0] == "serve":
-        container["readinessProbe"] = {"httpGet": {"path": "/", "port": 8080}, "periodSeconds": 1}
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "labels": {"app": name}},
-        "spec": {
-            "nodeSelector": dict([nc.LABEL]), "tolerations": [{**nc.TAINT, "operator": "Equal"}],
-            "terminationGracePeriodSeconds": 1, "containers": [container], **spec,
-        },
-    }  # fmt: skip
+    return probepod.probe_pod(name, namespace, args, node.probe_image(layout), **spec)
 
 
 def pod_status(cluster: Cluster, name: str, namespace: str) -> dict[str, Any]:

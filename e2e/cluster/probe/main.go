@@ -4,17 +4,24 @@
 //	probe serve ADDR           answer GET / with "probe <hostname>"
 //	probe get URL [SECONDS]    fetch URL until it answers 200 or SECONDS pass; print the body
 //	probe whoami [SECONDS]     POST a SelfSubjectReview with the pod's ServiceAccount token; print it
+//	probe dial SECONDS ADDR... one TCP connect per HOST:PORT, each bounded by SECONDS; print
+//	                           "ADDR open|refused|timeout|error ..." per line
+//	probe watch ADDR SECONDS   connect every 50 ms; print "open UNIX_NS" at the first success, then
+//	                           "closed UNIX_NS REASON" at the first failure after it (exit 1 if none in time)
 package main
 
 import (
 	"bytes"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"strconv"
+	"syscall"
 	"time"
 )
 
@@ -22,7 +29,7 @@ const saDir = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 func main() {
 	if len(os.Args) < 2 {
-		fail("usage: probe serve ADDR | get URL [SECONDS] | whoami [SECONDS]")
+		fail("usage: probe serve ADDR | get URL [SECONDS] | whoami [SECONDS] | dial SECONDS ADDR... | watch ADDR SECONDS")
 	}
 	http.DefaultClient.Timeout = 5 * time.Second
 	switch os.Args[1] {
@@ -32,6 +39,13 @@ func main() {
 		fmt.Print(retry(seconds(3), func() (*http.Response, error) { return http.Get(arg(2, "")) }))
 	case "whoami":
 		fmt.Print(whoami(seconds(2)))
+	case "dial":
+		limit := seconds(2)
+		for _, addr := range os.Args[3:] {
+			fmt.Println(addr, dial(addr, limit))
+		}
+	case "watch":
+		watch(arg(2, ""), seconds(3))
 	default:
 		fail("unknown command " + os.Args[1])
 	}
@@ -113,4 +127,39 @@ func whoami(limit time.Duration) string {
 		request.Header.Set("Content-Type", "application/json")
 		return client.Do(request)
 	})
+}
+
+// dial connects once and names the outcome: open, refused (a RST or an ICMP unreachable, as a REJECT
+// rule sends), timeout (no answer: a DROP), or error with the message.
+func dial(addr string, limit time.Duration) string {
+	conn, err := net.DialTimeout("tcp", addr, limit)
+	switch {
+	case err == nil:
+		conn.Close()
+		return "open"
+	case errors.Is(err, syscall.ECONNREFUSED) || errors.Is(err, syscall.EHOSTUNREACH):
+		return "refused"
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return "timeout"
+	default:
+		return "error " + err.Error()
+	}
+}
+
+// watch waits for addr to accept, then for the first connection that does not (a policy came into
+// force), printing the wall-clock time of each; the caller compares them with its own clock.
+func watch(addr string, limit time.Duration) {
+	deadline, opened := time.Now().Add(limit), false
+	for time.Now().Before(deadline) {
+		result := dial(addr, time.Second)
+		if !opened && result == "open" {
+			opened = true
+			fmt.Println("open", time.Now().UnixNano())
+		} else if opened && result != "open" {
+			fmt.Println("closed", time.Now().UnixNano(), result)
+			return
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	fail("no change within the time limit")
 }
