@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -177,9 +178,14 @@ def leftovers(layout: cp.Layout) -> list[str]:
     found += [f"cgroup {root}" for root in host.cgroup_roots() if root.exists()]
     rules = host.run("iptables-save").stdout
     found += [f"iptables {line}" for line in rules.splitlines() if "KUBE-" in line or nc.POD_CIDR in line]
+    # kube-router's ipsets and rules live in the node's namespace: none may show on the host.
+    found += [f"ipset {name}" for name in host.run("ipset", "list", "-n").stdout.split() if "KUBE-" in name]
+    if shutil.which("nft"):
+        found += [f"nft {line.strip()}" for line in host.run("nft", "list", "ruleset").stdout.splitlines()
+                  if "KUBE-" in line or nc.POD_CIDR in line]  # fmt: skip
     binaries = node.Binaries(layout)
     exes = [binaries.containerd / b for b in ("containerd", "containerd-shim-runc-v2")]
-    exes += [binaries.kubelet, binaries.kube_proxy, Path(nc.RUNC)]
+    exes += [binaries.kubelet, binaries.kube_proxy, binaries.kube_router, Path(nc.RUNC)]
     found += [f"process {pid}" for pid in host.pids_running(exes)]
     found += [f"component {c}" for c in node.COMPONENTS if (p := cp.read_pid(layout, c)) and cp.pid_alive(p)]
     return found
@@ -189,9 +195,23 @@ def leftovers(layout: cp.Layout) -> list[str]:
 def test_down_after_a_crash_leaves_nothing_then_up_again(
     cluster: Cluster, namespace: str, layout: cp.Layout
 ) -> None:
-    """Runs last: SIGKILLs the node's daemons with a pod running, tears down, checks, starts it again."""
+    """Runs last: SIGKILLs the node's daemons with a pod running under a NetworkPolicy (so kube-router
+    made its chains and ipsets), tears down, checks, starts it again."""
     cluster.apply(probe_pod("victim", namespace, ["serve", ":8080"], layout))
+    policy = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": "victim-only-from-victims", "namespace": namespace},
+        "spec": {"podSelector": {"matchLabels": {"app": "victim"}}, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "victim"}}}]}]},
+    }  # fmt: skip
+    cluster.apply(policy)
     wait_until(lambda: ready(cluster, "victim", namespace), 90, "the victim pod to be Ready")
+
+    def firewall_in_node() -> bool:
+        sets = host.in_netns("ipset", "list", "-n").stdout
+        return "KUBE-POD-FW-" in host.in_netns("iptables-save").stdout and "KUBE-" in sets
+
+    wait_until(firewall_in_node, 60, "kube-router's pod chain and ipsets in the node's namespace")
     in_node = host.in_netns("iptables-save").stdout
     assert "KUBE-SERVICES" in in_node  # kube-proxy's rules live in the node's namespace only
     node.kill_for_test(layout)

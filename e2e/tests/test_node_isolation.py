@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from e2e import demo, models_volume
 from e2e.cluster import controlplane as cp
-from e2e.cluster import node, probepod
+from e2e.cluster import node, nodehost, probepod
+from e2e.cluster import nodeconfig as nc
 from e2e.dataplane.pipeline import post_json
 from e2e.fixtures import Cluster, holds_for, wait_until
 
@@ -175,6 +176,32 @@ def test_default_deny_then_allow_same_label_refuses_another_namespace_until_the_
     wait_until(lambda: dial(cluster, "stranger", other_namespace, target)[target] == "open", 60,
                "the stranger to reach the server again once the policies are gone")  # fmt: skip
     print(f"policies deleted -> the stranger connects again: {time.monotonic() - removed:.2f}s")
+
+
+READS = (("watch", "networkpolicies"), ("list", "pods"), ("list", "namespaces"), ("get", "nodes"))
+WRITES_AND_SECRETS = (
+    ("get", "secrets"), ("list", "configmaps"), ("create", "pods"), ("update", "pods/status"),
+    ("patch", "nodes"), ("delete", "networkpolicies"), ("create", "events"),
+)  # fmt: skip
+
+
+def test_the_firewall_reads_only_what_it_watches_and_listens_nowhere(
+    cluster: Cluster, layout: cp.Layout
+) -> None:
+    """Its certificate's user may list and watch what its informers need, and write nothing; with its
+    health and metrics ports off (its health server would also serve Go's pprof), it has no socket."""
+    user = ("--as", nc.KUBE_ROUTER_USER)
+    for verb, resource in READS:
+        assert cluster.run("auth", "can-i", verb, resource, "-A", *user).stdout.strip() == "yes", (
+            verb,
+            resource,
+        )
+    for verb, resource in WRITES_AND_SECRETS:
+        denied = cluster.run("auth", "can-i", verb, resource, "-A", *user, check=False)
+        assert (denied.returncode, denied.stdout.strip()) == (1, "no"), (verb, resource)
+    sockets = nodehost.in_netns("ss", "-ltunp").stdout
+    assert "kube-router" not in sockets, sockets
+    assert f"pid={cp.read_pid(layout, 'kube-router')}," not in sockets, sockets
 
 
 # ---- the operator's policies, on the CPU sample ----------------------------------------------------
