@@ -906,6 +906,9 @@ class _PartReader(_PayloadViews):
         decode_into = kernels().by_codec[header.codec].decode_into
         limit = float(torch.finfo(header.torch_dtype).max)
         codes, scales = self._codes[rows], self._scales[rows]
+        # L3: scales come from the peer; a NaN, inf or non-positive one would be decoded into the cache
+        if not bool(((scales > 0) & torch.isfinite(scales)).all()):
+            raise CodecError("received KV scales are not all finite and positive")
         chunks = _row_chunks(target.shape[0], target.shape[1], _DECODE_CHUNK_ELEMENTS[header.codec])
         for start in chunks:
             stop = start + chunks.step

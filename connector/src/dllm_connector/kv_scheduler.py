@@ -3,20 +3,29 @@
 Decides which requests load or send KV and which blocks, from the `dllm` kv_transfer_params
 (protocol.py) and the settings, and hands the worker a metadata object per step. Requests are keyed
 by the router's transfer id; vLLM's request ids only map results back to vLLM.
+
+kv_transfer_params come from whoever can reach the engine's HTTP port (C1): nothing here raises
+on them. Params that do not validate, or that ask for the other role (a prefill-only engine given
+DecodeParams, a decode-only engine given PrefillParams), mean "no transfer", logged once per
+request in one bounded line.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
 from dllm_connector.kvconfig import ConnectorExtraConfig
 from dllm_connector.protocol import DecodeParams, PrefillParams, is_dllm_params
+
+_log = logging.getLogger(__name__)
+_LOGGED_REQUESTS = 1000  # request ids whose ignored params were logged (the latest)
 
 
 class ConnectorConfigError(ValueError):
@@ -92,16 +101,39 @@ def has_kv_worth_sending(prompt_len: int) -> bool:
     return prompt_len > 1
 
 
-def decode_params(params: Mapping[str, Any] | None) -> DecodeParams | None:
-    if not is_dllm_params(dict(params or {})) or not (params or {}).get("do_remote_prefill"):
-        return None
-    return DecodeParams.model_validate(params)
+class IgnoredParams(ValueError):
+    """A request's kv_transfer_params ask for a transfer this engine will not do; the message says why."""
 
 
-def prefill_params(params: Mapping[str, Any] | None) -> PrefillParams | None:
-    if not is_dllm_params(dict(params or {})) or not (params or {}).get("do_remote_decode"):
+def _dllm(params: object, flag: str) -> Mapping[str, Any] | None:
+    """The params when they are dllm params asking for `flag` (anything else: None)."""
+    if not isinstance(params, Mapping) or not is_dllm_params(dict(params)) or not params.get(flag):
         return None
-    return PrefillParams.model_validate(params)
+    return params
+
+
+_P = TypeVar("_P", DecodeParams, PrefillParams)
+
+
+def _validated(model: type[_P], params: Mapping[str, Any]) -> _P:
+    try:
+        return model.model_validate(params)
+    except ValidationError as error:
+        first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid"}
+        where = ".".join(str(part) for part in first["loc"]) or "<params>"
+        raise IgnoredParams(f"invalid {model.__name__}: {where[:60]}: {str(first['msg'])[:100]}") from None
+
+
+def decode_params(params: object) -> DecodeParams | None:
+    """The request's DecodeParams; None when it asks for no load; IgnoredParams when invalid."""
+    asked = _dllm(params, "do_remote_prefill")
+    return None if asked is None else _validated(DecodeParams, asked)
+
+
+def prefill_params(params: object) -> PrefillParams | None:
+    """The request's PrefillParams; None when it asks for no send; IgnoredParams when invalid."""
+    asked = _dllm(params, "do_remote_decode")
+    return None if asked is None else _validated(PrefillParams, asked)
 
 
 def _named_tp_size(params: PrefillParams | DecodeParams, name: str) -> int | None:
@@ -112,10 +144,20 @@ def _named_tp_size(params: PrefillParams | DecodeParams, name: str) -> int | Non
 class SchedulerState:
     """One engine's scheduler-side connector state."""
 
-    def __init__(self, config: ConnectorExtraConfig, *, block_size: int, kv_port: int) -> None:
+    def __init__(
+        self,
+        config: ConnectorExtraConfig,
+        *,
+        block_size: int,
+        kv_port: int,
+        sends: bool = True,
+        receives: bool = True,
+    ) -> None:
         self.config = config
         self.block_size = block_size
         self.kv_port = kv_port
+        self.sends, self.receives = sends, receives  # the engine's kv_role
+        self._logged: dict[str | None, None] = {}
         self._plan = StepPlan()
         self._loading: dict[str, str] = {}  # vLLM request id -> transfer id, until loaded
         self._load_ended: set[str] = set()  # loaded or failed, until request_finished
@@ -136,7 +178,7 @@ class SchedulerState:
         computed tokens (preemption, a failed load under the recompute policy), and prefill sends
         each transfer once, so such a request computes its prompt locally instead of waiting.
         """
-        if decode_params(params) is None or not has_kv_worth_sending(prompt_len):
+        if self._decode(request_id, params) is None or not has_kv_worth_sending(prompt_len):
             return 0, False
         if request_id is not None and request_id in self._load_ended:
             return 0, False
@@ -152,7 +194,7 @@ class SchedulerState:
         block_ids: Sequence[int],
         num_external_tokens: int,
     ) -> None:
-        decode = decode_params(params)
+        decode = self._decode(request_id, params)
         if decode is None or num_external_tokens <= 0 or request_id in self._loading:
             return
         if request_id in self._load_ended or not has_kv_worth_sending(prompt_len):
@@ -186,7 +228,7 @@ class SchedulerState:
         if request_id in self._loading:  # decode aborted before its KV arrived
             self._plan.cancels.append(self._loading.pop(request_id))
             return False
-        prefill = prefill_params(params)
+        prefill = self._prefill(request_id, params)
         if prefill is None or not length_capped or not block_ids or not has_kv_worth_sending(prompt_len):
             return False
         host = prefill.decode_host or self.config.decode_host
@@ -207,6 +249,43 @@ class SchedulerState:
         self._plan.sends.append(spec)
         self._sending.add(request_id)
         return True
+
+    # params from the network -------------------------------------------------------------------
+
+    def _decode(self, request_id: str | None, params: object) -> DecodeParams | None:
+        try:
+            decode = decode_params(params)
+            if decode is not None and not self.receives:
+                raise IgnoredParams("DecodeParams sent to an engine that does not receive KV")
+        except IgnoredParams as error:
+            self._ignored(request_id, error)
+            return None
+        return decode
+
+    def _prefill(self, request_id: str | None, params: object) -> PrefillParams | None:
+        try:
+            prefill = prefill_params(params)
+            if prefill is not None and not self.sends:
+                raise IgnoredParams("PrefillParams sent to an engine that does not send KV")
+        except IgnoredParams as error:
+            self._ignored(request_id, error)
+            return None
+        return prefill
+
+    def _ignored(self, request_id: str | None, error: IgnoredParams) -> None:
+        """One bounded line per request, however often vLLM asks about it."""
+        if request_id in self._logged:
+            return
+        self._logged[request_id] = None
+        while len(self._logged) > _LOGGED_REQUESTS:
+            del self._logged[next(iter(self._logged))]
+        shown = "?" if request_id is None else request_id[:100]
+        _log.warning("kv_transfer_params of request %s ignored (no KV transfer): %s", shown, error)
+
+    @property
+    def sends_in_flight(self) -> int:
+        """Requests whose blocks are held for a send not reported ended yet (the drain waits on it)."""
+        return len(self._sending)
 
     @property
     def has_pending_sends(self) -> bool:

@@ -20,6 +20,7 @@ from dllm_connector import codec
 from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, TPRank
 from dllm_connector.kv_scheduler import StepPlan
 from dllm_connector.kvconfig import ConnectorExtraConfig, Protocol
+from dllm_connector.peers import DecodePeers
 from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, TransferFailed
 from dllm_connector.transport.base import Transport
 
@@ -80,6 +81,8 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         self.failures: dict[str, str] = {}  # transfer id -> why it failed (the latest 1000)
         self._refused: dict[str, tuple[tuple[int, ...], str]] = {}  # loads refused before starting
+        self._cancelled: set[str] = set()  # transfer ids of loads vLLM aborted (no blocks to report)
+        self._unsendable: dict[str, str | None] = {}  # sends this worker cannot do: reported failed
 
     def register_kv_caches(self, caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
         tp = TPRank(self.identity.tp_rank, self.identity.tp_size)
@@ -87,7 +90,8 @@ class ConnectorWorker:
         codec.warm_up(self.kv.gather([0]), self.config.compression, self.kv.layout.groups)
         self.transport = make_transport(self.transport_kind, self.extra, self.host, self.kv.device)
         if self.identity.sends:
-            self.sender = KVSender(self.transport, self.kv, self.config)
+            peers = DecodePeers(self.extra.decode_host, self.extra.decode_port, self.host)
+            self.sender = KVSender(self.transport, self.kv, self.config, peer_address=peers.address)
         if self.identity.receives:
             port = self.identity.kv_port + self.identity.tp_rank
             self.receiver = KVReceiver(
@@ -95,8 +99,12 @@ class ConnectorWorker:
             )
 
     def start(self, plan: StepPlan) -> None:
+        """Start the step's loads, cancels and sends. Never raises on what a request asked for (C1):
+        a load or send this worker cannot do is reported failed through `results()`."""
         for load in plan.loads:
-            assert self.receiver is not None, "a load was planned on a worker that does not receive"
+            if self.receiver is None:
+                self._refused[load.request_id] = (load.block_ids, "this engine does not receive KV")
+                continue
             if load.transfer_id in self._loads:
                 self._refused[load.request_id] = (
                     load.block_ids,
@@ -116,11 +124,14 @@ class ConnectorWorker:
                 continue
             self._loads[load.transfer_id] = (load.request_id, load.block_ids)
         for transfer_id in plan.cancels:
-            if self.receiver is not None:
+            if self.receiver is not None and transfer_id in self._loads:
+                self._cancelled.add(transfer_id)
                 self.receiver.cancel(transfer_id)
         for send in plan.sends:
-            assert self.sender is not None, "a send was planned on a worker that does not send"
             self._sends[send.transfer_id] = send.request_id
+            if self.sender is None:
+                self._unsendable[send.transfer_id] = "this engine does not send KV"
+                continue
             job = SendJob(
                 send.transfer_id,
                 send.block_ids,
@@ -157,6 +168,11 @@ class ConnectorWorker:
                 continue
             request_id, blocks = self._loads.pop(transfer_id)
             recving.add(request_id)
+            if transfer_id in self._cancelled:
+                # vLLM aborted it and frees its blocks once this reports it ended (H5): they held
+                # no load another request could use, so none are reported as load errors
+                self._cancelled.discard(transfer_id)
+                continue
             if outcome:
                 self._record_failure(transfer_id, outcome)
                 failed.add(request_id)
@@ -167,7 +183,9 @@ class ConnectorWorker:
         return StepResults(sending, recving, failed)
 
     def _sender_done(self) -> dict[str, str | None]:
-        return self.sender.finished() if self.sender is not None else {}
+        done: dict[str, str | None] = dict(self._unsendable)
+        self._unsendable.clear()
+        return done | (self.sender.finished() if self.sender is not None else {})
 
     def _receiver_done(self) -> dict[str, str]:
         return self.receiver.results() if self.receiver is not None else {}

@@ -24,9 +24,11 @@ exactly once (loaded, failed, timed out or cancelled) and every staging reservat
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import queue
+import select
 import socket
 import threading
 import time
@@ -49,13 +51,23 @@ from dllm_connector.kv_layout import (
 )
 from dllm_connector.kv_scheduler import prompt_hash
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig
+from dllm_connector.messages import Accept, Chunk, EndTransfer, Offer, Piece, Slot, bounded, parse
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Source, Span, TransferTimeout, Transport, TransportError
 from dllm_connector.transport.sidechannel import Message, PeerRefused
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_connector.transport.torchdist import TorchDistTransport
 
-__all__ = ["KVPipe", "KVReceiver", "KVSender", "PipeConfig", "SendJob", "TransferFailed", "prompt_hash"]
+__all__ = [
+    "KVPipe",
+    "KVReceiver",
+    "KVSender",
+    "PipeConfig",
+    "SendJob",
+    "TransferFailed",
+    "end_transfer",
+    "prompt_hash",
+]
 
 _log = logging.getLogger(__name__)
 _GB = 1 << 30
@@ -70,6 +82,12 @@ _ALIGN = 64
 # range on the NHD layout is one short run per token; those are gathered into staging instead
 # (measured on 127.0.0.1: 1 KB runs moved 0.01 GB/s zero-copy).
 MIN_ZERO_COPY_RUN = 16 << 10
+# A thread waiting on a peer wakes this often to see whether its transfer was cancelled or its
+# side is closing (a wait is never one long blocking recv).
+_POLL_S = 0.05
+# Errors a transfer expects (their message says it all); any other exception is a bug or a
+# malformed peer: it still ends the transfer, and its traceback is logged once.
+_EXPECTED_ERRORS = (TransportError, codec.CodecError, LayoutError)
 
 
 @dataclass(frozen=True)
@@ -113,6 +131,14 @@ class PipeStats:
 
 class TransferFailed(TransportError):
     """A transfer ended without the KV in place; the message says why."""
+
+
+class _RefusedWithDetail(TransferFailed):
+    """Refused for a reason whose detail stays local: the peer is told `peer_reason` only (L2)."""
+
+    def __init__(self, detail: str, peer_reason: str) -> None:
+        super().__init__(detail)
+        self.peer_reason = peer_reason
 
 
 # ---- sender ---------------------------------------------------------------------------------------
@@ -211,20 +237,25 @@ class _ChunkWriter:
         self._thread.start()
 
     def put(self, item: _Chunk | _Piece | _Release) -> None:
-        if self._error is not None:
-            self._release(item)
-            raise self._error
+        """Hand `item` over (the writer releases its staging, in order, after any write under way)."""
         self._queue.put(item)
+        if self._error is not None:
+            raise self._error
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
             try:
                 if self._error is None and not isinstance(item, _Release):
                     self._write(item)
-            except (TransportError, OSError) as error:
+            except Exception as error:  # noqa: BLE001 - raised again by put/finish in the sender
                 self._error = error
             finally:
                 self._release(item)
+
+    def stop(self, error: BaseException) -> None:
+        """Write nothing more: what is queued is released unwritten (a write under way completes)."""
+        if self._error is None:
+            self._error = error
 
     def _write(self, item: _Chunk | _Piece) -> None:
         transport, timeout = self._sender.transport, self._sender.config.transfer_timeout_s
@@ -267,8 +298,16 @@ ZERO_COPY_PIECE_BYTES = 32 << 20
 class _PieceStream:
     """Hands a chunk's payload to the writer in pieces as its parts become final."""
 
-    def __init__(self, sender: KVSender, writer: _ChunkWriter, index: int, local: int, remote: int) -> None:
-        self._sender, self._writer, self._index = sender, writer, index
+    def __init__(
+        self,
+        sender: KVSender,
+        writer: _ChunkWriter,
+        index: int,
+        local: int,
+        remote: int,
+        poll: Callable[[], None],
+    ) -> None:
+        self._sender, self._writer, self._index, self._poll = sender, writer, index, poll
         self._local, self._remote = local, remote
         # Per kind of range (data, scales; each comes in order): up to where it was handed to the
         # writer, and up to where it is final.
@@ -287,6 +326,7 @@ class _PieceStream:
             self._ready[kind] = stop
         self._parts += 1
         if self._pending >= self._sender.piece_bytes:
+            self._poll()  # decode may have told us to stop (H5)
             src, dst = self.rest()
             self._sender._before_write(self._index, src)
             self._writer.put(_Piece(src, dst, self._index, self._parts))
@@ -323,18 +363,31 @@ class _PipeSide:
 
 
 class KVSender(_PipeSide):
-    """Prefill side. Sends run on their own threads when async; `finished()` drains the outcomes."""
+    """Prefill side. Sends run on their own threads when async; `finished()` drains the outcomes.
 
-    def __init__(self, transport: Transport, kv: PagedKV, config: PipeConfig) -> None:
+    `peer_address(host, port)` (C1) is asked before every connection: it returns the address to
+    connect to, or raises TransferFailed for a decode peer this engine may not send to. None: any.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        kv: PagedKV,
+        config: PipeConfig,
+        *,
+        peer_address: Callable[[str, int], str] | None = None,
+    ) -> None:
         super().__init__(transport, kv, config)
         self._tags = itertools.count(1)
         self.min_zero_copy_run = MIN_ZERO_COPY_RUN
         self.piece_bytes = PIECE_BYTES
         self.zero_copy_piece_bytes = ZERO_COPY_PIECE_BYTES
+        self._peer_address = peer_address
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
         self._done: dict[str, str | None] = {}  # transfer id -> None (sent) or the failure reason
         self._threads: list[threading.Thread] = []
+        self._closing = threading.Event()
 
     @property
     def in_flight(self) -> set[str]:
@@ -344,6 +397,9 @@ class KVSender(_PipeSide):
     def submit(self, job: SendJob) -> None:
         with self._lock:
             self._in_flight.add(job.transfer_id)
+        if self._closing.is_set():
+            self._record(job, "the KV sender is closing")
+            return
         if not self.config.async_transfer:
             self._run(job)
             return
@@ -362,19 +418,26 @@ class KVSender(_PipeSide):
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        for thread in list(self._threads):
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
-        return not self.in_flight
+        return not self.in_flight and not any(thread.is_alive() for thread in threads)
 
     def _run(self, job: SendJob) -> None:
+        """One job, whatever happens: it ends with a recorded outcome (H6), never a dead thread."""
         reason: str | None = None
         try:
             self.send(job)
-        except (TransportError, codec.CodecError, LayoutError) as error:
-            reason = str(error)
+        except Exception as error:  # noqa: BLE001 - every failure ends the transfer with a reason
+            reason = bounded(str(error) or type(error).__name__)
             self.stats.failed_sends += 1
             self.stats.timeouts += isinstance(error, TransferTimeout)
-            _log.warning("KV send %s failed: %s", job.transfer_id, reason)
+            unexpected = not isinstance(error, _EXPECTED_ERRORS)
+            _log.warning("KV send %s failed: %s", bounded(job.transfer_id), reason, exc_info=unexpected)
+        self._record(job, reason)
+
+    def _record(self, job: SendJob, reason: str | None) -> None:
         with self._lock:
             self._in_flight.discard(job.transfer_id)
             self._done[job.transfer_id] = reason
@@ -427,24 +490,29 @@ class KVSender(_PipeSide):
     def _send_to(self, job: SendJob, target: _Target) -> None:
         port = job.port + target.decode_rank
         heads = None if target.model_heads is None else self.kv.local_heads(target.model_heads)
-        with self._connect(job.host, port) as sock:
+        host = job.host if self._peer_address is None else self._peer_address(job.host, job.port)
+        with self._connect(host, port) as sock:
             plan = self._offer(sock, job, target, port, heads)
             blocks = job.block_ids[plan.skip : plan.skip + plan.count]
             writer = _ChunkWriter(self, sock, plan)
             wire = raw = 0
             try:
                 for index, (start, stop) in enumerate(chunk_ranges(len(blocks), plan.chunk_blocks)):
+                    self._poll(sock, plan)
                     chunk = self._prepare(index, blocks[start:stop], start, plan, writer, sock)
                     if chunk.src:
                         self._before_write(index, chunk.src)
                     writer.put(chunk)
                     wire, raw = wire + chunk.header.payload_nbytes, raw + chunk.header.raw_nbytes
                 writer.finish()
-            except (codec.CodecError, TransportError, LayoutError) as error:
-                with contextlib.suppress(TransportError, codec.CodecError, LayoutError):
+            except Exception as error:
+                # Nothing more is written; once the write under way returned, decode is told we
+                # stopped, so it may hand the blocks on (H5).
+                writer.stop(error)
+                with contextlib.suppress(Exception):
                     writer.finish()
                 with contextlib.suppress(TransportError):
-                    sidechannel.send_message(sock, {"type": "abort", "reason": str(error)})
+                    sidechannel.send_message(sock, {"type": "abort", "reason": bounded(str(error))})
                 raise
             sidechannel.send_message(sock, {"type": "done"})
             sidechannel.expect(sock, "ack", self.config.transfer_timeout_s)
@@ -459,15 +527,18 @@ class KVSender(_PipeSide):
             try:
                 return sidechannel.connect(host, port, self.config.transfer_timeout_s)
             except TransportError:
-                if time.monotonic() + _CONNECT_RETRY_S > deadline:
+                if time.monotonic() + _CONNECT_RETRY_S > deadline or self._closing.is_set():
                     raise
                 time.sleep(_CONNECT_RETRY_S)
 
-    def _chunk_blocks(self) -> int:
+    def _chunk_blocks(self, count: int) -> int:
+        """Blocks per chunk, at most the transfer's `count` (decode refuses more, L3)."""
         if self.kv.geometry.block_size > 0:
-            return max(1, -(-self.config.threshold_tokens // self.kv.geometry.block_size))
-        block_bytes = len(self.kv.caches) * self.kv.layout.segments * self.kv.segment_nbytes
-        return max(1, self.config.chunk_bytes // max(1, block_bytes))
+            per_chunk = -(-self.config.threshold_tokens // self.kv.geometry.block_size)
+        else:
+            block_bytes = len(self.kv.caches) * self.kv.layout.segments * self.kv.segment_nbytes
+            per_chunk = self.config.chunk_bytes // max(1, block_bytes)
+        return max(1, min(per_chunk, count))
 
     def _offer(
         self, sock: socket.socket, job: SendJob, target: _Target, port: int, heads: HeadRange | None
@@ -480,7 +551,7 @@ class KVSender(_PipeSide):
             "num_blocks": len(job.block_ids),
             "codec": self.codec.value,
             "zero_copy": self._zero_copy_for(heads),
-            "chunk_blocks": self._chunk_blocks(),
+            "chunk_blocks": self._chunk_blocks(len(job.block_ids)),
             "signature": self.kv.signature(),
             "endpoint": self.transport.endpoint(),
             "hold_s": self.config.hold_s,
@@ -495,26 +566,55 @@ class KVSender(_PipeSide):
         if isinstance(self.transport, TorchDistTransport):
             offer["endpoint"]["pair"] = self.transport.pair_key(job.host + f":{port}")
         sidechannel.send_message(sock, offer)
-        reply = sidechannel.expect(sock, "accept", self.config.hold_s)
-        peer = dict(reply.get("endpoint", {})) | {"pair": offer["endpoint"].get("pair")}
-        dst = [Span(int(addr), int(nbytes)) for addr, nbytes in reply["dst"]]
+        self._await(sock, self.config.hold_s)
+        reply = parse(Accept, sidechannel.expect(sock, "accept", self.config.transfer_timeout_s))
+        if reply.skip + reply.count > len(job.block_ids):
+            raise TransferFailed(
+                f"decode accepted blocks {reply.skip}..{reply.skip + reply.count - 1}, "
+                f"prefill offered {len(job.block_ids)}"
+            )
+        chunks = len(chunk_ranges(reply.count, int(offer["chunk_blocks"])))
+        if any(index >= chunks for index, _ in reply.slots):
+            raise TransferFailed(f"decode named a staging slot beyond chunk {chunks - 1}")
+        peer = dict(reply.endpoint) | {"pair": offer["endpoint"].get("pair")}
         return _Plan(
-            int(reply["skip"]),
-            int(reply["count"]),
+            reply.skip,
+            reply.count,
             int(offer["chunk_blocks"]),
-            dst,
+            [Span(addr, nbytes) for addr, nbytes in reply.dst],
             int(offer["tag"]),
             peer,
             heads,
             bool(offer["zero_copy"]),
-            {int(index): int(addr) for index, addr in reply.get("slots", [])},
+            dict(reply.slots),
         )
+
+    def _await(self, sock: socket.socket, timeout: float) -> None:
+        """Wait until the peer's next message is there; stops early when this sender closes."""
+        deadline = time.monotonic() + timeout
+        while not _readable(sock, min(_POLL_S * 10, max(0.0, deadline - time.monotonic()))):
+            if self._closing.is_set():
+                raise TransferFailed("the KV sender is closing")
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"decode did not accept within {timeout:.1f}s")
+
+    def _poll(self, sock: socket.socket, plan: _Plan) -> None:
+        """Between pieces: a slot decode named is kept; a nack or abort stops the send (H5)."""
+        while _readable(sock, 0.0):
+            self._take_slot(sidechannel.recv_message(sock, self.config.transfer_timeout_s), plan)
+
+    def _take_slot(self, message: Message, plan: _Plan) -> None:
+        if message["type"] != "slot":
+            raise sidechannel.unexpected(_quoted(message), "slot")
+        slot = parse(Slot, message)
+        if slot.index >= len(chunk_ranges(plan.count, plan.chunk_blocks)) or len(plan.slots) > 1024:
+            raise TransferFailed(f"decode named a staging slot for chunk {slot.index}, which is not due")
+        plan.slots[slot.index] = slot.addr
 
     def _slot(self, sock: socket.socket, plan: _Plan, index: int) -> int:
         """Where decode stages chunk `index`: named in the accept, or later, once decode has room."""
         while index not in plan.slots:
-            message = sidechannel.expect(sock, "slot", self.config.transfer_timeout_s)
-            plan.slots[int(message["index"])] = int(message["addr"])
+            self._take_slot(sidechannel.recv_message(sock, self.config.transfer_timeout_s), plan)
         return plan.slots.pop(index)
 
     def _prepare(
@@ -528,7 +628,7 @@ class KVSender(_PipeSide):
     ) -> _Chunk:
         """Chunk `index` encoded; on a one-sided transport its finished pieces already went to `writer`."""
         if plan.zero_copy:
-            return self._prepare_in_place(index, blocks, first, plan, writer)
+            return self._prepare_in_place(index, blocks, first, plan, writer, sock)
         shape = self.kv.batch_shape(len(blocks), plan.heads)
         groups = self.kv.groups(plan.heads)
         nbytes = codec.payload_nbytes(self.codec, self.kv.dtype, shape, groups)
@@ -537,7 +637,8 @@ class KVSender(_PipeSide):
         if not self.transport.one_sided:  # announced first, then sent whole: no pieces
             pieces = None
         else:
-            pieces = _PieceStream(self, writer, index, staged.data_ptr(), remote)
+            poll = functools.partial(self._poll, sock, plan)
+            pieces = _PieceStream(self, writer, index, staged.data_ptr(), remote, poll)
         try:
             # none from host memory: each layer is gathered straight into its place in the payload
             host_none = self.codec is Compression.NONE and self.kv.device.type == "cpu"
@@ -549,7 +650,8 @@ class KVSender(_PipeSide):
             )
         except BaseException:
             if pieces is not None and pieces.sent:  # the writer may still be reading it
-                writer.put(_Release(staged))
+                with contextlib.suppress(Exception):
+                    writer.put(_Release(staged))
             else:
                 self.staging.release(staged)
             raise
@@ -559,12 +661,21 @@ class KVSender(_PipeSide):
         return _Chunk(index, header, src, dst, staged)
 
     def _prepare_in_place(
-        self, index: int, blocks: Sequence[int], first: int, plan: _Plan, writer: _ChunkWriter
+        self,
+        index: int,
+        blocks: Sequence[int],
+        first: int,
+        plan: _Plan,
+        writer: _ChunkWriter,
+        sock: socket.socket,
     ) -> _Chunk:
         """Codec none, zero-copy: hash and write the blocks' spans a few layers at a time."""
         src = self.kv.spans(blocks, plan.heads)
         per_block = len(src) // len(blocks)
         theirs = plan.dst[first * per_block : (first + len(blocks)) * per_block]
+        sizes_differ = any(span.nbytes != n for span, (_, n) in zip(theirs, src, strict=False))
+        if len(theirs) != len(src) or sizes_differ:
+            raise TransferFailed(f"decode's block spans for chunk {index} do not match this cache's")
         dst = [(span.addr, span.nbytes) for span in theirs]
         running = RunningChecksum()
         # Spans are in layer order, the same bytes for every layer: a piece is whole layers, as
@@ -573,6 +684,7 @@ class KVSender(_PipeSide):
         layer_bytes = sum(nbytes for _, nbytes in src[:per_layer])
         step = per_layer * max(1, -(-self.zero_copy_piece_bytes // layer_bytes))
         for start in range(0, len(src), step):
+            self._poll(sock, plan)
             stop = min(start + step, len(src))
             for addr, nbytes in src[start:stop]:
                 running.add(addr, nbytes)
@@ -587,9 +699,33 @@ class KVSender(_PipeSide):
     def _before_write(self, index: int, src: Sequence[Source]) -> None:
         """Hook between checksum and write (tests corrupt the payload here)."""
 
-    def close(self) -> None:
-        self.wait_idle(self.config.transfer_timeout_s)
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop taking sends and unregister the memory only once no send can write from it (M4).
+
+        Sends still waiting for decode's accept (nothing written yet) end now; sends moving KV run
+        to their end. False (the memory stays registered) if one still runs after `timeout`
+        (default: the hold plus two transfer timeouts).
+        """
+        self._closing.set()
+        if timeout is None:
+            timeout = self.config.hold_s + 2 * self.config.transfer_timeout_s
+        if not self.wait_idle(timeout):
+            _log.error("KV sends %s still running at close: their memory stays registered", self.in_flight)
+            return False
         self._unregister()
+        return True
+
+
+def _quoted(message: Message) -> Message:
+    """What of a peer's message an error may repeat: its type and reason, bounded (L2)."""
+    return {"type": bounded(message["type"], 20), "reason": bounded(message.get("reason", message["type"]))}
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether the peer sent something (or closed) within `timeout` seconds."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(max(0, int(timeout * 1000))))
 
 
 def _naming_rank(error: Exception, rank: int) -> Exception:
@@ -632,8 +768,10 @@ class _LayerStream:
         view: torch.Tensor,
         blocks: Sequence[int],
         heads: HeadRange | None,
+        failed: Callable[[], str],
     ) -> None:
         self._kv, self._draft, self._blocks, self._heads = kv, draft, blocks, heads
+        self._failed = failed  # the expectation's failure: once set, nothing more is placed (H5)
         self._error: Exception | None = None
         try:
             self._decode = codec.StreamingDecode(draft, view, kv.num_layers)
@@ -641,6 +779,8 @@ class _LayerStream:
             self._error = error
 
     def place_until(self, layers: int) -> None:
+        if self._error is None and self._failed():
+            self._error = TransferFailed(f"the load failed elsewhere: {self._failed()}")
         if self._error is not None:
             return
         try:
@@ -652,8 +792,7 @@ class _LayerStream:
 
     def finish(self, header: codec.KVHeader) -> None:
         """The rest of the chunk placed, then the whole of it verified against its header."""
-        if replace(header, checksum=0) != self._draft:
-            raise TransferFailed(f"KV chunk header {header.to_dict()} does not match the offer")
+        _check_header(header, self._draft)
         self.place_until(self._kv.num_layers)
         if self._error is not None:
             raise self._error
@@ -687,27 +826,49 @@ class _Expectation:
         return not self.failure and len(self.claimed) < len(self.senders)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Part:
     """One prefill rank's share of an expectation, claimed by its offer."""
 
     expectation: _Expectation
     prefill_rank: int
     heads: HeadRange | None  # this rank's heads that arrive; None: all of them
+    told_to_stop: bool = False  # decode nacked mid-stream; the sender's done or abort is awaited
 
 
-_RECEIVE_ERRORS = (TransportError, codec.CodecError, LayoutError, KeyError, ValueError)
+def _check_header(header: codec.KVHeader, draft: codec.KVHeader) -> None:
+    """A chunk's header must be the one decode worked out from its own layout (H6): a peer's
+    codec, dtype, groups or shape never choose how decode reads its memory."""
+    if replace(header, checksum=0) != draft:
+        theirs = bounded(header.to_dict() | {"checksum": None})
+        raise TransferFailed(f"KV chunk header {theirs} does not match this cache's layout")
 
 
 @contextlib.contextmanager
 def _nack_on_error(sock: socket.socket) -> Iterator[None]:
-    """Before the accept: a failure is told to the sender (best effort), then raised."""
+    """Before the accept: a failure is told to the sender (best effort, bounded: L2), then raised."""
     try:
         yield
-    except _RECEIVE_ERRORS as error:
-        with contextlib.suppress(TransportError):
-            sidechannel.send_message(sock, {"type": "nack", "reason": f"KV load failed: {error}"})
+    except Exception as error:
+        _send_nack(sock, f"KV load failed: {getattr(error, 'peer_reason', error)}")
         raise
+
+
+def _send_nack(sock: socket.socket, reason: str) -> None:
+    with contextlib.suppress(TransportError):
+        sidechannel.send_message(sock, {"type": "nack", "reason": bounded(reason)})
+
+
+def end_transfer(host: str, port: int, transfer_id: str, timeout: float) -> None:
+    """Tell a decode rank's side channel it will never expect `transfer_id` (M2).
+
+    For the router, when decode refused or lost a request whose prefill already sends: prefill's
+    offer for it is refused at once instead of holding its blocks for the hold time. An id decode
+    does expect is left alone. Raises TransportError when decode cannot be told.
+    """
+    with sidechannel.connect(host, port, timeout) as sock:
+        sidechannel.send_message(sock, {"type": "end", "transfer_id": transfer_id})
+        sidechannel.expect(sock, "ack", timeout)
 
 
 class StagingWindow:
@@ -845,8 +1006,18 @@ class KVReceiver(_PipeSide):
         return dict(mapping.senders_to(own.rank))
 
     def cancel(self, transfer_id: str) -> None:
-        """Abort: the expectation ends as failed; a later offer for it is rejected."""
-        self._finish(transfer_id, "cancelled by decode")
+        """Abort: the expectation fails, and ends once no part writes into its blocks any more (H5).
+
+        Parts under way are told to stop (their senders answer abort); until then `results()` does
+        not report it, so vLLM cannot hand its blocks to another request. A later offer is refused.
+        """
+        with self._cond:
+            expectation = self._expected.get(transfer_id)
+            if expectation is None:
+                return
+            if not expectation.failure:
+                expectation.failure = "cancelled by decode"
+            self._settle_locked(expectation)
 
     def results(self) -> dict[str, str]:
         """Expectations that ended since the last call: id -> "" when loaded, else the failure reason."""
@@ -927,10 +1098,6 @@ class KVReceiver(_PipeSide):
         elif expectation.loaded == set(expectation.senders):
             self._finish_locked(expectation.transfer_id, "")
 
-    def _finish(self, transfer_id: str, reason: str, *, timed_out: bool = False) -> None:
-        with self._cond:
-            self._finish_locked(transfer_id, reason, timed_out=timed_out)
-
     def _finish_locked(self, transfer_id: str, reason: str, *, timed_out: bool = False) -> None:
         expectation = self._expected.pop(transfer_id, None)
         if expectation is None:
@@ -950,28 +1117,49 @@ class KVReceiver(_PipeSide):
     # side channel ------------------------------------------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
+        """One prefill connection: an offer and its transfer, or an `end` (M2). Whatever the peer
+        sends or whatever breaks, the part it claimed ends with a reason (H6)."""
         try:
-            offer = sidechannel.expect(sock, "offer", self.config.transfer_timeout_s)
-        except TransportError:
+            first = sidechannel.recv_message(sock, self.config.transfer_timeout_s)
+            if first["type"] == "end":
+                self._end_id(parse(EndTransfer, first).transfer_id)
+                sidechannel.send_message(sock, {"type": "ack"})
+                return
+            if first["type"] != "offer":
+                raise sidechannel.unexpected(_quoted(first), "offer")
+            offer = parse(Offer, first)
+        except Exception as error:  # noqa: BLE001 - nothing was claimed: told and logged, bounded
+            _send_nack(sock, f"KV load failed: {error}")
+            _log.warning("KV side-channel peer refused: %s", bounded(str(error)))
             return
-        transfer_id = str(offer.get("transfer_id", ""))
         part: _Part | None = None
         try:
             with _nack_on_error(sock):
                 part = self._check_offer(offer)
             self._receive(sock, offer, part)
-        except _RECEIVE_ERRORS as error:
-            reason = f"KV load failed: {error}"
+        except Exception as error:  # noqa: BLE001 - every failure ends the part with its reason
+            reason = bounded(f"KV load failed: {error}")
             self.stats.checksum_failures += isinstance(error, codec.ChecksumError)
-            _log.warning("KV receive %s failed: %s", transfer_id, error)
-            self._end(transfer_id, part, reason, timed_out=isinstance(error, TransferTimeout))
+            unexpected = not isinstance(error, _EXPECTED_ERRORS)
+            _log.warning("KV receive %s failed: %s", offer.transfer_id, reason, exc_info=unexpected)
+            self._end(offer.transfer_id, part, reason, timed_out=isinstance(error, TransferTimeout))
 
-    def _receive(self, sock: socket.socket, offer: Mapping[str, Any], part: _Part) -> None:
+    def _end_id(self, transfer_id: str) -> None:
+        """Decode will never expect this id: a waiting or later offer for it is refused at once."""
+        with self._cond:
+            if transfer_id in self._expected:
+                return  # decode's own expectation wins over a peer's word
+            self._ended[transfer_id] = None
+            while len(self._ended) > 1000:
+                del self._ended[next(iter(self._ended))]
+            self._cond.notify_all()
+
+    def _receive(self, sock: socket.socket, offer: Offer, part: _Part) -> None:
         expectation, heads = part.expectation, part.heads
         with _nack_on_error(sock):
             window, dst, sizes = self._reserve(offer, part)
         count = len(expectation.block_ids)
-        chunks = chunk_ranges(count, int(offer["chunk_blocks"]))
+        chunks = chunk_ranges(count, min(offer.chunk_blocks, count))
         failure: Exception | None = None
         try:
             endpoint = self.transport.endpoint() if self.transport.one_sided else {}
@@ -996,21 +1184,26 @@ class KVReceiver(_PipeSide):
                         view = None
                     load = failure is None and not expectation.failure
                     try:
-                        self._receive_chunk(sock, offer, index, blocks, view, heads, load=load)
+                        self._receive_chunk(sock, offer, index, blocks, view, part, load=load)
                     except (codec.CodecError, TransferFailed, LayoutError) as error:
                         failure = failure or error  # keep consuming: the sender is mid-stream
                     finally:
                         if own is not None:
                             self.staging.release(own)
+                    if failure is not None:
+                        self._tell_to_stop(sock, part, f"KV load failed: {failure}")
                     for slot, addr in [] if window is None else window.decoded(index):
                         sidechannel.send_message(sock, {"type": "slot", "index": slot, "addr": addr})
-                sidechannel.expect(sock, "done", self.config.transfer_timeout_s)
+                if (last := self._next_message(sock, part))["type"] != "done":
+                    raise sidechannel.unexpected(_quoted(last), "done")
                 if failure is None and expectation.failure:
                     failure = TransferFailed(f"the load failed elsewhere: {expectation.failure}")
             except TransportError as error:
                 self._refuse_and_drain(
                     sock, f"KV load failed: {error}", drain=not isinstance(error, PeerRefused)
                 )
+                if failure is not None:  # the sender stopped because decode told it why
+                    raise failure from None
                 raise
             if failure is not None:
                 self._refuse_and_drain(sock, f"KV load failed: {failure}", drain=False)
@@ -1023,20 +1216,25 @@ class KVReceiver(_PipeSide):
         self._end(expectation.transfer_id, part, "")
         sidechannel.send_message(sock, {"type": "ack"})
 
+    def _tell_to_stop(self, sock: socket.socket, part: _Part, reason: str) -> None:
+        """Mid-stream, once: nack now, so the sender stops writing and answers with abort (H5)."""
+        if not part.told_to_stop:
+            part.told_to_stop = True
+            _send_nack(sock, reason)
+
     def _reserve(
-        self, offer: Mapping[str, Any], part: _Part
+        self, offer: Offer, part: _Part
     ) -> tuple[StagingWindow | None, list[tuple[int, int]], list[int]]:
         """Name where each chunk of this part goes: decode's block spans (zero-copy), or staging
         (one-sided: a window of it, the first slots named in the accept), or nothing (two-sided)."""
         block_ids, heads = part.expectation.block_ids, part.heads
-        chunks = chunk_ranges(len(block_ids), int(offer["chunk_blocks"]))
-        used = Compression(offer["codec"])
+        chunks = chunk_ranges(len(block_ids), min(offer.chunk_blocks, len(block_ids)))
         groups = self.kv.groups(heads)
         sizes = [
-            codec.payload_nbytes(used, self.kv.dtype, self.kv.batch_shape(b - a, heads), groups)
+            codec.payload_nbytes(offer.codec, self.kv.dtype, self.kv.batch_shape(b - a, heads), groups)
             for a, b in chunks
         ]
-        if bool(offer.get("zero_copy")) and self.transport.one_sided:
+        if offer.zero_copy and self.transport.one_sided:
             spans = [span for a, b in chunks for span in self.kv.spans(block_ids[a:b], heads)]
             return None, spans, sizes
         self.staging.check_fits(max(sizes))  # refused before the accept, whichever the transport
@@ -1044,40 +1242,45 @@ class KVReceiver(_PipeSide):
             return None, [], sizes
         return StagingWindow(self.staging, sizes, self.config.transfer_timeout_s), [], sizes
 
-    def _check_offer(self, offer: Mapping[str, Any]) -> _Part:
+    def _check_offer(self, offer: Offer) -> _Part:
         """Compare the caches, then claim the sender's part of the expectation it names."""
-        mismatches = signature_mismatches(self.kv.signature(), offer["signature"])
+        mismatches = signature_mismatches(self.kv.signature(), offer.signature)
         if mismatches:
-            raise TransferFailed("KV cache mismatch between prefill and decode: " + "; ".join(mismatches))
-        return self._claim(offer, float(offer.get("hold_s", self.config.hold_s)))
+            # L2: decode's outcome and log have both sides (bounded); the peer learns only which
+            # fields differ, never decode's values
+            keys = sorted({line.split(":", 1)[0] for line in mismatches})
+            raise _RefusedWithDetail(
+                "KV cache mismatch between prefill and decode: " + bounded("; ".join(mismatches)),
+                "KV cache mismatch between prefill and decode in: " + bounded(", ".join(keys)),
+            )
+        hold = min(offer.hold_s or self.config.hold_s, self.config.hold_s)  # H4: never the peer's longer one
+        return self._claim(offer, hold)
 
-    def _check_claim(self, offer: Mapping[str, Any], expectation: _Expectation) -> _Part:
+    def _check_claim(self, offer: Offer, expectation: _Expectation) -> _Part:
         """The offer fits what decode expects (engine, prompt, blocks, TP rank and heads): its part."""
-        wanted_engine = offer.get("engine_id")
+        wanted_engine = offer.engine_id
         if wanted_engine and self.engine_id and wanted_engine != self.engine_id:
             raise TransferFailed(
-                f"prefill was sent to decode engine {wanted_engine!r}, this is {self.engine_id!r}"
+                f"prefill was sent to decode engine {bounded(wanted_engine)!r}, this is {self.engine_id!r}"
             )
-        theirs = offer.get("prompt_hash")
-        if theirs and expectation.prompt_hash and theirs != expectation.prompt_hash:
+        if offer.prompt_hash != expectation.prompt_hash:  # L3: never skipped
             raise TransferFailed("prompt token ids differ between prefill and decode (tokenization mismatch)")
         count = len(expectation.block_ids)
-        if expectation.skip + count > int(offer["num_blocks"]):
+        if expectation.skip + count > offer.num_blocks:
             raise TransferFailed(
-                f"decode wants {count} blocks after {expectation.skip}, prefill has {offer['num_blocks']}"
+                f"decode wants {count} blocks after {expectation.skip}, prefill has {offer.num_blocks}"
             )
-        rank, heads = self._check_tp(offer.get("tp", {}), expectation)
+        rank, heads = self._check_tp(offer, expectation)
         if expectation.failure or rank in expectation.claimed:
             raise TransferFailed(f"transfer {expectation.transfer_id} is not awaited any more")
         return _Part(expectation, rank, None if heads is None else self.kv.local_heads(heads))
 
-    def _check_tp(self, tp: Mapping[str, Any], expectation: _Expectation) -> tuple[int, HeadRange | None]:
+    def _check_tp(self, offer: Offer, expectation: _Expectation) -> tuple[int, HeadRange | None]:
         """The offering prefill rank and the model heads it sends, as decode's TP mapping wants them."""
-        own = self.kv.tp
-        rank, size = int(tp.get("rank", 0)), int(tp.get("size", 1))
-        decode_rank = int(tp.get("decode_rank", rank))
-        offered = tp.get("heads")
-        heads = None if offered is None else (int(offered[0]), int(offered[1]))
+        own, tp = self.kv.tp, offer.tp
+        rank, size = tp.rank, tp.size
+        decode_rank = rank if tp.decode_rank is None else tp.decode_rank
+        heads = tp.heads
         if size != expectation.prefill_tp:
             raise TransferFailed(
                 f"prefill TP size {size} offered, decode (TP {own.size}) expects prefill TP "
@@ -1098,79 +1301,100 @@ class KVReceiver(_PipeSide):
     def _receive_chunk(
         self,
         sock: socket.socket,
-        offer: Mapping[str, Any],
+        offer: Offer,
         index: int,
         blocks: Sequence[int],
         view: torch.Tensor | None,
-        heads: HeadRange | None,
+        part: _Part,
         *,
         load: bool,
     ) -> None:
         """Take chunk `index` in; with load false (an earlier chunk failed) only consume it."""
+        heads, expectation = part.heads, part.expectation
+        draft = self._draft_header(offer, blocks, heads, staged=view is not None)
         stream = None
         if load and view is not None and self.transport.one_sided:
-            stream = _LayerStream(self.kv, self._draft_header(offer, blocks, heads), view, blocks, heads)
-        announced = self._chunk_message(sock, index, stream)
+            stream = _LayerStream(self.kv, draft, view, blocks, heads, lambda: expectation.failure)
+        announced = self._chunk_message(sock, index, stream, part)
+        header = codec.KVHeader.from_dict(announced.header)
+        if load:
+            _check_header(header, draft)
         if view is not None and not self.transport.one_sided:
-            peer = dict(offer["endpoint"])
+            peer = dict(offer.endpoint)
             try:
-                self.transport.recv(peer, [view], int(offer["tag"]), self.config.transfer_timeout_s)
+                self.transport.recv(peer, [view], offer.tag, self.config.transfer_timeout_s)
             except TransportError:
                 self.transport.forget_peer(peer)
                 raise
         if not load:
             return
-        header = codec.KVHeader.from_dict(announced["header"])
-        expected_shape = self.kv.batch_shape(len(blocks), heads)
-        if header.shape != expected_shape:
-            raise TransferFailed(f"KV chunk shape {list(header.shape)} != expected {list(expected_shape)}")
         if view is None:
             actual = spans_checksum(self.kv.spans(blocks, heads))
             if actual != header.checksum:
                 raise codec.ChecksumError(f"KV checksum {actual:#018x} != sender's {header.checksum:#018x}")
             return
         if stream is None:  # two-sided: the whole chunk arrived at once
+            if expectation.failure:  # cancelled while it was on the wire: not placed (H5)
+                raise TransferFailed(f"the load failed elsewhere: {expectation.failure}")
             self.kv.scatter_layers(blocks, codec.decode_parts(header, view, self.kv.num_layers), heads)
             return
         stream.finish(header)
 
     def _draft_header(
-        self, offer: Mapping[str, Any], blocks: Sequence[int], heads: HeadRange | None
+        self, offer: Offer, blocks: Sequence[int], heads: HeadRange | None, *, staged: bool = True
     ) -> codec.KVHeader:
-        """The header a chunk of `blocks` will carry, but for its checksum (known at its end)."""
+        """The header a chunk of `blocks` will carry, but for its checksum (known at its end).
+        Zero-copy chunks (not staged) are raw blocks: codec none, one group."""
         shape = self.kv.batch_shape(len(blocks), heads)
-        return codec.KVHeader(
-            Compression(offer["codec"]), self.kv.dtype_name, shape, self.kv.groups(heads), 0
-        )
+        if not staged:
+            return codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, 0)
+        return codec.KVHeader(offer.codec, self.kv.dtype_name, shape, self.kv.groups(heads), 0)
 
-    def _chunk_message(self, sock: socket.socket, index: int, stream: _LayerStream | None) -> Message:
+    def _chunk_message(
+        self, sock: socket.socket, index: int, stream: _LayerStream | None, part: _Part
+    ) -> Chunk:
         """The announcement of chunk `index`, placing the layers its pieces bring on the way."""
         while True:
-            message = sidechannel.recv_message(sock, self.config.transfer_timeout_s)
+            message = self._next_message(sock, part)
             if message["type"] not in ("piece", "chunk"):
-                raise sidechannel.unexpected(message, "chunk")
-            if int(message["index"]) != index:
-                raise TransferFailed(f"chunk {message['index']} arrived where chunk {index} was due")
+                raise sidechannel.unexpected(_quoted(message), "chunk")
             if message["type"] == "chunk":
-                return message
+                chunk = parse(Chunk, message)
+                if chunk.index != index:
+                    raise TransferFailed(f"chunk {chunk.index} arrived where chunk {index} was due")
+                return chunk
+            piece = parse(Piece, message)
+            if piece.index != index or piece.parts > self.kv.num_layers:
+                raise TransferFailed(f"a piece of chunk {piece.index} arrived where chunk {index} was due")
             if stream is not None:
-                stream.place_until(int(message["parts"]))
+                stream.place_until(piece.parts)
+
+    def _next_message(self, sock: socket.socket, part: _Part) -> Message:
+        """The sender's next message (within the transfer timeout); while waiting, a cancel of the
+        load is told to the sender at once, so that it stops writing into decode's memory (H5)."""
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while not _readable(sock, min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if part.expectation.failure:
+                self._tell_to_stop(sock, part, f"KV load failed: {part.expectation.failure}")
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"no side-channel message within {self.config.transfer_timeout_s:.1f}s")
+        return sidechannel.recv_message(sock, self.config.transfer_timeout_s)
 
     def _refuse_and_drain(self, sock: socket.socket, reason: str, *, drain: bool) -> None:
-        """Tell the sender; if it may still be writing, wait until it stops before memory is reused."""
-        with contextlib.suppress(TransportError):
-            sidechannel.send_message(sock, {"type": "nack", "reason": reason})
+        """Tell the sender; if it may still be writing, wait until it says it stopped (done or
+        abort) or closes, for up to the hold time, before decode's memory is handed on (H5)."""
+        _send_nack(sock, reason)
         if not drain:
             return
-        deadline = time.monotonic() + self.config.transfer_timeout_s
+        deadline = time.monotonic() + max(self.config.hold_s, self.config.transfer_timeout_s)
         with contextlib.suppress(TransportError):
             while (left := deadline - time.monotonic()) > 0:
                 if sidechannel.recv_message(sock, left)["type"] in ("done", "abort"):
                     return
 
-    def _claim(self, offer: Mapping[str, Any], hold_s: float) -> _Part:
-        """Wait (up to the sender's hold) until decode expects this id, then own the sender's part."""
-        transfer_id = str(offer["transfer_id"])
+    def _claim(self, offer: Offer, hold_s: float) -> _Part:
+        """Wait (up to the hold) until decode expects this id, then own the sender's part."""
+        transfer_id = offer.transfer_id
         deadline = time.monotonic() + hold_s
         with self._cond:
             while True:

@@ -10,6 +10,10 @@ prompt; prefill sends at request_finished from the request's block ids (not for 
 prompt) and keeps them until the send ends. Worker side (kv_worker.ConnectorWorker): starts the
 step's loads and sends, reports loaded and failed receives (failed blocks through
 get_block_ids_with_load_errors, so vLLM's kv_load_failure_policy applies).
+
+Metrics (M4): the scheduler side reports how many finished requests still hold their blocks for a
+KV push; vLLM's /metrics shows it as the gauge `SENDS_IN_FLIGHT_METRIC`
+(vllm:dllm_kv_sends_in_flight{model_name, engine}), which the preStop drain waits on.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ if TYPE_CHECKING:
     import torch
 
 _log = logging.getLogger(__name__)
+
+SENDS_IN_FLIGHT_METRIC = "vllm:dllm_kv_sends_in_flight"
+# Stats keys that are levels, not counts: aggregating keeps the latest, not the sum.
+_GAUGES = frozenset({"sends_in_flight"})
 
 
 class _VllmMissing:
@@ -58,21 +66,59 @@ _ConnectorBase, _MetadataBase, _Role, _StatsBase = _vllm_bases()
 
 @dataclass
 class DllmConnectorStats(_StatsBase):  # type: ignore[misc,valid-type]
-    """Counters since the last interval: transfers, failures, timeouts, checksum failures, bytes."""
+    """Counters since the last interval (transfers, failures, timeouts, checksum failures, bytes)
+    and levels (sends_in_flight: the latest reading wins)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
 
     def aggregate(self, other: Any) -> DllmConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = self.data.get(key, 0) + value
+            self.data[key] = value if key in _GAUGES else self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float]:
         return dict(self.data)
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        """A level is news even at 0 (the drain must see it drop); a counter only when it moved."""
+        return not any(key in _GAUGES or value for key, value in self.data.items())
+
+
+def _prom_metrics_class() -> Any:
+    """vLLM's per-connector Prometheus hook, subclassed where vLLM is installed."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+    from vllm.v1.metrics.utils import create_metric_per_engine
+
+    class DllmPromMetrics(KVConnectorPromMetrics):
+        """Exports the sends-in-flight level as a gauge per engine."""
+
+        def __init__(
+            self,
+            vllm_config: Any,
+            metric_types: Any,
+            labelnames: list[str],
+            per_engine_labelvalues: dict[int, list[object]],
+        ) -> None:
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            gauge_cls: Any = self._gauge_cls  # vLLM's Gauge class (prometheus or Ray's)
+            gauge = gauge_cls(
+                name=SENDS_IN_FLIGHT_METRIC,
+                documentation=(
+                    "Finished requests whose KV cache blocks are held until their push to decode "
+                    "ends (the dllm connector's in-flight sends)."
+                ),
+                labelnames=self._labelnames,
+                multiprocess_mode="mostrecent",
+            )
+            self._sends_in_flight: dict[int, Any] = create_metric_per_engine(gauge, per_engine_labelvalues)
+
+        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+            value = transfer_stats_data.get("sends_in_flight")
+            if value is not None and engine_idx in self._sends_in_flight:
+                self._sends_in_flight[engine_idx].set(value)
+
+    return DllmPromMetrics
 
 
 class DllmConnectorMetadata(_MetadataBase):  # type: ignore[misc,valid-type]
@@ -125,7 +171,11 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
         if role == _Role.SCHEDULER:
             block_size = int(vllm_config.cache_config.block_size)
             self._scheduler = SchedulerState(
-                self._extra, block_size=block_size, kv_port=int(transfer.kv_port)
+                self._extra,
+                block_size=block_size,
+                kv_port=int(transfer.kv_port),
+                sends=bool(transfer.is_kv_producer),
+                receives=bool(transfer.is_kv_consumer),
             )
         else:
             identity = WorkerIdentity(
@@ -184,7 +234,16 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
         return self._worker.stats() if self._worker is not None else {}
 
     def get_kv_connector_stats(self) -> DllmConnectorStats | None:
-        """What changed since the last call (vLLM logs and aggregates these per interval)."""
+        """What changed since the last call (vLLM logs and aggregates these per interval).
+
+        The scheduler side reports the sends-in-flight level whenever it changed (and once at start).
+        """
+        if self._scheduler is not None:
+            level = self._scheduler.sends_in_flight
+            if level == getattr(self, "_level_reported", None):
+                return None
+            self._level_reported = level
+            return DllmConnectorStats(data={"sends_in_flight": level})
         totals = self.connector_stats()
         reported = getattr(self, "_stats_reported", {})
         delta = {key: value - reported.get(key, 0) for key, value in totals.items()}
@@ -195,6 +254,16 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DllmConnectorStats:
         return DllmConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> Any:
+        return _prom_metrics_class()(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side -------------------------------------------------------------------------
 

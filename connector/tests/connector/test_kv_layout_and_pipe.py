@@ -221,7 +221,8 @@ def test_transfers_move_in_batches_of_the_threshold(
     kv = PagedKV({"a": torch.zeros(NUM_BLOCKS, 4, 16, 64)}, NUM_BLOCKS, GEOMETRY)
     sender = KVSender(mooncake, kv, PipeConfig(buffer_bytes=1024, threshold_tokens=threshold))
     try:
-        assert sender._chunk_blocks() == blocks
+        assert sender._chunk_blocks(1000) == blocks
+        assert sender._chunk_blocks(3) == min(blocks, 3)  # never more than the transfer (L3)
     finally:
         sender.close()
     assert chunk_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]

@@ -1,0 +1,110 @@
+"""The side-channel messages a peer sends, validated before any field is used (H6, L3).
+
+Everything here came over the network: a message that does not fit its model raises
+TransportError with a short reason, never KeyError/TypeError deep inside a transfer. Reasons and
+logged peer values are cut to `MAX_ECHO` characters (L2).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+
+from dllm_connector.kvconfig import Compression
+from dllm_connector.protocol import MAX_TRANSFER_ID
+from dllm_connector.transport.base import TransportError
+
+MAX_ECHO = 200  # characters of peer data a log line or a nack may carry
+
+_Addr = Annotated[int, Field(ge=0, lt=1 << 64)]
+_Count = Annotated[int, Field(ge=0, le=1 << 24)]
+_Index = Annotated[int, Field(ge=0, le=1 << 24)]
+_TransferId = Annotated[str, Field(min_length=1, max_length=MAX_TRANSFER_ID)]
+
+
+def bounded(value: object, limit: int = MAX_ECHO) -> str:
+    """`value` as text of at most `limit` characters (peer data never floods a log line or a nack)."""
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Message(BaseModel):
+    # lax (JSON lists fill tuples), but a list or a dict is never coerced into a number
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+
+class TPPart(_Message):
+    rank: _Count = 0
+    size: Annotated[int, Field(ge=1, le=1 << 16)] = 1
+    decode_rank: _Count | None = None
+    heads: tuple[_Count, _Count] | None = None
+
+
+class Offer(_Message):
+    type: Literal["offer"]
+    transfer_id: _TransferId
+    # L3: required, and decode compares it with its own whenever it has one (empty only for the
+    # tensor API, whose receiver expects an empty one too)
+    prompt_hash: Annotated[str, Field(max_length=64)]
+    engine_id: Annotated[str, Field(max_length=256)] | None = None
+    num_blocks: Annotated[int, Field(ge=1, le=1 << 24)]
+    codec: Compression
+    zero_copy: StrictBool = False
+    chunk_blocks: Annotated[int, Field(ge=1, le=1 << 24)]  # L3: 0 would mean "loaded" with no data
+    signature: dict[str, Any]
+    endpoint: dict[str, Any] = Field(default_factory=dict)
+    # H4: finite and positive; the receiver clamps it to its own hold
+    hold_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    tag: Annotated[int, Field(ge=0, lt=1 << 63)] = 0
+    tp: TPPart = Field(default_factory=TPPart)
+
+
+class Accept(_Message):
+    type: Literal["accept"]
+    skip: _Count
+    count: Annotated[int, Field(ge=1, le=1 << 24)]
+    dst: list[tuple[_Addr, _Addr]] = Field(default_factory=list)
+    slots: list[tuple[_Index, _Addr]] = Field(default_factory=list)
+    endpoint: dict[str, Any] = Field(default_factory=dict)
+
+
+class Slot(_Message):
+    type: Literal["slot"]
+    index: _Index
+    addr: _Addr
+
+
+class Piece(_Message):
+    type: Literal["piece"]
+    index: _Index
+    parts: _Count
+
+
+class Chunk(_Message):
+    type: Literal["chunk"]
+    index: _Index
+    header: dict[str, Any]
+
+
+class EndTransfer(_Message):
+    """M2: decode (or the router) will never claim this id; a waiting offer for it is refused now."""
+
+    type: Literal["end"]
+    transfer_id: _TransferId
+
+
+_M = TypeVar("_M", bound=_Message)
+
+
+def parse(model: type[_M], message: dict[str, Any]) -> _M:
+    """`message` as `model`, or TransportError naming the first problem (bounded)."""
+    try:
+        return model.model_validate(message)
+    except ValidationError as error:
+        first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid"}
+        where = ".".join(str(part) for part in first["loc"]) or "<message>"
+        kind = bounded(message.get("type", "?"), 20)
+        raise TransportError(
+            f"malformed {kind} message from the peer: {bounded(where, 60)}: {bounded(first['msg'], 100)}"
+        ) from None

@@ -1,0 +1,77 @@
+"""Where a prefill engine may send KV (C1): only to the decode peers its own config names.
+
+A request's `decode_host` comes from whoever reached the engine's HTTP port. Prefill connects to
+it, sends its Mooncake endpoint and model signature, and writes wherever the accept says, so an
+unchecked host is an SSRF and a write primitive. The rule: the request's host must resolve only
+to addresses that the configured decode peer (`VLLM_KV_DECODE_IP`, which the operator sets to the
+decode role's headless Service, so it resolves to the ready decode pods) resolves to, and its port
+must be the configured decode port. An engine configured with no decode peer (kv_both in one pod)
+sends only to its own host. The connection then goes to the address that was checked, so a name
+that resolves differently a moment later cannot redirect it.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from dllm_connector.transport.base import TransportError
+
+# The decode Service's addresses are looked up again after this long, or on a miss after
+# _MISS_REFRESH_S (a decode pod that just became ready), never more often.
+_REFRESH_S = 30.0
+_MISS_REFRESH_S = 1.0
+
+Resolver = Callable[[str], set[str]]
+
+
+class PeerNotAllowed(TransportError):
+    """The decode peer a request named is not one this engine may send to."""
+
+
+def resolve(host: str) -> set[str]:
+    """Every address `host` resolves to (none when it does not resolve)."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return set()
+    return {str(info[4][0]) for info in infos}
+
+
+class DecodePeers:
+    """`address(host, port)`: the address to connect to for a request's decode peer, or PeerNotAllowed."""
+
+    def __init__(
+        self, decode_host: str | None, decode_port: int | None, own_host: str, *, lookup: Resolver = resolve
+    ) -> None:
+        self._allowed_name = decode_host or own_host
+        self._port = decode_port
+        self._lookup = lookup
+        self._lock = threading.Lock()
+        self._allowed: set[str] = set()
+        self._looked_up = -float("inf")
+
+    def address(self, host: str, port: int) -> str:
+        if self._port is not None and port != self._port:
+            raise PeerNotAllowed(f"decode KV port {port} is not this deployment's ({self._port})")
+        addresses = self._lookup(host)
+        if not addresses:
+            raise PeerNotAllowed(f"decode host {host[:100]!r} does not resolve")
+        allowed = self._allowed_now(refresh=False)
+        if not addresses <= allowed:
+            allowed = self._allowed_now(refresh=True)
+        if not addresses <= allowed:
+            raise PeerNotAllowed(
+                f"decode host {host[:100]!r} is not one of the decode peers ({self._allowed_name[:100]})"
+            )
+        return min(addresses)
+
+    def _allowed_now(self, *, refresh: bool) -> set[str]:
+        with self._lock:
+            age = time.monotonic() - self._looked_up
+            if age >= _REFRESH_S or (refresh and age >= _MISS_REFRESH_S):
+                self._allowed = self._lookup(self._allowed_name)
+                self._looked_up = time.monotonic()
+            return set(self._allowed)
