@@ -210,7 +210,12 @@ def kv_transfer_schema() -> Schema:
                 "none",
             ),
             "port": port(
-                "Each engine's own KV listen port (vLLM kv_port); TP rank r uses port + r.", default=50051
+                "Each engine's own KV listen port (vLLM kv_port); TP rank r's side channel uses port + r. "
+                "Mooncake's RPC and data ports come from 128 ports derived from it (DLLM_KV_TRANSFER_PORTS): "
+                "port+64..port+191, else the 128 below the port, else a slot in 61000-65479 when those "
+                "leave 1024-65535 or touch Linux's ephemeral ports 32768-60999 (as the default does). Keep "
+                "the roles' HTTP ports out of these.",
+                default=50051,
             ),
             "bufferSizeGB": positive_number(
                 "Registered staging buffer for (compressed) KV, in GB; a role's bufferSizeGB overrides it. "

@@ -16,7 +16,7 @@ from dllm_operator.api import SpecInvalid, parse
 from dllm_operator.config import ConfigInvalid, OperatorConfig
 from dllm_operator.render import HASH_ANNOTATION, render_all
 from dllm_operator.render.compose import render_compose
-from dllm_operator.render.ports import transfer_port_range
+from dllm_operator.render.ports import transfer_port_range, usable
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 UID = "11111111-2222-3333-4444-555555555555"
@@ -272,7 +272,11 @@ def test_engines_accept_each_other_on_any_port_and_the_router_on_http_only() -> 
     assert all(matches(engines["spec"]["podSelector"], labels) for labels in pod_labels.values())
     assert not matches(engines["spec"]["podSelector"], router_labels)
     assert engines["spec"]["policyTypes"] == ["Ingress"]
-    peers, router_rule = engines["spec"]["ingress"]
+    peers, router_rule, host = engines["spec"]["ingress"]
+    assert host == {
+        "from": [{"ipBlock": {"cidr": "10.250.0.1/32"}}],
+        "ports": [{"port": "http", "protocol": "TCP"}],
+    }
     assert "ports" not in peers  # any port: side channel, Mooncake, TCPStore
     assert all(matches(peers["from"][0]["podSelector"], labels) for labels in pod_labels.values())
     assert not matches(peers["from"][0]["podSelector"], {**router_labels, "app.kubernetes.io/instance": "x"})
@@ -343,15 +347,22 @@ def test_security_opt_out_renders_no_policy_and_no_secret_refs() -> None:
 
 
 def test_transfer_ports_are_a_function_of_the_kv_port() -> None:
-    assert transfer_port_range(50051) == (50115, 50178)
-    assert transfer_port_range(65408) == (65472, 65535)  # the last port that fits above
-    assert transfer_port_range(65409) == (65345, 65408)  # would pass 65535: below the port
-    assert transfer_port_range(65535) == (65471, 65534)
-    assert transfer_port_range(1) == (65, 128)
+    assert transfer_port_range(50051) == (61128, 61255)  # the default port is ephemeral: a spare slot
+    assert transfer_port_range(20000) == (20064, 20191)  # just above the side channel's 64 ports
+    assert transfer_port_range(32700) == (32572, 32699)  # above would reach the ephemeral range
+    assert transfer_port_range(65400) == (65272, 65399)  # above would pass 65535
+    for port in range(1, 65536):  # Mooncake would silently ignore any other range
+        low, high = transfer_port_range(port)
+        assert high - low + 1 == 128, port
+        assert usable(low, high), port
+        assert high < port or low >= port + 64, port  # clear of the side channel's ports
+
+
+def test_transfer_ports_and_side_channel_ports_reach_the_engine() -> None:
     body = merged(minimal(), {"spec": {"kvTransfer": {"port": 65000}, "decode": {"tensorParallelSize": 2}}})
     pods = engine_pods(rendered(body))
     decode = pods["decode"]["containers"][0]
-    assert env_of_container(decode)["DLLM_KV_TRANSFER_PORTS"] == "65064-65127"
+    assert env_of_container(decode)["DLLM_KV_TRANSFER_PORTS"] == "65064-65191"
     assert [(p["name"], p["containerPort"]) for p in decode["ports"]] == [
         ("http", 8000),
         ("kv", 65000),
@@ -476,7 +487,7 @@ def test_compose_takes_credentials_from_the_run_environment_and_holds_none() -> 
     for service in ("prefill-server", "decode-server"):
         env = compose["services"][service]["environment"]
         assert (env["DLLM_KV_AUTH_TOKEN"], env["VLLM_API_KEY"]) == (None, None)  # passed through if set
-        assert env["DLLM_KV_TRANSFER_PORTS"] == "50115-50178"
+        assert env["DLLM_KV_TRANSFER_PORTS"] == "61128-61255"
     router = compose["services"]["router"]
     assert router["environment"] == {"DLLM_ENGINE_API_KEY": "${VLLM_API_KEY:-}"}
     assert router["stop_grace_period"] == "630s"

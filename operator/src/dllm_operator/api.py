@@ -39,7 +39,7 @@ OPERATOR_ENV_NAMES: tuple[str, ...] = (
     "DLLM_ENGINE_API_KEY",
     "DLLM_KV_TRANSFER_PORTS",
 )
-RESERVED_ENV_NAMES: tuple[str, ...] = tuple(dict.fromkeys((*CONTRACT_ENV_NAMES, *OPERATOR_ENV_NAMES)))
+RESERVED_ENV_NAMES: tuple[str, ...] = tuple(sorted({*CONTRACT_ENV_NAMES, *OPERATOR_ENV_NAMES}))
 
 MAX_NAME_LENGTH = 44
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
