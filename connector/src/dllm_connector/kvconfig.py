@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Self, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:
+    from dllm_connector.transport.sidechannel import PeerAuth
 
 
 class Connector(StrEnum):
@@ -62,6 +65,33 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
+# Linux's default ephemeral ports: Mooncake ignores a port range with an end in here (or below 1024)
+# and silently draws from 15000-17000 instead, so such a range is refused up front.
+EPHEMERAL_PORTS = (32768, 60999)
+# Each engine process (one per TP rank) listens on two ports of the range: the RPC (handshake) port
+# and the TCP transport's data port.
+PORTS_PER_ENGINE = 2
+
+
+def transfer_ports_problem(low: int, high: int) -> str | None:
+    """Why LOW-HIGH cannot be the KV transfer port range, or None when it can."""
+    ephemeral_low, ephemeral_high = EPHEMERAL_PORTS
+    if not 1024 <= low <= high <= 65535:
+        return "must be LOW-HIGH with 1024 <= LOW <= HIGH <= 65535"
+    if any(ephemeral_low <= end <= ephemeral_high for end in (low, high)):
+        return (
+            f"must not start or end in the ephemeral range {ephemeral_low}-{ephemeral_high} "
+            "(Mooncake would ignore it and use 15000-17000)"
+        )
+    if high - low + 1 < PORTS_PER_ENGINE:
+        return f"must hold at least {PORTS_PER_ENGINE} ports (RPC and data) per TP rank"
+    return None
+
+
+def _check_transfer_ports(ports: tuple[int, int] | None) -> None:
+    if ports is not None and (problem := transfer_ports_problem(*ports)):
+        raise ValueError(f"transfer_ports {ports[0]}-{ports[1]} {problem}")
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -95,6 +125,7 @@ class KVTransferSettings(_Frozen):
     rdma_devices: tuple[str, ...] = ()
     gid_index: Annotated[int, Field(ge=0)] | None = None
     custom: CustomConnector | None = None
+    transfer_ports: tuple[Port, Port] | None = None
     # Known only inside the pod (downward API); the operator renders them as fieldRefs.
     host_ip: str | None = None
     engine_id: str | None = None
@@ -106,6 +137,7 @@ class KVTransferSettings(_Frozen):
         needs_peer = self.role is Role.PREFILL and self.connector is not Connector.CUSTOM
         if needs_peer and (not self.decode_host or self.decode_port is None):
             raise ValueError("prefill needs the decode peer (decode_host and decode_port)")
+        _check_transfer_ports(self.transfer_ports)
         return self
 
     @property
@@ -137,9 +169,18 @@ class ConnectorExtraConfig(_Frozen):
     rdma_devices: tuple[str, ...] = ()
     gid_index: Annotated[int, Field(ge=0)] | None = None
     host_ip: str | None = None
+    # Mooncake's RPC and data ports (DLLM_KV_TRANSFER_PORTS); left out of the JSON when unset.
+    transfer_ports: tuple[Port, Port] | None = None
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> Self:
+        _check_transfer_ports(self.transfer_ports)
+        return self
 
 
 DEFAULT_PREFILL_WAIT_MS = 60000
+# The shortest DLLM_KV_AUTH_TOKEN (transport.sidechannel.PeerAuth checks the same).
+MIN_TOKEN_CHARS = 32
 DEFAULT_HOLD_SECONDS = 480
 
 
@@ -172,6 +213,11 @@ ENV_RDMA_DEVICE = "MOONCAKE_RDMA_DEVICE"
 ENV_GID_INDEX = "MC_GID_INDEX"
 ENV_HOST_IP = "VLLM_HOST_IP"
 ENV_ENGINE_ID = "DLLM_ENGINE_ID"
+# The side channel's shared key. Never part of the settings, the kv-transfer-config JSON (which is on
+# vLLM's command line) or any log: the worker reads it from its own environment (side_channel_auth).
+ENV_KV_AUTH_TOKEN = "DLLM_KV_AUTH_TOKEN"  # noqa: S105 - an env name
+# "LOW-HIGH": the ports Mooncake listens on, for NetworkPolicies and hostNetwork users.
+ENV_TRANSFER_PORTS = "DLLM_KV_TRANSFER_PORTS"
 # Not in the compose file: how a custom connector is named (api.md's kvTransfer.custom).
 ENV_CUSTOM_CLASS = "VLLM_KV_CONNECTOR_CLASS"
 ENV_CUSTOM_MODULE = "VLLM_KV_CONNECTOR_MODULE_PATH"
@@ -197,6 +243,8 @@ CONTRACT_ENV_NAMES: tuple[str, ...] = (
     ENV_GID_INDEX,
     ENV_HOST_IP,
     ENV_ENGINE_ID,
+    ENV_KV_AUTH_TOKEN,
+    ENV_TRANSFER_PORTS,
     ENV_CUSTOM_CLASS,
     ENV_CUSTOM_MODULE,
     ENV_CUSTOM_EXTRA,
@@ -212,6 +260,10 @@ def _format_bool(value: bool) -> str:
 
 def _format_float(value: float) -> str:
     return repr(float(value)).removesuffix(".0") if float(value).is_integer() else repr(value)
+
+
+def _format_ports(ports: tuple[int, int] | None) -> str | None:
+    return None if ports is None else f"{ports[0]}-{ports[1]}"
 
 
 def to_env(settings: KVTransferSettings) -> dict[str, str]:
@@ -235,6 +287,7 @@ def to_env(settings: KVTransferSettings) -> dict[str, str]:
         ENV_GID_INDEX: None if settings.gid_index is None else str(settings.gid_index),
         ENV_HOST_IP: settings.host_ip,
         ENV_ENGINE_ID: settings.engine_id,
+        ENV_TRANSFER_PORTS: _format_ports(settings.transfer_ports),
     }
     if settings.custom is not None:
         env[ENV_CUSTOM_CLASS] = settings.custom.connector_class
@@ -313,6 +366,16 @@ def _device_list(raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
+def _port_range(raw: str) -> tuple[int, int]:
+    low, dash, high = raw.strip().partition("-")
+    if not dash or not low.strip().isdigit() or not high.strip().isdigit():
+        raise ValueError("must be LOW-HIGH, two port numbers (e.g. 20000-20015)")
+    ports = int(low), int(high)
+    if problem := transfer_ports_problem(*ports):
+        raise ValueError(problem)
+    return ports
+
+
 def _json_object(raw: str) -> dict[str, Any]:
     try:
         value = json.loads(raw)
@@ -343,6 +406,7 @@ _ENV_FIELDS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
     (ENV_GID_INDEX, "gid_index", _non_negative_int),
     (ENV_HOST_IP, "host_ip", _non_empty),
     (ENV_ENGINE_ID, "engine_id", _non_empty),
+    (ENV_TRANSFER_PORTS, "transfer_ports", _port_range),
 )
 _REQUIRED_ENV = (ENV_CONNECTOR, ENV_ROLE, ENV_LISTEN_PORT, ENV_BUFFER_SIZE_GB)
 _REQUIRED_HINT = {
@@ -387,6 +451,7 @@ def from_env(env: Mapping[str, str]) -> KVTransferSettings:
             raise EnvContractError(name, f"{raw!r} {error}") from None
     values["custom"] = _parse_custom(env)
     _require_peer_for_prefill(values)
+    side_channel_token(env)  # refused here, at engine start, not at the first transfer
     try:
         return KVTransferSettings(**values)
     except ValidationError as error:  # pragma: no cover - every field was checked above
@@ -400,6 +465,33 @@ def _require_peer_for_prefill(values: Mapping[str, Any]) -> None:
         raise EnvContractError(ENV_DECODE_IP, "required when VLLM_KV_ROLE=prefill: the decode peer address")
     if "decode_port" not in values:
         raise EnvContractError(ENV_DECODE_PORT, "required when VLLM_KV_ROLE=prefill: the decode KV port")
+
+
+def side_channel_token(env: Mapping[str, str]) -> str | None:
+    """DLLM_KV_AUTH_TOKEN, checked; None when unset. An error never quotes the value."""
+    raw = env.get(ENV_KV_AUTH_TOKEN)
+    if raw is None or raw == "":
+        return None
+    token = raw.strip()
+    if len(token) < MIN_TOKEN_CHARS:
+        raise EnvContractError(
+            ENV_KV_AUTH_TOKEN,
+            f"must be at least {MIN_TOKEN_CHARS} characters (it has {len(token)}); "
+            "use 32 random bytes, e.g. `openssl rand -hex 32`",
+        )
+    if not token.isprintable() or not token.isascii():
+        raise EnvContractError(ENV_KV_AUTH_TOKEN, "must be printable ASCII")
+    return token
+
+
+def side_channel_auth(env: Mapping[str, str]) -> PeerAuth | None:
+    """The side channel's key for the worker (None: no authentication); needs the transport (torch)."""
+    token = side_channel_token(env)
+    if token is None:
+        return None
+    from dllm_connector.transport.sidechannel import PeerAuth
+
+    return PeerAuth.from_token(token)
 
 
 # ---- vLLM's --kv-transfer-config ---------------------------------------------------------------
@@ -421,6 +513,7 @@ def extra_config(settings: KVTransferSettings) -> ConnectorExtraConfig:
         rdma_devices=settings.rdma_devices,
         gid_index=settings.gid_index,
         host_ip=settings.host_ip,
+        transfer_ports=settings.transfer_ports,
     )
 
 
@@ -440,5 +533,8 @@ def kv_transfer_config(settings: KVTransferSettings, engine_id: str) -> dict[str
     else:
         config["kv_connector"] = CONNECTOR_CLASS[settings.connector]
         config["kv_connector_module_path"] = CONNECTOR_MODULE
-        config["kv_connector_extra_config"] = extra_config(settings).model_dump(mode="json")
+        extra = extra_config(settings).model_dump(mode="json")
+        if extra["transfer_ports"] is None:
+            del extra["transfer_ports"]
+        config["kv_connector_extra_config"] = extra
     return config
