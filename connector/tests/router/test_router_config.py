@@ -92,7 +92,7 @@ BASE = ["--flow", "nixl", "--prefill-url", "http://p:8000", "--decode-url", "htt
             {},
             "must have no path",
         ),
-        ([*BASE, "--port", "70000"], {}, "--port (or DLLM_ROUTER_PORT): 70000 is outside 1..65535"),
+        ([*BASE, "--port", "70000"], {}, "--port (or DLLM_ROUTER_PORT): 70000 is outside 0..65535"),
         (
             [*BASE, "--decode-kv-port", "x"],
             {},

@@ -211,7 +211,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> RouterConfi
         prefill=_upstreams(values, "prefill"),
         decode=_upstreams(values, "decode"),
         host=str(values.get("host", "0.0.0.0")),
-        port=_int(values, "port", 8000, *port_range),
+        port=_int(values, "port", 8000, 0, 65535),  # 0: any free port (the start line names it)
         decode_kv_port=_int(values, "decode_kv_port", 50051, *port_range),
         prefill_tp_size=_int(values, "prefill_tp_size", 1, 1, 1024),
         decode_tp_size=_int(values, "decode_tp_size", 1, 1, 1024),

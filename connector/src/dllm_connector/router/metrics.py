@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from dllm_connector.router.endpoints import Pool
 
@@ -21,6 +21,8 @@ ERROR_KINDS = (
     "timeout",
     "stream_broken",
     "client_disconnect",
+    "request_timeout",  # a head or body over its deadline (408)
+    "too_many_connections",  # refused over --max-connections (503)
 )
 
 
@@ -54,6 +56,7 @@ class Metrics:
         self.prefill_seconds = Histogram()
         self.decode_first_byte_seconds = Histogram()
         self.ttft_seconds = Histogram()
+        self.open_connections: Callable[[], int] = lambda: 0  # the HTTP server's, set by serve()
 
     def render(self, pools: Iterable[Pool]) -> str:
         lines = ["# TYPE dllm_router_requests_total counter"]
@@ -76,6 +79,10 @@ class Metrics:
         ):
             lines.append(f"# TYPE {name} histogram")
             lines += hist.render(name, "")
+        lines += [
+            "# TYPE dllm_router_open_connections gauge",
+            f"dllm_router_open_connections {self.open_connections()}",
+        ]
         lines += ["# TYPE dllm_router_inflight gauge", "# TYPE dllm_router_pod_ready gauge"]
         for pool in pools:
             for ep in pool.endpoints.values():

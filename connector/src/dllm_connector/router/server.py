@@ -765,4 +765,5 @@ async def serve(router: Router, host: str, port: int, *, drain_s: float = 30.0) 
         body_timeout_s=router.config.body_timeout_s,
     )
     await server.start(host, port)
+    router.metrics.open_connections = lambda: len(server.connections)
     return server

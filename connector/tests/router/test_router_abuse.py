@@ -1,0 +1,250 @@
+"""Abuse of the real `dllm-router` process over raw sockets, with its memory (RSS) and the time of each
+refusal bounded: slowloris heads, an unterminated header, pipelining without reading, bodies over the
+limit or too costly to parse, and connection number N+1.
+
+The router runs as the operator runs it (`python -m dllm_connector.router`, flags); its engines are a
+port that refuses connections, since nothing here must reach an engine. RSS is read from /proc.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from raw_client import RawClient
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="RSS"),
+]
+MAX_CONNECTIONS = 24
+HEAD_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = 1.0
+MIB = 1024 * 1024
+
+
+@dataclass
+class RouterProcess:
+    process: subprocess.Popen[bytes]
+    port: int
+
+    def rss(self) -> int:
+        """Resident memory in bytes."""
+        status = Path(f"/proc/{self.process.pid}/status").read_text()
+        match = re.search(r"^VmRSS:\s+(\d+) kB$", status, re.MULTILINE)
+        assert match is not None
+        return int(match.group(1)) * 1024
+
+    async def client(self, rcvbuf: int | None = None) -> RawClient:
+        return await RawClient.to(self.port, rcvbuf=rcvbuf)
+
+    def cpu_ticks(self) -> int:
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    async def idle(self) -> None:
+        """Wait until the router uses no CPU across 0.2 s: whatever it was going to do is done."""
+        last = -1
+        async with asyncio.timeout(20):
+            while (now := self.cpu_ticks()) != last:
+                last = now
+                await asyncio.sleep(0.2)  # the interval CPU time is compared over
+
+    async def open_connections(self) -> int:
+        """The router's own count (its /metrics gauge), the asking connection included."""
+        c = await self.client()
+        c.send(b"GET /metrics HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
+        page = (await c.answer()).body.decode()
+        c.close()
+        found = re.search(r"^dllm_router_open_connections (\d+)$", page, re.MULTILINE)
+        assert found is not None
+        return int(found.group(1))
+
+    async def quiet(self) -> None:
+        """Wait until earlier tests' connections (lingering after a refusal: 2 s) are gone."""
+        async with asyncio.timeout(15):
+            while await self.open_connections() > 1:
+                pass
+
+
+@pytest.fixture(scope="module")
+def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
+    with socket.socket() as nobody:  # bound, never listening: engine calls are refused at once
+        nobody.bind(("127.0.0.1", 0))
+        engine = f"http://127.0.0.1:{nobody.getsockname()[1]}"
+        argv = [
+            sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1", "--port", "0",
+            "--flow", "dllm", "--prefill-url", engine, "--decode-url", engine, "--log-level", "info",
+            "--max-connections", str(MAX_CONNECTIONS), "--head-timeout-s", str(HEAD_TIMEOUT_S),
+            "--body-timeout-s", str(BODY_TIMEOUT_S), "--health-interval-s", "60",
+        ]  # fmt: skip
+        log = tmp_path_factory.mktemp("router") / "router.log"
+        with log.open("wb") as out:
+            process = subprocess.Popen(argv, stderr=out)
+        try:
+            yield RouterProcess(process, listening_port(process, log))
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+        text = log.read_text()
+        assert "Traceback" not in text
+        assert " ERROR " not in text
+
+
+def listening_port(process: subprocess.Popen[bytes], log: Path) -> int:
+    """The port from the router's start line (it logs the bound port; --port 0 picks a free one)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = re.search(r"dllm-router on 127\.0\.0\.1:(\d+)", log.read_text())
+        if found:
+            return int(found.group(1))
+        if process.poll() is not None:
+            raise AssertionError(f"the router exited ({process.returncode}):\n{log.read_text()}")
+        threading.Event().wait(0.05)  # the start line is a file's content: re-read until it is there
+    raise AssertionError("the router did not log its port within 30 s")
+
+
+async def trickle(c: RawClient, data: bytes, every_s: float) -> None:
+    """A slowloris client: one byte per `every_s` (the behaviour under test)."""
+    for i in range(len(data)):
+        c.send(data[i : i + 1])
+        await asyncio.sleep(every_s)
+
+
+async def test_slowloris_heads_are_408_at_the_deadline_and_cost_nothing(router: RouterProcess) -> None:
+    await router.quiet()
+    before = router.rss()
+    clients = [await router.client() for _ in range(MAX_CONNECTIONS // 2)]
+    started = time.monotonic()
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nX-Slow: " + b"s" * 10_000
+    slow = [asyncio.ensure_future(trickle(c, head, 0.05)) for c in clients]
+    try:
+        answers = await asyncio.gather(*(c.answer() for c in clients))
+    finally:
+        for task in slow:
+            task.cancel()
+    took = time.monotonic() - started
+    assert {a.status for a in answers} == {408}
+    assert HEAD_TIMEOUT_S * 0.9 <= took <= HEAD_TIMEOUT_S + 4.0  # each byte did not reset the deadline
+    assert all([await c.closed_by_server() for c in clients])
+    assert router.rss() - before < 8 * MIB
+
+
+async def test_unterminated_header_is_431_in_bounded_time_and_memory(router: RouterProcess) -> None:
+    async def send(size: int) -> float:
+        c = await router.client()
+        started = time.monotonic()
+        c.send(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nX: ")
+        piece = b"a" * 65536
+        for _ in range(size // len(piece)):  # the writer buffers what the router does not take
+            c.send(piece)
+        answer = await c.answer()
+        assert answer.status == 431
+        assert answer.headers["connection"] == "close"
+        took = time.monotonic() - started
+        c.close()
+        return took
+
+    before = router.rss()
+    one, four = await send(MIB), await send(4 * MIB)
+    assert four <= 4 * one + 1.0  # linear at worst (the answer comes at the limit: about constant)
+    assert router.rss() - before < 4 * MIB  # the review's 2 MiB, with room for the allocator
+
+
+async def test_pipelining_without_reading_does_not_buffer_answers(router: RouterProcess) -> None:
+    probe = await router.client()
+    probe.send(b"GET /metrics HTTP/1.1\r\nHost: r\r\n\r\n")
+    page = len((await probe.answer()).body)
+    probe.close()
+    count = 10_000  # x page (~ KiBs): tens of MB if the router made every answer at once
+    before = router.rss()
+    c = await router.client(rcvbuf=16384)
+    c.send(b"GET /metrics HTTP/1.1\r\nHost: r\r\n\r\n" * count)
+    await router.idle()  # it has made every answer it was going to make before holding back
+    held = router.rss() - before
+    assert held < 8 * MIB, f"{held / MIB:.1f} MiB with {count} answers of {page} bytes asked"
+    for _ in range(count):
+        answer = await c.answer()
+        assert answer.status == 200
+    c.close()
+    assert page * count > 3 * 8 * MIB  # what unbounded buffering would have cost
+
+
+async def test_bodies_over_the_limit_are_refused_before_they_are_read(router: RouterProcess) -> None:
+    before = router.rss()
+    declared = await router.client()
+    declared.send(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n" % (9 * MIB))
+    answer = await declared.answer()
+    assert answer.status == 413
+    assert b"request body over 8 MiB (--max-body-mb)" in answer.body
+    assert await declared.closed_by_server()
+    chunked = await router.client()
+    chunked.send(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n")
+    piece = b"x" * 65536
+    for _ in range(9 * 16):  # 9 MiB in 64 KiB chunks
+        chunked.send(b"%x\r\n%b\r\n" % (len(piece), piece))
+    assert (await chunked.answer()).status == 413
+    chunked.close()
+    assert router.rss() - before < 24 * MIB  # at most one body's worth (8 MiB) and its join
+
+
+async def test_a_body_too_costly_to_parse_is_400_fast(router: RouterProcess) -> None:
+    before = router.rss()
+    raw = b'{"prompt":[' + b"[1]," * (5 * MIB // 4) + b"[1]]}"
+    c = await router.client()
+    started = time.monotonic()
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n%b" % (len(raw), raw))
+    answer = await c.answer()
+    assert answer.status == 400
+    assert b"more than 20000 arrays and objects" in answer.body
+    assert time.monotonic() - started < 3.0  # the upload of 5 MiB included
+    assert router.rss() - before < 50 * MIB  # the review's bound (json.loads would take ~120 MB)
+
+
+async def test_a_slow_body_is_408_at_its_deadline(router: RouterProcess) -> None:
+    c = await router.client()
+    c.send(b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 100000\r\n\r\n")
+    started = time.monotonic()
+    slow = asyncio.ensure_future(trickle(c, b"b" * 10_000, 0.05))
+    try:
+        answer = await c.answer()
+    finally:
+        slow.cancel()
+    assert answer.status == 408
+    assert BODY_TIMEOUT_S * 0.9 <= time.monotonic() - started <= BODY_TIMEOUT_S + 4.0
+
+
+async def test_connection_over_the_cap_gets_503_and_service_goes_on(router: RouterProcess) -> None:
+    await router.quiet()
+    held = [await router.client() for _ in range(MAX_CONNECTIONS)]
+    for c in held:  # each answered once, so each is surely accepted and counted
+        c.send(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+        assert (await c.answer()).status == 200
+    extra = await router.client()
+    extra.send(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+    refused = await extra.answer()
+    assert refused.status == 503
+    assert b"too many connections" in refused.body
+    assert await extra.closed_by_server()
+    for c in held:
+        c.close()
+
+    async def served() -> bool:
+        c = await router.client()
+        c.send(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+        status = (await c.answer()).status
+        c.close()
+        return status == 200
+
+    async with asyncio.timeout(10):
+        while not await served():  # the held connections' slots free as the router sees them close
+            pass
