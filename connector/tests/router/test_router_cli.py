@@ -124,6 +124,37 @@ async def test_sigterm_lets_in_flight_requests_finish(
             await proc.wait()
 
 
+async def test_drain_seconds_bounds_how_long_sigterm_waits(
+    engines: EngineFactory, client: aiohttp.ClientSession
+) -> None:
+    """M4: --drain-seconds (its variable here, as the operator may set either) replaces the fixed 25 s."""
+    p, d = await engines("p0"), await engines("d0")
+    d.hold = asyncio.Event()  # never set: the request outlives the drain
+    port = free_port()
+    env = {**os.environ, "DLLM_ROUTER_LOG_LEVEL": "info", "DLLM_ROUTER_DRAIN_SECONDS": "0.5"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1", "--port", str(port),
+        "--flow", "dllm", "--prefill-url", p.url, "--decode-url", d.url,
+        env=env, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        await wait_for_listening(proc)
+        body = {"prompt": "cut", "max_tokens": 2}
+        pending = asyncio.create_task(client.post(f"http://127.0.0.1:{port}/v1/completions", json=body))
+        await asyncio.wait_for(d.arrived.wait(), 10)
+        proc.send_signal(signal.SIGTERM)
+        line = await wait_for_log(proc, b"stopping: no new connections")
+        assert b"in-flight requests get up to 0.5 s" in line
+        assert await asyncio.wait_for(proc.wait(), 10) == 0  # cut after 0.5 s, not 25 s
+        with pytest.raises(aiohttp.ClientError):
+            await pending
+        await asyncio.wait_for(d.cancelled_event.wait(), 10)  # the engine's call was abandoned too
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
 def test_direct_access_line_is_what_logging_would_write() -> None:
     stream = io.StringIO()
     handler = BatchedStreamHandler(stream)

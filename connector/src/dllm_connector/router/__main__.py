@@ -43,7 +43,7 @@ async def run(config: RouterConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        log.info("stopping: no new connections; in-flight requests get up to %.0f s", config.drain_seconds)
+        log.info("stopping: no new connections; in-flight requests get up to %g s", config.drain_seconds)
     finally:
         await server.cleanup()
         await router.close()
