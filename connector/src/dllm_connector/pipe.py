@@ -1200,7 +1200,10 @@ class KVReceiver(_PipeSide):
                     failure = TransferFailed(f"the load failed elsewhere: {expectation.failure}")
             except TransportError as error:
                 self._refuse_and_drain(
-                    sock, f"KV load failed: {error}", drain=not isinstance(error, PeerRefused)
+                    sock,
+                    f"KV load failed: {error}",
+                    drain=not isinstance(error, PeerRefused),
+                    slow=isinstance(error, TransferTimeout),
                 )
                 if failure is not None:  # the sender stopped because decode told it why
                     raise failure from None
@@ -1380,13 +1383,20 @@ class KVReceiver(_PipeSide):
                 raise TransferTimeout(f"no side-channel message within {self.config.transfer_timeout_s:.1f}s")
         return sidechannel.recv_message(sock, self.config.transfer_timeout_s)
 
-    def _refuse_and_drain(self, sock: socket.socket, reason: str, *, drain: bool) -> None:
+    def _refuse_and_drain(self, sock: socket.socket, reason: str, *, drain: bool, slow: bool = False) -> None:
         """Tell the sender; if it may still be writing, wait until it says it stopped (done or
-        abort) or closes, for up to the hold time, before decode's memory is handed on (H5)."""
+        abort) or closes before decode's memory is handed on (H5). A sender that went quiet
+        (`slow`: a write may hang in its transport) gets up to the hold time; one that broke the
+        protocol, the transfer timeout."""
         _send_nack(sock, reason)
         if not drain:
             return
-        deadline = time.monotonic() + max(self.config.hold_s, self.config.transfer_timeout_s)
+        wait = (
+            max(self.config.hold_s, self.config.transfer_timeout_s)
+            if slow
+            else self.config.transfer_timeout_s
+        )
+        deadline = time.monotonic() + wait
         with contextlib.suppress(TransportError):
             while (left := deadline - time.monotonic()) > 0:
                 if sidechannel.recv_message(sock, left)["type"] in ("done", "abort"):
