@@ -9,6 +9,7 @@ component can be restarted alone (the operator tests restart the API server).
 
 from __future__ import annotations
 
+import fcntl
 import importlib
 import json
 import os
@@ -23,6 +24,7 @@ import time
 import types
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -564,8 +566,25 @@ def wait_default_service_account(layout: Layout, start: float) -> None:
 # ---- up / down ------------------------------------------------------------------------------------
 
 
+@contextmanager
+def _exclusive(layout: Layout) -> Iterator[None]:
+    """One up or down at a time per state folder: test sessions started together each call up(), and a
+    second one seeing the first's half-started cluster would tear it down. The lock file sits beside
+    the state folder, which down removes."""
+    layout.state.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{layout.state}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield
+
+
 def up(nodes: int = 2) -> Layout:
+    """Start the cluster, or reuse it when it runs; waits for another process's up or down first."""
     layout = Layout.from_env()
+    with _exclusive(layout):
+        return _up(layout, nodes)
+
+
+def _up(layout: Layout, nodes: int) -> Layout:
     start = time.monotonic()
     missing = layout.missing_binaries()
     if missing:
@@ -577,7 +596,7 @@ def up(nodes: int = 2) -> Layout:
         return layout
     if alive:
         log(f"stale cluster ({', '.join(alive)} still alive): stopping it first")
-    down(quiet=True)
+    _down(layout, quiet=True)
     busy = [f"{name} {port}" for name, port in layout.ports.items() if port_in_use(port)]
     if busy:
         raise ClusterError(
@@ -607,6 +626,11 @@ def up(nodes: int = 2) -> Layout:
 
 def down(quiet: bool = False) -> None:
     layout = Layout.from_env()
+    with _exclusive(layout):
+        _down(layout, quiet)
+
+
+def _down(layout: Layout, quiet: bool) -> None:
     start = time.monotonic()
     real_node().down(layout, quiet)  # first: its mounts live under the state folder removed below
     for component in reversed(COMPONENTS):

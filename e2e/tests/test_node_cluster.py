@@ -4,6 +4,7 @@ the API server, and `down` leaves nothing of the node on the machine, even after
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import json
 import shutil
@@ -20,7 +21,7 @@ from e2e.cluster import controlplane as cp
 from e2e.cluster import node, ociimage, probepod
 from e2e.cluster import nodeconfig as nc
 from e2e.cluster import nodehost as host
-from e2e.fixtures import Cluster, wait_until
+from e2e.fixtures import Cluster, holds_for, wait_until
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node]
 ROOT = Path(__file__).resolve().parents[2]
@@ -164,6 +165,24 @@ def test_load_image_streams_an_archive_from_stdin(
     ip = cluster.get_json("pod", "loaded", "-n", namespace)["status"]["podIP"]
     assert wait_until(lambda: http_get(f"http://{ip}:8080/"), 30, "HTTP from the host") == "probe loaded\n"
     node.ctr(layout, "images", "rm", name)
+
+
+def test_an_up_waits_while_another_up_or_down_holds_the_cluster(layout: cp.Layout) -> None:
+    """Test sessions started together each call up(): the second waits for the first, then reuses the
+    cluster, instead of tearing down a half-started one (kube-router and the kubelet died that way)."""
+    with open(f"{layout.state}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        waiting = subprocess.Popen(
+            [sys.executable, "-m", "e2e.cluster", "up"], cwd=ROOT, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            assert not holds_for(lambda: waiting.poll() is not None, 3, interval=0.2)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    _, stderr = waiting.communicate(timeout=120)
+    assert waiting.returncode == 0, stderr
+    assert "already running" in stderr
+    assert "real node dllm-real-0 already running: reusing it" in stderr
 
 
 def leftovers(layout: cp.Layout) -> list[str]:

