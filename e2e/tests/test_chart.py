@@ -4,14 +4,20 @@ device plugin's placement, and values.schema.json refusals."""
 
 from __future__ import annotations
 
+import copy
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e.fixtures import Cluster, wait_until
 from e2e.operator_process import OperatorProcess
 from e2e.samples import cpu_sample_on_kwok
+
+from dllm_operator.api import parse
+from dllm_operator.render import render_all
 
 pytestmark = pytest.mark.k8s
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +35,13 @@ def watched(cluster: Cluster, namespace: str) -> Iterator[str]:
 
 def release(namespace: str) -> str:
     return f"r{namespace[-8:]}"  # unique per test: cluster-scoped RBAC names include it
+
+
+@pytest.fixture
+def uninstalled(cluster: Cluster, namespace: str) -> Iterator[str]:
+    """The test's release, uninstalled afterwards: its admission policies and RBAC are cluster-scoped."""
+    yield release(namespace)
+    cluster.helm("uninstall", release(namespace), "-n", namespace, "--ignore-not-found", check=False)
 
 
 def sa_token(cluster: Cluster, namespace: str) -> str:
@@ -75,6 +88,8 @@ def test_rendered_chart_passes_server_dry_run(
         "role.rbac.authorization.k8s.io",
         "daemonset.apps",
         "poddisruptionbudget.policy",
+        "validatingadmissionpolicy.admissionregistration.k8s.io",
+        "validatingadmissionpolicybinding.admissionregistration.k8s.io",
     } <= kinds  # the helm test hook pod included
 
 
@@ -97,7 +112,7 @@ def test_install_upgrade_uninstall(cluster: Cluster, crd: str, namespace: str) -
 
 
 def test_chart_identity_reconciles_and_nothing_more(
-    cluster: Cluster, crd: str, namespace: str, watched: str, tmp_path: Path
+    cluster: Cluster, crd: str, namespace: str, watched: str, tmp_path: Path, uninstalled: str
 ) -> None:
     """Namespaced mode: the chart's ServiceAccount, out of cluster, runs the operator to Ready."""
     name = release(namespace)
@@ -123,7 +138,10 @@ def test_chart_identity_reconciles_and_nothing_more(
     finally:
         operator.stop()
     assert can_i(cluster, kubeconfig, "patch", "statefulsets", "-n", watched)
+    assert can_i(cluster, kubeconfig, "patch", "networkpolicies.networking.k8s.io", "-n", watched)
+    assert can_i(cluster, kubeconfig, "create", "secrets", "-n", watched)  # the auth Secret, once
     assert not can_i(cluster, kubeconfig, "get", "secrets", "-n", watched)
+    assert not can_i(cluster, kubeconfig, "patch", "secrets", "-n", watched)
     assert not can_i(cluster, kubeconfig, "list", "secrets", "-n", namespace)
     assert not can_i(cluster, kubeconfig, "list", "statefulsets", "-n", "default")
     assert not can_i(cluster, kubeconfig, "create", "clusterroles")
@@ -151,8 +169,58 @@ def test_cluster_mode_identity_has_no_secret_access(
         cluster.helm("uninstall", name, "-n", namespace, check=False)
 
 
+def test_operator_identity_writes_only_what_its_resources_ask_for(
+    cluster: Cluster, crd: str, namespace: str, watched: str, tmp_path: Path
+) -> None:
+    """M6: whatever its RBAC allows, the chart's admission policies let the operator's ServiceAccount
+    write only managed children of a DisaggregatedLLM: no Service externalIPs, no LoadBalancer the
+    resource did not ask for, no host network unless the namespace opts in."""
+    name = release(namespace)
+    cluster.helm("install", name, str(CHART), "-n", namespace, "--set", f"watchNamespaces={{{watched}}}")
+    try:
+        kubeconfig = cluster.token_kubeconfig(sa_token(cluster, namespace), tmp_path / "sa.kubeconfig")
+        check_operator_writes(cluster, kubeconfig, watched)
+    finally:  # the policies are cluster-scoped: never leave them behind
+        cluster.helm("uninstall", name, "-n", namespace, "--wait", check=False)
+
+
+def check_operator_writes(cluster: Cluster, kubeconfig: Path, watched: str) -> None:
+    def as_operator(obj: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        return cluster.run(
+            f"--kubeconfig={kubeconfig}", "create", "--dry-run=server", "-n", watched, "-f", "-",
+            input_text=json.dumps(obj), check=False,
+        )  # fmt: skip
+
+    cluster.apply(cpu_sample_on_kwok(), "-n", watched)
+    body = copy.deepcopy(cluster.get_json("dllm", "tiny-cpu", "-n", watched))
+    rendered = {(m["kind"], m["metadata"]["name"]): m for m in render_all(parse(body))}
+    service, router = rendered[("Service", "tiny-cpu-router")], rendered[("Deployment", "tiny-cpu-router")]
+    on_host = copy.deepcopy(router)
+    on_host["spec"]["template"]["spec"]["hostNetwork"] = True
+    refused = {
+        "externalIPs": {**service, "spec": {**service["spec"], "externalIPs": ["10.0.0.1"]}},
+        "LoadBalancer": {**service, "spec": {**service["spec"], "type": "LoadBalancer"}},
+        "managed-by": {**service, "metadata": {**service["metadata"], "labels": {"app": "x"}}},
+        "host namespaces": on_host,
+    }
+    wait_until(lambda: as_operator(refused["externalIPs"]).returncode != 0, 30, "the policies in force")
+    wait_until(lambda: as_operator(refused["LoadBalancer"]).returncode != 0, 30, "the resource as a param")
+    for obj in rendered.values():  # what the operator renders passes
+        result = as_operator(obj)
+        assert result.returncode == 0, result.stderr
+    for what, obj in refused.items():
+        result = as_operator(obj)
+        assert result.returncode != 0, f"{what} was admitted"
+        assert what in result.stderr, result.stderr
+    patch = json.dumps({"spec": {"router": {"serviceType": "LoadBalancer"}}})
+    cluster.run("patch", "dllm", "tiny-cpu", "-n", watched, "--type=merge", "-p", patch)
+    wait_until(
+        lambda: as_operator(refused["LoadBalancer"]).returncode == 0, 30, "the LoadBalancer it asks for"
+    )
+
+
 def test_operator_pod_is_admitted_under_restricted_pod_security(
-    cluster: Cluster, crd: str, namespace: str
+    cluster: Cluster, crd: str, namespace: str, uninstalled: str
 ) -> None:
     cluster.run("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
     name = release(namespace)
@@ -169,7 +237,9 @@ def test_operator_pod_is_admitted_under_restricted_pod_security(
     assert not [e for e in events if e["reason"] == "FailedCreate"]
 
 
-def test_device_plugin_lands_only_on_labelled_nodes(cluster: Cluster, crd: str, namespace: str) -> None:
+def test_device_plugin_lands_only_on_labelled_nodes(
+    cluster: Cluster, crd: str, namespace: str, uninstalled: str
+) -> None:
     label = "feature.node.kubernetes.io/rdma.capable"
     cluster.run("label", "node", "gpu-node-1", f"{label}=true", "--overwrite")
     name = release(namespace)
@@ -219,6 +289,9 @@ BAD_VALUES = [
     ("rdmaDevicePlugin.rdmaHcaMax=0", "/rdmaDevicePlugin/rdmaHcaMax"),
     ("metrics.serviceMonitor.interval=often", "/metrics/serviceMonitor/interval"),
     ("replicaCunt=2", "replicaCunt"),
+    ("admissionPolicy.enabled=yes", "/admissionPolicy/enabled"),
+    ("admissionPolicy.privilegedEnginesLabel=bad label", "/admissionPolicy/privilegedEnginesLabel"),
+    ("operatorPolicy.allowedImagePrefixes={a,}", "/operatorPolicy/allowedImagePrefixes/1"),
 ]
 
 

@@ -73,10 +73,11 @@ app.kubernetes.io/part-of: dllm-operator
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch"]
-# Events on the custom resource (Created, Scaled, Replaced, FailedApply).
+# Events on the custom resource (Created, Scaled, Replaced, FailedApply); list: a StatefulSet reports
+# pods it could not create (e.g. refused by Pod Security) only as a FailedCreate Event.
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list"]
 {{- end -}}
 
 
