@@ -122,6 +122,7 @@ class PipeStats:
     failed_receives: int = 0
     timeouts: int = 0
     checksum_failures: int = 0
+    stops_requested: int = 0  # senders decode told to stop mid-stream (a cancel or a failed chunk)
     bytes_on_wire: int = 0
     raw_bytes: int = 0
 
@@ -1224,6 +1225,7 @@ class KVReceiver(_PipeSide):
         if not part.told_to_stop:
             part.told_to_stop = True
             _send_nack(sock, reason)
+            self.stats.stops_requested += 1
 
     def _reserve(
         self, offer: Offer, part: _Part

@@ -1,0 +1,222 @@
+"""A cancelled load, a hung write and a closing sender never free memory that is still written
+(security review H5, M4).
+
+Real KVSender and KVReceiver over real Mooncake transports on 127.0.0.1. The fault, a write that
+does not go through until the test lets it, comes from GatedTransportDouble (peer_doubles.py),
+which wraps prefill's real transport.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches
+from peer_doubles import FakeDecode, GatedTransportDouble, read_until_closed, wait_until
+
+from dllm_connector.kv_layout import PagedKV
+from dllm_connector.kv_scheduler import SchedulerState
+from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
+from dllm_connector.kvconfig import Compression, ConnectorExtraConfig
+from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, prompt_hash
+from dllm_connector.protocol import DecodeParams
+from dllm_connector.transport.mooncake import MooncakeTransport
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
+
+TIMEOUT = 1.0
+HOLD = 60.0
+HASH = prompt_hash([4, 5, 6])
+SRC = tuple(range(10, 18))
+DST = (100, 3, 250, 41, 7, 300, 12, 99)
+
+
+def config(**changes: Any) -> PipeConfig:
+    base = {
+        "buffer_bytes": 16 << 20,
+        "transfer_timeout_s": TIMEOUT,
+        "prefill_wait_s": HOLD,
+        "hold_s": HOLD,
+        "threshold_tokens": GEOMETRY.block_size,  # one block per chunk: many chunks
+    }
+    return PipeConfig(**(base | changes))
+
+
+@pytest.fixture(scope="module")
+def transports() -> Iterator[tuple[MooncakeTransport, MooncakeTransport]]:
+    decode, prefill = MooncakeTransport(HOST), MooncakeTransport(HOST)
+    yield decode, prefill
+    decode.close()
+    prefill.close()
+
+
+@pytest.fixture
+def receiver(transports: tuple[MooncakeTransport, MooncakeTransport]) -> Iterator[KVReceiver]:
+    receiver = KVReceiver(transports[0], PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config(), HOST, 0)
+    yield receiver
+    receiver.close()
+    assert receiver.staging.in_use == 0
+
+
+@pytest.fixture
+def gated(transports: tuple[MooncakeTransport, MooncakeTransport]) -> Iterator[GatedTransportDouble]:
+    double = GatedTransportDouble(transports[1])
+    yield double
+    double.open()
+
+
+def gated_sender(gated: GatedTransportDouble, **changes: Any) -> KVSender:
+    sender = KVSender(gated, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config(**changes))
+    sender.zero_copy_piece_bytes = 1  # one write per layer
+    return sender
+
+
+def outcome_of(sender: KVSender, transfer_id: str, timeout: float) -> str | None:
+    seen: dict[str, str | None] = {}
+    assert wait_until(lambda: seen.update(sender.finished()) or transfer_id in seen, timeout)
+    return seen[transfer_id]
+
+
+def test_a_cancelled_zero_copy_load_is_reported_only_after_its_last_write(
+    receiver: KVReceiver, gated: GatedTransportDouble
+) -> None:
+    sender = gated_sender(gated)
+    assert sender.zero_copy
+    try:
+        receiver.expect("h5-a", DST, prompt_hash=HASH)
+        sender.submit(SendJob("h5-a", SRC, HOST, receiver.port, HASH))
+        gated.release(3)  # three layers land in decode's blocks, the fourth waits at the gate
+        assert wait_until(lambda: len(gated.writes) == 3 and gated.waiting == 1, 10)
+        receiver.cancel("h5-a")  # vLLM aborted the request mid-transfer
+        assert receiver.results() == {}  # a write into its blocks may still happen: not ended
+        assert receiver.pending == {"h5-a"}
+        assert wait_until(lambda: receiver.stats.stops_requested == 1, 10)  # prefill was told
+        gated.open()
+        outcome = receiver.wait_for("h5-a", 10)
+        reported = time.monotonic()
+        assert outcome == "cancelled by decode"
+        assert max(write.ended for write in gated.writes) < reported
+        assert len(gated.writes) < len(SRC) * 4  # prefill was told to stop and did
+        sent = outcome_of(sender, "h5-a", 10)
+        assert sent is not None
+        assert "cancelled by decode" in sent
+        assert sender.in_flight == set()
+    finally:
+        assert sender.close(timeout=30)
+    assert sender.staging.in_use == 0
+    assert not receiver.pending
+
+
+def test_a_write_hung_past_the_timeout_keeps_both_sides_memory_until_it_returns(
+    receiver: KVReceiver, gated: GatedTransportDouble
+) -> None:
+    """fp8 goes through both sides' staging: neither side frees or reports while the write hangs."""
+    sender = gated_sender(gated, compression=Compression.FP8)
+    try:
+        receiver.expect("h5-b", DST, prompt_hash=HASH)
+        sender.submit(SendJob("h5-b", SRC, HOST, receiver.port, HASH))
+        assert wait_until(lambda: gated.waiting == 1, 10)
+        seen: dict[str, str | None] = {}
+        assert not wait_until(lambda: seen.update(sender.finished()) or seen, 3 * TIMEOUT)
+        assert sender.staging.in_use > 0
+        assert receiver.results() == {}  # decode timed out waiting, and still waits for the sender
+        assert receiver.staging.in_use > 0
+        gated.open()
+        outcome = receiver.wait_for("h5-b", 10)
+        assert outcome is not None
+        assert "no side-channel message" in outcome
+        assert max(write.ended for write in gated.writes) < time.monotonic()
+        sent = outcome_of(sender, "h5-b", 10)
+        assert sent is not None
+        assert sender.staging.in_use == 0
+    finally:
+        assert sender.close(timeout=30)
+
+
+def extra(**changes: Any) -> ConnectorExtraConfig:
+    base: dict[str, Any] = {
+        "compression": "none",
+        "buffer_size_gb": 0.01,
+        "transfer_threshold_tokens": 16,
+        "transfer_timeout_ms": 2000,
+        "prefill_wait_ms": 30000,
+        "hold_seconds": 30,
+        "async_transfer": True,
+        "protocol": "tcp",
+    }
+    return ConnectorExtraConfig.model_validate(base | changes)
+
+
+def test_a_cancelled_load_reports_no_load_error_blocks() -> None:
+    decode = ConnectorWorker(extra(), GEOMETRY, WorkerIdentity(0, sends=False), "mooncake")
+    state = SchedulerState(extra(), block_size=GEOMETRY.block_size, kv_port=0, sends=False)
+    params = DecodeParams(transfer_id="h5-c").model_dump()
+    try:
+        decode.register_kv_caches(make_caches(None), NUM_BLOCKS)
+        count, _ = state.matched_tokens(params, 40, 0, "d-1")
+        state.after_alloc("d-1", params, "h", 40, [20, 21, 22], count)
+        decode.start(state.take_plan())
+        assert not state.finished("d-1", params, "h", 40, [20, 21, 22], False)  # vLLM aborted it
+        decode.start(state.take_plan())
+        results = decode.results()
+        assert results.finished_recving == {"d-1"}  # vLLM may now free its blocks ...
+        assert results.failed_recving == set()
+        assert decode.take_load_errors() == set()  # ... and no other request is failed for them
+    finally:
+        decode.close()
+
+
+# ---- M4: closing the sender ------------------------------------------------------------------------
+
+
+def test_close_waits_for_a_running_send_before_unregistering(
+    transports: tuple[MooncakeTransport, MooncakeTransport], gated: GatedTransportDouble
+) -> None:
+    patient = config(transfer_timeout_s=30.0)  # the write is held longer than TIMEOUT here
+    receiver = KVReceiver(transports[0], PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), patient, HOST, 0)
+    sender = gated_sender(gated, transfer_timeout_s=30.0)
+    try:
+        receiver.expect("m4-run", DST, prompt_hash=HASH)
+        sender.submit(SendJob("m4-run", SRC, HOST, receiver.port, HASH))
+        assert wait_until(lambda: gated.waiting == 1, 10)
+        closed: list[bool] = []
+        closer = threading.Thread(target=lambda: closed.append(sender.close(timeout=60)))
+        closer.start()
+        assert not wait_until(lambda: closed, 2.0)  # the write under way holds close
+        assert gated.unregistered == []
+        gated.open()
+        closer.join(timeout=60)
+        assert closed == [True]
+        assert gated.unregistered
+        assert min(gated.unregistered) > max(write.ended for write in gated.writes)
+        assert receiver.wait_for("m4-run", 10) == ""  # it ran to its end
+        assert outcome_of(sender, "m4-run", 1) is None
+    finally:
+        receiver.close()
+
+
+def test_close_ends_a_send_still_waiting_for_decode_at_once(
+    transports: tuple[MooncakeTransport, MooncakeTransport],
+) -> None:
+    def never_answers(sock: socket.socket) -> None:
+        read_until_closed(sock, 60)
+
+    decode = FakeDecode(never_answers)
+    sender = KVSender(transports[1], PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config())
+    try:
+        sender.submit(SendJob("m4-wait", SRC, HOST, decode.port, HASH))
+        assert wait_until(lambda: decode.connections == 1, 10)
+        started = time.monotonic()
+        assert sender.close(timeout=30)
+        assert time.monotonic() - started < 5  # not the 60 s hold
+        outcome = outcome_of(sender, "m4-wait", 1)
+        assert outcome is not None
+        assert "closing" in outcome
+        sender.submit(SendJob("m4-late", SRC, HOST, decode.port, HASH))
+        assert outcome_of(sender, "m4-late", 1) == "the KV sender is closing"
+    finally:
+        decode.close()

@@ -1,0 +1,227 @@
+"""kv_transfer_params come from any HTTP caller: they never raise inside vLLM's scheduler or worker,
+and they cannot point prefill at a host that is not a decode peer (security review C1).
+
+The scheduler state is pure; the worker tests run real ConnectorWorkers (Mooncake on 127.0.0.1)
+and a real listening socket as the host a hostile request names.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, consecutive_free_ports, make_caches
+from peer_doubles import wait_until
+
+from dllm_connector.kv_scheduler import LoadSpec, SchedulerState, SendSpec, StepPlan
+from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
+from dllm_connector.kvconfig import ConnectorExtraConfig
+from dllm_connector.peers import DecodePeers, PeerNotAllowed
+from dllm_connector.protocol import DecodeParams, PrefillParams
+
+pytestmark = pytest.mark.timeout(120)
+
+BLOCK = GEOMETRY.block_size
+CRASH_BODY = {"dllm": 1, "do_remote_decode": True}  # no transfer_id: killed a prefill engine
+LOAD_ON_PREFILL = {"dllm": 1, "do_remote_prefill": True, "transfer_id": "x"}
+
+
+def extra(**changes: Any) -> ConnectorExtraConfig:
+    base: dict[str, Any] = {
+        "compression": "none",
+        "buffer_size_gb": 0.01,
+        "transfer_threshold_tokens": 16,
+        "transfer_timeout_ms": 2000,
+        "prefill_wait_ms": 5000,
+        "hold_seconds": 30,
+        "async_transfer": True,
+        "protocol": "tcp",
+    }
+    return ConnectorExtraConfig.model_validate(base | changes)
+
+
+def state(*, sends: bool = True, receives: bool = True) -> SchedulerState:
+    return SchedulerState(extra(), block_size=BLOCK, kv_port=15000, sends=sends, receives=receives)
+
+
+# ---- the scheduler side --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        CRASH_BODY,
+        {"dllm": 1, "do_remote_decode": True, "transfer_id": "t", "decode_kv_port": 0},
+        {"dllm": 1, "do_remote_decode": True, "transfer_id": "t" * 300},
+        {"dllm": 1, "do_remote_decode": True, "transfer_id": ["t"]},
+        {"dllm": 1, "do_remote_prefill": True},
+        {"dllm": 1, "do_remote_prefill": True, "transfer_id": "t", "prefill_tp_size": 0},
+        ["not", "a", "mapping"],
+        "a string",
+    ],
+    ids=["crash-body", "port-0", "long-id", "id-a-list", "decode-no-id", "tp-0", "a-list", "a-string"],
+)
+def test_invalid_params_mean_no_transfer_and_never_raise(params: Any) -> None:
+    engine = state()
+    assert engine.matched_tokens(params, 40, 0, "r-1") == (0, False)
+    engine.after_alloc("r-1", params, "h", 40, [1, 2, 3], 40)
+    assert engine.finished("r-1", params, "h", 40, [1, 2, 3], True) is False
+    assert engine.take_plan() == StepPlan()
+    assert not engine.has_pending_sends
+
+
+def test_params_for_the_other_role_are_ignored() -> None:
+    prefill_only, decode_only = state(receives=False), state(sends=False)
+    decode = DecodeParams(transfer_id="t-1").model_dump()
+    prefill = PrefillParams(transfer_id="t-1", decode_host=HOST, decode_kv_port=15000).model_dump()
+    assert prefill_only.matched_tokens(LOAD_ON_PREFILL, 40, 0, "p-1") == (0, False)
+    assert prefill_only.matched_tokens(decode, 40, 0, "p-1") == (0, False)
+    prefill_only.after_alloc("p-1", decode, "h", 40, [1, 2, 3], 40)
+    assert prefill_only.take_plan().loads == []
+    assert decode_only.finished("d-1", prefill, "h", 40, [1, 2, 3], True) is False
+    assert decode_only.take_plan().sends == []
+    # each role still does its own part
+    assert prefill_only.finished("p-2", prefill, "h", 40, [1, 2, 3], True) is True
+    assert decode_only.matched_tokens(decode, 40, 0, "d-2") == (40, True)
+
+
+def test_ignored_params_are_logged_once_per_request_in_one_short_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = state(receives=False)
+    caplog.set_level(logging.WARNING, logger="dllm_connector.kv_scheduler")
+    huge = {"dllm": 1, "do_remote_decode": True, "transfer_id": "t" * 1_000_000}
+    for _ in range(5):  # vLLM asks again every step a request waits
+        engine.matched_tokens(LOAD_ON_PREFILL, 40, 0, "r-1")
+    engine.finished("r-2", huge, "h", 40, [1], True)
+    engine.finished("r-2", huge, "h", 40, [1], True)
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 2
+    assert "r-1" in lines[0]
+    assert "does not receive KV" in lines[0]
+    assert "r-2" in lines[1]
+    assert "transfer_id" in lines[1]
+    assert all(len(line) < 400 for line in lines)
+
+
+# ---- the worker side -----------------------------------------------------------------------------
+
+
+def test_a_load_planned_on_an_engine_that_does_not_receive_fails_through_results() -> None:
+    prefill = ConnectorWorker(extra(), GEOMETRY, WorkerIdentity(0, receives=False), "mooncake")
+    try:
+        prefill.register_kv_caches(make_caches(7), NUM_BLOCKS)
+        prefill.start(StepPlan(loads=[LoadSpec("r-1", "t-1", (4, 5), 0, "h")]))
+        results = prefill.results()
+        assert (results.finished_recving, results.failed_recving) == ({"r-1"}, {"r-1"})
+        assert prefill.take_load_errors() == {4, 5}
+    finally:
+        prefill.close()
+
+
+def test_a_send_planned_on_an_engine_that_does_not_send_ends_through_results() -> None:
+    decode = ConnectorWorker(
+        extra(), GEOMETRY, WorkerIdentity(consecutive_free_ports(1), sends=False), "mooncake"
+    )
+    try:
+        decode.register_kv_caches(make_caches(None), NUM_BLOCKS)
+        decode.start(StepPlan(sends=[SendSpec("r-1", "t-1", (4, 5), HOST, 15000, "h")]))
+        assert decode.results().finished_sending == {"r-1"}  # vLLM frees the blocks
+        assert "does not send" in decode.failures["t-1"]
+    finally:
+        decode.close()
+
+
+@pytest.fixture
+def stranger() -> Iterator[socket.socket]:
+    """A real listener on 127.0.0.2, the host a hostile request names instead of a decode pod."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.2", 0))
+    listener.listen(4)
+    listener.setblocking(False)
+    yield listener
+    listener.close()
+
+
+def connections(listener: socket.socket) -> int:
+    count = 0
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except BlockingIOError:
+            return count
+        sock.close()
+        count += 1
+
+
+def test_prefill_sends_only_to_its_decode_peers(stranger: socket.socket) -> None:
+    decode_port = int(stranger.getsockname()[1])
+    try:
+        decode = ConnectorWorker(extra(), GEOMETRY, WorkerIdentity(decode_port, sends=False), "mooncake")
+        decode.register_kv_caches(make_caches(None), NUM_BLOCKS)
+    except Exception:  # noqa: BLE001 - the port is taken on 127.0.0.1: try again with another
+        pytest.skip("the stranger's port is in use on 127.0.0.1")
+    # the operator names the decode Service; here "localhost" plays it (it resolves to 127.0.0.1)
+    config = extra(decode_host="localhost", decode_port=decode_port)
+    prefill = ConnectorWorker(config, GEOMETRY, WorkerIdentity(0, receives=False), "mooncake")
+    try:
+        prefill.register_kv_caches(make_caches(7), NUM_BLOCKS)
+        sends = [
+            SendSpec("r-1", "t-stranger", (1, 2), "127.0.0.2", decode_port, "h"),
+            SendSpec("r-2", "t-port", (1, 2), HOST, decode_port + 1, "h"),
+            SendSpec("r-3", "t-name", (1, 2), "no-such-host.invalid", decode_port, "h"),
+            SendSpec("r-4", "t-ok", (1, 2), HOST, decode_port, "h"),
+        ]
+        decode.start(StepPlan(loads=[LoadSpec("d-4", "t-ok", (7, 8), 0, "h")]))
+        prefill.start(StepPlan(sends=sends))
+        ended: set[str] = set()
+
+        def all_ended() -> bool:
+            ended.update(prefill.results().finished_sending)
+            return len(ended) == 4
+
+        assert wait_until(all_ended, 30)
+        assert "not one of the decode peers" in prefill.failures["t-stranger"]
+        assert "not this deployment's" in prefill.failures["t-port"]
+        assert "does not resolve" in prefill.failures["t-name"]
+        assert "t-ok" not in prefill.failures
+        assert connections(stranger) == 0  # prefill never connected to the named stranger
+        assert decode.receiver is not None
+        assert decode.receiver.wait_settled("t-ok", 10)
+        assert decode.results().failed_recving == set()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_decode_peers_follow_the_service_and_refuse_the_rest() -> None:
+    table = {"decode-svc": {"10.0.0.5", "10.0.0.6"}, "10.0.0.5": {"10.0.0.5"}, "10.0.0.9": {"10.0.0.9"}}
+    lookups: list[str] = []
+
+    def lookup(host: str) -> set[str]:
+        lookups.append(host)
+        return set(table.get(host, set()))
+
+    peers = DecodePeers("decode-svc", 50051, "10.0.0.1", lookup=lookup)
+    assert peers.address("10.0.0.5", 50051) == "10.0.0.5"
+    with pytest.raises(PeerNotAllowed, match="not one of the decode peers"):
+        peers.address("10.0.0.9", 50051)
+    table["decode-svc"] = {"10.0.0.5", "10.0.0.9"}  # a new decode pod became ready
+    assert wait_until(lambda: _allowed(peers, "10.0.0.9"), 5)
+    with pytest.raises(PeerNotAllowed, match="port"):
+        peers.address("10.0.0.5", 8000)
+    own = DecodePeers(None, None, "10.0.0.1", lookup=lambda host: {host})
+    assert own.address("10.0.0.1", 1234) == "10.0.0.1"
+    with pytest.raises(PeerNotAllowed):
+        own.address("10.0.0.2", 1234)
+
+
+def _allowed(peers: DecodePeers, host: str) -> bool:
+    try:
+        peers.address(host, 50051)
+    except PeerNotAllowed:
+        return False
+    return True
