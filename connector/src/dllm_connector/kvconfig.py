@@ -11,7 +11,15 @@ from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import TYPE_CHECKING, Annotated, Any, Self, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 if TYPE_CHECKING:
     from dllm_connector.transport.sidechannel import PeerAuth
@@ -66,7 +74,8 @@ PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
 # Linux's default ephemeral ports: Mooncake ignores a port range with an end in here (or below 1024)
-# and silently draws from 15000-17000 instead, so such a range is refused up front.
+# and silently draws from 15000-17000 instead; outgoing connections take ports from here too. A
+# range touching them is refused up front (as operator/render/ports.py never renders one).
 EPHEMERAL_PORTS = (32768, 60999)
 # Each engine process (one per TP rank) listens on two ports of the range: the RPC (handshake) port
 # and the TCP transport's data port.
@@ -78,10 +87,10 @@ def transfer_ports_problem(low: int, high: int) -> str | None:
     ephemeral_low, ephemeral_high = EPHEMERAL_PORTS
     if not 1024 <= low <= high <= 65535:
         return "must be LOW-HIGH with 1024 <= LOW <= HIGH <= 65535"
-    if any(ephemeral_low <= end <= ephemeral_high for end in (low, high)):
+    if low <= ephemeral_high and high >= ephemeral_low:
         return (
-            f"must not start or end in the ephemeral range {ephemeral_low}-{ephemeral_high} "
-            "(Mooncake would ignore it and use 15000-17000)"
+            f"must lie wholly outside Linux's ephemeral ports {ephemeral_low}-{ephemeral_high} "
+            "(Mooncake ignores a range that ends in them and listens on 15000-17000 instead)"
         )
     if high - low + 1 < PORTS_PER_ENGINE:
         return f"must hold at least {PORTS_PER_ENGINE} ports (RPC and data) per TP rank"
@@ -176,6 +185,13 @@ class ConnectorExtraConfig(_Frozen):
     def _check_ports(self) -> Self:
         _check_transfer_ports(self.transfer_ports)
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_ports(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped: dict[str, Any] = handler(self)
+        if dumped.get("transfer_ports", ()) is None:  # engines rendered before the range existed
+            del dumped["transfer_ports"]
+        return dumped
 
 
 DEFAULT_PREFILL_WAIT_MS = 60000
@@ -533,8 +549,5 @@ def kv_transfer_config(settings: KVTransferSettings, engine_id: str) -> dict[str
     else:
         config["kv_connector"] = CONNECTOR_CLASS[settings.connector]
         config["kv_connector_module_path"] = CONNECTOR_MODULE
-        extra = extra_config(settings).model_dump(mode="json")
-        if extra["transfer_ports"] is None:
-            del extra["transfer_ports"]
-        config["kv_connector_extra_config"] = extra
+        config["kv_connector_extra_config"] = extra_config(settings).model_dump(mode="json")
     return config
