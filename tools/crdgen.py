@@ -530,7 +530,7 @@ def security_schema() -> Schema:
     return obj(
         "Isolation and authentication of the data plane. Both are on by default; turning one off is an "
         "explicit choice. The namespace is the trust boundary: anyone who can create pods with this "
-        "resource's labels in its namespace can join its Services (docs/architecture.md).",
+        "resource's labels in its namespace can join its Services (docs/isolation.md).",
         {
             "networkPolicy": boolean(
                 "Render NetworkPolicies: the engines accept any port from this resource's engines and "
