@@ -1,14 +1,19 @@
-"""The preStop drain waits for in-flight requests on a real HTTP /metrics endpoint."""
+"""The preStop drain waits until the engine stays idle, read from a real HTTP /metrics endpoint (M4)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from dllm_connector.drain import drain, in_flight
+
+pytestmark = pytest.mark.timeout(60)
 
 METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
 vllm:num_requests_running{engine="0",model_name="m"} %d
@@ -23,50 +28,111 @@ def test_in_flight_sums_running_and_waiting_only() -> None:
 
 
 class MetricsDouble:
-    """A test double of vLLM's /metrics endpoint whose in-flight count the test controls."""
+    """A test double of vLLM's /metrics endpoint (a real HTTP server on port 0) that serves a script of
+    in-flight counts, one per scrape, repeating the last; it records when each scrape came."""
 
-    def __init__(self) -> None:
-        self.running = 1
+    def __init__(self, script: Sequence[int]) -> None:
+        self.script = list(script)
+        self.scrapes: list[float] = []
         double = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                body = (METRICS % (double.running, 0)).encode()
+                index = min(len(double.scrapes), len(double.script) - 1)
+                double.scrapes.append(time.monotonic())
+                body = (METRICS % (double.script[index], 0)).encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
-                double.requests += 1
-                if double.requests >= 3:  # the third scrape sees the last request finish
-                    double.running = 0
 
             def log_message(self, *args: object) -> None:
                 pass
 
-        self.requests = 0
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
 @pytest.fixture
-def engine() -> Iterator[MetricsDouble]:
-    double = MetricsDouble()
-    thread = threading.Thread(target=double.server.serve_forever, daemon=True)
+def engine() -> Iterator[type[MetricsDouble]]:
+    started: list[MetricsDouble] = []
+
+    def start(script: Sequence[int]) -> MetricsDouble:
+        double = MetricsDouble(script)
+        started.append(double)
+        return double
+
+    yield start  # type: ignore[misc]
+    for double in started:
+        double.server.shutdown()
+        double.server.server_close()
+
+
+def test_one_zero_between_busy_readings_does_not_end_the_drain(engine) -> None:
+    metrics = engine([0, 2, 0, 0, 0])
+    started = time.monotonic()
+    assert drain(metrics.port, timeout=20, interval=0.02, settle=0.5, zeros=3)
+    ended = time.monotonic()
+    assert len(metrics.scrapes) >= 5  # not the first 0, and three zeros after the busy reading
+    assert ended - metrics.scrapes[2] >= 0.5  # idle for the whole settle time since the last busy one
+    assert ended - started < 10
+
+
+def test_several_zeros_within_the_settle_time_are_not_enough(engine) -> None:
+    metrics = engine([0])
+    started = time.monotonic()
+    assert drain(metrics.port, timeout=20, interval=0.01, settle=0.6, zeros=3)
+    assert time.monotonic() - started >= 0.6
+    assert len(metrics.scrapes) > 3  # many zeros came in before the settle time was up
+
+
+def test_slow_readings_still_need_the_count_of_zeros(engine) -> None:
+    metrics = engine([0])
+    assert drain(metrics.port, timeout=20, interval=0.2, settle=0.01, zeros=4)
+    assert len(metrics.scrapes) == 4
+
+
+def test_a_busy_reading_inside_the_settle_time_starts_it_again(engine) -> None:
+    metrics = engine([0, 0, 0, 3, 0])
+    assert drain(metrics.port, timeout=20, interval=0.02, settle=0.4, zeros=3)
+    assert time.monotonic() - metrics.scrapes[4] >= 0.4
+
+
+def test_drain_gives_up_at_the_timeout(engine) -> None:
+    metrics = engine([5])
+    started = time.monotonic()
+    assert not drain(metrics.port, timeout=0.3, interval=0.01, settle=0.1)
+    assert time.monotonic() - started < 5
+
+
+def test_an_engine_that_goes_away_mid_drain_means_done(engine) -> None:
+    metrics = engine([4])
+    result: list[bool] = []
+    thread = threading.Thread(
+        target=lambda: result.append(drain(metrics.port, timeout=30, interval=0.02, settle=5))
+    )
     thread.start()
-    yield double
-    double.server.shutdown()
-
-
-def test_drain_returns_once_the_engine_is_idle(engine: MetricsDouble) -> None:
-    assert drain(engine.port, timeout=10, interval=0.01)
-    assert engine.requests >= 3
-
-
-def test_drain_gives_up_at_the_timeout(engine: MetricsDouble) -> None:
-    engine.running = 5
-    engine.requests = -(10**9)  # never reaches the point where it finishes
-    assert not drain(engine.port, timeout=0.2, interval=0.01)
+    deadline = time.monotonic() + 10
+    while len(metrics.scrapes) < 3 and time.monotonic() < deadline:
+        threading.Event().wait(0.01)
+    metrics.server.shutdown()
+    metrics.server.server_close()
+    thread.join(10)
+    assert result == [True]
 
 
 def test_drain_does_not_block_when_the_engine_is_gone() -> None:
+    started = time.monotonic()
     assert drain(1, timeout=5)
+    assert time.monotonic() - started < 4
+
+
+def test_the_command_line_takes_the_settle_time(engine) -> None:
+    metrics = engine([1, 0])
+    command = [sys.executable, "-m", "dllm_connector.drain", "--port", str(metrics.port), "--timeout", "20"]
+    options = ["--interval", "0.02", "--settle", "0.3", "--zeros", "2"]
+    result = subprocess.run([*command, *options], capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0
+    assert result.stdout.strip() == "drained"
+    assert metrics.scrapes[-1] - metrics.scrapes[1] >= 0.3

@@ -1,8 +1,13 @@
-"""preStop drain: wait until the local vLLM engine has no running or waiting request, or time runs out.
+"""preStop drain: wait until the local vLLM engine has stayed idle for a settle time, or time runs out.
 
 Usage (rendered by the operator): python3 -m dllm_connector.drain --port 8000 --timeout 110
 Reads vLLM's Prometheus gauges (vllm:num_requests_running / vllm:num_requests_waiting) on /metrics.
-Always exits 0: a drain that cannot reach the engine must not block the pod's shutdown.
+
+One reading of 0 is not enough (security review M4): the router keeps sending new requests to this pod
+until its DNS refresh drops it (a 5 s resolve interval plus DNS caching), so the engine counts as
+drained only after at least `zeros` consecutive readings of 0 spanning `settle` seconds (15 by
+default); any busy reading starts the count again. An engine that cannot be reached is done: the drain
+must not hold up the shutdown of a pod whose engine is gone. Always exits 0.
 """
 
 from __future__ import annotations
@@ -12,8 +17,14 @@ import re
 import threading
 import time
 import urllib.request
+from dataclasses import dataclass
 
 _GAUGE = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+
+DEFAULT_SETTLE_S = 15.0
+DEFAULT_ZEROS = 3
+# A scrape of /metrics is a few kB; a larger answer is not vLLM's and is not read to its end.
+_MAX_METRICS_BYTES = 8 << 20
 
 
 def in_flight(metrics_text: str) -> int:
@@ -22,31 +33,76 @@ def in_flight(metrics_text: str) -> int:
 
 
 def read_in_flight(port: int) -> int | None:
+    """The engine's in-flight requests, or None when it cannot be reached (or answers an error)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-            return in_flight(response.read().decode())
-    except OSError:
+            return in_flight(response.read(_MAX_METRICS_BYTES).decode(errors="replace"))
+    except (OSError, ValueError):  # refused, reset, timed out, HTTP errors; a malformed number
         return None
 
 
-def drain(port: int, timeout: float, interval: float = 1.0) -> bool:
+@dataclass
+class Settling:
+    """Consecutive idle readings: when the current run of zeros began and how long it is."""
+
+    zeros: int = 0
+    since: float = 0.0
+
+    def note(self, count: int, now: float) -> None:
+        if count:
+            self.zeros = 0
+            return
+        if self.zeros == 0:
+            self.since = now
+        self.zeros += 1
+
+    def settled(self, now: float, zeros: int, settle: float) -> bool:
+        return self.zeros >= zeros and now - self.since >= settle
+
+
+def drain(
+    port: int,
+    timeout: float,
+    interval: float = 1.0,
+    *,
+    settle: float = DEFAULT_SETTLE_S,
+    zeros: int = DEFAULT_ZEROS,
+) -> bool:
+    """True once the engine was idle for `zeros` readings over `settle` seconds, or is unreachable."""
     deadline = time.monotonic() + timeout
     pause = threading.Event()
-    while time.monotonic() < deadline:
+    idle = Settling()
+    while True:
         count = read_in_flight(port)
-        if not count:  # 0, or the engine is gone
+        now = time.monotonic()
+        if count is None:  # the engine is gone
             return True
-        pause.wait(interval)
-    return False
+        idle.note(count, now)
+        if idle.settled(now, zeros, settle):
+            return True
+        if now >= deadline:
+            return False
+        pause.wait(min(interval, max(deadline - now, 0.0)))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m dllm_connector.drain")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--timeout", type=float, default=110)
+    parser.add_argument("--interval", type=float, default=1.0, help="seconds between readings")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=DEFAULT_SETTLE_S,
+        help="seconds the engine must stay idle (covers the router's DNS refresh)",
+    )
+    parser.add_argument("--zeros", type=int, default=DEFAULT_ZEROS, help="idle readings needed, at least")
     args = parser.parse_args()
-    drained = drain(args.port, args.timeout)
-    print("drained" if drained else f"still busy after {args.timeout:.0f}s: stopping anyway", flush=True)
+    drained = drain(args.port, args.timeout, args.interval, settle=args.settle, zeros=args.zeros)
+    print(
+        "drained" if drained else f"not idle for {args.settle:.0f}s by {args.timeout:.0f}s: stopping anyway",
+        flush=True,
+    )
     return 0
 
 
