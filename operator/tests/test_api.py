@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -155,3 +156,23 @@ def test_render_cli_refuses_a_file_without_a_resource(tmp_path: Path) -> None:
     )
     assert (result.returncode, result.stdout) == (2, "")
     assert "no DisaggregatedLLM resource found" in result.stderr
+
+
+def test_render_cli_applies_the_operator_policy_from_its_environment(tmp_path: Path) -> None:
+    path = tmp_path / "cr.yaml"
+    path.write_text(
+        yaml.safe_dump(merged(minimal(), {"spec": {"rdma": {"enabled": True, "hostNetwork": True}}}))
+    )
+    command = [sys.executable, "-m", "dllm_operator", "render", "-f", str(path)]
+
+    def run(value: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "DLLM_ALLOW_PRIVILEGED_ENGINES": value}
+        return subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+
+    assert run("true").returncode == 0
+    refused = run("false")
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert "spec.rdma.hostNetwork: host network needs" in refused.stderr
+    bad = run("maybe")
+    assert (bad.returncode, bad.stdout) == (2, "")
+    assert "DLLM_ALLOW_PRIVILEGED_ENGINES: 'maybe' is not true or false" in bad.stderr

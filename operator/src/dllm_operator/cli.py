@@ -11,7 +11,7 @@ from typing import Any, TextIO
 import yaml
 
 from dllm_operator.api import KIND, SpecInvalid, parse
-from dllm_operator.config import OperatorConfig
+from dllm_operator.config import ConfigInvalid, OperatorConfig
 from dllm_operator.render import render_all
 from dllm_operator.render.compose import render_compose
 
@@ -43,7 +43,12 @@ def render_command(args: argparse.Namespace) -> int:
         print(f"{args.file}: no {KIND} resource found", file=sys.stderr)
         return 2
     try:
-        text = render_text(documents, args.format, OperatorConfig.from_env())
+        config = OperatorConfig.from_env()
+    except ConfigInvalid as invalid:
+        print(f"operator configuration: {invalid}", file=sys.stderr)
+        return 2
+    try:
+        text = render_text(documents, args.format, config)
     except SpecInvalid as invalid:
         for field_error in invalid.errors:
             print(f"{args.file}: {field_error}", file=sys.stderr)
