@@ -191,6 +191,73 @@ def test_prefill_falls_back_to_the_env_peer_and_skips_aborted_requests() -> None
     assert connector.request_finished(aborted, [1, 2, 3]) == (False, None)
 
 
+def test_client_params_never_raise_in_vllms_scheduler_calls() -> None:
+    """C1: the body that killed a prefill engine, and a load asked of a prefill-only engine."""
+    prefill = create(Connector.MOONCAKE, Role.PREFILL, KVConnectorRole.SCHEDULER)
+    crash = request("crash", 40, {"dllm": 1, "do_remote_decode": True})
+    crash.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert prefill.request_finished(crash, [1, 2, 3]) == (False, None)
+    load = request("load", 40, {"dllm": 1, "do_remote_prefill": True, "transfer_id": "x"})
+    assert prefill.get_num_new_matched_tokens(load, 0) == (0, False)
+    prefill.update_state_after_alloc(load, blocks([1, 2, 3]), 0)
+    assert prefill.build_connector_meta(None).plan == StepPlan()
+    decode = create(Connector.MOONCAKE, Role.DECODE, KVConnectorRole.SCHEDULER)
+    send = request("send", 40, PrefillParams(transfer_id="tx-9", decode_host=HOST).model_dump())
+    send.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert decode.request_finished(send, [1, 2, 3]) == (False, None)
+
+
+def test_the_scheduler_reports_its_sends_in_flight_as_a_level() -> None:
+    """M4: the count the preStop drain waits on, reported when it changes (0 included)."""
+    connector = create(Connector.MOONCAKE, Role.PREFILL, KVConnectorRole.SCHEDULER)
+    assert connector.get_kv_connector_stats().data == {"sends_in_flight": 0}  # once, at start
+    assert connector.get_kv_connector_stats() is None  # unchanged
+    req = request("p-in-flight", 40, PrefillParams(transfer_id="tx-f").model_dump())
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    assert connector.request_finished(req, [1, 2, 3]) == (True, None)
+    level = connector.get_kv_connector_stats()
+    assert level.data == {"sends_in_flight": 1}
+    assert not level.is_empty()
+    connector.update_connector_output(KVConnectorOutput(finished_sending={"p-in-flight"}))
+    dropped = connector.get_kv_connector_stats()
+    assert dropped.data == {"sends_in_flight": 0}
+    assert not dropped.is_empty()  # a level of 0 is news: the gauge must drop
+    # vLLM adds the scheduler's stats to the workers' counters: the level is kept, not summed
+    workers = DllmConnectorStats(data={"sent": 2})
+    assert workers.aggregate(level).aggregate(dropped).reduce() == {"sent": 2, "sends_in_flight": 0}
+
+
+def test_the_sends_in_flight_gauge_is_on_vllms_metrics() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from dllm_connector.vllm import SENDS_IN_FLIGHT_METRIC
+
+    registry = CollectorRegistry()
+
+    class PrivateGauge(Gauge):
+        """Gauge on this test's registry (vLLM's is process-wide)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **(kwargs | {"registry": registry}))
+
+    config = vllm_config(kv_transfer_config(settings(Connector.MOONCAKE, Role.PREFILL), "engine-a"))
+    metrics = DllmMooncakeConnector.build_prom_metrics(
+        config,
+        {Gauge: PrivateGauge, Counter: Counter, Histogram: Histogram},
+        ["model_name", "engine"],
+        {0: ["tiny", "0"]},
+    )
+    metrics.observe({"sends_in_flight": 3, "sent": 5}, 0)
+    text = generate_latest(registry).decode()
+    assert SENDS_IN_FLIGHT_METRIC == "vllm:dllm_kv_sends_in_flight"
+    assert 'vllm:dllm_kv_sends_in_flight{engine="0",model_name="tiny"} 3.0' in text
+    metrics.observe({"sent": 1}, 0)  # counters alone leave the level as it was
+    metrics.observe({"sends_in_flight": 0}, 0)
+    assert (
+        'vllm:dllm_kv_sends_in_flight{engine="0",model_name="tiny"} 0.0' in generate_latest(registry).decode()
+    )
+
+
 # ---- the two worker halves, moving real KV ------------------------------------------------------
 
 
