@@ -12,6 +12,7 @@ import pytest
 import yaml
 from dllm_cases import INVALID, PRIVILEGED, ROOT, SAMPLES, invalid_body, load_cr, merged, minimal
 from e2e.fixtures import Cluster, wait_until
+from e2e.operator_process import OperatorProcess
 from e2e.samples import cpu_sample_on_kwok
 
 from dllm_operator.api import parse
@@ -162,34 +163,37 @@ def test_privileged_engine_settings_need_the_namespace_opt_in(
     wait_until(lambda: not all_admitted(), 30, "every privileged ask admitted once the namespace opts in")
 
 
-def test_rendered_engine_pods_meet_pod_security_restricted(
-    cluster: Cluster, crd: str, namespace: str
+def test_engine_pods_meet_pod_security_restricted(
+    cluster: Cluster, crd: str, namespace: str, tmp_path: Path
 ) -> None:
-    """The StatefulSet controller creates the CPU sample's engine pods in a namespace enforcing
-    "restricted" (the router's too): pods exist, and no FailedCreate."""
+    """The operator reconciles the CPU sample in a namespace enforcing "restricted": the StatefulSets'
+    and the Deployment's controllers create every pod (no FailedCreate), beside the resource's
+    NetworkPolicies and auth Secret."""
     cluster.run("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
-    body = cpu_sample_on_kwok()
-    cluster.run("create", "-n", namespace, "-f", "-", input_text=json.dumps(body))
-    stored = cluster.get_json("dllm", "tiny-cpu", "-n", namespace)
-    manifests = render_all(parse(stored))
-    cluster.run(
-        "apply", "--server-side", "--field-manager=dllm-operator", "-n", namespace, "-f", "-",
-        input_text=yaml.safe_dump_all(manifests),
-    )  # fmt: skip
+    operator = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "operator.log", namespace).start()
+    try:
+        cluster.apply(cpu_sample_on_kwok(), "-n", namespace)
 
-    def pods() -> set[str]:
-        items = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/instance=tiny-cpu")[
-            "items"
-        ]
-        return {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in items}
+        def pods() -> set[str]:
+            selector = "app.kubernetes.io/instance=tiny-cpu"
+            items = cluster.get_json("pods", "-n", namespace, "-l", selector)["items"]
+            return {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in items}
 
-    def failed_creates() -> list[str]:
-        events = cluster.get_json("events", "-n", namespace)["items"]
-        return [e["message"] for e in events if e["reason"] == "FailedCreate"]
+        def failed_creates() -> list[str]:
+            events = cluster.get_json("events", "-n", namespace)["items"]
+            return [e["message"] for e in events if e["reason"] == "FailedCreate"]
 
-    wait_until(lambda: pods() == {"prefill", "decode", "router"} or failed_creates(), 60, "the pods")
-    assert failed_creates() == []
-    assert pods() == {"prefill", "decode", "router"}
+        wait_until(
+            lambda: pods() == {"prefill", "decode", "router"} or failed_creates(),
+            90,
+            f"the pods (operator log: {operator.log_path})",
+        )
+        assert failed_creates() == []
+        policies = cluster.get_json("networkpolicies", "-n", namespace)["items"]
+        assert sorted(p["metadata"]["name"] for p in policies) == ["tiny-cpu-engines", "tiny-cpu-router"]
+        assert cluster.exists("secret", "tiny-cpu-auth", "-n", namespace)
+    finally:
+        operator.stop()
 
 
 def test_rdma_device_plugin_engines_meet_baseline_without_ipc_lock(
