@@ -213,3 +213,33 @@ def test_rdma_device_plugin_engines_meet_baseline_without_ipc_lock(
         assert (result.returncode == 0) is admitted, (ipc_lock, result.stderr)
         if not admitted:
             assert "IPC_LOCK" in result.stderr
+
+
+def test_turning_isolation_and_authentication_off_removes_them(
+    cluster: Cluster, crd: str, namespace: str, tmp_path: Path
+) -> None:
+    """spec.security opts out: the operator deletes the NetworkPolicies it made, and the pods lose their
+    secret references (the Secret itself stays until the resource goes; the operator cannot delete it)."""
+    operator = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "operator.log", namespace).start()
+    try:
+        cluster.apply(cpu_sample_on_kwok(), "-n", namespace)
+
+        def policies() -> list[str]:
+            items = cluster.get_json("networkpolicies", "-n", namespace)["items"]
+            return sorted(p["metadata"]["name"] for p in items)
+
+        def secret_refs() -> set[str]:
+            sts = cluster.get_json("statefulset", "tiny-cpu-decode", "-n", namespace, "--ignore-not-found")
+            containers = sts.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])
+            return {
+                e["name"] for e in containers[0].get("env", []) if "secretKeyRef" in e.get("valueFrom", {})
+            }
+
+        wait_until(lambda: policies() == ["tiny-cpu-engines", "tiny-cpu-router"], 60, "the NetworkPolicies")
+        wait_until(lambda: secret_refs() == {"DLLM_KV_AUTH_TOKEN", "VLLM_API_KEY"}, 60, "the secret refs")
+        off = {"spec": {"security": {"networkPolicy": False, "authentication": False}}}
+        cluster.run("patch", "dllm", "tiny-cpu", "-n", namespace, "--type=merge", "-p", json.dumps(off))
+        wait_until(lambda: policies() == [], 60, f"the NetworkPolicies pruned ({operator.log_path})")
+        wait_until(lambda: secret_refs() == set(), 60, "no secret refs")
+    finally:
+        operator.stop()
