@@ -203,9 +203,8 @@ class ConnectorWorker:
         return totals
 
     def close(self) -> None:
-        if self.sender is not None:
-            self.sender.close()
+        sends_ended = self.sender.close() if self.sender is not None else True
         if self.receiver is not None:
             self.receiver.close()
-        if self.transport is not None:
+        if self.transport is not None and sends_ended:  # else a send may still write from it (M4)
             self.transport.close()

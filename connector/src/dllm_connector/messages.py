@@ -63,7 +63,7 @@ class Offer(_Message):
 class Accept(_Message):
     type: Literal["accept"]
     skip: _Count
-    count: Annotated[int, Field(ge=1, le=1 << 24)]
+    count: _Count
     dst: list[tuple[_Addr, _Addr]] = Field(default_factory=list)
     slots: list[tuple[_Index, _Addr]] = Field(default_factory=list)
     endpoint: dict[str, Any] = Field(default_factory=dict)

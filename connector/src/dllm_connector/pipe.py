@@ -717,6 +717,12 @@ class KVSender(_PipeSide):
         return True
 
 
+def _chunk_blocks(offer: Offer, count: int) -> int:
+    """Blocks per chunk of a part of `count` blocks: the offer's, which may exceed the count (one
+    chunk; older senders offer their threshold), never below 1."""
+    return max(1, min(offer.chunk_blocks, count))
+
+
 def _quoted(message: Message) -> Message:
     """What of a peer's message an error may repeat: its type and reason, bounded (L2)."""
     return {"type": bounded(message["type"], 20), "reason": bounded(message.get("reason", message["type"]))}
@@ -1160,7 +1166,7 @@ class KVReceiver(_PipeSide):
         with _nack_on_error(sock):
             window, dst, sizes = self._reserve(offer, part)
         count = len(expectation.block_ids)
-        chunks = chunk_ranges(count, min(offer.chunk_blocks, count))
+        chunks = chunk_ranges(count, _chunk_blocks(offer, count))
         failure: Exception | None = None
         try:
             endpoint = self.transport.endpoint() if self.transport.one_sided else {}
@@ -1186,8 +1192,12 @@ class KVReceiver(_PipeSide):
                     load = failure is None and not expectation.failure
                     try:
                         self._receive_chunk(sock, offer, index, blocks, view, part, load=load)
-                    except (codec.CodecError, TransferFailed, LayoutError) as error:
-                        failure = failure or error  # keep consuming: the sender is mid-stream
+                    except TransportError as error:
+                        if not isinstance(error, TransferFailed):  # the channel itself broke
+                            raise
+                        failure = failure or error
+                    except Exception as error:  # noqa: BLE001 - any failure: the sender is told to stop
+                        failure = failure or error  # and the rest is consumed, so nothing writes after
                     finally:
                         if own is not None:
                             self.staging.release(own)
@@ -1233,7 +1243,7 @@ class KVReceiver(_PipeSide):
         """Name where each chunk of this part goes: decode's block spans (zero-copy), or staging
         (one-sided: a window of it, the first slots named in the accept), or nothing (two-sided)."""
         block_ids, heads = part.expectation.block_ids, part.heads
-        chunks = chunk_ranges(len(block_ids), min(offer.chunk_blocks, len(block_ids)))
+        chunks = chunk_ranges(len(block_ids), _chunk_blocks(offer, len(block_ids)))
         groups = self.kv.groups(heads)
         sizes = [
             codec.payload_nbytes(offer.codec, self.kv.dtype, self.kv.batch_shape(b - a, heads), groups)
