@@ -1,12 +1,33 @@
 """Mooncake transfer engine transport: one-sided batch writes into the peer's registered memory.
 
 P2PHANDSHAKE metadata (no metadata server), RDMA or TCP. Memory is registered once per tensor and
-reused; the RPC port is drawn from a configured range (MC_MIN_RPC_PORT/MC_MAX_RPC_PORT).
+reused.
+
+Ports (security review C2; checked on mooncake-transfer-engine 0.3.13.post1 with `ss -ltnp`). Each
+engine listens on two TCP ports: the P2P handshake (RPC) port, on 0.0.0.0, and with protocol tcp the
+TCP transport's data port, on [::] (dual stack). Both are drawn at random from
+MC_MIN_RPC_PORT..MC_MAX_RPC_PORT (default 15000-17000), which `rpc_ports` (DLLM_KV_TRANSFER_PORTS)
+sets. Neither can be bound to one address: MC_TCP_BIND_ADDRESS only names the address advertised to
+peers, so a NetworkPolicy is the only fence (and with hostNetwork the ports are open on every address of
+the node). Mooncake reads the range once per process and silently falls back to 15000-17000 for a range
+that reaches below 1024 or into 32768-60999, so the range is checked before and the RPC port after.
+Outgoing connections use ephemeral ports. The data port refuses reads and writes outside registered
+buffers ("not within any registered buffer"), so a peer that reaches it can read and write the KV
+cache and staging buffers, not other memory.
+
+Timeouts (H5). A Mooncake batch write ends by MC_TRANSFER_TIMEOUT (at least 5 s; Mooncake raises lower
+values to 5) plus one second per GB, read when the engine is created. `send` raises TransferTimeout
+only after the write it started has returned, so a caller never frees or reuses memory under a running
+write; with a Python timeout under 5 s that can take up to Mooncake's bound. What remains: bytes
+Mooncake already handed to the kernel cannot be recalled, so a peer that stalls past the timeout (and
+resumes) still applies them after both sides gave up (seen with a SIGSTOPped peer).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
@@ -14,6 +35,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from dllm_connector.kvconfig import transfer_ports_problem
 from dllm_connector.transport.base import (
     Source,
     Span,
@@ -24,23 +46,46 @@ from dllm_connector.transport.base import (
     span_of,
 )
 
+_log = logging.getLogger(__name__)
+
 # Entries per batch call: bounds one call's duration and its argument lists.
 _BATCH = 1024
+# Mooncake's sync writes: MC_TRANSFER_TIMEOUT seconds (at least 5, 30 when unset) plus 1 ns per byte.
+MC_MIN_TIMEOUT_S = 5
+MC_DEFAULT_TIMEOUT_S = 30
+_BYTES_PER_S = 1e9
+# Past Mooncake's own bound, the status polling and the thread handing back the result.
+_SLACK_S = 2.0
+
+
+def mooncake_timeout_s(env: Mapping[str, str]) -> int:
+    """The timeout Mooncake applies for MC_TRANSFER_TIMEOUT in `env` (atoi, then at least 5)."""
+    raw = env.get("MC_TRANSFER_TIMEOUT")
+    if raw is None:
+        return MC_DEFAULT_TIMEOUT_S
+    number = re.match(r"\s*([+-]?\d+)", raw)
+    return max(MC_MIN_TIMEOUT_S, int(number.group(1)) if number else 0)
 
 
 def configure_environment(
     *, bind_host: str | None, rpc_ports: tuple[int, int] | None, timeout_s: float | None
 ) -> None:
-    """Mooncake reads its knobs from the environment at initialize; set ours before that."""
+    """Mooncake reads its knobs from the environment at initialize; set ours before that.
+
+    `timeout_s`: the caller's timeout for one write; Mooncake's is set no longer (but at least 5 s).
+    Without one, Mooncake's 30 s default is lowered to its minimum.
+    """
     if bind_host:
         os.environ["MC_TCP_BIND_ADDRESS"] = bind_host
     if rpc_ports is not None:
         low, high = rpc_ports
-        if not 1024 <= low <= high <= 65535:
-            raise TransportError(f"RPC port range {low}-{high} must lie within 1024-65535")
+        if problem := transfer_ports_problem(low, high):
+            raise TransportError(f"Mooncake port range {low}-{high} {problem}")
         os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = str(low), str(high)
     if timeout_s is not None:
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(max(1, round(timeout_s))))
+        os.environ["MC_TRANSFER_TIMEOUT"] = str(max(MC_MIN_TIMEOUT_S, int(timeout_s)))
+    else:
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(MC_MIN_TIMEOUT_S))
 
 
 class MooncakeTransport(Transport):
@@ -54,19 +99,29 @@ class MooncakeTransport(Transport):
         protocol: str = "tcp",
         devices: Sequence[str] = (),
         rpc_ports: tuple[int, int] | None = None,
+        timeout_s: float | None = None,
     ) -> None:
+        """`rpc_ports`: DLLM_KV_TRANSFER_PORTS (both listening ports); `timeout_s`: transfer_timeout_ms."""
+        # Before the import: loading Mooncake's library already reads its global config (the ports).
+        configure_environment(bind_host=host, rpc_ports=rpc_ports, timeout_s=timeout_s)
+        if protocol == "tcp":
+            os.environ.setdefault("MC_FORCE_TCP", "1")
         try:
             from mooncake.engine import TransferEngine
         except ImportError as error:
             raise TransportError(f"the Mooncake transfer engine is not importable: {error}") from None
-        configure_environment(bind_host=host, rpc_ports=rpc_ports, timeout_s=None)
-        if protocol == "tcp":
-            os.environ.setdefault("MC_FORCE_TCP", "1")
+        self._call_timeout_s = mooncake_timeout_s(os.environ)
         self._engine = TransferEngine()
         status = self._engine.initialize(host, "P2PHANDSHAKE", protocol, ",".join(devices))
         if status != 0:
             raise TransportError(f"Mooncake initialize({host}, P2PHANDSHAKE, {protocol}) returned {status}")
-        self._session = f"{host}:{self._engine.get_rpc_port()}"
+        rpc_port = int(self._engine.get_rpc_port())
+        if rpc_ports is not None and not rpc_ports[0] <= rpc_port <= rpc_ports[1]:
+            raise TransportError(
+                f"Mooncake listens on port {rpc_port}, outside {rpc_ports[0]}-{rpc_ports[1]}: it reads "
+                "its port range once per process, and this process's Mooncake started with another"
+            )
+        self._session = f"{host}:{rpc_port}"
         self._registered: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -104,20 +159,49 @@ class MooncakeTransport(Transport):
         check_sizes(src, dst)
         session = str(peer["session"])
         done: Future[None] = Future()
+        stop = threading.Event()
         worker = threading.Thread(
-            target=self._write_batches, args=(session, src, dst, done), name="mooncake-write", daemon=True
+            target=self._write_batches,
+            args=(session, src, dst, done, stop),
+            name="mooncake-write",
+            daemon=True,
         )
         worker.start()
         try:
             done.result(timeout=timeout)
+            return
         except TimeoutError:
-            raise TransferTimeout(f"Mooncake write to {session} ran past {timeout:.1f}s") from None
+            stop.set()  # no further batch starts
+        # The batch in flight still reads our memory and writes the peer's until Mooncake gives up:
+        # return only after it did, so no caller frees or reuses that memory under it (H5).
+        try:
+            done.result(timeout=self.call_bound_s(dst))
+        except TimeoutError:
+            _log.error("Mooncake write to %s still runs past Mooncake's own timeout", session)
+        except TransportError:
+            pass
+        else:
+            return  # it finished after all, late
+        raise TransferTimeout(f"Mooncake write to {session} ran past {timeout:.1f}s")
+
+    def call_bound_s(self, dst: Sequence[Span]) -> float:
+        """How long one batch call of these destinations can run before Mooncake ends it itself."""
+        batches = range(0, len(dst), _BATCH)
+        largest = max((sum(span.nbytes for span in dst[i : i + _BATCH]) for i in batches), default=0)
+        return self._call_timeout_s + largest / _BYTES_PER_S + _SLACK_S
 
     def _write_batches(
-        self, session: str, src: Sequence[Source], dst: Sequence[Span], done: Future[None]
+        self,
+        session: str,
+        src: Sequence[Source],
+        dst: Sequence[Span],
+        done: Future[None],
+        stop: threading.Event,
     ) -> None:
         try:
             for start in range(0, len(src), _BATCH):
+                if stop.is_set():
+                    raise TransferTimeout(f"Mooncake write to {session} stopped at its deadline")
                 local = [span_of(source).addr for source in src[start : start + _BATCH]]
                 remote = [region.addr for region in dst[start : start + _BATCH]]
                 lengths = [region.nbytes for region in dst[start : start + _BATCH]]

@@ -1,0 +1,175 @@
+"""Mooncake's listening ports stay in DLLM_KV_TRANSFER_PORTS, and a timed-out write returns only once
+Mooncake let go of it (C2, H5). Real Mooncake engines over TCP on 127.0.0.1; ranges and timeouts are
+per process in Mooncake, so each case that sets them runs in its own process (mooncake_peer.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dllm_connector.transport.base import Span, TransferTimeout, TransportError
+from dllm_connector.transport.mooncake import (
+    MC_MIN_TIMEOUT_S,
+    MooncakeTransport,
+    configure_environment,
+    mooncake_timeout_s,
+)
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
+
+HOST = "127.0.0.1"
+PEER = Path(__file__).with_name("mooncake_peer.py")
+
+
+def _run(*args: str) -> dict[str, Any]:
+    result = subprocess.run(
+        [sys.executable, str(PEER), *args], capture_output=True, text=True, timeout=90, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    loaded: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
+    return loaded
+
+
+def _free_range(size: int = 32) -> tuple[int, int]:
+    """A range in 20000-29999 (outside the ephemeral ports); Mooncake retries ports that are taken."""
+    low = random.randrange(20000, 30000 - size)
+    return low, low + size - 1
+
+
+def test_both_listening_ports_of_each_engine_lie_in_the_declared_range() -> None:
+    low, high = _free_range()
+    seen = _run("ports", str(low), str(high))
+    assert seen["equal"]
+    assert all(low <= int(session.rsplit(":", 1)[1]) <= high for session in seen["sessions"])
+    # Two engines, each an RPC (handshake) port and a TCP data port, and nothing else.
+    assert len(seen["listening"]) == 4, seen["listening"]
+    assert all(low <= port <= high for port in seen["listening"]), seen["listening"]
+
+
+def test_a_range_set_after_mooncake_started_in_the_process_is_refused() -> None:
+    low, high = _free_range()
+    seen = _run("late-range", str(low), str(high))
+    assert seen["error"] is not None
+    assert f"outside {low}-{high}" in seen["error"]
+    assert "once per process" in seen["error"]
+
+
+@pytest.mark.parametrize(
+    ("ports", "words"),
+    [((40000, 40100), "32768-60999"), ((80, 90), "1024"), ((20000, 20000), "at least 2 ports")],
+)
+def test_a_range_mooncake_would_ignore_is_refused_before_it_is_set(
+    monkeypatch: pytest.MonkeyPatch, ports: tuple[int, int], words: str
+) -> None:
+    monkeypatch.delenv("MC_MIN_RPC_PORT", raising=False)
+    monkeypatch.delenv("MC_MAX_RPC_PORT", raising=False)
+    with pytest.raises(TransportError, match=words):
+        configure_environment(bind_host=None, rpc_ports=ports, timeout_s=None)
+    assert "MC_MIN_RPC_PORT" not in os.environ
+
+
+@pytest.mark.parametrize(
+    ("timeout_s", "expected"), [(None, str(MC_MIN_TIMEOUT_S)), (1.0, "5"), (5.0, "5"), (12.9, "12")]
+)
+def test_mooncakes_timeout_is_no_longer_than_the_callers(
+    monkeypatch: pytest.MonkeyPatch, timeout_s: float | None, expected: str
+) -> None:
+    monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
+    configure_environment(bind_host=None, rpc_ports=None, timeout_s=timeout_s)
+    assert os.environ["MC_TRANSFER_TIMEOUT"] == expected
+
+
+def test_the_timeout_mooncake_applies_is_read_as_mooncake_reads_it() -> None:
+    assert mooncake_timeout_s({}) == 30
+    assert mooncake_timeout_s({"MC_TRANSFER_TIMEOUT": "2"}) == 5
+    assert mooncake_timeout_s({"MC_TRANSFER_TIMEOUT": " 12s"}) == 12
+    assert mooncake_timeout_s({"MC_TRANSFER_TIMEOUT": "soon"}) == 5
+
+
+class Peer:
+    """A Mooncake engine in its own process (mooncake_peer.py peer)."""
+
+    def __init__(self) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, str(PEER), "peer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        assert self.process.stdout is not None
+        self.info: dict[str, Any] = json.loads(self.process.stdout.readline())
+
+    def landed(self) -> dict[str, int]:
+        """Stops the peer; how many bytes of its buffers hold what the test wrote."""
+        assert self.process.stdin is not None
+        assert self.process.stdout is not None
+        self.process.stdin.close()
+        landed: dict[str, int] = json.loads(self.process.stdout.readline())
+        self.process.wait(30)
+        return landed
+
+
+@pytest.fixture
+def peer() -> Iterator[Peer]:
+    started = Peer()
+    yield started
+    if started.process.poll() is None:
+        os.kill(started.process.pid, signal.SIGCONT)
+        started.process.kill()
+        started.process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def local() -> Iterator[MooncakeTransport]:
+    engine = MooncakeTransport(HOST, timeout_s=1.0)
+    yield engine
+    engine.close()
+
+
+def _sevens(local: MooncakeTransport, nbytes: int) -> torch.Tensor:
+    src = torch.full((nbytes,), 7, dtype=torch.uint8)
+    local.register(src)
+    return src
+
+
+def test_the_peer_refuses_writes_outside_its_registered_memory(local: MooncakeTransport, peer: Peer) -> None:
+    src = _sevens(local, 4096)
+    with pytest.raises(TransportError, match="failed"):
+        local.send({"session": peer.info["session"]}, [src], [Span(peer.info["unregistered"], 4096)], 0, 10)
+    local.send({"session": peer.info["session"]}, [src], [Span(peer.info["registered"], 4096)], 0, 10)
+    assert peer.landed() == {"registered": 4096, "unregistered": 0}
+
+
+def _write_threads() -> int:
+    return sum(thread.name == "mooncake-write" for thread in threading.enumerate())
+
+
+def test_a_timed_out_write_returns_only_after_mooncake_gave_up(local: MooncakeTransport, peer: Peer) -> None:
+    src = _sevens(local, 1 << 20)
+    session = peer.info["session"]
+    local.send({"session": session}, [src[:16]], [Span(peer.info["registered"], 16)], 0, 10)  # connected
+    before = _write_threads()
+    os.kill(peer.process.pid, signal.SIGSTOP)  # the peer stalls: Mooncake's write cannot complete
+    started = time.monotonic()
+    with pytest.raises(TransferTimeout):
+        local.send({"session": session}, [src], [Span(peer.info["registered"], 1 << 20)], 0, 1.0)
+    elapsed = time.monotonic() - started
+    assert _write_threads() == before  # nothing of this write still runs in our process
+    assert MC_MIN_TIMEOUT_S - 0.5 <= elapsed <= local.call_bound_s([Span(0, 1 << 20)]) + 5
+    os.kill(peer.process.pid, signal.SIGCONT)
+    # What remains (documented): bytes already in the kernel still land once the peer resumes.
+    assert peer.landed()["registered"] > 16
