@@ -11,7 +11,6 @@ from dllm_connector.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, t
 from dllm_operator.api import DisaggregatedLLM, RDMAMode
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import auth, engine
-from dllm_operator.render.ports import TRANSFER_PORTS_ENV, transfer_ports_value
 from dllm_operator.render.router import router_command_args
 
 # The compose file holds no secret: with authentication on, the engines take DLLM_KV_AUTH_TOKEN and
@@ -33,7 +32,6 @@ def _engine_service(
         env[ENV_DECODE_IP] = SERVICE["decode"]
     env[ENV_HOST_IP] = SERVICE[role]
     env[ENV_ENGINE_ID] = SERVICE[role]
-    env[TRANSFER_PORTS_ENV] = transfer_ports_value(cr.spec.kv_transfer.port)
     if cr.spec.security.authentication:
         env |= {auth.KV_TOKEN_ENV: None, auth.ENGINE_API_KEY_ENV: None}
     env |= {var.name: var.value for var in spec.env if var.value is not None}

@@ -15,7 +15,7 @@ from dllm_connector.kvconfig import (
 from dllm_operator.api import DisaggregatedLLM, RDMAMode, RoleSpec
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import auth, labels
-from dllm_operator.render.ports import TRANSFER_PORTS_ENV, side_channel_ports, transfer_ports_value
+from dllm_operator.render.ports import side_channel_ports, transfer_port_range
 from dllm_operator.render.quantity import gigabytes_to_bytes, mebibytes, to_bytes
 
 EngineRole = Literal["prefill", "decode"]
@@ -70,6 +70,7 @@ def kv_settings(cr: DisaggregatedLLM, role: EngineRole) -> KVTransferSettings:
         protocol=transfer_protocol(cr),
         decode_host=labels.child_name(cr, "decode") if sends else None,
         decode_port=kv.port if sends else None,
+        transfer_ports=transfer_port_range(kv.port),
         rdma_devices=cr.spec.rdma.devices if cr.spec.rdma.enabled else (),
         gid_index=cr.spec.rdma.gid_index if cr.spec.rdma.enabled else None,
         custom=custom,
@@ -78,7 +79,6 @@ def kv_settings(cr: DisaggregatedLLM, role: EngineRole) -> KVTransferSettings:
 
 def engine_env(cr: DisaggregatedLLM, role: EngineRole) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in to_env(kv_settings(cr, role)).items()]
-    env.append({"name": TRANSFER_PORTS_ENV, "value": transfer_ports_value(cr.spec.kv_transfer.port)})
     env += [
         {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
         for name, path in DOWNWARD_API_ENV.items()

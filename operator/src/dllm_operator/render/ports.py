@@ -10,6 +10,7 @@ in the ephemeral range) slot `port mod 35` of the 35 ranges in 61000-65479.
 
 from __future__ import annotations
 
+# The connector's name for it (kvconfig.ENV_TRANSFER_PORTS); the engines get it through to_env.
 TRANSFER_PORTS_ENV = "DLLM_KV_TRANSFER_PORTS"
 RANGE_SIZE = 128  # two ports per TP rank, up to tensorParallelSize 64
 SIDE_CHANNEL_SPAN = 64  # port .. port + 63
@@ -36,8 +37,3 @@ def transfer_port_range(port: int) -> tuple[int, int]:
             return low, high
     low = SPARE_LOW + (port % SPARE_SLOTS) * RANGE_SIZE
     return low, low + RANGE_SIZE - 1
-
-
-def transfer_ports_value(port: int) -> str:
-    low, high = transfer_port_range(port)
-    return f"{low}-{high}"
