@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
+import sys
 from functools import partial
 from typing import Any, cast
 
@@ -17,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dllm_operator import metrics
-from dllm_operator.config import OperatorConfig
+from dllm_operator.config import ConfigInvalid, OperatorConfig
 from dllm_operator.controller import Controller
 from dllm_operator.handlers import build_registry
 from dllm_operator.kube import KubeClient, load_credentials
@@ -43,12 +45,8 @@ def _stop_when_done(stop: asyncio.Event, ended: list[str], task: asyncio.Task[An
 def operator_config(args: argparse.Namespace) -> OperatorConfig:
     config = OperatorConfig.from_env()
     namespaces = () if args.all_namespaces else tuple(args.namespace) or config.namespaces
-    return OperatorConfig(
-        engine_image=config.engine_image,
-        router_image=config.router_image,
-        cluster_domain=config.cluster_domain,
-        namespaces=namespaces,
-        log_level=(args.log_level or config.log_level).upper(),
+    return dataclasses.replace(
+        config, namespaces=namespaces, log_level=(args.log_level or config.log_level).upper()
     )
 
 
@@ -145,6 +143,11 @@ async def operate(args: argparse.Namespace) -> None:
 
 
 def run_operator(args: argparse.Namespace) -> int:
+    try:
+        operator_config(args)
+    except ConfigInvalid as invalid:
+        print(f"dllm-operator: {invalid}", file=sys.stderr)
+        return 2
     level = (args.log_level or os.environ.get("DLLM_LOG_LEVEL", "INFO")).upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)

@@ -1,0 +1,32 @@
+"""`dllm-operator run` takes every operator setting from its environment, and refuses a bad one."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dllm_operator.runner import operator_config
+
+
+def test_the_admission_mirror_settings_reach_the_running_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DLLM_ALLOW_PRIVILEGED_ENGINES", "false")
+    monkeypatch.setenv("DLLM_ALLOWED_IMAGE_PREFIXES", "registry.example/, localhost/")
+    args = argparse.Namespace(all_namespaces=False, namespace=["serving"], log_level="debug")
+    config = operator_config(args)
+    assert config.allow_privileged_engines is False
+    assert config.allowed_image_prefixes == ("registry.example/", "localhost/")
+    assert (config.namespaces, config.log_level) == (("serving",), "DEBUG")
+
+
+def test_a_bad_setting_stops_the_operator_with_exit_2_naming_it() -> None:
+    env = {**os.environ, "DLLM_ALLOW_PRIVILEGED_ENGINES": "maybe"}
+    result = subprocess.run(
+        [sys.executable, "-m", "dllm_operator", "run", "--namespace", "x"],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "DLLM_ALLOW_PRIVILEGED_ENGINES" in result.stderr
