@@ -97,7 +97,7 @@ def prefill(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path
         if name in os.environ:
             env[name] = os.environ[name]
     args = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
-            "--block-size", "16", "--enforce-eager", "--dtype", "bfloat16",
+            "--block-size", "32", "--enforce-eager", "--dtype", "bfloat16",
             "--max-num-seqs", "4"]  # fmt: skip
     with log.open("wb") as out:
         proc = subprocess.Popen(
