@@ -131,7 +131,8 @@ def plan_tp_mapping(num_kv_heads: int, prefill_tp: int, decode_tp: int) -> TPMap
             heads_of.setdefault((sender, decode_rank), []).append(head)
     pairs: dict[tuple[int, int], HeadRange] = {}
     for pair, heads in sorted(heads_of.items()):
-        assert heads == list(range(heads[0], heads[-1] + 1)), "a rank's heads are consecutive"
+        if heads != list(range(heads[0], heads[-1] + 1)):  # by construction; never an AssertionError
+            raise TPMappingError(f"the KV heads TP rank pair {pair} would exchange are not consecutive")
         pairs[pair] = (heads[0], heads[-1] + 1)
     return TPMapping(num_kv_heads, prefill_tp, decode_tp, pairs)
 

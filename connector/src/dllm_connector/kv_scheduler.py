@@ -26,6 +26,9 @@ from dllm_connector.protocol import DecodeParams, PrefillParams, is_dllm_params
 
 _log = logging.getLogger(__name__)
 _LOGGED_REQUESTS = 1000  # request ids whose ignored params were logged (the latest)
+# The largest TP size a request may name for the other engine: the TP mapping and the sends are
+# per rank, so an unbounded size is CPU and threads on this engine.
+MAX_TP_SIZE = 256
 
 
 class ConnectorConfigError(ValueError):
@@ -257,6 +260,8 @@ class SchedulerState:
             decode = decode_params(params)
             if decode is not None and not self.receives:
                 raise IgnoredParams("DecodeParams sent to an engine that does not receive KV")
+            if decode is not None and decode.prefill_tp_size > MAX_TP_SIZE:
+                raise IgnoredParams(f"prefill_tp_size {decode.prefill_tp_size} above {MAX_TP_SIZE}")
         except IgnoredParams as error:
             self._ignored(request_id, error)
             return None
@@ -267,6 +272,8 @@ class SchedulerState:
             prefill = prefill_params(params)
             if prefill is not None and not self.sends:
                 raise IgnoredParams("PrefillParams sent to an engine that does not send KV")
+            if prefill is not None and prefill.decode_tp_size > MAX_TP_SIZE:
+                raise IgnoredParams(f"decode_tp_size {prefill.decode_tp_size} above {MAX_TP_SIZE}")
         except IgnoredParams as error:
             self._ignored(request_id, error)
             return None

@@ -59,10 +59,23 @@ def state(*, sends: bool = True, receives: bool = True) -> SchedulerState:
         {"dllm": 1, "do_remote_decode": True, "transfer_id": ["t"]},
         {"dllm": 1, "do_remote_prefill": True},
         {"dllm": 1, "do_remote_prefill": True, "transfer_id": "t", "prefill_tp_size": 0},
+        {"dllm": 1, "do_remote_prefill": True, "transfer_id": "t", "prefill_tp_size": 8 << 20},
+        {"dllm": 1, "do_remote_decode": True, "transfer_id": "t", "decode_tp_size": 8 << 20},
         ["not", "a", "mapping"],
         "a string",
     ],
-    ids=["crash-body", "port-0", "long-id", "id-a-list", "decode-no-id", "tp-0", "a-list", "a-string"],
+    ids=[
+        "crash-body",
+        "port-0",
+        "long-id",
+        "id-a-list",
+        "decode-no-id",
+        "tp-0",
+        "prefill-tp-huge",
+        "decode-tp-huge",
+        "a-list",
+        "a-string",
+    ],
 )
 def test_invalid_params_mean_no_transfer_and_never_raise(params: Any) -> None:
     engine = state()
