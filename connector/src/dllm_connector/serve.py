@@ -8,6 +8,9 @@ engine flags as container args. This reads the env with the same model the opera
 args, logs the resolved configuration once and replaces itself with vLLM. A bad env never starts vLLM:
 exit code 2 and one line on stderr naming the variable and what it allows.
 
+DLLM_KV_AUTH_TOKEN (the KV side channel's key) is checked here but never put on vLLM's command line
+or in the log: vLLM's workers inherit it from the environment (kvconfig.side_channel_auth).
+
 Everything up to `main` is pure (env and args in, a command out); `main` does the I/O.
 """
 
@@ -70,6 +73,8 @@ class ServeCommand:
     argv: tuple[str, ...]
     added_env: Mapping[str, str]
     kv_transfer_config: Mapping[str, Any]
+    # Whether DLLM_KV_AUTH_TOKEN is set: the worker reads the token itself from the inherited env.
+    side_channel_authenticated: bool = False
 
 
 # ---- pure: env and args -> command -----------------------------------------------------------------
@@ -140,7 +145,12 @@ def build_command(
     config = kvconfig.kv_transfer_config(settings, engine_id(settings, hostname, boot_id))
     config_json = json.dumps(config, separators=(",", ":"))
     argv = (*launcher_argv(launcher, python), *engine_args, KV_TRANSFER_FLAG, config_json)
-    return ServeCommand(argv=argv, added_env=mooncake_env(settings, env), kv_transfer_config=config)
+    return ServeCommand(
+        argv=argv,
+        added_env=mooncake_env(settings, env),
+        kv_transfer_config=config,
+        side_channel_authenticated=kvconfig.side_channel_token(env) is not None,
+    )
 
 
 def shell_line(command: ServeCommand) -> str:
@@ -195,6 +205,7 @@ def describe(command: ServeCommand, launcher: Launcher, engine_args: Sequence[st
         "kv_transfer_config": redact(dict(command.kv_transfer_config)),
         "added_env": redact(dict(command.added_env)),
         "engine_args": redact_args(engine_args),
+        "kv_side_channel_authenticated": command.side_channel_authenticated,
     }
     return "resolved configuration " + json.dumps(resolved, separators=(",", ":"))
 

@@ -74,6 +74,17 @@ def test_print_shows_no_token(tmp_path, seed_prefill) -> None:
     assert TOKEN not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(("token", "shown"), [(TOKEN, "true"), (None, "false")])
+def test_the_log_line_says_whether_the_side_channel_authenticates(
+    tmp_path, seed_prefill, token, shown
+) -> None:
+    env = dict(seed_prefill.env) if token is None else {**seed_prefill.env, "DLLM_KV_AUTH_TOKEN": token}
+    result, _ = _serve(tmp_path, env, "--print")
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stderr.splitlines() if "resolved configuration" in line)
+    assert f'"kv_side_channel_authenticated":{shown}' in line
+
+
 BAD = [
     ("short token", "DLLM_KV_AUTH_TOKEN", "secret-but-short", ["at least 32 characters", "has 16"]),
     ("blank-padded short token", "DLLM_KV_AUTH_TOKEN", "  " + "x" * 31 + "\n", ["at least 32"]),
