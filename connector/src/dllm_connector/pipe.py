@@ -12,6 +12,16 @@ transferThresholdTokens (docs/kv-connector.md has the whole exchange):
     done                                ->
                                      <-      ack, or nack {reason}
 
+Mid-stream, decode may nack at any time (the load was cancelled or a chunk failed): the sender
+stops writing, waits for the write under way, and answers abort; only then does decode end the
+part and report the load, so vLLM never frees blocks that are still written (H5). A connection
+whose first message is `end {id}` (the router, when decode refused a request prefill already
+sends: end_transfer) makes decode refuse that id's offers at once instead of holding them (M2).
+
+Everything a peer sends is validated (messages.py) before use; every failure on either side ends
+the transfer with a recorded, bounded reason, and decode tells a peer which fields differ, never
+its own values (H6, L2, L3).
+
 Where the TP sizes differ, a prefill rank opens one such transfer per decode rank it sends heads
 to (kv_layout.plan_tp_mapping), and decode's expectation ends when every sender's part did.
 Codec none over a one-sided transport writes block to block with no staging copy; compressed KV
