@@ -52,9 +52,11 @@ class Echo:
     def __init__(self) -> None:
         self.calls = 0
         self.errors: list[str] = []
+        self.timeouts: list[float | None] = []
 
     def __call__(self, sock: socket.socket) -> None:
         self.calls += 1
+        self.timeouts.append(sock.gettimeout())
         try:
             offer = sidechannel.expect(sock, "offer", 5)
             sidechannel.send_message(sock, {"type": "accept", "id": offer.get("id")})
@@ -89,6 +91,17 @@ def test_the_same_key_on_both_ends_authenticates_and_exchanges(serve) -> None:
     assert handle.calls == 1
     assert server.stats.authenticated == 1
     assert server.stats.refused == 0
+
+
+@pytest.mark.parametrize("auth", [KEY, None], ids=["with-key", "without-key"])
+def test_after_the_handshake_sockets_have_the_usual_timeouts(serve, auth) -> None:
+    """Not what was left of the handshake's deadline: the client's connect timeout, none on the server."""
+    server, handle = serve(auth=auth)
+    with sidechannel.connect(HOST, server.port, 7.5, auth=auth) as sock:
+        assert sock.gettimeout() == 7.5
+        sidechannel.send_message(sock, {"type": "offer", "id": "t1"})
+        sidechannel.expect(sock, "accept", 5)
+    assert handle.timeouts == [None]
 
 
 def test_no_key_on_either_end_keeps_todays_behaviour(serve) -> None:

@@ -217,6 +217,7 @@ def connect(host: str, port: int, timeout: float, *, auth: PeerAuth | None = Non
     except BaseException:
         sock.close()
         raise
+    sock.settimeout(timeout)  # as without the handshake, not what was left of its deadline
     return sock
 
 
@@ -379,8 +380,8 @@ class Server:
     def _serve(self, sock: _Accepted, peer: str) -> None:
         try:
             with sock:
-                admitted = self._admit(sock, peer)
-                if admitted:
+                if self._admit(sock, peer):
+                    sock.settimeout(None)  # as accepted: the handle sets its own deadlines
                     self._handle(sock)
         finally:
             self._slots.release()
