@@ -13,6 +13,8 @@ import logging
 import selectors
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -222,6 +224,64 @@ def test_accept_failing_with_emfile_once_does_not_end_the_listener(serve, monkey
     assert exchange(server, KEY) == "t1"
     assert server.stats.accept_errors == 1
     assert handle.calls == 1
+
+
+_REAL_EMFILE = """
+import json, os, resource, socket, threading, time
+from dllm_connector.transport import sidechannel
+from dllm_connector.transport.sidechannel import PeerAuth, Server
+
+key = PeerAuth.from_token("a" * 64)
+
+def handle(sock):
+    offer = sidechannel.expect(sock, "offer", 5)
+    sidechannel.send_message(sock, {"type": "accept", "id": offer["id"]})
+
+server = Server("127.0.0.1", 0, handle, auth=key)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))
+sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)  # the client's, before the table is full
+fillers = []
+try:
+    while True:
+        fillers.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+answers = []
+
+def client():
+    # What sidechannel.connect does, on the socket made before: it needs no descriptor now.
+    sock.settimeout(30)
+    sock.connect(("127.0.0.1", server.port))
+    sidechannel._authenticate_server(sock, key, time.monotonic() + 30, "server")
+    sidechannel.send_message(sock, {"type": "offer", "id": "t1"})
+    answers.append(sidechannel.expect(sock, "accept", 30)["id"])
+    sock.close()
+
+thread = threading.Thread(target=client)
+thread.start()
+deadline = time.monotonic() + 20
+while server.stats.accept_errors < 2 and time.monotonic() < deadline:
+    threading.Event().wait(0.01)
+errors_while_full = server.stats.accept_errors
+for fd in fillers:
+    os.close(fd)
+thread.join(30)
+print(json.dumps({"errors_while_full": errors_while_full, "answers": answers, "stats": vars(server.stats)}))
+"""
+
+
+def test_a_real_emfile_on_accept_is_survived_and_the_waiting_client_served() -> None:
+    """The process runs out of file descriptors while a client waits in the backlog; once some are
+    free again the same client is accepted, authenticated and answered."""
+    result = subprocess.run(
+        [sys.executable, "-c", _REAL_EMFILE], capture_output=True, text=True, timeout=90, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    seen = json.loads(result.stdout.strip().splitlines()[-1])
+    assert seen["errors_while_full"] >= 2  # it kept retrying, with back-off
+    assert seen["answers"] == ["t1"]
+    assert seen["stats"]["authenticated"] == 1
 
 
 def _send_in_background(sock: socket.socket, data: bytes) -> threading.Thread:
