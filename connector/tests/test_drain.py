@@ -20,6 +20,7 @@ vllm:num_requests_running{engine="0",model_name="m"} %d
 vllm:num_requests_waiting{engine="0",model_name="m"} %d
 vllm:num_requests_swapped{engine="0",model_name="m"} 7
 """
+SENDS = 'vllm:dllm_kv_sends_in_flight{engine="0",model_name="m"} %d.0\n'
 
 
 def test_in_flight_sums_running_and_waiting_only() -> None:
@@ -27,11 +28,17 @@ def test_in_flight_sums_running_and_waiting_only() -> None:
     assert in_flight("") == 0
 
 
+def test_kv_sends_in_flight_count_too() -> None:
+    sends = 'vllm:dllm_kv_sends_in_flight{engine="0",model_name="m"} 4.0\n'
+    assert in_flight(METRICS % (0, 0) + sends) == 4
+
+
 class MetricsDouble:
     """A test double of vLLM's /metrics endpoint (a real HTTP server on port 0) that serves a script of
-    in-flight counts, one per scrape, repeating the last; it records when each scrape came."""
+    in-flight counts, one per scrape, repeating the last; it records when each scrape came. With
+    `sends`, the counts are a prefill's KV sends in flight while no request runs."""
 
-    def __init__(self, script: Sequence[int]) -> None:
+    def __init__(self, script: Sequence[int], *, sends: bool = False) -> None:
         self.script = list(script)
         self.scrapes: list[float] = []
         double = self
@@ -40,7 +47,9 @@ class MetricsDouble:
             def do_GET(self) -> None:
                 index = min(len(double.scrapes), len(double.script) - 1)
                 double.scrapes.append(time.monotonic())
-                body = (METRICS % (double.script[index], 0)).encode()
+                count = double.script[index]
+                text = METRICS % (0, 0) + SENDS % count if sends else METRICS % (count, 0)
+                body = text.encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -58,8 +67,8 @@ class MetricsDouble:
 def engine() -> Iterator[type[MetricsDouble]]:
     started: list[MetricsDouble] = []
 
-    def start(script: Sequence[int]) -> MetricsDouble:
-        double = MetricsDouble(script)
+    def start(script: Sequence[int], *, sends: bool = False) -> MetricsDouble:
+        double = MetricsDouble(script, sends=sends)
         started.append(double)
         return double
 
@@ -97,6 +106,13 @@ def test_a_busy_reading_inside_the_settle_time_starts_it_again(engine) -> None:
     metrics = engine([0, 0, 0, 3, 0])
     assert drain(metrics.port, timeout=20, interval=0.02, settle=0.4, zeros=3)
     assert time.monotonic() - metrics.scrapes[4] >= 0.4
+
+
+def test_a_prefill_drain_waits_while_kv_sends_are_in_flight(engine) -> None:
+    metrics = engine([2, 1, 1, 0], sends=True)
+    assert drain(metrics.port, timeout=20, interval=0.02, settle=0.2, zeros=2)
+    assert len(metrics.scrapes) >= 5  # three readings with sends in flight, then two idle ones
+    assert time.monotonic() - metrics.scrapes[3] >= 0.2
 
 
 def test_drain_gives_up_at_the_timeout(engine) -> None:

@@ -1,7 +1,9 @@
 """preStop drain: wait until the local vLLM engine has stayed idle for a settle time, or time runs out.
 
 Usage (rendered by the operator): python3 -m dllm_connector.drain --port 8000 --timeout 110
-Reads vLLM's Prometheus gauges (vllm:num_requests_running / vllm:num_requests_waiting) on /metrics.
+Reads vLLM's Prometheus gauges on /metrics: vllm:num_requests_running and vllm:num_requests_waiting,
+plus, on a prefill engine, vllm:dllm_kv_sends_in_flight (finished requests whose KV push still runs:
+vLLM would otherwise stop under them, M4; the connector exports it, dllm_connector.vllm).
 
 One reading of 0 is not enough (security review M4): the router keeps sending new requests to this pod
 until its DNS refresh drops it (a 5 s resolve interval plus DNS caching), so the engine counts as
@@ -19,7 +21,10 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-_GAUGE = re.compile(r"^vllm:num_requests_(?:running|waiting)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+_GAUGE = re.compile(
+    r"^vllm:(?:num_requests_running|num_requests_waiting|dllm_kv_sends_in_flight)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$",
+    re.MULTILINE,
+)
 
 DEFAULT_SETTLE_S = 15.0
 DEFAULT_ZEROS = 3
@@ -28,7 +33,7 @@ _MAX_METRICS_BYTES = 8 << 20
 
 
 def in_flight(metrics_text: str) -> int:
-    """Running plus waiting requests, summed over every label set."""
+    """Running plus waiting requests plus KV sends in flight, summed over every label set."""
     return int(sum(float(value) for value in _GAUGE.findall(metrics_text)))
 
 
