@@ -204,7 +204,6 @@ class ConnectorWorker:
 
     def close(self) -> None:
         sends_ended = self.sender.close() if self.sender is not None else True
-        if self.receiver is not None:
-            self.receiver.close()
-        if self.transport is not None and sends_ended:  # else a send may still write from it (M4)
+        loads_ended = self.receiver.close() if self.receiver is not None else True
+        if self.transport is not None and sends_ended and loads_ended:  # else one may still write (M4)
             self.transport.close()

@@ -1,8 +1,9 @@
 """The side-channel messages a peer sends, validated before any field is used (H6, L3).
 
 Everything here came over the network: a message that does not fit its model raises
-TransportError with a short reason, never KeyError/TypeError deep inside a transfer. Reasons and
-logged peer values are cut to `MAX_ECHO` characters (L2).
+MalformedMessage with a short reason (the pipe turns it into TransportError), never
+KeyError/TypeError deep inside a transfer. Reasons and logged peer values are cut to `MAX_ECHO`
+characters (L2). Pure: pydantic only (no torch), so the router can import it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from dllm_connector.kvconfig import Compression
 from dllm_connector.protocol import MAX_TRANSFER_ID
-from dllm_connector.transport.base import TransportError
 
 MAX_ECHO = 200  # characters of peer data a log line or a nack may carry
 
@@ -21,6 +21,10 @@ _Addr = Annotated[int, Field(ge=0, lt=1 << 64)]
 _Count = Annotated[int, Field(ge=0, le=1 << 24)]
 _Index = Annotated[int, Field(ge=0, le=1 << 24)]
 _TransferId = Annotated[str, Field(min_length=1, max_length=MAX_TRANSFER_ID)]
+
+
+class MalformedMessage(ValueError):
+    """A peer's message does not fit its model; the message names the first problem (bounded)."""
 
 
 def bounded(value: object, limit: int = MAX_ECHO) -> str:
@@ -98,13 +102,13 @@ _M = TypeVar("_M", bound=_Message)
 
 
 def parse(model: type[_M], message: dict[str, Any]) -> _M:
-    """`message` as `model`, or TransportError naming the first problem (bounded)."""
+    """`message` as `model`, or MalformedMessage naming the first problem (bounded)."""
     try:
         return model.model_validate(message)
     except ValidationError as error:
         first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid"}
         where = ".".join(str(part) for part in first["loc"]) or "<message>"
         kind = bounded(message.get("type", "?"), 20)
-        raise TransportError(
+        raise MalformedMessage(
             f"malformed {kind} message from the peer: {bounded(where, 60)}: {bounded(first['msg'], 100)}"
         ) from None

@@ -17,8 +17,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from dllm_connector.transport.base import TransportError
-
 # The decode Service's addresses are looked up again after this long, or on a miss after
 # _MISS_REFRESH_S (a decode pod that just became ready), never more often.
 _REFRESH_S = 30.0
@@ -27,7 +25,7 @@ _MISS_REFRESH_S = 1.0
 Resolver = Callable[[str], set[str]]
 
 
-class PeerNotAllowed(TransportError):
+class PeerNotAllowed(ValueError):
     """The decode peer a request named is not one this engine may send to."""
 
 

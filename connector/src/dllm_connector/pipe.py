@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -61,7 +61,17 @@ from dllm_connector.kv_layout import (
 )
 from dllm_connector.kv_scheduler import prompt_hash
 from dllm_connector.kvconfig import Compression, ConnectorExtraConfig
-from dllm_connector.messages import Accept, Chunk, EndTransfer, Offer, Piece, Slot, bounded, parse
+from dllm_connector.messages import (
+    Accept,
+    Chunk,
+    EndTransfer,
+    MalformedMessage,
+    Offer,
+    Piece,
+    Slot,
+    bounded,
+)
+from dllm_connector.messages import parse as parse_message
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Source, Span, TransferTimeout, Transport, TransportError
 from dllm_connector.transport.sidechannel import Message, PeerRefused
@@ -501,7 +511,7 @@ class KVSender(_PipeSide):
     def _send_to(self, job: SendJob, target: _Target) -> None:
         port = job.port + target.decode_rank
         heads = None if target.model_heads is None else self.kv.local_heads(target.model_heads)
-        host = job.host if self._peer_address is None else self._peer_address(job.host, job.port)
+        host = self._allowed_address(job)
         with self._connect(host, port) as sock:
             plan = self._offer(sock, job, target, port, heads)
             blocks = job.block_ids[plan.skip : plan.skip + plan.count]
@@ -531,6 +541,15 @@ class KVSender(_PipeSide):
             self.stats.sent += 1
             self.stats.bytes_on_wire += wire
             self.stats.raw_bytes += raw
+
+    def _allowed_address(self, job: SendJob) -> str:
+        """The address to connect to for the job's decode peer (C1); TransferFailed if refused."""
+        if self._peer_address is None:
+            return job.host
+        try:
+            return self._peer_address(job.host, job.port)
+        except Exception as error:  # noqa: BLE001 - any refusal or lookup failure ends this send
+            raise TransferFailed(str(error)) from None
 
     def _connect(self, host: str, port: int) -> socket.socket:
         deadline = time.monotonic() + self.config.transfer_timeout_s
@@ -731,6 +750,17 @@ def _chunk_blocks(offer: Offer, count: int) -> int:
     """Blocks per chunk of a part of `count` blocks: the offer's, which may exceed the count (one
     chunk; older senders offer their threshold), never below 1."""
     return max(1, min(offer.chunk_blocks, count))
+
+
+_M = TypeVar("_M", Accept, Chunk, EndTransfer, Offer, Piece, Slot)
+
+
+def parse(model: type[_M], message: Message) -> _M:
+    """A peer's message as `model`; TransportError (the transfer ends) when it does not fit."""
+    try:
+        return parse_message(model, message)
+    except MalformedMessage as error:
+        raise TransportError(str(error)) from None
 
 
 def _quoted(message: Message) -> Message:
@@ -1444,12 +1474,28 @@ class KVReceiver(_PipeSide):
                     raise TransferTimeout(f"decode did not claim transfer {transfer_id} within {hold_s:.1f}s")
                 self._cond.wait(min(left, 1.0))
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> bool:
+        """Fail every load, tell the senders of parts under way to stop, and unregister the memory
+        once none writes into it (H5, M4). False (the memory stays registered) if a part is still
+        active after `timeout` (default: three transfer timeouts)."""
         self._server.close()
+        wait = 3 * self.config.transfer_timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + wait
         with self._cond:
+            for expectation in list(self._expected.values()):
+                expectation.failure = expectation.failure or "receiver closed"
+                self._settle_locked(expectation)
+            while (active := {e.transfer_id for e in self._expected.values() if e.active}) and (
+                left := deadline - time.monotonic()
+            ) > 0:
+                self._cond.wait(min(left, _POLL_S * 10))
             for transfer_id in list(self._expected):
                 self._finish_locked(transfer_id, "receiver closed")
+        if active:
+            _log.error("KV loads %s still written at close: their memory stays registered", sorted(active))
+            return False
         self._unregister()
+        return True
 
 
 # ---- the seed's tensor API ------------------------------------------------------------------------

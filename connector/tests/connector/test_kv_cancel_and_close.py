@@ -220,3 +220,32 @@ def test_close_ends_a_send_still_waiting_for_decode_at_once(
         assert outcome_of(sender, "m4-late", 1) == "the KV sender is closing"
     finally:
         decode.close()
+
+
+def test_closing_the_receiver_waits_for_the_parts_under_way(
+    transports: tuple[MooncakeTransport, MooncakeTransport], gated: GatedTransportDouble
+) -> None:
+    """vLLM shuts decode down mid-load: its blocks stay registered until prefill stopped writing."""
+    recording = GatedTransportDouble(transports[0])  # decode's side: only its unregistrations count
+    recording.open()
+    receiver = KVReceiver(recording, PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config(), HOST, 0)
+    sender = gated_sender(gated)
+    try:
+        receiver.expect("m4-recv", DST, prompt_hash=HASH)
+        sender.submit(SendJob("m4-recv", SRC, HOST, receiver.port, HASH))
+        assert wait_until(lambda: gated.waiting == 1, 10)
+        closed: list[bool] = []
+        closer = threading.Thread(target=lambda: closed.append(receiver.close(timeout=30)))
+        closer.start()
+        assert not wait_until(lambda: closed, 0.5)  # prefill's write under way holds it
+        assert recording.unregistered == []
+        gated.open()
+        closer.join(timeout=30)
+        assert closed == [True]
+        assert min(recording.unregistered) > max(write.ended for write in gated.writes)
+        assert receiver.results() == {"m4-recv": "receiver closed"}
+        outcome = outcome_of(sender, "m4-recv", 10)
+        assert outcome is not None
+    finally:
+        assert sender.close(timeout=30)
+    assert receiver.staging.in_use == 0
