@@ -8,6 +8,10 @@ characters (L2). Pure: pydantic only (no torch), so the router can import it.
 
 from __future__ import annotations
 
+import json
+import socket
+import struct
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
@@ -112,3 +116,56 @@ def parse(model: type[_M], message: dict[str, Any]) -> _M:
         raise MalformedMessage(
             f"malformed {kind} message from the peer: {bounded(where, 60)}: {bounded(first['msg'], 100)}"
         ) from None
+
+
+# ---- ending an id, for the router (no torch here) ------------------------------------------------
+
+_LENGTH = struct.Struct(">I")  # the side channel's framing (transport/sidechannel.py)
+
+
+class EndRefused(OSError):
+    """Decode could not be told to end the id (unreachable, or it did not answer ack)."""
+
+
+def end_transfer(
+    host: str,
+    port: int,
+    transfer_id: str,
+    timeout: float,
+    *,
+    handshake: Callable[[socket.socket], None] | None = None,
+) -> None:
+    """Tell a decode TP rank's side channel (kv port + rank) it will never expect `transfer_id` (M2).
+
+    For the router, when decode refused or lost a request whose prefill already sends: prefill's
+    offer for it is then refused at once instead of holding its blocks for the hold time. An id
+    decode does expect is left alone. `handshake` runs first on the connection (the side channel's
+    authentication, where it has a key). Blocking, bounded by `timeout`; raises EndRefused.
+    """
+    body = json.dumps({"type": "end", "transfer_id": transfer_id}, separators=(",", ":")).encode()
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            if handshake is not None:
+                handshake(sock)
+            sock.sendall(_LENGTH.pack(len(body)) + body)
+            (length,) = _LENGTH.unpack(_read(sock, _LENGTH.size))
+            if length > 4096:
+                raise EndRefused(f"decode answered {length} bytes to an end")
+            reply = json.loads(_read(sock, length))
+    except (OSError, ValueError) as error:
+        if isinstance(error, EndRefused):
+            raise
+        raise EndRefused(f"cannot end transfer at {host}:{port}: {bounded(str(error))}") from None
+    if not isinstance(reply, dict) or reply.get("type") != "ack":
+        raise EndRefused(f"decode answered {bounded(reply)} to an end")
+
+
+def _read(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))
+        if not chunk:
+            raise EndRefused("decode closed the side channel")
+        data += chunk
+    return data

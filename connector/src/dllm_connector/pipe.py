@@ -16,7 +16,7 @@ Mid-stream, decode may nack at any time (the load was cancelled or a chunk faile
 stops writing, waits for the write under way, and answers abort; only then does decode end the
 part and report the load, so vLLM never frees blocks that are still written (H5). A connection
 whose first message is `end {id}` (the router, when decode refused a request prefill already
-sends: end_transfer) makes decode refuse that id's offers at once instead of holding them (M2).
+sends: messages.end_transfer) makes decode refuse that id's offers at once instead of holding them (M2).
 
 Everything a peer sends is validated (messages.py) before use; every failure on either side ends
 the transfer with a recorded, bounded reason, and decode tells a peer which fields differ, never
@@ -85,7 +85,6 @@ __all__ = [
     "PipeConfig",
     "SendJob",
     "TransferFailed",
-    "end_transfer",
     "prompt_hash",
 ]
 
@@ -904,18 +903,6 @@ def _nack_on_error(sock: socket.socket) -> Iterator[None]:
 def _send_nack(sock: socket.socket, reason: str) -> None:
     with contextlib.suppress(TransportError):
         sidechannel.send_message(sock, {"type": "nack", "reason": bounded(reason)})
-
-
-def end_transfer(host: str, port: int, transfer_id: str, timeout: float) -> None:
-    """Tell a decode rank's side channel it will never expect `transfer_id` (M2).
-
-    For the router, when decode refused or lost a request whose prefill already sends: prefill's
-    offer for it is refused at once instead of holding its blocks for the hold time. An id decode
-    does expect is left alone. Raises TransportError when decode cannot be told.
-    """
-    with sidechannel.connect(host, port, timeout) as sock:
-        sidechannel.send_message(sock, {"type": "end", "transfer_id": transfer_id})
-        sidechannel.expect(sock, "ack", timeout)
 
 
 class StagingWindow:

@@ -23,7 +23,8 @@ from peer_doubles import FakeDecode, fake_prefill, offer_for, read_until_closed,
 from dllm_connector import codec
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kvconfig import Compression
-from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, end_transfer, prompt_hash
+from dllm_connector.messages import EndRefused, end_transfer
+from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, prompt_hash
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.mooncake import MooncakeTransport
 
@@ -325,6 +326,14 @@ def test_ending_an_id_decode_expects_changes_nothing(receiver: KVReceiver, sende
     outcome, _ = send_and_wait(sender, SendJob("m2-mine", (1, 2), HOST, receiver.port, HASH), HOLD)
     assert outcome is None
     assert receiver.wait_for("m2-mine", 10) == ""
+
+
+def test_ending_an_id_where_no_decode_listens_says_so() -> None:
+    with socket.socket() as unused:
+        unused.bind((HOST, 0))
+        port = int(unused.getsockname()[1])
+    with pytest.raises(EndRefused, match="cannot end transfer"):
+        end_transfer(HOST, port, "m2-nobody", TIMEOUT)
 
 
 def test_the_peers_hold_is_clamped_to_decodes(
