@@ -8,6 +8,10 @@ decode role's headless Service, so it resolves to the ready decode pods) resolve
 must be the configured decode port. An engine configured with no decode peer (kv_both in one pod)
 sends only to its own host. The connection then goes to the address that was checked, so a name
 that resolves differently a moment later cannot redirect it.
+
+The Service lists ready pods only, and a decode pod leaves it as soon as it starts terminating,
+while requests routed to it before still wait for their KV (its preStop drain). So an address stays
+allowed for `REMEMBER_S` after the Service last listed it: only recent decode pods, never others.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from collections.abc import Callable
 # _MISS_REFRESH_S (a decode pod that just became ready), never more often.
 _REFRESH_S = 30.0
 _MISS_REFRESH_S = 1.0
+REMEMBER_S = 600.0  # the router's longest request: a request routed to a pod may outlive its listing
 
 Resolver = Callable[[str], set[str]]
 
@@ -42,13 +47,20 @@ class DecodePeers:
     """`address(host, port)`: the address to connect to for a request's decode peer, or PeerNotAllowed."""
 
     def __init__(
-        self, decode_host: str | None, decode_port: int | None, own_host: str, *, lookup: Resolver = resolve
+        self,
+        decode_host: str | None,
+        decode_port: int | None,
+        own_host: str,
+        *,
+        lookup: Resolver = resolve,
+        remember_s: float = REMEMBER_S,
     ) -> None:
         self._allowed_name = decode_host or own_host
         self._port = decode_port
         self._lookup = lookup
+        self._remember_s = remember_s
         self._lock = threading.Lock()
-        self._allowed: set[str] = set()
+        self._seen: dict[str, float] = {}  # address -> when the Service last listed it
         self._looked_up = -float("inf")
 
     def address(self, host: str, port: int) -> str:
@@ -68,8 +80,10 @@ class DecodePeers:
 
     def _allowed_now(self, *, refresh: bool) -> set[str]:
         with self._lock:
-            age = time.monotonic() - self._looked_up
+            now = time.monotonic()
+            age = now - self._looked_up
             if age >= _REFRESH_S or (refresh and age >= _MISS_REFRESH_S):
-                self._allowed = self._lookup(self._allowed_name)
-                self._looked_up = time.monotonic()
-            return set(self._allowed)
+                self._seen.update(dict.fromkeys(self._lookup(self._allowed_name), now))
+                self._looked_up = now
+            self._seen = {addr: seen for addr, seen in self._seen.items() if now - seen <= self._remember_s}
+            return set(self._seen)

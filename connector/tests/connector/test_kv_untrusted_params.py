@@ -222,8 +222,13 @@ def test_decode_peers_follow_the_service_and_refuse_the_rest() -> None:
     assert peers.address("10.0.0.5", 50051) == "10.0.0.5"
     with pytest.raises(PeerNotAllowed, match="not one of the decode peers"):
         peers.address("10.0.0.9", 50051)
-    table["decode-svc"] = {"10.0.0.5", "10.0.0.9"}  # a new decode pod became ready
+    table["decode-svc"] = {"10.0.0.9"}  # a new decode pod became ready, .5 is terminating
     assert wait_until(lambda: _allowed(peers, "10.0.0.9"), 5)
+    assert peers.address("10.0.0.5", 50051) == "10.0.0.5"  # requests routed to it still get their KV
+    forgetful = DecodePeers("decode-svc", 50051, "10.0.0.1", lookup=lookup, remember_s=0.0)
+    assert forgetful.address("10.0.0.9", 50051) == "10.0.0.9"
+    with pytest.raises(PeerNotAllowed):
+        forgetful.address("10.0.0.5", 50051)  # no longer listed, and not remembered
     with pytest.raises(PeerNotAllowed, match="port"):
         peers.address("10.0.0.5", 8000)
     own = DecodePeers(None, None, "10.0.0.1", lookup=lambda host: {host})
