@@ -1412,15 +1412,17 @@ class KVReceiver(_PipeSide):
                 stream.place_until(piece.parts)
 
     def _next_message(self, sock: socket.socket, part: _Part) -> Message:
-        """The sender's next message (within the transfer timeout); while waiting, a cancel of the
-        load is told to the sender at once, so that it stops writing into decode's memory (H5)."""
+        """The sender's next message (within the transfer timeout). A failure of the load (a cancel,
+        another part) is told to the sender before each message and while waiting, so that it stops
+        writing into decode's memory at once (H5)."""
         deadline = time.monotonic() + self.config.transfer_timeout_s
-        while not _readable(sock, min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+        while True:
             if part.expectation.failure:
                 self._tell_to_stop(sock, part, f"KV load failed: {part.expectation.failure}")
+            if _readable(sock, min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+                return sidechannel.recv_message(sock, self.config.transfer_timeout_s)
             if time.monotonic() >= deadline:
                 raise TransferTimeout(f"no side-channel message within {self.config.transfer_timeout_s:.1f}s")
-        return sidechannel.recv_message(sock, self.config.transfer_timeout_s)
 
     def _refuse_and_drain(self, sock: socket.socket, reason: str, *, drain: bool, slow: bool = False) -> None:
         """Tell the sender; if it may still be writing, wait until it says it stopped (done or
