@@ -119,8 +119,11 @@ class ConnectorWorker:
                     prompt_hash=load.prompt_hash,
                     prefill_tp_size=load.prefill_tp_size,
                 )
-            except (TransferFailed, LayoutError) as error:
-                self._refused[load.request_id] = (load.block_ids, str(error))
+            except Exception as error:  # noqa: BLE001 - a request's load never stops the engine step (C1)
+                expected = isinstance(error, (TransferFailed, LayoutError))
+                if not expected:
+                    _log.warning("KV load of request %s refused", load.request_id, exc_info=True)
+                self._refused[load.request_id] = (load.block_ids, str(error)[:200])
                 continue
             self._loads[load.transfer_id] = (load.request_id, load.block_ids)
         for transfer_id in plan.cancels:
