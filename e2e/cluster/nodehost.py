@@ -51,10 +51,14 @@ def create_network() -> None:
     in_netns("ip", "addr", "add", f"{nc.NODE_IP}/30", "dev", nc.NODE_VETH)
     in_netns("ip", "link", "set", nc.NODE_VETH, "up")
     # Pods route through the node's namespace; bridged replies must pass kube-proxy's conntrack.
+    # kube-router REJECTs what a NetworkPolicy refuses with an ICMP port unreachable, which the kernel
+    # rate-limits per destination (one a second): a client trying many ports would see most refusals
+    # as timeouts. This namespace's own limit is lifted (the global per-second cap stays).
     for key in (
         "net.ipv4.ip_forward=1",
         "net.bridge.bridge-nf-call-iptables=1",
         "net.ipv6.conf.all.disable_ipv6=1",
+        "net.ipv4.icmp_ratelimit=0",
     ):
         in_netns("sysctl", "-qw", key)
     for cidr in HOST_ROUTES:

@@ -5,6 +5,7 @@ side channel, Mooncake's range) while completions through the router's Service s
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import queue
@@ -261,8 +262,16 @@ def sample(cluster: Cluster) -> Iterator[cp.Layout]:
         demo.deploy(layout, SAMPLE_NAMESPACE, 900, time.monotonic())
         yield layout
     finally:
+        # The resource first, its children with it: deleting the namespace at once would wait out the
+        # largest pod grace period there (the router's, 630 s by default) before the namespace controller
+        # looks again, however soon the pods end.
+        delete = ("delete", "dllm", "--all", "-n", SAMPLE_NAMESPACE, "--cascade=foreground", "--timeout=300s")
+        cluster.run(*delete, check=False, timeout=330)
+        wait_until(
+            lambda: not cluster.exists("pods", "-n", SAMPLE_NAMESPACE), 300, "the sample's pods to end"
+        )
         cluster.run(
-            "delete", "namespace", SAMPLE_NAMESPACE, "--ignore-not-found", "--timeout=180s", check=False
+            "delete", "namespace", SAMPLE_NAMESPACE, "--ignore-not-found", "--timeout=120s", check=False
         )
         pv = models_volume.volume_name(SAMPLE_NAMESPACE)
         cluster.run("delete", "pv", pv, "--ignore-not-found", check=False)
@@ -303,6 +312,8 @@ def test_a_pod_of_another_namespace_reaches_no_engine_port_while_the_router_serv
         ports = sorted(listening | set(declared) | set(transfer) | {MOONCAKE_BOOTSTRAP_PORT})
         outcomes = dial(cluster, "stranger", other_namespace, *[f"{ip}:{p}" for p in ports])
         assert all(outcome in BLOCKED for outcome in outcomes.values()), (role, outcomes)
+        print(f"\n{role}: listening {sorted(listening)}; from another namespace {len(ports)} ports tried, "
+              f"{sorted(collections.Counter(outcomes.values()).items())}")  # fmt: skip
     # The KV path was among what was tried: some KV port listened (the side channel, Mooncake's).
     assert any(kv_listening.values()), kv_listening
 
