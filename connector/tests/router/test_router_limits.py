@@ -100,6 +100,11 @@ def assert_clean_400(status: int, text: str, message: str, caplog: pytest.LogCap
         ({"messages": [], "n": 17}, "at most 16 (--max-n)"),
         ({"prompt": ["p"] * 65}, "too many prompts: 65; this router allows at most 64 (--max-prompts)"),
         ({"prompt": [[1]] * 65}, "too many prompts: 65"),
+        # M2: what decode would refuse after prefill ran (prefill sees max_tokens=1, no min_tokens)
+        ({"prompt": "p", "min_tokens": 5, "max_tokens": 2}, "'min_tokens' (5) is above the maximum"),
+        ({"messages": [], "min_tokens": 3, "max_completion_tokens": 1}, "'min_tokens' (3) is above"),
+        ({"prompt": "p", "max_tokens": 0}, "'max_tokens' must be an integer of at least 1"),
+        ({"prompt": "p", "min_tokens": -1}, "'min_tokens' must be an integer of at least 0"),
     ],
 )
 async def test_fan_out_over_the_caps_is_400(

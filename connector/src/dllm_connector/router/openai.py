@@ -92,12 +92,29 @@ def parse_request(raw: bytes, route: str, limits: Limits = Limits()) -> JsonObje
             raise BadRequest(f"'{key}' must be a positive integer")
         if n is not None and n > limits.max_n:
             raise BadRequest(f"'{key}' is {n}; this router allows at most {limits.max_n} (--max-n)")
+    _check_token_bounds(body)
     prompts = prompt_count(route, body)
     if prompts > limits.max_prompts:
         raise BadRequest(
             f"too many prompts: {prompts}; this router allows at most {limits.max_prompts} (--max-prompts)"
         )
     return body
+
+
+def _check_token_bounds(body: JsonObject) -> None:
+    """Refuse here what decode would refuse after prefill already ran (M2): prefill gets max_tokens=1
+    and no min_tokens, so it would accept and then hold the request's KV for a decode that never
+    claims it."""
+    bounds: dict[str, int | None] = {}
+    for key, least in (("max_tokens", 1), ("max_completion_tokens", 1), ("min_tokens", 0)):
+        value = body.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+            raise BadRequest(f"'{key}' must be an integer of at least {least}")
+        bounds[key] = value
+    largest = bounds["max_completion_tokens"] or bounds["max_tokens"]
+    floor = bounds["min_tokens"]
+    if largest is not None and floor is not None and floor > largest:
+        raise BadRequest(f"'min_tokens' ({floor}) is above the maximum number of tokens ({largest})")
 
 
 def prompt_count(route: str, body: JsonObject) -> int:
