@@ -11,12 +11,13 @@ async_transfer false makes prefill sends run inline in the engine step.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from dllm_connector import codec
+from dllm_connector import codec, kvconfig
 from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, TPRank
 from dllm_connector.kv_scheduler import StepPlan
 from dllm_connector.kvconfig import ConnectorExtraConfig, Protocol
@@ -49,11 +50,19 @@ def make_transport(kind: str, extra: ConnectorExtraConfig, host: str, device: to
     if kind == "mooncake":
         from dllm_connector.transport.mooncake import MooncakeTransport
 
-        return MooncakeTransport(host, protocol=extra.protocol.value, devices=extra.rdma_devices)
+        return MooncakeTransport(
+            host,
+            protocol=extra.protocol.value,
+            devices=extra.rdma_devices,
+            rpc_ports=extra.transfer_ports,
+            timeout_s=extra.transfer_timeout_ms / 1000,
+        )
     from dllm_connector.transport.torchdist import TorchDistTransport
 
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return TorchDistTransport(host, backend=backend, connect_timeout=extra.transfer_timeout_ms / 1000)
+    return TorchDistTransport(
+        host, backend=backend, connect_timeout=extra.transfer_timeout_ms / 1000, require_admission=True
+    )
 
 
 class ConnectorWorker:
@@ -88,14 +97,25 @@ class ConnectorWorker:
         tp = TPRank(self.identity.tp_rank, self.identity.tp_size)
         self.kv = PagedKV(caches, num_blocks, self.geometry, tp=tp)
         codec.warm_up(self.kv.gather([0]), self.config.compression, self.kv.layout.groups)
+        # The side channel's key comes from the worker's environment, never from the kv-transfer
+        # config (that JSON is on vLLM's command line and in its logs).
+        auth = kvconfig.side_channel_auth(os.environ)
         self.transport = make_transport(self.transport_kind, self.extra, self.host, self.kv.device)
         if self.identity.sends:
             peers = DecodePeers(self.extra.decode_host, self.extra.decode_port, self.host)
-            self.sender = KVSender(self.transport, self.kv, self.config, peer_address=peers.address)
+            self.sender = KVSender(
+                self.transport, self.kv, self.config, peer_address=peers.address, auth=auth
+            )
         if self.identity.receives:
             port = self.identity.kv_port + self.identity.tp_rank
             self.receiver = KVReceiver(
-                self.transport, self.kv, self.config, self.host, port, engine_id=self.identity.engine_id
+                self.transport,
+                self.kv,
+                self.config,
+                self.host,
+                port,
+                engine_id=self.identity.engine_id,
+                auth=auth,
             )
 
     def start(self, plan: StepPlan) -> None:

@@ -396,8 +396,10 @@ class KVSender(_PipeSide):
         config: PipeConfig,
         *,
         peer_address: Callable[[str, int], str] | None = None,
+        auth: sidechannel.PeerAuth | None = None,
     ) -> None:
         super().__init__(transport, kv, config)
+        self._auth = auth
         self._tags = itertools.count(1)
         self.min_zero_copy_run = MIN_ZERO_COPY_RUN
         self.piece_bytes = PIECE_BYTES
@@ -554,7 +556,9 @@ class KVSender(_PipeSide):
         deadline = time.monotonic() + self.config.transfer_timeout_s
         while True:
             try:
-                return sidechannel.connect(host, port, self.config.transfer_timeout_s)
+                return sidechannel.connect(host, port, self.config.transfer_timeout_s, auth=self._auth)
+            except sidechannel.AuthenticationFailed:
+                raise  # a retry would only repeat the refusal until the timeout
             except TransportError:
                 if time.monotonic() + _CONNECT_RETRY_S > deadline or self._closing.is_set():
                     raise
@@ -987,6 +991,7 @@ class KVReceiver(_PipeSide):
         port: int,
         *,
         engine_id: str | None = None,
+        auth: sidechannel.PeerAuth | None = None,
     ) -> None:
         super().__init__(transport, kv, config)
         self.engine_id = engine_id
@@ -995,7 +1000,7 @@ class KVReceiver(_PipeSide):
         self._results: dict[str, str] = {}  # transfer id -> "" loaded, else reason
         # Ended transfers (the latest 1000): a late part's offer is refused at once, not held.
         self._ended: dict[str, None] = {}
-        self._server = sidechannel.Server(host, port, self._serve)
+        self._server = sidechannel.Server(host, port, self._serve, auth=auth)
 
     @property
     def port(self) -> int:
@@ -1162,6 +1167,8 @@ class KVReceiver(_PipeSide):
             if first["type"] != "offer":
                 raise sidechannel.unexpected(_quoted(first), "offer")
             offer = parse(Offer, first)
+            if isinstance(self.transport, TorchDistTransport):  # M7: only the peer's own store
+                self.transport.admit(offer.endpoint, sock.getpeername()[0])
         except Exception as error:  # noqa: BLE001 - nothing was claimed: told and logged, bounded
             _send_nack(sock, f"KV load failed: {error}")
             _log.warning("KV side-channel peer refused: %s", bounded(str(error)))

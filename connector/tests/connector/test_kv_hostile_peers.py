@@ -161,7 +161,9 @@ def test_a_chunk_header_with_another_dtype_fails_cleanly(
     try:
         receiver.expect("h6-dtype", [3, 4], prompt_hash=HASH)
         with fake_prefill(receiver.port) as sock:
-            sidechannel.send_message(sock, offer_for(receiver.kv, "h6-dtype", HASH, 2))
+            # The store must be on the side channel's peer address (M7), the fake's own 127.0.0.1.
+            endpoint = {"store": f"{HOST}:1", "pair": "fake-pair-1"}
+            sidechannel.send_message(sock, offer_for(receiver.kv, "h6-dtype", HASH, 2, endpoint=endpoint))
             assert sidechannel.recv_message(sock, 10)["type"] == "accept"
             shape = list(receiver.kv.batch_shape(2))
             header = {"v": 2, "codec": "none", "dtype": "float32", "shape": shape, "groups": 1, "checksum": 0}
@@ -176,6 +178,26 @@ def test_a_chunk_header_with_another_dtype_fails_cleanly(
         assert receiver.staging.in_use == 0
         assert not receiver.pending
         assert not bool(receiver.kv.gather([3, 4]).any())
+    finally:
+        receiver.close()
+        gloo.close()
+
+
+def test_a_two_sided_offer_naming_a_store_off_its_peer_is_refused() -> None:
+    """M7: decode joins only a TCPStore on the address its side channel came from."""
+    from dllm_connector.transport.torchdist import TorchDistTransport
+
+    gloo = TorchDistTransport(HOST, backend="gloo", connect_timeout=5, require_admission=True)
+    receiver = KVReceiver(gloo, PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config(), HOST, 0)
+    try:
+        receiver.expect("m7", [3, 4], prompt_hash=HASH)
+        with fake_prefill(receiver.port) as sock:
+            endpoint = {"store": "10.9.9.9:29500", "pair": "fake-pair-2"}
+            sidechannel.send_message(sock, offer_for(receiver.kv, "m7", HASH, 2, endpoint=endpoint))
+            nack = sidechannel.recv_message(sock, 10)
+        assert nack["type"] == "nack"
+        assert "not on its side-channel peer" in nack["reason"]
+        assert "m7" in receiver.pending, "the expectation waits for a genuine prefill"
     finally:
         receiver.close()
         gloo.close()

@@ -412,3 +412,49 @@ def test_out_of_range_blocks_fail_the_load_not_the_engine(
     results = decode.results()
     assert results.failed_recving == {"d-1"}
     assert decode.take_load_errors() == {20, 21, NUM_BLOCKS + 5}
+
+
+def token_workers(
+    monkeypatch: pytest.MonkeyPatch, prefill_token: str, decode_token: str
+) -> tuple[ConnectorWorker, ConnectorWorker, int]:
+    """Workers that read DLLM_KV_AUTH_TOKEN from their environment, as in an engine pod (C2, H4)."""
+    decode_kv_port = consecutive_free_ports(1)
+    prefill = ConnectorWorker(extra(), GEOMETRY, WorkerIdentity(0, receives=False), "mooncake")
+    decode = ConnectorWorker(
+        extra(prefill_wait_ms=3000), GEOMETRY, WorkerIdentity(decode_kv_port, sends=False), "mooncake"
+    )
+    monkeypatch.setenv("DLLM_KV_AUTH_TOKEN", prefill_token)
+    prefill.register_kv_caches(make_caches(7), NUM_BLOCKS)
+    monkeypatch.setenv("DLLM_KV_AUTH_TOKEN", decode_token)
+    decode.register_kv_caches(make_caches(None), NUM_BLOCKS)
+    return prefill, decode, decode_kv_port
+
+
+def test_workers_sharing_the_token_move_kv_and_a_stranger_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    token = "k" * 40
+    prefill, decode, port = token_workers(monkeypatch, token, token)
+    try:
+        prefill_plan, decode_plan = plans(70, [1, 2, 3, 4, 5], [10, 11, 12, 13, 14], port)
+        decode.start(decode_plan)
+        prefill.start(prefill_plan)
+        assert decode.receiver is not None
+        assert decode.receiver.wait_settled("tx-w", timeout=30)
+        assert decode.results().failed_recving == set()
+    finally:
+        prefill.close()
+        decode.close()
+
+    prefill, decode, port = token_workers(monkeypatch, "s" * 40, token)
+    try:
+        prefill_plan, decode_plan = plans(70, [1, 2, 3, 4, 5], [10, 11, 12, 13, 14], port)
+        decode.start(decode_plan)
+        prefill.start(prefill_plan)
+        assert prefill.sender is not None
+        assert prefill.sender.wait_idle(timeout=30)
+        assert prefill.results().finished_sending == {"p-1"}
+        assert any("authentic" in reason.lower() for reason in prefill.failures.values())
+        assert decode.receiver is not None
+        assert "tx-w" in decode.receiver.pending, "nothing reached the expectation"
+    finally:
+        prefill.close()
+        decode.close()
