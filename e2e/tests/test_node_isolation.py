@@ -250,6 +250,19 @@ def connect_from_engine(cluster: Cluster, pod: str, namespace: str, addrs: list[
     return dict(json.loads(result.stdout))
 
 
+def remove_sample(cluster: Cluster) -> None:
+    """The CR first, its children with it, then the namespace and the model's PV, each waited for.
+    Deleting the namespace at once would wait out the largest pod grace period there (the router's,
+    630 s by default) before the namespace controller looks again, however soon the pods end; and a PV
+    still terminating from a previous run would leave the next run's claim unbound (pods Pending)."""
+    delete = ("delete", "dllm", "--all", "-n", SAMPLE_NAMESPACE, "--cascade=foreground", "--timeout=300s")
+    cluster.run(*delete, "--ignore-not-found", check=False, timeout=330)
+    wait_until(lambda: not cluster.exists("pods", "-n", SAMPLE_NAMESPACE), 300, "the sample's pods to end")
+    cluster.run("delete", "namespace", SAMPLE_NAMESPACE, "--ignore-not-found", "--timeout=300s", timeout=330)
+    pv = models_volume.volume_name(SAMPLE_NAMESPACE)
+    cluster.run("delete", "pv", pv, "--ignore-not-found", "--timeout=120s", timeout=150)
+
+
 @pytest.fixture(scope="module")
 def sample(cluster: Cluster) -> Iterator[cp.Layout]:
     """The CPU sample deployed by the chart's operator, as make demo does; the chart is uninstalled
@@ -258,23 +271,12 @@ def sample(cluster: Cluster) -> Iterator[cp.Layout]:
     if not node.running(layout):
         pytest.fail(f"the real node is not running: {node.why_not(layout)}")
     installed = cluster.helm("status", demo.RELEASE, "-n", demo.SYSTEM_NAMESPACE, check=False).returncode == 0
+    remove_sample(cluster)  # what an interrupted run left
     try:
         demo.deploy(layout, SAMPLE_NAMESPACE, 900, time.monotonic())
         yield layout
     finally:
-        # The resource first, its children with it: deleting the namespace at once would wait out the
-        # largest pod grace period there (the router's, 630 s by default) before the namespace controller
-        # looks again, however soon the pods end.
-        delete = ("delete", "dllm", "--all", "-n", SAMPLE_NAMESPACE, "--cascade=foreground", "--timeout=300s")
-        cluster.run(*delete, check=False, timeout=330)
-        wait_until(
-            lambda: not cluster.exists("pods", "-n", SAMPLE_NAMESPACE), 300, "the sample's pods to end"
-        )
-        cluster.run(
-            "delete", "namespace", SAMPLE_NAMESPACE, "--ignore-not-found", "--timeout=120s", check=False
-        )
-        pv = models_volume.volume_name(SAMPLE_NAMESPACE)
-        cluster.run("delete", "pv", pv, "--ignore-not-found", check=False)
+        remove_sample(cluster)
         if not installed:
             cluster.helm(
                 "uninstall", demo.RELEASE, "-n", demo.SYSTEM_NAMESPACE, "--ignore-not-found", "--wait"
