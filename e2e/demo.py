@@ -171,6 +171,13 @@ def deploy(layout: cp.Layout, namespace: str, timeout: float, started: float) ->
 
 
 def undeploy(layout: cp.Layout, namespace: str) -> None:
+    # The resource and its pods first: deleting the namespace at once would make the namespace
+    # controller wait out the longest grace period (the router's, long enough for a stream) before it
+    # looks again, even though idle pods end within seconds of their drain.
+    if tool(layout, "kubectl", "get", "namespace", namespace, "--ignore-not-found", "-o", "name").strip():
+        tool(layout, "kubectl", "delete", "dllm", "--all", "-n", namespace, "--timeout=180s")
+        gone = ("--for=delete", "pod", "--all", "-n", namespace, "--timeout=180s")
+        tool(layout, "kubectl", "wait", *gone, check=False)  # fails when there was no pod left
     tool(layout, "kubectl", "delete", "namespace", namespace, "--ignore-not-found", "--timeout=180s")
     tool(layout, "kubectl", "delete", "pv", models_volume.volume_name(namespace), "--ignore-not-found")
     tool(layout, "helm", "uninstall", RELEASE, "-n", SYSTEM_NAMESPACE, "--ignore-not-found", "--wait")
