@@ -24,6 +24,7 @@ from dllm_connector.kvconfig import ConnectorExtraConfig, Protocol
 from dllm_connector.peers import DecodePeers
 from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, TransferFailed
 from dllm_connector.transport.base import Transport
+from dllm_connector.transport.sidechannel import PeerAuth
 
 _log = logging.getLogger(__name__)
 
@@ -99,7 +100,8 @@ class ConnectorWorker:
         codec.warm_up(self.kv.gather([0]), self.config.compression, self.kv.layout.groups)
         # The side channel's key comes from the worker's environment, never from the kv-transfer
         # config (that JSON is on vLLM's command line and in its logs).
-        auth = kvconfig.side_channel_auth(os.environ)
+        token = kvconfig.side_channel_token(os.environ)
+        auth = PeerAuth.from_token(token) if token is not None else None
         self.transport = make_transport(self.transport_kind, self.extra, self.host, self.kv.device)
         if self.identity.sends:
             peers = DecodePeers(self.extra.decode_host, self.extra.decode_port, self.host)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from enum import StrEnum
-from typing import TYPE_CHECKING, Annotated, Any, Self, TypeVar
+from typing import Annotated, Any, Self, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -20,9 +20,6 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
-
-if TYPE_CHECKING:
-    from dllm_connector.transport.sidechannel import PeerAuth
 
 
 class Connector(StrEnum):
@@ -230,7 +227,7 @@ ENV_GID_INDEX = "MC_GID_INDEX"
 ENV_HOST_IP = "VLLM_HOST_IP"
 ENV_ENGINE_ID = "DLLM_ENGINE_ID"
 # The side channel's shared key. Never part of the settings, the kv-transfer-config JSON (which is on
-# vLLM's command line) or any log: the worker reads it from its own environment (side_channel_auth).
+# vLLM's command line) or any log: the worker reads it from its own environment (kv_worker).
 ENV_KV_AUTH_TOKEN = "DLLM_KV_AUTH_TOKEN"  # noqa: S105 - an env name
 # "LOW-HIGH": the ports Mooncake listens on, for NetworkPolicies and hostNetwork users.
 ENV_TRANSFER_PORTS = "DLLM_KV_TRANSFER_PORTS"
@@ -498,16 +495,6 @@ def side_channel_token(env: Mapping[str, str]) -> str | None:
     if not token.isprintable() or not token.isascii():
         raise EnvContractError(ENV_KV_AUTH_TOKEN, "must be printable ASCII")
     return token
-
-
-def side_channel_auth(env: Mapping[str, str]) -> PeerAuth | None:
-    """The side channel's key for the worker (None: no authentication); needs the transport (torch)."""
-    token = side_channel_token(env)
-    if token is None:
-        return None
-    from dllm_connector.transport.sidechannel import PeerAuth
-
-    return PeerAuth.from_token(token)
 
 
 # ---- vLLM's --kv-transfer-config ---------------------------------------------------------------

@@ -9,7 +9,7 @@ args, logs the resolved configuration once and replaces itself with vLLM. A bad 
 exit code 2 and one line on stderr naming the variable and what it allows.
 
 DLLM_KV_AUTH_TOKEN (the KV side channel's key) is checked here but never put on vLLM's command line
-or in the log: vLLM's workers inherit it from the environment (kvconfig.side_channel_auth).
+or in the log: vLLM's workers inherit it from the environment (kv_worker reads it).
 
 Everything up to `main` is pure (env and args in, a command out); `main` does the I/O.
 """

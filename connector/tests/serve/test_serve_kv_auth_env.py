@@ -137,14 +137,16 @@ def test_the_extra_config_refuses_a_port_range_mooncake_would_not_use(ports) -> 
         kvconfig.ConnectorExtraConfig.model_validate({**base, "transfer_ports": ports})
 
 
-def test_side_channel_auth_gives_the_workers_key_or_none(seed_decode) -> None:
+def test_side_channel_token_gives_the_workers_key_or_none(seed_decode) -> None:
     from dllm_connector.transport.sidechannel import PeerAuth
 
-    assert kvconfig.side_channel_auth(seed_decode.env) is None
-    assert kvconfig.side_channel_auth({"DLLM_KV_AUTH_TOKEN": ""}) is None
-    assert kvconfig.side_channel_auth({"DLLM_KV_AUTH_TOKEN": TOKEN + "\n"}) == PeerAuth.from_token(TOKEN)
+    assert kvconfig.side_channel_token(seed_decode.env) is None
+    assert kvconfig.side_channel_token({"DLLM_KV_AUTH_TOKEN": ""}) is None
+    token = kvconfig.side_channel_token({"DLLM_KV_AUTH_TOKEN": TOKEN + "\n"})
+    assert token is not None
+    assert PeerAuth.from_token(token) == PeerAuth.from_token(TOKEN)
     with pytest.raises(kvconfig.EnvContractError) as refused:
-        kvconfig.side_channel_auth({"DLLM_KV_AUTH_TOKEN": "short"})
+        kvconfig.side_channel_token({"DLLM_KV_AUTH_TOKEN": "short"})
     assert refused.value.variable == "DLLM_KV_AUTH_TOKEN"
     assert "short" not in str(refused.value)
 
