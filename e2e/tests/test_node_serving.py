@@ -261,11 +261,6 @@ def test_a_failing_engine_shows_as_degraded_naming_the_pod_and_reason(
         served.cluster.run("delete", "dllm", name, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known: 1 accepted request of 242 failed with a 500 while the engines rolled; the preStop drain "
-    "does not wait for KV pushes in flight (security review M4, issue 18)",
-)
 def test_a_rolling_spec_change_fails_no_accepted_request(served: Served) -> None:
     """maxNumSeqs changes on both roles: each StatefulSet replaces its pod while requests keep coming.
     A request may be refused up front (503 naming the role with no ready pod: not accepted); one that
