@@ -5,8 +5,12 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from dllm_connector.transport.mooncake import MooncakeTransport
 
 # Every test here drives torch (and most Mooncake or vLLM): without them there is nothing to collect.
 collect_ignore_glob = [] if importlib.util.find_spec("torch") else ["test_*.py"]
@@ -34,3 +38,15 @@ def _connector_test_env() -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def transports() -> Iterator[tuple[MooncakeTransport, MooncakeTransport]]:
+    """A decode and a prefill Mooncake transport on loopback, shared by a module's tests (a module may
+    define its own `transports`, which takes precedence)."""
+    from dllm_connector.transport.mooncake import MooncakeTransport
+
+    decode, prefill = MooncakeTransport("127.0.0.1"), MooncakeTransport("127.0.0.1")
+    yield decode, prefill
+    decode.close()
+    prefill.close()

@@ -46,14 +46,6 @@ def config(**changes: Any) -> PipeConfig:
     return PipeConfig(**(base | changes))
 
 
-@pytest.fixture(scope="module")
-def transports() -> Iterator[tuple[MooncakeTransport, MooncakeTransport]]:
-    decode, prefill = MooncakeTransport(HOST), MooncakeTransport(HOST)
-    yield decode, prefill
-    decode.close()
-    prefill.close()
-
-
 @pytest.fixture
 def receiver(transports: tuple[MooncakeTransport, MooncakeTransport]) -> Iterator[KVReceiver]:
     receiver = KVReceiver(transports[0], PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config(), HOST, 0)
