@@ -200,6 +200,7 @@ class Controller:
     )
     _event_tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _secrets_made: set[tuple[CRKey, str]] = field(default_factory=set)
+    _rechecks: set[CRKey] = field(default_factory=set)  # keys with a FailedCreate recheck scheduled
 
     # ---- inputs ----
 
@@ -437,7 +438,7 @@ class Controller:
         for component, workload in workloads.items():
             if not missing_pods(workload, pods.get(component, [])):
                 continue
-            self.queue.add_after(key, CREATE_FAILURE_RECHECK_S)
+            self._recheck_later(key)
             if workload.get("kind") == "Deployment":
                 failure = replica_failure(workload)
             else:
@@ -447,6 +448,18 @@ class Controller:
             if failure:
                 failures.append(redact_values(failure)[:1000])
         return tuple(failures)
+
+    def _recheck_later(self, key: CRKey) -> None:
+        """One pending recheck per CR, however many reconciles ran meanwhile (no timer chains)."""
+        if key in self._rechecks:
+            return
+        self._rechecks.add(key)
+
+        def recheck() -> None:
+            self._rechecks.discard(key)
+            self.queue.add(key)
+
+        asyncio.get_running_loop().call_later(CREATE_FAILURE_RECHECK_S, recheck)
 
     async def _write_status(self, body: dict[str, Any], status: dict[str, Any]) -> None:
         if without_times(status) == without_times(body.get("status")):
