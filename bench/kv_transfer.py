@@ -279,8 +279,8 @@ class Worker:
     def cmd_send(
         self, transport: str, codec: str, transfer_id: str, blocks: list[int], host: str, port: int
     ) -> dict[str, Any]:
-        from dllm_connector.kvconfig import Compression
         from dllm_connector.pipe import SendJob
+        from dllm_contract.kvconfig import Compression
 
         key = (transport, codec)
         if key not in self.senders:
@@ -557,7 +557,7 @@ def codec_per_core(tokens: int, repeats: int, kernels: str) -> CodecFigures:
     import torch
 
     from dllm_connector import codec
-    from dllm_connector.kvconfig import Compression
+    from dllm_contract.kvconfig import Compression
 
     torch.set_num_threads(1)
     own = codec.kernels().name
@@ -666,7 +666,7 @@ def gpu_codec() -> None:
     if not torch.cuda.is_available():
         return
     from dllm_connector import codec
-    from dllm_connector.kvconfig import Compression
+    from dllm_contract.kvconfig import Compression
 
     batch = torch.randn(LAYERS * 128, KV_HEADS, BLOCK, 2 * HEAD_DIM, device="cuda").to(torch.bfloat16)
     rows = batch.reshape(-1, BLOCK * 2 * HEAD_DIM)

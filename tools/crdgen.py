@@ -7,14 +7,11 @@ if it differs from what this script writes. Run: `make crds`.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connector" / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator" / "src"))
 from dllm_operator.api import (
     DEFAULT_ROUTER_GRACE_SECONDS,
     MIN_ROUTER_GRACE_SECONDS,

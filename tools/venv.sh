@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Makes ./.venv: a small per-clone venv with this repo's two packages installed editable, over a
+# Makes ./.venv: a small per-clone venv with this repo's distributions installed editable, over a
 # dependency venv cached OUTSIDE the clone (keyed by the hash of requirements/), so a fresh clone on a
 # warm machine is ready in seconds and a cold machine installs the pinned set once.
 set -euo pipefail
@@ -44,7 +44,7 @@ link_clone_venv() {
     echo "$deps" > .venv/.deps
   fi
   "$deps/bin/python" -m pip --python .venv/bin/python install -q --no-deps --no-build-isolation \
-    -e connector -e operator
+    -e contract -e connector -e operator
 }
 
 # Mooncake's engine links Debian's libibverbs and libnuma: install them (root) or say how.

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheels")
-    for dist in ("operator", "connector"):
+    for dist in ("contract", "operator", "connector"):
         build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
         subprocess.run([*build, "-w", out, ROOT / dist], check=True)
     return out
@@ -55,8 +55,16 @@ def _answers_help(where: Path, script: str) -> None:
 def test_operator_wheel_imports_alone(tmp_path: Path, wheels: Path) -> None:
     python = _install_alone(tmp_path / "venv", wheels, "dllm-operator")
     _imports(python, "dllm_operator")
-    _imports(python, "dllm_connector", "engine,dllm_connector.router")
+    _imports(python, "dllm_contract")
     _answers_help(tmp_path / "venv", "dllm-operator")
+    # The operator needs only the contract: the data plane is not installed beside it.
+    found = subprocess.run(
+        [python, "-c", "import importlib.util as u; print(u.find_spec('dllm_connector') is None)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert found.stdout.strip() == "True"
 
 
 def test_router_wheel_imports_alone(tmp_path: Path, wheels: Path) -> None:
@@ -74,6 +82,7 @@ def connector_alone(tmp_path_factory: pytest.TempPathFactory, wheels: Path) -> P
 
 def test_connector_wheel_without_extras_serves_the_env_contract(connector_alone: Path) -> None:
     _imports(connector_alone / "bin" / "python", "dllm_connector", "engine,dllm_connector.router")
+    _imports(connector_alone / "bin" / "python", "dllm_contract")
     _answers_help(connector_alone, "dllm-serve")
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from dllm_cases import CRD_PATH, INVALID, ROOT, SAMPLES, invalid_body, load_cr, merged, minimal
 
-from dllm_connector.kvconfig import Compression, Connector
+from dllm_contract.kvconfig import Compression, Connector
 from dllm_operator.api import RESERVED_ENV_NAMES, SpecInvalid, parse
 from dllm_operator.render import auth
 from dllm_operator.render.ports import TRANSFER_PORTS_ENV

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from dllm_cases import PRIVILEGED, ROOT, SAMPLES, load_cr, merged, minimal
 
-from dllm_connector.kvconfig import CONTRACT_ENV_NAMES, DOWNWARD_API_ENV
+from dllm_contract.kvconfig import CONTRACT_ENV_NAMES, DOWNWARD_API_ENV
 from dllm_operator.api import SpecInvalid, parse
 from dllm_operator.config import ConfigInvalid, OperatorConfig
 from dllm_operator.render import HASH_ANNOTATION, render_all

@@ -36,7 +36,7 @@ import torch
 
 from dllm_connector import native_codec
 from dllm_connector.checksum import RunningChecksum, combine_checksums
-from dllm_connector.kvconfig import Compression
+from dllm_contract.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
 

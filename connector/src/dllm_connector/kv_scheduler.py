@@ -21,8 +21,8 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from dllm_connector.kvconfig import ConnectorExtraConfig
-from dllm_connector.protocol import DecodeParams, PrefillParams, is_dllm_params
+from dllm_contract.kvconfig import ConnectorExtraConfig
+from dllm_contract.pd_params import DecodeParams, PrefillParams, is_dllm_params
 
 _log = logging.getLogger(__name__)
 _LOGGED_REQUESTS = 1000  # request ids whose ignored params were logged (the latest)

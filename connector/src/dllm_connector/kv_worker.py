@@ -17,14 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_connector import codec, kvconfig
+from dllm_connector import codec
 from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, TPRank
 from dllm_connector.kv_scheduler import StepPlan
-from dllm_connector.kvconfig import ConnectorExtraConfig, Protocol
 from dllm_connector.peers import DecodePeers
 from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, TransferFailed
 from dllm_connector.transport.base import Transport
 from dllm_connector.transport.sidechannel import PeerAuth
+from dllm_contract import kvconfig
+from dllm_contract.kvconfig import ConnectorExtraConfig, Protocol
 
 _log = logging.getLogger(__name__)
 

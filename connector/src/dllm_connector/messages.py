@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from dllm_connector.kvconfig import Compression
-from dllm_connector.protocol import MAX_TRANSFER_ID
+from dllm_contract.kvconfig import Compression
+from dllm_contract.pd_params import MAX_TRANSFER_ID
 
 MAX_ECHO = 200  # characters of peer data a log line or a nack may carry
 

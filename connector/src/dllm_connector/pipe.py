@@ -60,7 +60,6 @@ from dllm_connector.kv_layout import (
     signature_mismatches,
 )
 from dllm_connector.kv_scheduler import prompt_hash
-from dllm_connector.kvconfig import Compression, ConnectorExtraConfig
 from dllm_connector.messages import (
     Accept,
     Chunk,
@@ -77,6 +76,7 @@ from dllm_connector.transport.base import Source, Span, TransferTimeout, Transpo
 from dllm_connector.transport.sidechannel import Message, PeerRefused
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_connector.transport.torchdist import TorchDistTransport
+from dllm_contract.kvconfig import Compression, ConnectorExtraConfig
 
 __all__ = [
     "KVPipe",

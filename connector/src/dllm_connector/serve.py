@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, NoReturn
 
-from dllm_connector import kvconfig
+from dllm_contract import kvconfig
 
 log = logging.getLogger("dllm_connector.serve")
 

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from dllm_connector.kv_layout import Geometry, PagedKV, TPRank, rank_heads
-from dllm_connector.kvconfig import Compression
 from dllm_connector.pipe import KVSender, PipeConfig, SendJob
 from dllm_connector.transport.base import Source, Span, Transport
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.torchdist import TorchDistTransport
+from dllm_contract.kvconfig import Compression
 
 HOST = "127.0.0.1"
 LAYERS = 4

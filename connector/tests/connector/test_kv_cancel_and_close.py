@@ -21,10 +21,10 @@ from peer_doubles import FakeDecode, GatedTransportDouble, read_until_closed, wa
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import SchedulerState
 from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
-from dllm_connector.kvconfig import Compression, ConnectorExtraConfig
 from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, prompt_hash
-from dllm_connector.protocol import DecodeParams
 from dllm_connector.transport.mooncake import MooncakeTransport
+from dllm_contract.kvconfig import Compression, ConnectorExtraConfig
+from dllm_contract.pd_params import DecodeParams
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 

@@ -15,7 +15,7 @@ import xxhash
 
 from dllm_connector import codec, native_codec
 from dllm_connector.kv_layout import Geometry, PagedKV
-from dllm_connector.kvconfig import Compression
+from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(60)]
 

@@ -13,11 +13,11 @@ from kv_peer import HOST
 
 from dllm_connector.checksum import spans_checksum
 from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, coalesce, layer_layout
-from dllm_connector.kvconfig import Compression, ConnectorExtraConfig, Protocol
 from dllm_connector.pipe import KVPipe, KVSender, PipeConfig, StagingWindow, chunk_ranges, prompt_hash
 from dllm_connector.transport.base import TransferTimeout, TransportError
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.staging import StagingBuffer
+from dllm_contract.kvconfig import Compression, ConnectorExtraConfig, Protocol
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(60)]
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dllm_connector import codec, native_codec
-from dllm_connector.kvconfig import Compression
+from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 

@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 
 from dllm_connector.kv_scheduler import SchedulerState
-from dllm_connector.kvconfig import (
+from dllm_contract.kvconfig import (
     Connector,
     ConnectorExtraConfig,
     KVTransferSettings,
     Role,
     kv_transfer_config,
 )
-from dllm_connector.protocol import DecodeParams, PrefillParams
+from dllm_contract.pd_params import DecodeParams, PrefillParams
 
 pytestmark = pytest.mark.timeout(10)
 

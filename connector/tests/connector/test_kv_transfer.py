@@ -16,9 +16,9 @@ import torch
 from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, make_transport
 
 from dllm_connector.kv_layout import PagedKV
-from dllm_connector.kvconfig import Compression
 from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, prompt_hash
 from dllm_connector.transport.base import Transport
+from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(90)]
 

@@ -18,9 +18,9 @@ from peer_doubles import wait_until
 
 from dllm_connector.kv_scheduler import LoadSpec, SchedulerState, SendSpec, StepPlan
 from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
-from dllm_connector.kvconfig import ConnectorExtraConfig
 from dllm_connector.peers import DecodePeers, PeerNotAllowed
-from dllm_connector.protocol import DecodeParams, PrefillParams
+from dllm_contract.kvconfig import ConnectorExtraConfig
+from dllm_contract.pd_params import DecodeParams, PrefillParams
 
 pytestmark = pytest.mark.timeout(120)
 

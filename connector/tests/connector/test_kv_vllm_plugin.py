@@ -30,7 +30,8 @@ from vllm.v1.request import Request, RequestStatus
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import ConnectorConfigError, SchedulerState, StepPlan, parse_extra_config
 from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
-from dllm_connector.kvconfig import (
+from dllm_connector.vllm import DllmConnectorStats, DllmMooncakeConnector
+from dllm_contract.kvconfig import (
     CONNECTOR_CLASS,
     Connector,
     ConnectorExtraConfig,
@@ -38,8 +39,7 @@ from dllm_connector.kvconfig import (
     Role,
     kv_transfer_config,
 )
-from dllm_connector.protocol import DecodeParams, PrefillParams
-from dllm_connector.vllm import DllmConnectorStats, DllmMooncakeConnector
+from dllm_contract.pd_params import DecodeParams, PrefillParams
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 

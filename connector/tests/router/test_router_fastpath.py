@@ -14,10 +14,10 @@ from conftest import EngineFactory, MutableSource, RouterFactory, RunningRouter,
 from raw_client import RawClient, completion, post
 from router_engine_double import FakeVllmEngine, expected_text
 
-from dllm_connector.protocol import DecodeParams, PrefillParams
 from dllm_connector.router.metrics import Histogram
 from dllm_connector.router.openai import CHAT, COMPLETIONS
 from dllm_connector.router.server import Router
+from dllm_contract.pd_params import DecodeParams, PrefillParams
 
 pytestmark = pytest.mark.timeout(20)
 FLOWS = ["nixl", "dllm"]

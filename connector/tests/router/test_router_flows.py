@@ -10,8 +10,8 @@ import pytest
 from conftest import EngineFactory, RouterFactory, wait_event, wait_until
 from router_engine_double import expected_text
 
-from dllm_connector.protocol import DecodeParams, PrefillParams
 from dllm_connector.router.openai import CHAT, COMPLETIONS
+from dllm_contract.pd_params import DecodeParams, PrefillParams
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from dllm_connector import kvconfig, serve
+from dllm_connector import serve
+from dllm_contract import kvconfig
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dllm_connector import kvconfig
+from dllm_contract import kvconfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -154,7 +154,7 @@ def test_side_channel_token_gives_the_workers_key_or_none(seed_decode) -> None:
 def test_kvconfig_imports_without_torch() -> None:
     """The operator imports kvconfig; torch is not in its image."""
     code = (
-        "import sys; sys.modules['torch'] = None; import dllm_connector.kvconfig as k; "
+        "import sys; sys.modules['torch'] = None; import dllm_contract.kvconfig as k; "
         "print(k.ENV_KV_AUTH_TOKEN)"
     )
     result = subprocess.run(

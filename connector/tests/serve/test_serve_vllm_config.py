@@ -19,7 +19,8 @@ from vllm.config.kv_transfer import KVTransferConfig
 from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-from dllm_connector import kvconfig, serve
+from dllm_connector import serve
+from dllm_contract import kvconfig
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 

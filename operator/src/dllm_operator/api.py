@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
-from dllm_connector.kvconfig import (
+from dllm_contract.kvconfig import (
     CONTRACT_ENV_NAMES,
     Compression,
     Connector,

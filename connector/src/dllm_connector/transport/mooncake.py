@@ -35,7 +35,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from dllm_connector.kvconfig import transfer_ports_problem
 from dllm_connector.transport.base import (
     Source,
     Span,
@@ -45,6 +44,7 @@ from dllm_connector.transport.base import (
     check_sizes,
     span_of,
 )
+from dllm_contract.kvconfig import transfer_ports_problem
 
 _log = logging.getLogger(__name__)
 

@@ -48,8 +48,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dllm_connector.kvconfig import MIN_TOKEN_CHARS
 from dllm_connector.transport.base import TransferTimeout, TransportError
+from dllm_contract.kvconfig import MIN_TOKEN_CHARS
 
 _log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from dllm_operator.render import labels
 
 KV_TOKEN_KEY = "kv-token"  # noqa: S105 - a key name, not a value
 API_KEY_KEY = "api-key"
-# Env names the Secret's keys are given under (the contract names are in dllm_connector.kvconfig).
+# Env names the Secret's keys are given under (the contract names are in dllm_contract.kvconfig).
 KV_TOKEN_ENV = "DLLM_KV_AUTH_TOKEN"  # noqa: S105 - an env name
 ENGINE_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own: --api-key for every /v1 route
 ROUTER_API_KEY_ENV = "DLLM_ENGINE_API_KEY"  # the router sends it to the engines as a Bearer token

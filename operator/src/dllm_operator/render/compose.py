@@ -7,7 +7,7 @@ from typing import Any
 
 import jinja2
 
-from dllm_connector.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, to_env
+from dllm_contract.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, to_env
 from dllm_operator.api import DisaggregatedLLM, RDMAMode
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import auth, engine

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from dllm_connector.kvconfig import (
+from dllm_contract.kvconfig import (
     DOWNWARD_API_ENV,
     CustomConnector,
     KVTransferSettings,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dllm_connector.kvconfig import Connector
+from dllm_contract.kvconfig import Connector
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import auth, labels
