@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 
 from dllm_connector.router.__main__ import configure_logging, direct_access_line
 from dllm_connector.router.config import parse_config
-from dllm_connector.router.httpserver import Pending, Request, Response, StreamWriter
+from dllm_connector.router.httpserver import MAX_HEAD, Pending, Request, Response, StreamWriter
 from dllm_connector.router.server import Router
 
 ARGV_ENV = "DLLM_BENCH_ROUTER_ARGV"  # the dllm-router flags, as JSON (granian's workers inherit it)
@@ -237,9 +237,14 @@ app = RouterApp()
 
 
 def main(argv: list[str]) -> None:
+    """Serve `app` with one library server; the router's own limits map onto that server's knobs where
+    it has one (uvicorn: --max-connections as limit_concurrency; granian: that as backpressure, the head
+    deadline as header_read_timeout, the head size as max_buffer_size). The rest the app does, or
+    nothing does: bench/http_abuse.py probes which."""
     server, port, router_argv = argv[0], int(argv[1]), argv[3:] if argv[2:3] == ["--"] else argv[2:]
     if server not in SERVERS:
         raise SystemExit(f"router_asgi.py: the server is one of {', '.join(SERVERS)}")
+    config = parse_config(router_argv, os.environ)  # refused here as dllm-router would refuse it
     os.environ[ARGV_ENV] = json.dumps(router_argv)
     if server == "uvicorn":
         import uvicorn
@@ -247,15 +252,19 @@ def main(argv: list[str]) -> None:
         uvicorn.run(
             app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", ws="none",
             lifespan="on", access_log=False, log_config=None, server_header=False, interface="asgi3",
+            limit_concurrency=config.max_connections,
         )  # fmt: skip
         return
     from granian.constants import HTTPModes, Interfaces, Loops
+    from granian.http import HTTP1Settings
     from granian.server import Server
 
     interface = Interfaces.RSGI if server == "granian-rsgi" else Interfaces.ASGI
+    http1 = HTTP1Settings(header_read_timeout=int(config.head_timeout_s * 1000), max_buffer_size=MAX_HEAD)
     Server(
         "router_asgi:app", address="127.0.0.1", port=port, interface=interface, workers=1,
         loop=Loops.uvloop, http=HTTPModes.http1, websockets=False, log_enabled=False,
+        backpressure=config.max_connections, http1_settings=http1,
         working_dir=Path(__file__).resolve().parent,
     ).serve()  # fmt: skip
 
