@@ -282,7 +282,14 @@ def main() -> None:
         help="library servers to compare with the router's own, comma-separated ('' for none): "
         + ", ".join(LIBRARY_SERVERS),
     )
+    ap.add_argument(
+        "--no-disconnect-watch",
+        action="store_true",
+        help="library rows without the task per request that notices a client leaving (its cost)",
+    )
     args = ap.parse_args()
+    if args.no_disconnect_watch:
+        os.environ["DLLM_BENCH_NO_DISCONNECT_WATCH"] = "1"  # bench/router_asgi.py's; inherited
     libraries = [name for name in args.libraries.split(",") if name]
     if unknown := set(libraries) - set(LIBRARY_SERVERS):
         ap.error(f"--libraries: unknown {', '.join(sorted(unknown))}")
@@ -379,6 +386,7 @@ def main() -> None:
         f"dllm-router bench: {args.flow} flow, non-streaming, {os.cpu_count()} CPUs, pin={args.pin}, "
         f"router --log-level {args.router_log_level} --event-loop {args.event_loop}, {rounds} rounds, "
         f"load average at the end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+        + (", library rows without the disconnect watch" if args.no_disconnect_watch else "")
     )
     print(f"{'':<30}{'floor':>10}{'router':>10}{'added':>10}{'ratio':>8}")
     print(row("p50 latency c=1 (ms)", pct(lat["floor"], 0.5), pct(lat["router"], 0.5)))

@@ -33,6 +33,9 @@ from dllm_connector.router.httpserver import MAX_HEAD, Pending, Request, Respons
 from dllm_connector.router.server import Router
 
 ARGV_ENV = "DLLM_BENCH_ROUTER_ARGV"  # the dllm-router flags, as JSON (granian's workers inherit it)
+# "1": no task per request waiting for the client to leave (what that costs; a client that leaves then
+# does not cancel the upstream calls, unlike on dllm-router)
+NO_WATCH_ENV = "DLLM_BENCH_NO_DISCONNECT_WATCH"
 SERVERS = ("uvicorn", "granian", "granian-rsgi")
 log = logging.getLogger("dllm.router")
 Message = dict[str, Any]
@@ -222,6 +225,8 @@ async def _until_gone(
 ) -> T | None:
     """`work`'s result; if `gone` (the client's disconnect) resolves first, `on_gone` runs (a no-op
     once the work is done)."""
+    if NO_WATCH:
+        return await work
     watch = asyncio.ensure_future(gone())
     watch.add_done_callback(on_gone)
     work.add_done_callback(lambda _: watch.cancel())
@@ -234,6 +239,7 @@ async def _until_gone(
 
 
 app = RouterApp()
+NO_WATCH = os.environ.get(NO_WATCH_ENV) == "1"
 
 
 def main(argv: list[str]) -> None:
