@@ -27,15 +27,16 @@ from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dllm_connector.router.__main__ import configure_logging, direct_access_line
-from dllm_connector.router.config import parse_config
-from dllm_connector.router.httpserver import MAX_HEAD, Pending, Request, Response, StreamWriter
-from dllm_connector.router.server import Router
+from dllm_router.__main__ import configure_logging, direct_access_line
+from dllm_router.config import parse_config
+from dllm_router.httpserver import MAX_HEAD, Pending, Request, Response, StreamWriter
+from dllm_router.server import Router
 
 ARGV_ENV = "DLLM_BENCH_ROUTER_ARGV"  # the dllm-router flags, as JSON (granian's workers inherit it)
 # "1": no task per request waiting for the client to leave (what that costs; a client that leaves then
 # does not cancel the upstream calls, unlike on dllm-router)
 NO_WATCH_ENV = "DLLM_BENCH_NO_DISCONNECT_WATCH"
+TASK_IMPL_ENV = "DLLM_BENCH_GRANIAN_TASK_IMPL"  # granian's --task-impl: asyncio (its default) or rust
 SERVERS = ("uvicorn", "granian", "granian-rsgi")
 log = logging.getLogger("dllm.router")
 Message = dict[str, Any]
@@ -261,7 +262,7 @@ def main(argv: list[str]) -> None:
             limit_concurrency=config.max_connections,
         )  # fmt: skip
         return
-    from granian.constants import HTTPModes, Interfaces, Loops
+    from granian.constants import HTTPModes, Interfaces, Loops, TaskImpl
     from granian.http import HTTP1Settings
     from granian.server import Server
 
@@ -270,6 +271,7 @@ def main(argv: list[str]) -> None:
     Server(
         "router_asgi:app", address="127.0.0.1", port=port, interface=interface, workers=1,
         loop=Loops.uvloop, http=HTTPModes.http1, websockets=False, log_enabled=False,
+        task_impl=TaskImpl(os.environ.get(TASK_IMPL_ENV, "asyncio")),
         backpressure=config.max_connections, http1_settings=http1,
         working_dir=Path(__file__).resolve().parent,
     ).serve()  # fmt: skip
