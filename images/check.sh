@@ -10,9 +10,8 @@ export CONTAINERS_CONF=${CONTAINERS_CONF:-$here/containers.conf}
 
 case $name in
   operator) packages=("dllm_operator" "dllm_contract") ;;
-  router) packages=("dllm_connector.router" "dllm_contract") ;;
-  # The router's extra is not installed in an engine image.
-  vllm-cpu) packages=("dllm_connector dllm_connector.router" "dllm_contract") ;;
+  router) packages=("dllm_router" "dllm_contract") ;;
+  vllm-cpu) packages=("dllm_connector" "dllm_contract") ;;
   *) echo "images/check.sh: no check for '$name'" >&2; exit 2 ;;
 esac
 

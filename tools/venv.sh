@@ -44,7 +44,7 @@ link_clone_venv() {
     echo "$deps" > .venv/.deps
   fi
   "$deps/bin/python" -m pip --python .venv/bin/python install -q --no-deps --no-build-isolation \
-    -e contract -e connector -e operator
+    -e contract -e connector -e router -e operator
 }
 
 # Mooncake's engine links Debian's libibverbs and libnuma: install them (root) or say how.

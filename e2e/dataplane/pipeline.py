@@ -163,7 +163,7 @@ class Pipeline:
         return process
 
     def start_router(self) -> Process:
-        argv = [sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1",
+        argv = [sys.executable, "-m", "dllm_router", "--host", "127.0.0.1",
                 "--port", str(self.ports["router"]), "--flow", "dllm",
                 "--prefill-url", f"http://127.0.0.1:{self.ports['prefill']}",
                 "--decode-url", f"http://127.0.0.1:{self.ports['decode']}",

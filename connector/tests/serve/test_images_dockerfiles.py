@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parents[3]
 IMAGES = ROOT / "images"
 NAMES = ["operator", "router", "vllm", "vllm-cpu"]
-PACKAGES = {"connector": ROOT / "connector", "operator": ROOT / "operator"}
+PACKAGES = {name: ROOT / name for name in ("contract", "connector", "operator", "router")}
 
 
 @dataclass(frozen=True)
@@ -109,6 +109,26 @@ def test_entrypoint_is_a_console_script_of_a_package_the_image_installs(name):
     assert program in scripts, f"{program} is not a console script of {list(PACKAGES)}"
     copied = {source.rstrip("/") for flags, sources in copies(dockerfile) for source in sources}
     assert scripts[program] in copied, f"{name} does not copy the {scripts[program]} package in"
+
+
+# Each image carries its own distributions and the contract, nothing of the other deployables.
+OWN_DISTRIBUTIONS = {
+    "operator": {"contract", "operator"},
+    "router": {"contract", "router"},
+    "vllm": {"contract", "connector"},
+    "vllm-cpu": {"contract", "connector"},
+}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_image_copies_only_its_own_distributions(name):
+    copied = {
+        source.rstrip("/")
+        for flags, sources in copies(IMAGES / name / "Dockerfile")
+        if "from" not in flags
+        for source in sources
+    }
+    assert copied & set(PACKAGES) == OWN_DISTRIBUTIONS[name]
 
 
 EXPECTED_ENTRYPOINT = {

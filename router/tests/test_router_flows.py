@@ -7,11 +7,11 @@ import json
 import logging
 
 import pytest
-from conftest import EngineFactory, RouterFactory, wait_event, wait_until
 from router_engine_double import expected_text
+from router_harness import EngineFactory, RouterFactory, wait_event, wait_until
 
-from dllm_connector.router.openai import CHAT, COMPLETIONS
 from dllm_contract.pd_params import DecodeParams, PrefillParams
+from dllm_router.openai import CHAT, COMPLETIONS
 
 pytestmark = pytest.mark.timeout(20)
 

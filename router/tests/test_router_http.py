@@ -10,13 +10,13 @@ import asyncio
 import json
 
 import pytest
-from conftest import EngineFactory, RouterFactory, RunningRouter, wait_event, wait_until
 from raw_client import Answer, RawClient, completion, post
 from router_engine_double import expected_text
+from router_harness import EngineFactory, RouterFactory, RunningRouter, wait_event, wait_until
 
-from dllm_connector.router import httpserver
-from dllm_connector.router.httpserver import HttpServer, Request, Response, StreamWriter
-from dllm_connector.router.openai import COMPLETIONS
+from dllm_router import httpserver
+from dllm_router.httpserver import HttpServer, Request, Response, StreamWriter
+from dllm_router.openai import COMPLETIONS
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -14,10 +14,10 @@ import sys
 
 import aiohttp
 import pytest
-from conftest import EngineFactory
 from router_engine_double import expected_text
+from router_harness import EngineFactory
 
-from dllm_connector.router.__main__ import LOG_FORMAT, BatchedStreamHandler, _Formatter, direct_access_line
+from dllm_router.__main__ import LOG_FORMAT, BatchedStreamHandler, _Formatter, direct_access_line
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -55,7 +55,7 @@ async def test_router_process_serves_and_stops_on_sigterm(
     port = free_port()
     env = {**os.environ, "DLLM_ROUTER_DECODE_URL": d.url, "DLLM_ROUTER_LOG_LEVEL": "info"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dllm_connector.router",
+        sys.executable, "-m", "dllm_router",
         "--host", "127.0.0.1", "--port", str(port), "--flow", "dllm", "--prefill-url", p.url,
         "--event-loop", event_loop, env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -84,7 +84,7 @@ async def test_router_process_serves_and_stops_on_sigterm(
 
 async def test_router_process_refuses_bad_config_with_exit_2() -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dllm_connector.router", "--flow", "dllm", "--prefill-dns", "p:8000",
+        sys.executable, "-m", "dllm_router", "--flow", "dllm", "--prefill-dns", "p:8000",
         env={**os.environ, "DLLM_ROUTER_DECODE_DNS": "bad"}, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     _, err = await asyncio.wait_for(proc.communicate(), 15)
@@ -102,7 +102,7 @@ async def test_sigterm_lets_in_flight_requests_finish(
     d.hold = asyncio.Event()
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "dllm_router", "--host", "127.0.0.1", "--port", str(port),
         "--flow", "dllm", "--prefill-url", p.url, "--decode-url", d.url,
         env={**os.environ, "DLLM_ROUTER_LOG_LEVEL": "info"}, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
@@ -133,7 +133,7 @@ async def test_drain_seconds_bounds_how_long_sigterm_waits(
     port = free_port()
     env = {**os.environ, "DLLM_ROUTER_LOG_LEVEL": "info", "DLLM_ROUTER_DRAIN_SECONDS": "0.5"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "dllm_router", "--host", "127.0.0.1", "--port", str(port),
         "--flow", "dllm", "--prefill-url", p.url, "--decode-url", d.url,
         env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

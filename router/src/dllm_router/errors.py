@@ -7,9 +7,9 @@ import json
 from random import getrandbits
 from typing import Any
 
-from dllm_connector.router import openai as oa
-from dllm_connector.router.endpoints import Endpoint
-from dllm_connector.router.httpserver import Request
+from dllm_router import openai as oa
+from dllm_router.endpoints import Endpoint
+from dllm_router.httpserver import Request
 
 
 class RouterError(Exception):

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from dllm_connector.router.upstream import (
+from dllm_router.upstream import (
     BadResponse,
     Call,
     ConnectFailed,

@@ -10,11 +10,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
-from conftest import WAIT_S, wait_event, wait_until
 from raw_client import RawClient
+from router_harness import WAIT_S, wait_event, wait_until
 
-from dllm_connector.router import httpserver
-from dllm_connector.router.httpserver import MAX_HEAD, HttpServer, Request, Response, StreamWriter
+from dllm_router import httpserver
+from dllm_router.httpserver import MAX_HEAD, HttpServer, Request, Response, StreamWriter
 
 pytestmark = pytest.mark.timeout(30)
 ANSWER = b"y" * 8192  # one answer of /big

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from dllm_connector.router.jsonshape import TooComplex, check_shape
+from dllm_router.jsonshape import TooComplex, check_shape
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"

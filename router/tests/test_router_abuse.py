@@ -2,7 +2,7 @@
 refusal bounded: slowloris heads, an unterminated header, pipelining without reading, bodies over the
 limit or too costly to parse, and connection number N+1.
 
-The router runs as the operator runs it (`python -m dllm_connector.router`, flags); its engines are a
+The router runs as the operator runs it (`python -m dllm_router`, flags); its engines are a
 port that refuses connections, since nothing here must reach an engine. RSS is read from /proc.
 """
 
@@ -89,7 +89,7 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
         nobody.bind(("127.0.0.1", 0))
         engine = f"http://127.0.0.1:{nobody.getsockname()[1]}"
         argv = [
-            sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1", "--port", "0",
+            sys.executable, "-m", "dllm_router", "--host", "127.0.0.1", "--port", "0",
             "--flow", "dllm", "--prefill-url", engine, "--decode-url", engine, "--log-level", "info",
             "--max-connections", str(MAX_CONNECTIONS), "--head-timeout-s", str(HEAD_TIMEOUT_S),
             "--body-timeout-s", str(BODY_TIMEOUT_S), "--health-interval-s", "60",

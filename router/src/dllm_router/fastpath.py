@@ -21,15 +21,15 @@ import logging
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
-from dllm_connector.router import openai as oa
-from dllm_connector.router.endpoints import Endpoint
-from dllm_connector.router.errors import RouterError, Unreachable, pod_error, prefill_answer
-from dllm_connector.router.httpserver import Pending, Request, Response
-from dllm_connector.router.upstream import Call
+from dllm_router import openai as oa
+from dllm_router.endpoints import Endpoint
+from dllm_router.errors import RouterError, Unreachable, pod_error, prefill_answer
+from dllm_router.httpserver import Pending, Request, Response
+from dllm_router.upstream import Call
 
 if TYPE_CHECKING:
-    from dllm_connector.router.httpserver import _Connection
-    from dllm_connector.router.server import Router
+    from dllm_router.httpserver import _Connection
+    from dllm_router.server import Router
 
 log = logging.getLogger("dllm.router")
 JsonObject = dict[str, Any]

@@ -7,9 +7,9 @@ import json
 import socket
 from dataclasses import dataclass
 
-from conftest import WAIT_S, RunningRouter
+from router_harness import WAIT_S, RunningRouter
 
-from dllm_connector.router.openai import COMPLETIONS
+from dllm_router.openai import COMPLETIONS
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dllm_connector.router.__main__ import main
-from dllm_connector.router.config import ConfigError, RouterConfig, Upstreams, env_name, parse_config
+from dllm_router.__main__ import main
+from dllm_router.config import ConfigError, RouterConfig, Upstreams, env_name, parse_config
 
 pytestmark = pytest.mark.timeout(10)
 

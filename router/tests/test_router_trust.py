@@ -13,11 +13,11 @@ import logging
 from typing import Any
 
 import pytest
-from conftest import EngineFactory, RouterFactory, RunningRouter
 from router_engine_double import FakeVllmEngine, expected_text
+from router_harness import EngineFactory, RouterFactory, RunningRouter
 
-from dllm_connector.router.config import FLOWS, Flow
-from dllm_connector.router.openai import CHAT, COMPLETIONS
+from dllm_router.config import FLOWS, Flow
+from dllm_router.openai import CHAT, COMPLETIONS
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from dllm_connector.router.endpoints import DnsSource, Pool, StaticSource, resolve_host
+from dllm_router.endpoints import DnsSource, Pool, StaticSource, resolve_host
 
 pytestmark = pytest.mark.timeout(10)
 

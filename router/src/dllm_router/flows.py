@@ -14,8 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dllm_connector.router.config import Flow, RouterConfig
 from dllm_contract.pd_params import MAX_TRANSFER_ID, DecodeParams, PrefillParams, new_transfer_id
+from dllm_router.config import Flow, RouterConfig
 
 JsonObject = dict[str, Any]
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from typing import Any, TextIO
 
-from dllm_connector.router.config import ConfigError, RouterConfig, parse_config
-from dllm_connector.router.server import Router, serve
+from dllm_router.config import ConfigError, RouterConfig, parse_config
+from dllm_router.server import Router, serve
 
 log = logging.getLogger("dllm.router")
 LOG_FLUSH_S = 0.1  # log lines written while serving reach stderr in one write per this interval

@@ -13,13 +13,13 @@ import tracemalloc
 from collections.abc import Callable
 
 import pytest
-from conftest import EngineFactory, RouterFactory, wait_until
+from router_harness import EngineFactory, RouterFactory, wait_until
 
-from dllm_connector.router import jsonshape
-from dllm_connector.router import openai as oa
-from dllm_connector.router.jsonshape import TooComplex, check_shape
-from dllm_connector.router.openai import COMPLETIONS
-from dllm_connector.router.upstream import chunk_size
+from dllm_router import jsonshape
+from dllm_router import openai as oa
+from dllm_router.jsonshape import TooComplex, check_shape
+from dllm_router.openai import COMPLETIONS
+from dllm_router.upstream import chunk_size
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -25,11 +25,11 @@ from typing import Any
 
 import aiohttp
 
-from dllm_connector.router import flows
-from dllm_connector.router import openai as oa
-from dllm_connector.router.config import RouterConfig
-from dllm_connector.router.endpoints import AddressSource, Endpoint, Pool, scheme_of, source_for
-from dllm_connector.router.errors import (
+from dllm_router import flows
+from dllm_router import openai as oa
+from dllm_router.config import RouterConfig
+from dllm_router.endpoints import AddressSource, Endpoint, Pool, scheme_of, source_for
+from dllm_router.errors import (
     RouterError,
     Unreachable,
     header_value,
@@ -38,12 +38,12 @@ from dllm_connector.router.errors import (
     request_id,
     request_id_or_new,
 )
-from dllm_connector.router.fastpath import FastExchange
-from dllm_connector.router.httpserver import FastHandler, Handler, HttpServer, Request, Response, StreamWriter
-from dllm_connector.router.httpserver import _Connection as Connection
-from dllm_connector.router.metrics import Metrics
-from dllm_connector.router.upstream import ConnectFailed, Deadlines, UpstreamError, UpstreamPool
-from dllm_connector.router.upstream import Response as UpstreamResponse
+from dllm_router.fastpath import FastExchange
+from dllm_router.httpserver import FastHandler, Handler, HttpServer, Request, Response, StreamWriter
+from dllm_router.httpserver import _Connection as Connection
+from dllm_router.metrics import Metrics
+from dllm_router.upstream import ConnectFailed, Deadlines, UpstreamError, UpstreamPool
+from dllm_router.upstream import Response as UpstreamResponse
 
 log = logging.getLogger("dllm.router")
 JsonObject = dict[str, Any]

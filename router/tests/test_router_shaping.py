@@ -7,10 +7,10 @@ import re
 
 import pytest
 
-from dllm_connector.router import flows
-from dllm_connector.router import openai as oa
-from dllm_connector.router.config import RouterConfig, Upstreams
 from dllm_contract.pd_params import DecodeParams, PrefillParams
+from dllm_router import flows
+from dllm_router import openai as oa
+from dllm_router.config import RouterConfig, Upstreams
 
 pytestmark = pytest.mark.timeout(10)
 

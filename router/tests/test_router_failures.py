@@ -7,10 +7,10 @@ import json
 
 import aiohttp
 import pytest
-from conftest import EngineFactory, RouterFactory, wait_event, wait_until
 from router_engine_double import expected_text
+from router_harness import EngineFactory, RouterFactory, wait_event, wait_until
 
-from dllm_connector.router.openai import CHAT, COMPLETIONS
+from dllm_router.openai import CHAT, COMPLETIONS
 
 pytestmark = pytest.mark.timeout(20)
 

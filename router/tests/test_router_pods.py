@@ -7,12 +7,12 @@ import json
 from collections import Counter
 
 import pytest
-from conftest import EngineFactory, MutableSource, RouterFactory, wait_until
 from router_engine_double import expected_text
+from router_harness import EngineFactory, MutableSource, RouterFactory, wait_until
 
-from dllm_connector.router.config import Upstreams
-from dllm_connector.router.endpoints import DnsSource
-from dllm_connector.router.openai import COMPLETIONS
+from dllm_router.config import Upstreams
+from dllm_router.endpoints import DnsSource
+from dllm_router.openai import COMPLETIONS
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -10,14 +10,14 @@ import json
 from typing import Any
 
 import pytest
-from conftest import EngineFactory, MutableSource, RouterFactory, RunningRouter, wait_event, wait_until
 from raw_client import RawClient, completion, post
 from router_engine_double import FakeVllmEngine, expected_text
+from router_harness import EngineFactory, MutableSource, RouterFactory, RunningRouter, wait_event, wait_until
 
-from dllm_connector.router.metrics import Histogram
-from dllm_connector.router.openai import CHAT, COMPLETIONS
-from dllm_connector.router.server import Router
 from dllm_contract.pd_params import DecodeParams, PrefillParams
+from dllm_router.metrics import Histogram
+from dllm_router.openai import CHAT, COMPLETIONS
+from dllm_router.server import Router
 
 pytestmark = pytest.mark.timeout(20)
 FLOWS = ["nixl", "dllm"]
@@ -347,7 +347,7 @@ async def test_a_failing_step_answers_500_and_closes_the_connection(
     def broken(*_: object) -> bool:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("dllm_connector.router.openai.finished_at_prefill", broken)
+    monkeypatch.setattr("dllm_router.openai.finished_at_prefill", broken)
     c = await RawClient.to(r)
     c.send(post(completion("bug")))
     answer = await c.answer()

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from dllm_connector.router.config import Address, Upstreams
+from dllm_router.config import Address, Upstreams
 
 if TYPE_CHECKING:
-    from dllm_connector.router.upstream import UpstreamPool
+    from dllm_router.upstream import UpstreamPool
 
 log = logging.getLogger("dllm.router")
 
