@@ -7,15 +7,17 @@ sides cannot drift. Pure: pydantic only, no vLLM, torch or Kubernetes imports (t
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Self, TypeVar
+from typing import Annotated, Any, Self
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StringConstraints,
     ValidationError,
     model_serializer,
     model_validator,
@@ -64,11 +66,38 @@ CONNECTOR_CLASS: Mapping[Connector, str] = {
     Connector.PYNCCL: "DllmNcclConnector",
 }
 
-_E = TypeVar("_E", bound=StrEnum)
-
 Port = Annotated[int, Field(ge=1, le=65535)]
 PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonEmpty = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
+
+
+def _normalized(value: Any) -> Any:
+    """Enum values as a person types them in an env file: any case, stray blanks."""
+    return value.strip().lower() if isinstance(value, str) else value
+
+
+def _comma_list(value: Any) -> Any:
+    """MOONCAKE_RDMA_DEVICE's form, "mlx5_0,mlx5_1", as a tuple."""
+    if not isinstance(value, str):
+        return value
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+def _port_range(value: Any) -> Any:
+    """DLLM_KV_TRANSFER_PORTS's form, "LOW-HIGH", as a pair."""
+    if not isinstance(value, str):
+        return value
+    low, dash, high = value.strip().partition("-")
+    if not dash or not low.strip().isdigit() or not high.strip().isdigit():
+        raise ValueError("must be LOW-HIGH, two port numbers (e.g. 20000-20015)")
+    if problem := transfer_ports_problem(int(low), int(high)):
+        raise ValueError(problem)
+    return int(low), int(high)
+
+
+DeviceList = Annotated[tuple[str, ...], BeforeValidator(_comma_list)]
+PortRange = Annotated[tuple[Port, Port], BeforeValidator(_port_range)]
 
 # Linux's default ephemeral ports: Mooncake ignores a port range with an end in here (or below 1024)
 # and silently draws from 15000-17000 instead; outgoing connections take ports from here too. A
@@ -111,30 +140,61 @@ class CustomConnector(_Frozen):
     extra_config: dict[str, Any] = Field(default_factory=dict)
 
 
-class KVTransferSettings(_Frozen):
-    """Everything one engine needs to know about KV transfer."""
+# Each default once; the CRD, the typed API and the pipe take these.
+DEFAULT_KV_PORT = 50051
+DEFAULT_BUFFER_SIZE_GB = 4.0
+DEFAULT_TRANSFER_THRESHOLD_TOKENS = 1024
+DEFAULT_TRANSFER_TIMEOUT_MS = 5000
+DEFAULT_PREFILL_WAIT_MS = 60000
+DEFAULT_HOLD_SECONDS = 480
 
-    connector: Connector
-    role: Role
-    listen_port: Port
-    buffer_size_gb: PositiveFloat
-    compression: Compression = Compression.NONE
-    transfer_threshold_tokens: PositiveInt = 1024
-    transfer_timeout_ms: PositiveInt = 5000
-    prefill_wait_ms: PositiveInt | None = None
-    hold_seconds: PositiveInt | None = None
-    async_transfer: bool = True
-    load_failure_policy: LoadFailurePolicy = LoadFailurePolicy.FAIL
-    protocol: Protocol = Protocol.TCP
-    decode_host: str | None = None
-    decode_port: Port | None = None
-    rdma_devices: tuple[str, ...] = ()
-    gid_index: Annotated[int, Field(ge=0)] | None = None
+# What each kind of value allows, in the words an EnvContractError uses.
+_PORT = "a port number in 1..65535"
+_POSITIVE_WHOLE = "a whole number greater than 0"
+
+
+def _one_of(enum: type[StrEnum]) -> str:
+    return "one of " + ", ".join(member.value for member in enum)
+
+
+class KVTransferSettings(_Frozen):
+    """Everything one engine needs to know about KV transfer.
+
+    The operator builds it from the CR; `from_env` builds it from an engine's environment (strings,
+    in pydantic's lax mode). Each field's description says what it allows, for the error that names
+    its variable.
+    """
+
+    connector: Annotated[Connector, BeforeValidator(_normalized)] = Field(description=_one_of(Connector))
+    role: Annotated[Role, BeforeValidator(_normalized)] = Field(description=_one_of(Role))
+    listen_port: Port = Field(DEFAULT_KV_PORT, description=_PORT)
+    buffer_size_gb: PositiveFloat = Field(DEFAULT_BUFFER_SIZE_GB, description="a number of GB greater than 0")
+    compression: Annotated[Compression, BeforeValidator(_normalized)] = Field(
+        Compression.NONE, description=_one_of(Compression)
+    )
+    transfer_threshold_tokens: PositiveInt = Field(
+        DEFAULT_TRANSFER_THRESHOLD_TOKENS, description=_POSITIVE_WHOLE
+    )
+    transfer_timeout_ms: PositiveInt = Field(DEFAULT_TRANSFER_TIMEOUT_MS, description=_POSITIVE_WHOLE)
+    # Only the role that uses them carries them (decode waits, prefill holds); unset means the default.
+    prefill_wait_ms: PositiveInt | None = Field(None, description=_POSITIVE_WHOLE)
+    hold_seconds: PositiveInt | None = Field(None, description=_POSITIVE_WHOLE)
+    async_transfer: bool = Field(True, description="true or false")
+    load_failure_policy: Annotated[LoadFailurePolicy, BeforeValidator(_normalized)] = Field(
+        LoadFailurePolicy.FAIL, description=_one_of(LoadFailurePolicy)
+    )
+    protocol: Annotated[Protocol, BeforeValidator(_normalized)] = Field(
+        Protocol.TCP, description=_one_of(Protocol)
+    )
+    decode_host: NonEmpty | None = Field(None, description="a host name or address")
+    decode_port: Port | None = Field(None, description=_PORT)
+    rdma_devices: DeviceList = Field((), description="device names, comma-separated")
+    gid_index: Annotated[int, Field(ge=0)] | None = Field(None, description="a whole number, 0 or more")
     custom: CustomConnector | None = None
-    transfer_ports: tuple[Port, Port] | None = None
+    transfer_ports: PortRange | None = Field(None, description="LOW-HIGH, two port numbers")
     # Known only inside the pod (downward API); the operator renders them as fieldRefs.
-    host_ip: str | None = None
-    engine_id: str | None = None
+    host_ip: NonEmpty | None = Field(None, description="an address")
+    engine_id: NonEmpty | None = Field(None, description="a name")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Self:
@@ -191,10 +251,8 @@ class ConnectorExtraConfig(_Frozen):
         return dumped
 
 
-DEFAULT_PREFILL_WAIT_MS = 60000
 # The shortest DLLM_KV_AUTH_TOKEN (transport.sidechannel.PeerAuth checks the same).
 MIN_TOKEN_CHARS = 32
-DEFAULT_HOLD_SECONDS = 480
 
 
 # ---- the environment contract -------------------------------------------------------------------
@@ -309,84 +367,36 @@ def to_env(settings: KVTransferSettings) -> dict[str, str]:
     return {name: value for name, value in env.items() if value is not None}
 
 
-def _choice(enum: type[_E]) -> Callable[[str], _E]:
-    def parse(raw: str) -> _E:
-        try:
-            return enum(raw.strip().lower())
-        except ValueError:
-            allowed = ", ".join(member.value for member in enum)
-            raise ValueError(f"must be one of {allowed}") from None
+# variable -> settings field, in the order a bad variable is reported (the first one wins).
+ENV_FIELDS: Mapping[str, str] = {
+    ENV_CONNECTOR: "connector",
+    ENV_ROLE: "role",
+    ENV_LISTEN_PORT: "listen_port",
+    ENV_DECODE_IP: "decode_host",
+    ENV_DECODE_PORT: "decode_port",
+    ENV_BUFFER_SIZE_GB: "buffer_size_gb",
+    ENV_COMPRESSION: "compression",
+    ENV_THRESHOLD: "transfer_threshold_tokens",
+    ENV_TIMEOUT_MS: "transfer_timeout_ms",
+    ENV_PREFILL_WAIT_MS: "prefill_wait_ms",
+    ENV_HOLD_SECONDS: "hold_seconds",
+    ENV_ASYNC: "async_transfer",
+    ENV_LOAD_FAILURE_POLICY: "load_failure_policy",
+    ENV_PROTOCOL: "protocol",
+    ENV_RDMA_DEVICE: "rdma_devices",
+    ENV_GID_INDEX: "gid_index",
+    ENV_HOST_IP: "host_ip",
+    ENV_ENGINE_ID: "engine_id",
+    ENV_TRANSFER_PORTS: "transfer_ports",
+}
+_VARIABLE = {field: name for name, field in ENV_FIELDS.items()}
+_ORDER = {field: index for index, field in enumerate(ENV_FIELDS.values())}
+_REQUIRED_ENV = (ENV_CONNECTOR, ENV_ROLE)
 
-    return parse
-
-
-def _port(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError("must be a port number in 1..65535") from None
-    if not 1 <= value <= 65535:
-        raise ValueError("must be a port number in 1..65535")
-    return value
-
-
-def _positive_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError("must be a whole number greater than 0") from None
-    if value <= 0:
-        raise ValueError("must be a whole number greater than 0")
-    return value
-
-
-def _non_negative_int(raw: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError("must be a whole number, 0 or more") from None
-    if value < 0:
-        raise ValueError("must be a whole number, 0 or more")
-    return value
-
-
-def _positive_float(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError("must be a number of GB greater than 0") from None
-    if not (0 < value < float("inf")):  # also refuses NaN
-        raise ValueError("must be a number of GB greater than 0")
-    return value
-
-
-def _bool(raw: str) -> bool:
-    lowered = raw.strip().lower()
-    if lowered in ("true", "1", "yes"):
-        return True
-    if lowered in ("false", "0", "no"):
-        return False
-    raise ValueError("must be true or false")
-
-
-def _non_empty(raw: str) -> str:
-    if not raw.strip():
-        raise ValueError("must not be empty")
-    return raw.strip()
-
-
-def _device_list(raw: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in raw.split(",") if part.strip())
-
-
-def _port_range(raw: str) -> tuple[int, int]:
-    low, dash, high = raw.strip().partition("-")
-    if not dash or not low.strip().isdigit() or not high.strip().isdigit():
-        raise ValueError("must be LOW-HIGH, two port numbers (e.g. 20000-20015)")
-    ports = int(low), int(high)
-    if problem := transfer_ports_problem(*ports):
-        raise ValueError(problem)
-    return ports
+# The seed's compose file runs Mooncake as a service of its own, configured by MOONCAKE_RDMA_DEVICE
+# and this; the engine embeds Mooncake here, so an engine given the service's settings takes them.
+ENV_MOONCAKE_BUFFER_SIZE = "MOONCAKE_BUFFER_SIZE"
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 
 def _json_object(raw: str) -> dict[str, Any]:
@@ -399,35 +409,17 @@ def _json_object(raw: str) -> dict[str, Any]:
     return value
 
 
-# variable -> (settings field, parser); read in this order so the first bad variable is reported.
-_ENV_FIELDS: tuple[tuple[str, str, Callable[[str], Any]], ...] = (
-    (ENV_CONNECTOR, "connector", _choice(Connector)),
-    (ENV_ROLE, "role", _choice(Role)),
-    (ENV_LISTEN_PORT, "listen_port", _port),
-    (ENV_DECODE_IP, "decode_host", _non_empty),
-    (ENV_DECODE_PORT, "decode_port", _port),
-    (ENV_BUFFER_SIZE_GB, "buffer_size_gb", _positive_float),
-    (ENV_COMPRESSION, "compression", _choice(Compression)),
-    (ENV_THRESHOLD, "transfer_threshold_tokens", _positive_int),
-    (ENV_TIMEOUT_MS, "transfer_timeout_ms", _positive_int),
-    (ENV_PREFILL_WAIT_MS, "prefill_wait_ms", _positive_int),
-    (ENV_HOLD_SECONDS, "hold_seconds", _positive_int),
-    (ENV_ASYNC, "async_transfer", _bool),
-    (ENV_LOAD_FAILURE_POLICY, "load_failure_policy", _choice(LoadFailurePolicy)),
-    (ENV_PROTOCOL, "protocol", _choice(Protocol)),
-    (ENV_RDMA_DEVICE, "rdma_devices", _device_list),
-    (ENV_GID_INDEX, "gid_index", _non_negative_int),
-    (ENV_HOST_IP, "host_ip", _non_empty),
-    (ENV_ENGINE_ID, "engine_id", _non_empty),
-    (ENV_TRANSFER_PORTS, "transfer_ports", _port_range),
-)
-_REQUIRED_ENV = (ENV_CONNECTOR, ENV_ROLE, ENV_LISTEN_PORT, ENV_BUFFER_SIZE_GB)
-_REQUIRED_HINT = {
-    ENV_CONNECTOR: "one of " + ", ".join(c.value for c in Connector),
-    ENV_ROLE: "one of " + ", ".join(r.value for r in Role),
-    ENV_LISTEN_PORT: "a port number in 1..65535",
-    ENV_BUFFER_SIZE_GB: "a number of GB greater than 0",
-}
+def _size_gb(raw: str) -> float:
+    """MOONCAKE_BUFFER_SIZE ("16G", "512M", "16GiB" or bytes) in the contract's GB (2^30 bytes)."""
+    text = raw.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _SIZE_UNITS else (text, "")
+    try:
+        size = float(number) * _SIZE_UNITS[unit] / _SIZE_UNITS["G"]
+    except ValueError:
+        raise ValueError("must be a size such as 16G, 512M or a number of bytes") from None
+    if not 0 < size < float("inf"):
+        raise ValueError("must be a size greater than 0, such as 16G")
+    return size
 
 
 def _parse_custom(env: Mapping[str, str]) -> CustomConnector | None:
@@ -448,36 +440,55 @@ def _parse_custom(env: Mapping[str, str]) -> CustomConnector | None:
     return CustomConnector(connector_class=connector_class, module_path=module, extra_config=extra)
 
 
+def _allows(field: str) -> str:
+    return KVTransferSettings.model_fields[field].description or "a valid value"
+
+
 def from_env(env: Mapping[str, str]) -> KVTransferSettings:
-    """Parse the contract from an environment; raises EnvContractError naming the variable."""
+    """Parse the contract from an environment; raises EnvContractError naming the variable.
+
+    What the seed's compose file leaves out has a default (api.md): the KV port, the buffer, and for
+    prefill the decode port; a compose env written for Mooncake's own service (MOONCAKE_BUFFER_SIZE,
+    MOONCAKE_RDMA_DEVICE without MOONCAKE_PROTOCOL, which then means RDMA) is understood too.
+    """
     for name in _REQUIRED_ENV:
         if not env.get(name, "").strip():
-            raise EnvContractError(name, f"required but not set ({_REQUIRED_HINT[name]})")
-    values: dict[str, Any] = {}
-    for name, field, parse in _ENV_FIELDS:
-        raw = env.get(name)
-        if raw is None or raw == "":
-            continue
+            raise EnvContractError(name, f"required but not set ({_allows(ENV_FIELDS[name])})")
+    values: dict[str, Any] = {field: env[name] for name, field in ENV_FIELDS.items() if env.get(name)}
+    if "buffer_size_gb" not in values and (size := env.get(ENV_MOONCAKE_BUFFER_SIZE)):
         try:
-            values[field] = parse(raw)
+            values["buffer_size_gb"] = _size_gb(size)
         except ValueError as error:
-            raise EnvContractError(name, f"{raw!r} {error}") from None
+            raise EnvContractError(ENV_MOONCAKE_BUFFER_SIZE, f"{size!r} {error}") from None
+    if "protocol" not in values and env.get(ENV_RDMA_DEVICE, "").strip():
+        values["protocol"] = Protocol.RDMA
     values["custom"] = _parse_custom(env)
-    _require_peer_for_prefill(values)
+    _require_peer_for_prefill(env, values)
     side_channel_token(env)  # refused here, at engine start, not at the first transfer
     try:
-        return KVTransferSettings(**values)
-    except ValidationError as error:  # pragma: no cover - every field was checked above
-        raise EnvContractError("VLLM_KV_*", str(error)) from None
+        return KVTransferSettings.model_validate(values)
+    except ValidationError as error:
+        raise _naming_the_variable(error, env) from None
 
 
-def _require_peer_for_prefill(values: Mapping[str, Any]) -> None:
-    if values["role"] is not Role.PREFILL or values["connector"] is Connector.CUSTOM:
+def _naming_the_variable(error: ValidationError, env: Mapping[str, str]) -> EnvContractError:
+    """The first bad variable, in ENV_FIELDS order, with its value and what it allows."""
+    problems = [p for p in error.errors() if p["loc"] and p["loc"][0] in _VARIABLE]
+    if not problems:
+        return EnvContractError("VLLM_KV_*", "; ".join(p["msg"] for p in error.errors()))
+    problem = min(problems, key=lambda p: _ORDER[str(p["loc"][0])])
+    field = str(problem["loc"][0])
+    own = problem["type"] == "value_error"  # raised by this module, already in the contract's words
+    reason = problem["msg"].removeprefix("Value error, ") if own else f"must be {_allows(field)}"
+    return EnvContractError(_VARIABLE[field], f"{env[_VARIABLE[field]]!r} {reason}")
+
+
+def _require_peer_for_prefill(env: Mapping[str, str], values: dict[str, Any]) -> None:
+    if env[ENV_ROLE].strip().lower() != Role.PREFILL.value or values["custom"] is not None:
         return
     if "decode_host" not in values:
         raise EnvContractError(ENV_DECODE_IP, "required when VLLM_KV_ROLE=prefill: the decode peer address")
-    if "decode_port" not in values:
-        raise EnvContractError(ENV_DECODE_PORT, "required when VLLM_KV_ROLE=prefill: the decode KV port")
+    values.setdefault("decode_port", DEFAULT_KV_PORT)
 
 
 def side_channel_token(env: Mapping[str, str]) -> str | None:
