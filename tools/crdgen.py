@@ -31,6 +31,11 @@ QUANTITY_PATTERN = (
 )
 MAX_ITEMS = 64
 MAX_NAME = 253
+OPTED_IN = "namespaces an admin labelled dllm.dev/allow-privileged-engines=true"
+CONTROL_PLANE_NOTE = (
+    "The chart's admission policy refuses node-role.kubernetes.io/control-plane (or master) here, and "
+    f"tolerating that taint, outside {OPTED_IN}."
+)
 
 
 def string(description: str, max_length: int = MAX_NAME, **extra: Any) -> Schema:
@@ -398,7 +403,8 @@ def resources_schema() -> Schema:
 def tolerations_schema(pods: str = "engine") -> Schema:
     return {
         "type": "array",
-        "description": f"core/v1 Tolerations of the {pods} pods.",
+        "description": f"core/v1 Tolerations of the {pods} pods. The chart's admission policy refuses a "
+        f"toleration without a key, or of the control-plane taint, outside {OPTED_IN}.",
         "maxItems": MAX_ITEMS,
         "items": obj(
             "A toleration.",
@@ -413,6 +419,48 @@ def tolerations_schema(pods: str = "engine") -> Schema:
             },
         ),
     }
+
+
+def security_context_schema() -> Schema:
+    ids = "Kubernetes ids are int32"
+    return obj(
+        "Pod securityContext fields over the operator's (non-root uid 10001 with fsGroup 10001 and "
+        "seccomp RuntimeDefault; root only where rdma adds a capability). Identities and the seccomp "
+        "profile only: nothing here can make a container privileged, add capabilities or allow "
+        "privilege escalation.",
+        {
+            "runAsUser": integer(
+                f"uid of the engine processes (not 0; {ids}). Not with an rdma capability "
+                "(ipcLock, hostDevices), which reaches only root.",
+                1,
+                2**31 - 1,
+            ),
+            "runAsGroup": integer(f"Primary gid of the engine processes ({ids}).", 0, 2**31 - 1),
+            "fsGroup": integer(f"gid that owns the pod's volumes ({ids}).", 0, 2**31 - 1),
+            "seccompProfile": obj(
+                "Seccomp profile: RuntimeDefault, or Localhost with a profile file on the node "
+                "(never Unconfined).",
+                {
+                    "type": enum("RuntimeDefault or Localhost.", ["RuntimeDefault", "Localhost"]),
+                    "localhostProfile": string(
+                        "Profile path relative to the kubelet's seccomp directory; with Localhost only.",
+                        4096,
+                        minLength=1,
+                    ),
+                },
+                required=["type"],
+                **{
+                    "x-kubernetes-validations": [
+                        {
+                            "rule": "(self.type == 'Localhost') == has(self.localhostProfile)",
+                            "message": "localhostProfile is required when type is Localhost, and only then",
+                            "fieldPath": ".localhostProfile",
+                        }
+                    ]
+                },
+            ),
+        },
+    )
 
 
 def role_schema(role: str, defaults: dict[str, Any]) -> Schema:
@@ -447,11 +495,12 @@ def role_schema(role: str, defaults: dict[str, Any]) -> Schema:
             "resources": resources_schema(),
             "env": env_var_schema(),
             "extraArgs": string_list("Extra vLLM arguments, appended after the operator's.", 1024),
-            "nodeSelector": string_map("Node labels the engine pods require."),
+            "nodeSelector": string_map(f"Node labels the engine pods require. {CONTROL_PLANE_NOTE}"),
             "tolerations": tolerations_schema(),
             "affinity": passthrough(
                 "core/v1 Affinity, passed through to the pod spec as is. The API server does not check it "
-                "here: a bad affinity shows as Degraded on this resource, not as an error at apply."
+                "here: a bad affinity shows as Degraded on this resource, not as an error at apply. "
+                "Node affinity onto control-plane nodes needs an opted-in namespace (as nodeSelector)."
             ),
             "topologySpreadConstraints": {
                 "type": "array",
@@ -460,7 +509,10 @@ def role_schema(role: str, defaults: dict[str, Any]) -> Schema:
                 "maxItems": 16,
                 "items": passthrough("A topology spread constraint."),
             },
-            "priorityClassName": string("PriorityClass of the engine pods."),
+            "priorityClassName": string(
+                "PriorityClass of the engine pods. The chart's admission policy refuses the system- "
+                f"classes (they preempt every other pod) outside {OPTED_IN}."
+            ),
             "terminationGracePeriodSeconds": integer(
                 "Seconds a pod gets to drain in-flight requests on deletion (preStop first).",
                 0,
@@ -470,6 +522,7 @@ def role_schema(role: str, defaults: dict[str, Any]) -> Schema:
             "shmSizeLimit": quantity("Size of the memory-backed /dev/shm.", default="16Gi"),
             "podLabels": string_map("Extra pod labels (never used in selectors)."),
             "podAnnotations": string_map("Extra pod annotations."),
+            "securityContext": security_context_schema(),
         },
         default={},
     )
@@ -495,7 +548,7 @@ def router_schema() -> Schema:
             ),
             "image": string("Router image; default the operator's.", 512),
             "resources": resources_schema(),
-            "nodeSelector": string_map("Node labels the router pods require."),
+            "nodeSelector": string_map(f"Node labels the router pods require. {CONTROL_PLANE_NOTE}"),
             "tolerations": tolerations_schema("router"),
             "terminationGracePeriodSeconds": integer(
                 "Seconds a router pod gets on deletion: a 5 s preStop sleep (endpoints catch up), then "
@@ -569,6 +622,18 @@ def spec_schema() -> Schema:
         }
         for role in ("prefill", "decode")
     ]
+    root_rules = [
+        {
+            "rule": f"!has(self.{role}) || !has(self.{role}.securityContext) || "
+            f"!has(self.{role}.securityContext.runAsUser) || !has(self.rdma) || !has(self.rdma.enabled) || "
+            "!self.rdma.enabled || ((has(self.rdma.ipcLock) && !self.rdma.ipcLock) && "
+            "(!has(self.rdma.mode) || self.rdma.mode != 'hostDevices'))",
+            "message": "runAsUser may not be set while rdma adds a capability (ipcLock, hostDevices): "
+            "capabilities reach only root; set rdma.ipcLock false in devicePlugin mode",
+            "fieldPath": f".{role}.securityContext.runAsUser",
+        }
+        for role in ("prefill", "decode")
+    ]
     return obj(
         "The desired prefill/decode topology.",
         {
@@ -580,11 +645,17 @@ def spec_schema() -> Schema:
             ),
             "imagePullSecrets": {
                 "type": "array",
-                "description": "Secrets for pulling the images, by name.",
+                "description": "Secrets of this namespace for pulling the images, by name: the kubelet "
+                "uses them to pull, the pods never see their contents.",
                 "maxItems": 16,
                 "items": obj("A Secret reference.", {"name": string("Secret name.")}, required=["name"]),
             },
-            "serviceAccountName": string("ServiceAccount of the engine pods; default: the namespace's."),
+            "serviceAccountName": string(
+                "ServiceAccount of the engine pods; default: the namespace's default. The engines mount "
+                "no token either way, but they run this resource's image and arguments with the account's "
+                f"identity (its pull secrets, cloud workload identity): the chart's admission policy refuses "
+                f"any other account outside {OPTED_IN}."
+            ),
             "kvTransfer": kv_transfer_schema(),
             "rdma": rdma_schema(),
             "prefill": role_schema("prefill", {"maxNumSeqs": 64, "maxNumBatchedTokens": 8192}),
@@ -605,6 +676,7 @@ def spec_schema() -> Schema:
                     "fieldPath": ".kvTransfer.protocol",
                 },
                 *chunked_rules,
+                *root_rules,
             ]
         },
     )

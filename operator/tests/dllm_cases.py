@@ -123,6 +123,61 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         spec(kvTransfer={"loadFailurePolicy": "retry"}),
         "spec.kvTransfer.loadFailurePolicy",
     ),
+    # H7: a role's securityContext sets ids and seccomp only, never root or privilege.
+    (
+        "run-as-root",
+        spec(prefill={"securityContext": {"runAsUser": 0}}),
+        "spec.prefill.securityContext.runAsUser",
+    ),
+    (
+        "run-as-group-beyond-int32",
+        spec(decode={"securityContext": {"runAsGroup": 2**31}}),
+        "spec.decode.securityContext.runAsGroup",
+    ),
+    (
+        "negative-fs-group",
+        spec(decode={"securityContext": {"fsGroup": -1}}),
+        "spec.decode.securityContext.fsGroup",
+    ),
+    (
+        "privileged-security-context",
+        spec(decode={"securityContext": {"privileged": True}}),
+        "spec.decode.securityContext.privileged",
+    ),
+    (
+        "added-capabilities",
+        spec(prefill={"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}),
+        "spec.prefill.securityContext.capabilities",
+    ),
+    (
+        "privilege-escalation",
+        spec(prefill={"securityContext": {"allowPrivilegeEscalation": True}}),
+        "spec.prefill.securityContext.allowPrivilegeEscalation",
+    ),
+    (
+        "seccomp-unconfined",
+        spec(decode={"securityContext": {"seccompProfile": {"type": "Unconfined"}}}),
+        "spec.decode.securityContext.seccompProfile.type",
+    ),
+    (
+        "seccomp-localhost-without-profile",
+        spec(decode={"securityContext": {"seccompProfile": {"type": "Localhost"}}}),
+        "spec.decode.securityContext.seccompProfile.localhostProfile",
+    ),
+    (
+        "seccomp-profile-without-localhost",
+        spec(
+            prefill={
+                "securityContext": {"seccompProfile": {"type": "RuntimeDefault", "localhostProfile": "p"}}
+            }
+        ),
+        "spec.prefill.securityContext.seccompProfile.localhostProfile",
+    ),
+    (
+        "run-as-user-with-rdma-capability",
+        spec(rdma={"enabled": True}, decode={"securityContext": {"runAsUser": 2000}}),
+        "spec.decode.securityContext.runAsUser",
+    ),
 ]
 
 
@@ -133,6 +188,23 @@ MULTUS = {"k8s.v1.cni.cncf.io/networks": "x"}
 APPARMOR = {"container.apparmor.security.beta.kubernetes.io/vllm": "unconfined"}
 OTHER_SECRET = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "team-b", "key": "k"}}}]
 TOLERATE_ALL = [{"operator": "Exists"}]
+CONTROL_PLANE = "node-role.kubernetes.io/control-plane"
+TOLERATE_CONTROL_PLANE = [{"key": CONTROL_PLANE, "operator": "Exists", "effect": "NoSchedule"}]
+ONTO_CONTROL_PLANE = {
+    "nodeAffinity": {
+        "preferredDuringSchedulingIgnoredDuringExecution": [
+            {"weight": 1, "preference": {"matchExpressions": [{"key": "zone", "operator": "Exists"}]}},
+            {"weight": 1, "preference": {"matchExpressions": [{"key": CONTROL_PLANE, "operator": "Exists"}]}},
+        ]
+    }
+}
+OFF_CONTROL_PLANE = {
+    "nodeAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": {
+            "nodeSelectorTerms": [{"matchExpressions": [{"key": CONTROL_PLANE, "operator": "DoesNotExist"}]}]
+        }
+    }
+}
 PRIVILEGED: list[tuple[str, dict[str, Any], str]] = [
     ("host-network", {"rdma": {"enabled": True, "hostNetwork": True}}, "spec.rdma.hostNetwork"),
     ("host-devices", {"rdma": {"enabled": True, "mode": "hostDevices"}}, "spec.rdma.mode"),
@@ -142,6 +214,56 @@ PRIVILEGED: list[tuple[str, dict[str, Any], str]] = [
     ("tolerate-all", {"decode": {"tolerations": TOLERATE_ALL}}, "spec.decode.tolerations[0].key"),
     ("router-tolerate-all", {"router": {"tolerations": TOLERATE_ALL}}, "spec.router.tolerations[0].key"),
     ("foreign-network", {"rdma": {"enabled": True, "networks": ["kube-system/net"]}}, "spec.rdma.networks"),
+    ("service-account", {"serviceAccountName": "deployer"}, "spec.serviceAccountName"),
+    (
+        "system-priority",
+        {"prefill": {"priorityClassName": "system-cluster-critical"}},
+        "spec.prefill.priorityClassName",
+    ),
+    (
+        "node-critical-priority",
+        {"decode": {"priorityClassName": "system-node-critical"}},
+        "spec.decode.priorityClassName",
+    ),
+    ("control-plane-selector", {"decode": {"nodeSelector": {CONTROL_PLANE: ""}}}, "spec.decode.nodeSelector"),
+    (
+        "router-control-plane-selector",
+        {"router": {"nodeSelector": {"node-role.kubernetes.io/master": ""}}},
+        "spec.router.nodeSelector",
+    ),
+    ("control-plane-affinity", {"prefill": {"affinity": ONTO_CONTROL_PLANE}}, "spec.prefill.affinity"),
+    (
+        "control-plane-toleration",
+        {"prefill": {"tolerations": TOLERATE_CONTROL_PLANE}},
+        "spec.prefill.tolerations[0].key",
+    ),
+    (
+        "router-control-plane-toleration",
+        {"router": {"tolerations": TOLERATE_CONTROL_PLANE}},
+        "spec.router.tolerations[0].key",
+    ),
+]
+
+# Valid and not privileged: admitted everywhere (the namespace's default account, user priority classes,
+# affinity that keeps pods off control-plane nodes, a Secret for image pulls, bounded securityContext).
+UNPRIVILEGED: list[tuple[str, dict[str, Any]]] = [
+    ("default-service-account", {"serviceAccountName": "default"}),
+    ("user-priority", {"prefill": {"priorityClassName": "high-priority"}}),
+    ("off-control-plane", {"decode": {"affinity": OFF_CONTROL_PLANE}}),
+    ("pull-secret", {"imagePullSecrets": [{"name": "registry"}]}),
+    (
+        "security-context",
+        {
+            "decode": {
+                "securityContext": {
+                    "runAsUser": 2000,
+                    "runAsGroup": 2000,
+                    "fsGroup": 3000,
+                    "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/vllm.json"},
+                }
+            }
+        },
+    ),
 ]
 
 

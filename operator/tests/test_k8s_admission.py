@@ -10,7 +10,18 @@ from typing import Any
 
 import pytest
 import yaml
-from dllm_cases import INVALID, PRIVILEGED, ROOT, SAMPLES, invalid_body, load_cr, merged, minimal
+from dllm_cases import (
+    INVALID,
+    PRIVILEGED,
+    ROOT,
+    SAMPLES,
+    TOLERATE_CONTROL_PLANE,
+    UNPRIVILEGED,
+    invalid_body,
+    load_cr,
+    merged,
+    minimal,
+)
 from e2e.fixtures import Cluster, wait_until
 from e2e.operator_process import OperatorProcess
 from e2e.samples import cpu_sample_on_kwok
@@ -161,6 +172,96 @@ def test_privileged_engine_settings_need_the_namespace_opt_in(
         return [case for case, body in bodies.items() if create(cluster, namespace, body).returncode != 0]
 
     wait_until(lambda: not all_admitted(), 30, "every privileged ask admitted once the namespace opts in")
+
+
+def test_unprivileged_asks_need_no_opt_in(cluster: Cluster, namespace: str, engine_policy: str) -> None:
+    """The namespace's default ServiceAccount, a user PriorityClass, affinity away from control-plane
+    nodes, a pull Secret and a bounded securityContext pass the policy in an unlabelled namespace."""
+    for case, patch in UNPRIVILEGED:
+        result = create(cluster, namespace, merged(minimal(case), {"spec": patch}))
+        assert result.returncode == 0, f"{case}: {result.stderr}"
+
+
+def test_a_refused_resource_is_not_stored(cluster: Cluster, namespace: str, engine_policy: str) -> None:
+    for case, patch, path in PRIVILEGED:
+        body = json.dumps(merged(minimal(case), {"spec": patch}))
+        result = cluster.run("create", "-n", namespace, "-f", "-", input_text=body, check=False)
+        assert result.returncode != 0, case
+        assert path.split("[")[0] in result.stderr, f"{case}: {result.stderr}"
+    assert cluster.get_json("dllm", "-n", namespace)["items"] == []
+
+
+def test_operator_policy_refuses_naming_the_fields_and_creates_nothing(
+    cluster: Cluster, crd: str, namespace: str, tmp_path: Path
+) -> None:
+    """Without the chart's policy, an operator run with DLLM_ALLOW_PRIVILEGED_ENGINES=false reports the
+    resource invalid, naming each refused field, and makes none of its children; an unprivileged
+    resource beside it is served."""
+    env = {"DLLM_ALLOW_PRIVILEGED_ENGINES": "false"}
+    log = tmp_path / "operator.log"
+    operator = OperatorProcess(cluster.kubeconfig, [namespace], log, namespace, env=env).start()
+    privileged = {
+        "serviceAccountName": "deployer",
+        "prefill": {"priorityClassName": "system-cluster-critical"},
+        "router": {"tolerations": TOLERATE_CONTROL_PLANE},
+    }
+    try:
+        cluster.apply(
+            merged(cpu_sample_on_kwok(), {"metadata": {"name": "bad"}, "spec": privileged}), "-n", namespace
+        )
+        cluster.apply(cpu_sample_on_kwok(), "-n", namespace)
+
+        def ready_condition() -> dict[str, Any] | None:
+            conditions = (
+                cluster.get_json("dllm", "bad", "-n", namespace).get("status", {}).get("conditions", [])
+            )
+            return next((c for c in conditions if c["type"] == "Ready"), None)
+
+        ready = wait_until(ready_condition, 60, f"the invalid resource's status ({log})")
+        assert ready["reason"] == "InvalidSpec"
+        for field in (
+            "spec.serviceAccountName",
+            "spec.prefill.priorityClassName",
+            "spec.router.tolerations[0].key",
+        ):
+            assert field in ready["message"], ready["message"]
+
+        def names(kind: str) -> set[str]:
+            return {i["metadata"]["name"] for i in cluster.get_json(kind, "-n", namespace)["items"]}
+
+        wait_until(
+            lambda: "tiny-cpu-decode" in names("statefulsets"), 60, f"the valid resource's children ({log})"
+        )
+        for kind in ("statefulsets", "deployments", "services", "networkpolicies", "secrets"):
+            assert not {n for n in names(kind) if n.startswith("bad-")}, kind
+    finally:
+        operator.stop()
+
+
+def test_security_context_overrides_meet_pod_security_restricted(
+    cluster: Cluster, crd: str, namespace: str
+) -> None:
+    """A role's runAsUser, runAsGroup, fsGroup and Localhost seccomp profile keep its pods within
+    "restricted"; the same pod as root (what the CR cannot ask) is refused."""
+    cluster.run("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    patch = dict(UNPRIVILEGED)["security-context"]
+    body = merged(merged(minimal("ids"), {"metadata": {"namespace": namespace, "uid": "u"}}), {"spec": patch})
+    sts = next(
+        m
+        for m in render_all(parse(body))
+        if m["metadata"]["name"] == "ids-decode" and m["kind"] == "StatefulSet"
+    )
+    template = sts["spec"]["template"]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {**template["metadata"], "name": "ids"},
+        "spec": template["spec"],
+    }
+    result = create(cluster, namespace, pod)
+    assert result.returncode == 0, result.stderr
+    as_root = merged(pod, {"spec": {"securityContext": {"runAsUser": 0}}})
+    assert "runAsUser=0" in create(cluster, namespace, as_root).stderr
 
 
 def test_engine_pods_meet_pod_security_restricted(

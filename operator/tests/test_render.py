@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from dllm_cases import PRIVILEGED, ROOT, SAMPLES, load_cr, merged, minimal
+from dllm_cases import PRIVILEGED, ROOT, SAMPLES, UNPRIVILEGED, load_cr, merged, minimal
 
 from dllm_contract.kvconfig import CONTRACT_ENV_NAMES, DOWNWARD_API_ENV
 from dllm_operator.api import SpecInvalid, parse
@@ -402,6 +402,50 @@ def test_rdma_capabilities_decide_root() -> None:
     assert without["containers"][0]["resources"]["limits"]["rdma/hca_shared_devices_a"] == "1"
 
 
+def test_a_roles_security_context_sets_ids_and_seccomp_over_the_operators() -> None:
+    context = {
+        "runAsUser": 2000,
+        "runAsGroup": 2001,
+        "fsGroup": 3000,
+        "seccompProfile": {"type": "Localhost", "localhostProfile": "profiles/vllm.json"},
+    }
+    pods = engine_pods(rendered(merged(minimal(), {"spec": {"decode": {"securityContext": context}}})))
+    assert pods["decode"]["securityContext"] == {
+        **context,
+        "runAsNonRoot": True,
+        "fsGroupChangePolicy": "OnRootMismatch",
+    }
+    assert pods["prefill"]["securityContext"]["runAsUser"] == 10001  # the other role keeps the default
+    container = pods["decode"]["containers"][0]["securityContext"]
+    assert container == {
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "runAsNonRoot": True,
+    }
+    # With an RDMA capability the engines stay root; groups and seccomp still apply.
+    body = merged(
+        minimal(), {"spec": {"rdma": {"enabled": True}, "prefill": {"securityContext": {"fsGroup": 7}}}}
+    )
+    root = engine_pods(rendered(body))["prefill"]["securityContext"]
+    assert (root.get("runAsUser"), root["fsGroup"], root["seccompProfile"]) == (
+        None,
+        7,
+        {"type": "RuntimeDefault"},
+    )
+
+
+def test_engines_mount_no_service_account_token_and_use_the_default_account() -> None:
+    """Nothing in an engine or router pod calls the API: no token, and no account unless one is named."""
+    manifests = rendered(minimal())
+    for pod in [*engine_pods(manifests).values(), router_pod(manifests)]:
+        assert pod["automountServiceAccountToken"] is False
+        assert "serviceAccountName" not in pod
+    named = engine_pods(rendered(merged(minimal(), {"spec": {"serviceAccountName": "deployer"}})))
+    assert named["decode"]["serviceAccountName"] == "deployer"
+    assert named["decode"]["automountServiceAccountToken"] is False
+
+
 def router_pod(manifests: list[dict[str, Any]]) -> dict[str, Any]:
     return dict(of_kind(manifests, "Deployment")[0]["spec"]["template"]["spec"])
 
@@ -455,6 +499,14 @@ def test_operator_refuses_privileged_engines_when_configured(
     with pytest.raises(SpecInvalid) as refused:
         render_all(cr, OperatorConfig(allow_privileged_engines=False))
     assert path in [error.path for error in refused.value.errors], case
+
+
+@pytest.mark.parametrize(("case", "patch"), UNPRIVILEGED, ids=[c[0] for c in UNPRIVILEGED])
+def test_operator_that_refuses_privileged_engines_still_renders_unprivileged_asks(
+    case: str, patch: dict[str, Any]
+) -> None:
+    body = merged(merged(minimal(), {"metadata": {"namespace": "serving", "uid": UID}}), {"spec": patch})
+    assert render_all(parse(body), OperatorConfig(allow_privileged_engines=False)), case
 
 
 def test_hub_token_secret_stays_allowed_and_images_can_be_pinned_to_a_registry() -> None:

@@ -172,6 +172,25 @@ class Toleration(_Model):
 
 StringMap = Annotated[dict[str, Annotated[str, Field(max_length=4096)]], Field(max_length=64)]
 
+# Kubernetes ids are int32; uid 0 (root) is the operator's to choose (RDMA capabilities), never the CR's.
+UserId = Annotated[int, Field(ge=1, le=2**31 - 1)]
+GroupId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class SeccompProfile(_Model):
+    type: Literal["RuntimeDefault", "Localhost"]
+    localhost_profile: Annotated[str, Field(min_length=1, max_length=4096)] | None = None
+
+
+class EngineSecurityContext(_Model):
+    """The pod securityContext fields a CR may set (H7): identities and a seccomp profile. Nothing that
+    adds privilege (privileged, capabilities, allowPrivilegeEscalation, Unconfined) has a field here."""
+
+    run_as_user: UserId | None = None
+    run_as_group: GroupId | None = None
+    fs_group: GroupId | None = None
+    seccomp_profile: SeccompProfile | None = None
+
 
 class RoleSpec(_Model):
     replicas: Annotated[int, Field(ge=0, le=10000)] | None = None
@@ -194,6 +213,7 @@ class RoleSpec(_Model):
     shm_size_limit: Quantity = "16Gi"
     pod_labels: StringMap = Field(default_factory=dict)
     pod_annotations: StringMap = Field(default_factory=dict)
+    security_context: EngineSecurityContext = EngineSecurityContext()
 
     @field_validator("shm_size_limit")
     @classmethod
@@ -376,6 +396,7 @@ def _cross_field_errors(spec: Spec) -> list[FieldError]:
             FieldError("spec.kvTransfer.protocol", "kvTransfer.protocol rdma requires rdma.enabled: true")
         )
     for role_name, role in (("prefill", spec.prefill), ("decode", spec.decode)):
+        errors += _security_context_errors(spec, role_name, role.security_context)
         max_len = spec.model.max_model_len
         if (
             max_len is not None
@@ -389,6 +410,34 @@ def _cross_field_errors(spec: Spec) -> list[FieldError]:
                     f"{role_name}.enableChunkedPrefill is false",
                 )
             )
+    return errors
+
+
+def rdma_adds_capabilities(rdma: RDMASpec) -> bool:
+    """IPC_LOCK (ipcLock) or SYS_RESOURCE (hostDevices): engines then run as root, the only user
+    Kubernetes gives added capabilities to."""
+    return rdma.enabled and (rdma.ipc_lock or rdma.mode is RDMAMode.HOST_DEVICES)
+
+
+def _security_context_errors(spec: Spec, role: str, context: EngineSecurityContext) -> list[FieldError]:
+    path = f"spec.{role}.securityContext"
+    errors = []
+    seccomp = context.seccomp_profile
+    if seccomp is not None and (seccomp.type == "Localhost") != (seccomp.localhost_profile is not None):
+        errors.append(
+            FieldError(
+                f"{path}.seccompProfile.localhostProfile",
+                "localhostProfile is required when type is Localhost, and only then",
+            )
+        )
+    if context.run_as_user is not None and rdma_adds_capabilities(spec.rdma):
+        errors.append(
+            FieldError(
+                f"{path}.runAsUser",
+                "runAsUser may not be set while rdma adds a capability (ipcLock, hostDevices): "
+                "capabilities reach only root; set rdma.ipcLock false in devicePlugin mode",
+            )
+        )
     return errors
 
 

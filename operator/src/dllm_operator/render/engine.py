@@ -202,7 +202,9 @@ def security_context(cr: DisaggregatedLLM) -> dict[str, Any]:
     return context
 
 
-def pod_security_context(cr: DisaggregatedLLM) -> dict[str, Any]:
+def pod_security_context(cr: DisaggregatedLLM, role: EngineRole) -> dict[str, Any]:
+    """The operator's choice, then the role's securityContext over it: ids and seccomp only (the model
+    has no other field, refuses uid 0 and refuses runAsUser where RDMA needs root)."""
     context: dict[str, Any] = {"seccompProfile": {"type": "RuntimeDefault"}}
     if not runs_as_root(cr):
         # fsGroup: a writable hub cache volume for the non-root user.
@@ -212,7 +214,10 @@ def pod_security_context(cr: DisaggregatedLLM) -> dict[str, Any]:
             "fsGroup": ENGINE_UID,
             "fsGroupChangePolicy": "OnRootMismatch",
         }
-    return context
+    overrides = role_spec(cr, role).security_context.model_dump(by_alias=True, exclude_none=True)
+    if "fsGroup" in overrides:
+        context["fsGroupChangePolicy"] = "OnRootMismatch"
+    return context | overrides
 
 
 def volumes_and_mounts(
@@ -334,7 +339,7 @@ def pod_template(cr: DisaggregatedLLM, role: EngineRole, config: OperatorConfig)
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
-        "securityContext": pod_security_context(cr),
+        "securityContext": pod_security_context(cr, role),
         "containers": [engine_container(cr, role, config)],
         "volumes": volumes,
     }

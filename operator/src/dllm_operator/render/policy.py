@@ -6,11 +6,22 @@ refuses reports the CR as invalid, naming the field, and renders nothing for it.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from dllm_operator.api import DisaggregatedLLM, FieldError, RDMAMode, RoleSpec, Toleration
 from dllm_operator.config import OperatorConfig
 
 MULTUS_PREFIX = "k8s.v1.cni.cncf.io/"
 OPT_IN = "dllm.dev/allow-privileged-engines=true on the namespace"
+# The ServiceAccount pods get when they name none; any other lends the engines its identity.
+DEFAULT_SERVICE_ACCOUNT = "default"
+# system-cluster-critical and system-node-critical: above every user class, they preempt anyone.
+SYSTEM_PRIORITY_PREFIX = "system-"
+# The labels and taints that mark control-plane nodes (master: before Kubernetes 1.24).
+CONTROL_PLANE_KEYS = ("node-role.kubernetes.io/control-plane", "node-role.kubernetes.io/master")
+# Node affinity operators that keep pods off a label's nodes rather than onto them.
+AVOIDING_OPERATORS = ("NotIn", "DoesNotExist")
 
 
 def _hub_token_secret(cr: DisaggregatedLLM) -> str | None:
@@ -40,16 +51,64 @@ def _role_errors(cr: DisaggregatedLLM, role: str, spec: RoleSpec) -> list[FieldE
                     f"{key}: network attachment and AppArmor annotations are not allowed",
                 )
             )
-    errors += _toleration_errors(f"spec.{role}.tolerations", spec.tolerations)
+    if spec.priority_class_name.startswith(SYSTEM_PRIORITY_PREFIX):
+        errors.append(
+            FieldError(
+                f"spec.{role}.priorityClassName",
+                f"{spec.priority_class_name}: system- classes preempt other tenants' pods",
+            )
+        )
+    if _affinity_targets_control_plane(spec.affinity):
+        errors.append(
+            FieldError(f"spec.{role}.affinity", "node affinity onto control-plane nodes is not allowed")
+        )
+    errors += _placement_errors(f"spec.{role}", spec.node_selector, spec.tolerations)
     return errors
 
 
-def _toleration_errors(path: str, tolerations: tuple[Toleration, ...]) -> list[FieldError]:
-    return [
-        FieldError(f"{path}[{i}].key", "a toleration must name a taint key (no tolerate-everything)")
-        for i, toleration in enumerate(tolerations)
-        if not toleration.key
+def _placement_errors(
+    path: str, node_selector: Mapping[str, str], tolerations: tuple[Toleration, ...]
+) -> list[FieldError]:
+    errors = [
+        FieldError(f"{path}.nodeSelector", f"{key}: control-plane nodes are not allowed")
+        for key in node_selector
+        if key in CONTROL_PLANE_KEYS
     ]
+    for i, toleration in enumerate(tolerations):
+        if not toleration.key:
+            message = "a toleration must name a taint key (no tolerate-everything)"
+        elif toleration.key in CONTROL_PLANE_KEYS:
+            message = f"{toleration.key}: tolerating the control-plane taint is not allowed"
+        else:
+            continue
+        errors.append(FieldError(f"{path}.tolerations[{i}].key", message))
+    return errors
+
+
+def _affinity_targets_control_plane(affinity: Mapping[str, Any]) -> bool:
+    """Whether a node affinity term (required or preferred) selects on a control-plane label. The
+    affinity is a free-form core/v1 Affinity: anything not shaped like one selects nothing here (the
+    API server refuses it when the StatefulSet is applied)."""
+    node = affinity.get("nodeAffinity")
+    if not isinstance(node, Mapping):
+        return False
+    terms: list[Any] = []
+    required = node.get("requiredDuringSchedulingIgnoredDuringExecution")
+    if isinstance(required, Mapping) and isinstance(required.get("nodeSelectorTerms"), list):
+        terms += required["nodeSelectorTerms"]
+    preferred = node.get("preferredDuringSchedulingIgnoredDuringExecution")
+    if isinstance(preferred, list):
+        terms += [p.get("preference") for p in preferred if isinstance(p, Mapping)]
+    for term in terms:
+        expressions = term.get("matchExpressions") if isinstance(term, Mapping) else None
+        for expression in expressions if isinstance(expressions, list) else []:
+            if (
+                isinstance(expression, Mapping)
+                and expression.get("key") in CONTROL_PLANE_KEYS
+                and expression.get("operator") not in AVOIDING_OPERATORS
+            ):
+                return True
+    return False
 
 
 def _image_errors(cr: DisaggregatedLLM, prefixes: tuple[str, ...]) -> list[FieldError]:
@@ -83,7 +142,16 @@ def refused(cr: DisaggregatedLLM, config: OperatorConfig) -> list[FieldError]:
         for name in rdma.networks
         if "/" in name
     ]
+    if cr.spec.service_account_name not in ("", DEFAULT_SERVICE_ACCOUNT):
+        errors.append(
+            FieldError(
+                "spec.serviceAccountName",
+                f"{cr.spec.service_account_name}: the engines run the resource's image and arguments, "
+                "so naming a ServiceAccount lends them its identity",
+            )
+        )
     errors += _role_errors(cr, "prefill", cr.spec.prefill)
     errors += _role_errors(cr, "decode", cr.spec.decode)
-    errors += _toleration_errors("spec.router.tolerations", cr.spec.router.tolerations)
+    router = cr.spec.router
+    errors += _placement_errors("spec.router", router.node_selector, router.tolerations)
     return errors
