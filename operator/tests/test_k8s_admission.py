@@ -174,6 +174,49 @@ def test_privileged_engine_settings_need_the_namespace_opt_in(
     wait_until(lambda: not all_admitted(), 30, "every privileged ask admitted once the namespace opts in")
 
 
+def test_high_priority_classes_need_the_opt_in_when_the_chart_caps_them(
+    cluster: Cluster, crd: str, namespace: str
+) -> None:
+    """admissionPolicy.maxEnginePriority: a class above it is refused naming the role's field and the
+    class's value, one at or below it is admitted, and so is any class once the namespace opts in."""
+    release = f"q{namespace[-8:]}"
+    docs = chart_policies(
+        cluster,
+        release,
+        namespace,
+        "admissionPolicy.limitOperator=false",
+        "admissionPolicy.maxEnginePriority=1000",
+    )
+    classes = {f"{release}-high": 1001, f"{release}-low": 1000}
+    for name, value in classes.items():
+        cluster.apply(
+            {
+                "apiVersion": "scheduling.k8s.io/v1",
+                "kind": "PriorityClass",
+                "metadata": {"name": name},
+                "value": value,
+            }
+        )
+    cluster.run("apply", "--server-side", "-f", "-", input_text=yaml.safe_dump_all(docs))
+    high = merged(minimal("high"), {"spec": {"decode": {"priorityClassName": f"{release}-high"}}})
+    low = merged(minimal("low"), {"spec": {"prefill": {"priorityClassName": f"{release}-low"}}})
+    try:
+        wait_until(
+            lambda: create(cluster, namespace, high).returncode != 0, 30, "the priority policy to take effect"
+        )
+        refusal = create(cluster, namespace, high).stderr
+        assert f"spec.decode.priorityClassName: {release}-high (value 1001) is above 1000" in refusal
+        assert OPT_IN in refusal
+        assert create(cluster, namespace, low).returncode == 0
+        cluster.run("label", "namespace", namespace, f"{OPT_IN}=true")
+        wait_until(lambda: create(cluster, namespace, high).returncode == 0, 30, "the opt-in to take effect")
+    finally:
+        for doc in docs:
+            cluster.run("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", check=False)
+        for name in classes:
+            cluster.run("delete", "priorityclass", name, "--ignore-not-found", check=False)
+
+
 def test_unprivileged_asks_need_no_opt_in(cluster: Cluster, namespace: str, engine_policy: str) -> None:
     """The namespace's default ServiceAccount, a user PriorityClass, affinity away from control-plane
     nodes, a pull Secret and a bounded securityContext pass the policy in an unlabelled namespace."""
