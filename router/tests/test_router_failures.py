@@ -10,6 +10,7 @@ import pytest
 from router_engine_double import expected_text
 from router_harness import EngineFactory, RouterFactory, wait_event, wait_until
 
+from dllm_router.errors import as_error
 from dllm_router.openai import CHAT, COMPLETIONS
 
 pytestmark = pytest.mark.timeout(20)
@@ -208,3 +209,13 @@ async def test_body_over_the_limit_is_413(engines: EngineFactory, start_router: 
     async with r.client.post(r.url + COMPLETIONS, data=b" " * (1024 * 1024 + 1)) as resp:
         assert resp.status == 413
         assert error_of(await resp.text())["message"] == "request body over 1 MiB (--max-body-mb)"
+
+
+def test_an_upstream_error_that_is_not_json_is_not_echoed_to_the_client() -> None:
+    """L5: a pod's non-JSON error page (a proxy's, a traceback) reaches the client only as its size."""
+    page = b"<html>Traceback (most recent call last): secret-internal-path</html>"
+    body = json.loads(as_error(page))
+    assert body["error"]["type"] == "upstream_error"
+    assert b"secret" not in as_error(page)
+    assert str(len(page)) in body["error"]["message"]
+    assert as_error(b'{"error": {"message": "vLLM said"}}') == b'{"error": {"message": "vLLM said"}}'

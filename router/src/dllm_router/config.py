@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from dllm_contract.kvconfig import DEFAULT_KV_PORT
+
 Flow = Literal["dllm", "mooncake", "nixl"]
 FLOWS: tuple[Flow, ...] = ("dllm", "mooncake", "nixl")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -43,7 +45,7 @@ class RouterConfig:
     decode: Upstreams
     host: str = "0.0.0.0"
     port: int = 8000
-    decode_kv_port: int = 50051
+    decode_kv_port: int = DEFAULT_KV_PORT
     prefill_tp_size: int = 1
     decode_tp_size: int = 1
     mooncake_bootstrap_port: int = 8998
@@ -86,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--prefill-url", action="append", metavar="URL", help="static prefill base URL (repeatable)")
     add("--decode-dns", metavar="HOST:PORT", help="decode headless Service and engine HTTP port")
     add("--decode-url", action="append", metavar="URL", help="static decode base URL (repeatable)")
-    add("--decode-kv-port", help="decode engines' KV listen port, dllm flow (default 50051)")
+    add("--decode-kv-port", help=f"decode engines' KV listen port, dllm flow (default {DEFAULT_KV_PORT})")
     add("--prefill-tp-size", help="prefill tensor-parallel size (default 1)")
     add("--decode-tp-size", help="decode tensor-parallel size (default 1)")
     add("--mooncake-bootstrap-port", help="prefill bootstrap server port, mooncake flow (default 8998)")
@@ -212,7 +214,7 @@ def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> RouterConfi
         decode=_upstreams(values, "decode"),
         host=str(values.get("host", "0.0.0.0")),
         port=_int(values, "port", 8000, 0, 65535),  # 0: any free port (the start line names it)
-        decode_kv_port=_int(values, "decode_kv_port", 50051, *port_range),
+        decode_kv_port=_int(values, "decode_kv_port", DEFAULT_KV_PORT, *port_range),
         prefill_tp_size=_int(values, "prefill_tp_size", 1, 1, 1024),
         decode_tp_size=_int(values, "decode_tp_size", 1, 1, 1024),
         mooncake_bootstrap_port=_int(values, "mooncake_bootstrap_port", 8998, *port_range),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from random import getrandbits
 from typing import Any
 
@@ -63,11 +62,12 @@ def header_value(value: str) -> bytes:
 
 
 def as_error(data: bytes) -> bytes:
-    """An upstream error body, kept when it is JSON (vLLM's own error), wrapped otherwise."""
+    """An upstream error body, kept when it is a JSON object (vLLM's own error), replaced otherwise."""
     with contextlib.suppress(ValueError):
-        if isinstance(json.loads(data), dict):
+        if isinstance(oa.loads(data), dict):
             return data
-    return oa.error_body(data.decode(errors="replace")[:500] or "upstream error", "upstream_error", 502)
+    # Not echoed: a non-JSON body may be a proxy's or a crashed server's page, nothing a client should read.
+    return oa.error_body(f"upstream error ({len(data)} bytes, not JSON)", "upstream_error", 502)
 
 
 def pod_error(ep: Endpoint, status: int, data: bytes) -> RouterError:

@@ -7,11 +7,11 @@ for one, and merges per-prompt answers back into one response.
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from dllm_router.jsonshape import TooComplex, check_shape
 
@@ -22,35 +22,15 @@ DONE = b"[DONE]"
 MAX_SSE_EVENT = 16 * 1024 * 1024  # one upstream event (a chunk of a few tokens is ~1 KiB)
 
 
-_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
-# JSONEncoder.encode builds this C encoder on every call; built once here, with the same settings.
-# No circular-reference check (markers None): what is encoded comes from parsed JSON and literals.
-_C_ENCODE: Callable[[object, int], list[str]] | None = None
-if json.encoder.c_make_encoder is not None:  # type: ignore[attr-defined]  # untyped C module members
-    _C_ENCODE = json.encoder.c_make_encoder(  # type: ignore[attr-defined]
-        None, _ENCODER.default, json.encoder.encode_basestring, None, ":", ",", False, False, True
-    )
-
-
 def dumps(obj: object) -> bytes:
-    if _C_ENCODE is None or isinstance(obj, str):
-        return _ENCODER.encode(obj).encode()
-    return "".join(_C_ENCODE(obj, 0)).encode()
-
-
-# the C scanner: json.loads less its encoding sniffing and whitespace regexes (set in __init__, untyped)
-_SCAN: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+    """Compact UTF-8 JSON (msgspec: documented, and faster than the standard library's)."""
+    return msgspec.json.encode(obj)
 
 
 def loads(data: bytes) -> Any:
-    """json.loads for UTF-8 bytes (JSON's encoding), on the scanner's fast path when the text has no
-    surrounding whitespace; anything else goes to json.loads, which also raises its errors."""
-    try:
-        text = data.decode()
-        value, end = _SCAN(text, 0)
-    except (UnicodeDecodeError, StopIteration, ValueError):
-        return json.loads(data)
-    return value if end == len(text) else json.loads(text)
+    """JSON from UTF-8 bytes; a msgspec.DecodeError (a ValueError) when it is not JSON. Stricter than
+    json.loads where that is wrong anyway: no NaN or Infinity."""
+    return msgspec.json.decode(data)
 
 
 def error_body(message: str, kind: str, code: int) -> bytes:

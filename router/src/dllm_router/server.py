@@ -15,7 +15,6 @@ a connection one).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -742,7 +741,7 @@ _SERVER_ERROR_KINDS = {
 
 
 def _json(data: bytes | None) -> JsonObject:
-    parsed = json.loads(data or b"{}")
+    parsed = oa.loads(data or b"{}")
     if not isinstance(parsed, dict):
         raise RouterError(502, "decode_error", "decode answered a non-object")
     return parsed
