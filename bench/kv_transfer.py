@@ -96,7 +96,7 @@ class _NoChecksum:
 
 def _use_zero_copy_checksum(kind: type[_RunningCrc32 | _NoChecksum]) -> None:
     """The experiment: `kind` in the place of XXH3 for zero-copy transfers, on both sides."""
-    from dllm_connector import pipe
+    from dllm_connector.pipe import receiver, sender
 
     def spans_checksum(spans: Any) -> int:
         running = kind()
@@ -104,8 +104,8 @@ def _use_zero_copy_checksum(kind: type[_RunningCrc32 | _NoChecksum]) -> None:
             running.add(addr, nbytes)
         return int(running.value)
 
-    pipe.RunningChecksum = kind  # type: ignore[attr-defined,assignment]
-    pipe.spans_checksum = spans_checksum  # type: ignore[attr-defined]
+    sender.RunningChecksum = kind  # type: ignore[attr-defined,assignment]
+    receiver.spans_checksum = spans_checksum  # type: ignore[attr-defined]
 
 
 class Worker:
@@ -124,7 +124,9 @@ class Worker:
         import torch
 
         from dllm_connector.kv_layout import Geometry, PagedKV
-        from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig
+        from dllm_connector.pipe.common import PipeConfig
+        from dllm_connector.pipe.receiver import KVReceiver
+        from dllm_connector.pipe.sender import KVSender
         from dllm_connector.transport.mooncake import MooncakeTransport
         from dllm_connector.transport.torchdist import TorchDistTransport
 
@@ -279,7 +281,7 @@ class Worker:
     def cmd_send(
         self, transport: str, codec: str, transfer_id: str, blocks: list[int], host: str, port: int
     ) -> dict[str, Any]:
-        from dllm_connector.pipe import SendJob
+        from dllm_connector.pipe.sender import SendJob
         from dllm_contract.kvconfig import Compression
 
         key = (transport, codec)

@@ -21,7 +21,9 @@ from dllm_connector import codec
 from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, TPRank
 from dllm_connector.kv_scheduler import StepPlan
 from dllm_connector.peers import DecodePeers
-from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, TransferFailed
+from dllm_connector.pipe.common import PipeConfig, TransferFailed
+from dllm_connector.pipe.receiver import KVReceiver
+from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
 from dllm_connector.transport.sidechannel import PeerAuth
 from dllm_contract import kvconfig

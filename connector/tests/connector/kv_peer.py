@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from dllm_connector.kv_layout import Geometry, PagedKV, TPRank, rank_heads
-from dllm_connector.pipe import KVSender, PipeConfig, SendJob
+from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Source, Span, Transport
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.torchdist import TorchDistTransport

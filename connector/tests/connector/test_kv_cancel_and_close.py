@@ -19,9 +19,11 @@ from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches
 from peer_doubles import FakeDecode, GatedTransportDouble, read_until_closed, wait_until
 
 from dllm_connector.kv_layout import PagedKV
-from dllm_connector.kv_scheduler import SchedulerState
+from dllm_connector.kv_scheduler import SchedulerState, prompt_hash
 from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
-from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, prompt_hash
+from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.receiver import KVReceiver
+from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_contract.kvconfig import Compression, ConnectorExtraConfig
 from dllm_contract.pd_params import DecodeParams

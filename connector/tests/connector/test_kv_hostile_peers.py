@@ -22,8 +22,11 @@ from peer_doubles import FakeDecode, fake_prefill, offer_for, read_until_closed,
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import PagedKV
-from dllm_connector.messages import EndRefused, end_transfer
-from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, prompt_hash
+from dllm_connector.kv_scheduler import prompt_hash
+from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.messages import EndRefused, end_transfer
+from dllm_connector.pipe.receiver import KVReceiver
+from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_contract.kvconfig import Compression

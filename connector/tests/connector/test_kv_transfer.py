@@ -16,7 +16,10 @@ import torch
 from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, make_transport
 
 from dllm_connector.kv_layout import PagedKV
-from dllm_connector.pipe import KVReceiver, KVSender, PipeConfig, SendJob, prompt_hash
+from dllm_connector.kv_scheduler import prompt_hash
+from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.receiver import KVReceiver
+from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
 from dllm_contract.kvconfig import Compression
 

@@ -1,0 +1,191 @@
+"""Prefill's write path: chunks (and their pieces) go on the wire in order on their own thread."""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dllm_connector import codec
+from dllm_connector.kv_layout import HeadRange
+from dllm_connector.transport import sidechannel
+from dllm_connector.transport.base import Source, Span, Transport, TransportError
+from dllm_connector.transport.staging import StagingBuffer
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the receiver accepted: which blocks, in which chunks, and where they go."""
+
+    skip: int
+    count: int
+    chunk_blocks: int
+    dst: list[Span]
+    tag: int
+    peer: dict[str, Any]
+    heads: HeadRange | None = None  # this rank's heads that travel; None: all of them
+    zero_copy: bool = False
+    slots: dict[int, int] = field(default_factory=dict)  # chunk index -> decode's staging address
+
+
+@dataclass
+class PreparedChunk:
+    index: int
+    header: codec.KVHeader
+    src: list[Source]
+    dst: list[Span]
+    staged: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class PreparedPiece:
+    """Part of a chunk that is final (encoded and hashed), written before the rest of it is ready.
+
+    `parts`: for staged payloads, how many of the chunk's parts (layers) are then in place, which
+    the receiver is told so it can decode them while the rest is on the wire.
+    """
+
+    src: list[Source]
+    dst: list[Span]
+    index: int
+    parts: int | None = None
+
+
+@dataclass(frozen=True)
+class StagingRelease:
+    """Staging of a chunk that failed after some of its pieces were queued: freed once they are written."""
+
+    staged: torch.Tensor
+
+
+_Item = PreparedChunk | PreparedPiece | StagingRelease
+
+
+class ChunkWriter:
+    """Writes prepared chunks in order on its own thread, so chunk k+1 encodes while k is on the wire.
+
+    One-sided transports write first and then announce the chunk (its header, with the checksum);
+    a chunk's pieces go ahead of it as they are encoded. Two-sided ones announce first so the
+    receiver can post its receive.
+    """
+
+    def __init__(
+        self, transport: Transport, timeout: float, staging: StagingBuffer, sock: socket.socket, plan: Plan
+    ) -> None:
+        self._transport, self._timeout, self._staging = transport, timeout, staging
+        self._sock, self._plan = sock, plan
+        self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=4)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="kv-chunk-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, item: _Item) -> None:
+        """Hand `item` over (the writer releases its staging, in order, after any write under way)."""
+        self._queue.put(item)
+        if self._error is not None:
+            raise self._error
+
+    def _loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                if self._error is None and not isinstance(item, StagingRelease):
+                    self._write(item)
+            except Exception as error:  # noqa: BLE001 - raised again by put/finish in the sender
+                self._error = error
+            finally:
+                self._release(item)
+
+    def stop(self, error: BaseException) -> None:
+        """Write nothing more: what is queued is released unwritten (a write under way completes)."""
+        if self._error is None:
+            self._error = error
+
+    def _write(self, item: PreparedChunk | PreparedPiece) -> None:
+        transport = self._transport
+        announce = None
+        if isinstance(item, PreparedChunk):
+            announce = {"type": "chunk", "index": item.index, "header": item.header.to_dict()}
+        if announce is not None and not transport.one_sided:
+            sidechannel.send_message(self._sock, announce)
+        if item.src:
+            try:
+                transport.send(self._plan.peer, item.src, item.dst, self._plan.tag, self._timeout)
+            except TransportError:
+                transport.forget_peer(self._plan.peer)
+                raise
+        if isinstance(item, PreparedPiece) and item.parts is not None and transport.one_sided:
+            sidechannel.send_message(self._sock, {"type": "piece", "index": item.index, "parts": item.parts})
+        if announce is not None and transport.one_sided:
+            sidechannel.send_message(self._sock, announce)
+
+    def _release(self, item: _Item) -> None:
+        if not isinstance(item, PreparedPiece) and item.staged is not None:
+            self._staging.release(item.staged)
+
+    def finish(self) -> None:
+        """Wait for every queued chunk; raises the first write error."""
+        self._queue.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+class PieceStream:
+    """Hands a chunk's payload to the writer in pieces as its parts become final.
+
+    A piece goes once at least `piece_bytes` are final; `poll` runs before it (decode may have told
+    the sender to stop, H5) and `before_write` between its checksum and its write.
+    """
+
+    def __init__(
+        self,
+        writer: ChunkWriter,
+        index: int,
+        local: int,
+        remote: int,
+        poll: Callable[[], None],
+        *,
+        piece_bytes: int,
+        before_write: Callable[[int, Sequence[Source]], None],
+    ) -> None:
+        self._writer, self._index, self._poll = writer, index, poll
+        self._piece_bytes, self._before_write = piece_bytes, before_write
+        self._local, self._remote = local, remote
+        # Per kind of range (data, scales; each comes in order): up to where it was handed to the
+        # writer, and up to where it is final.
+        self._sent: list[int] = []
+        self._ready: list[int] = []
+        self._parts = 0
+        self._pending = 0  # final bytes not handed over yet
+        self.sent = False  # whether a piece went to the writer (which may still be reading it)
+
+    def add(self, ranges: list[tuple[int, int]]) -> None:
+        if not self._ready:
+            self._sent = [start for start, _ in ranges]
+            self._ready = list(self._sent)
+        for kind, (_, stop) in enumerate(ranges):
+            self._pending += stop - self._ready[kind]
+            self._ready[kind] = stop
+        self._parts += 1
+        if self._pending >= self._piece_bytes:
+            self._poll()
+            src, dst = self.rest()
+            self._before_write(self._index, src)
+            self._writer.put(PreparedPiece(src, dst, self._index, self._parts))
+            self.sent = True
+
+    def rest(self) -> tuple[list[Source], list[Span]]:
+        """The final bytes not handed over yet, one write per kind of range (none if there are none)."""
+        src: list[Source] = []
+        dst: list[Span] = []
+        for start, end in zip(self._sent, self._ready, strict=True):
+            if end > start:
+                src.append(Span(self._local + start, end - start))
+                dst.append(Span(self._remote + start, end - start))
+        self._sent, self._pending = list(self._ready), 0
+        return src, dst

@@ -1,0 +1,136 @@
+"""What the sender and the receiver share: configuration, counters, errors, chunking, the side base."""
+
+from __future__ import annotations
+
+import select
+import socket
+from dataclasses import dataclass
+from typing import TypeVar
+
+from dllm_connector import codec
+from dllm_connector.kv_layout import LayoutError, PagedKV
+from dllm_connector.pipe.messages import (
+    Accept,
+    Chunk,
+    EndTransfer,
+    MalformedMessage,
+    Offer,
+    Piece,
+    Slot,
+    bounded,
+)
+from dllm_connector.pipe.messages import parse as parse_message
+from dllm_connector.transport.base import Transport, TransportError
+from dllm_connector.transport.sidechannel import Message
+from dllm_connector.transport.staging import StagingBuffer
+from dllm_contract.kvconfig import Compression, ConnectorExtraConfig
+
+_GB = 1 << 30
+# A transfer is pipelined in chunks (transferThresholdTokens of KV each): chunk k+1 is encoded
+# while chunk k is on the wire, and decoded on the other side while k+2 arrives. Without a block
+# size (the tensor API) chunks hold about this much raw KV.
+CHUNK_BYTES = 32 << 20
+# A thread waiting on a peer wakes this often to see whether its transfer was cancelled or its
+# side is closing (a wait is never one long blocking recv).
+POLL_S = 0.05
+# Errors a transfer expects (their message says it all); any other exception is a bug or a
+# malformed peer: it still ends the transfer, and its traceback is logged once.
+EXPECTED_ERRORS = (TransportError, codec.CodecError, LayoutError)
+
+
+@dataclass(frozen=True)
+class PipeConfig:
+    compression: Compression = Compression.NONE
+    buffer_bytes: int = 1 << 28
+    transfer_timeout_s: float = 5.0
+    prefill_wait_s: float = 60.0
+    hold_s: float = 480.0
+    async_transfer: bool = True
+    threshold_tokens: int = 1024  # KV moves in batches (pipeline chunks) of this many tokens
+    chunk_bytes: int = CHUNK_BYTES  # the batch size where the block size is unknown (tensor API)
+
+    @classmethod
+    def from_extra(cls, extra: ConnectorExtraConfig) -> PipeConfig:
+        return cls(
+            compression=extra.compression,
+            buffer_bytes=int(extra.buffer_size_gb * _GB),
+            transfer_timeout_s=extra.transfer_timeout_ms / 1000,
+            prefill_wait_s=extra.prefill_wait_ms / 1000,
+            hold_s=float(extra.hold_seconds),
+            async_transfer=extra.async_transfer,
+            threshold_tokens=extra.transfer_threshold_tokens,
+        )
+
+
+@dataclass
+class PipeStats:
+    sent: int = 0
+    received: int = 0
+    failed_sends: int = 0
+    failed_receives: int = 0
+    timeouts: int = 0
+    checksum_failures: int = 0
+    stops_requested: int = 0  # senders decode told to stop mid-stream (a cancel or a failed chunk)
+    bytes_on_wire: int = 0
+    raw_bytes: int = 0
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(vars(self))
+
+
+class TransferFailed(TransportError):
+    """A transfer ended without the KV in place; the message says why."""
+
+
+class RefusedWithDetail(TransferFailed):
+    """Refused for a reason whose detail stays local: the peer is told `peer_reason` only (L2)."""
+
+    def __init__(self, detail: str, peer_reason: str) -> None:
+        super().__init__(detail)
+        self.peer_reason = peer_reason
+
+
+def chunk_ranges(count: int, chunk_blocks: int) -> list[tuple[int, int]]:
+    """[start, stop) block ranges of the chunks a transfer is pipelined in (both sides agree)."""
+    return [(start, min(start + chunk_blocks, count)) for start in range(0, count, chunk_blocks)]
+
+
+class PipeSide:
+    """What both sides hold: the transport, with the paged KV and a staging buffer registered."""
+
+    def __init__(self, transport: Transport, kv: PagedKV, config: PipeConfig) -> None:
+        self.transport = transport
+        self.kv = kv
+        self.config = config
+        self.stats = PipeStats()
+        self.staging = StagingBuffer(config.buffer_bytes)
+        transport.register(self.staging.tensor)
+        kv.register_with(transport.register)
+
+    def _unregister(self) -> None:
+        self.transport.unregister(self.staging.tensor)
+        for tensor in self.kv.caches:
+            self.transport.unregister(tensor)
+
+
+_M = TypeVar("_M", Accept, Chunk, EndTransfer, Offer, Piece, Slot)
+
+
+def parse(model: type[_M], message: Message) -> _M:
+    """A peer's message as `model`; TransportError (the transfer ends) when it does not fit."""
+    try:
+        return parse_message(model, message)
+    except MalformedMessage as error:
+        raise TransportError(str(error)) from None
+
+
+def quoted(message: Message) -> Message:
+    """What of a peer's message an error may repeat: its type and reason, bounded (L2)."""
+    return {"type": bounded(message["type"], 20), "reason": bounded(message.get("reason", message["type"]))}
+
+
+def readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether the peer sent something (or closed) within `timeout` seconds."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(max(0, int(timeout * 1000))))

@@ -1,0 +1,243 @@
+"""Decode's expectations: the loads it waits for, the prefill parts that claim them, and their outcomes.
+
+An expectation ends exactly once (loaded, failed, timed out or cancelled), and only once no part
+writes into its blocks any more (H5). Thread-safe; the engine step calls `results`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dllm_connector.kv_layout import HeadRange
+from dllm_connector.pipe.common import POLL_S, PipeStats, TransferFailed
+from dllm_connector.transport.base import TransferTimeout
+
+# Ended transfers remembered, so a late part's offer is refused at once, not held.
+_ENDED_KEPT = 1000
+
+
+@dataclass
+class Expectation:
+    """A load decode waits for: from each prefill rank in `senders`, the model heads it sends.
+
+    It ends once, when every sender's part is loaded, or when one failed (or none came in time) and
+    no part is still being written.
+    """
+
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    skip: int
+    prompt_hash: str
+    deadline: float
+    prefill_tp: int = 1
+    senders: dict[int, HeadRange | None] = field(default_factory=lambda: {0: None})
+    claimed: set[int] = field(default_factory=set)  # prefill ranks whose offer was accepted
+    active: set[int] = field(default_factory=set)  # claimed and not ended yet
+    loaded: set[int] = field(default_factory=set)
+    failure: str = ""
+    timed_out: bool = False
+
+    @property
+    def waiting(self) -> bool:
+        """Some sender has not offered yet (the prefill wait applies)."""
+        return not self.failure and len(self.claimed) < len(self.senders)
+
+
+@dataclass(eq=False)
+class Part:
+    """One prefill rank's share of an expectation, claimed by its offer."""
+
+    expectation: Expectation
+    prefill_rank: int
+    heads: HeadRange | None  # this rank's heads that arrive; None: all of them
+    told_to_stop: bool = False  # decode nacked mid-stream; the sender's done or abort is awaited
+
+
+class Expectations:
+    """The expectations of one receiver, keyed by transfer id, and the outcomes not yet collected."""
+
+    def __init__(self, stats: PipeStats, prefill_wait_s: float) -> None:
+        self._stats = stats
+        self._prefill_wait_s = prefill_wait_s
+        self._cond = threading.Condition()
+        self._expected: dict[str, Expectation] = {}
+        self._results: dict[str, str] = {}  # transfer id -> "" loaded, else reason
+        self._ended: dict[str, None] = {}  # the latest _ENDED_KEPT ids that ended
+
+    @property
+    def pending(self) -> set[str]:
+        with self._cond:
+            return set(self._expected)
+
+    def add(
+        self,
+        transfer_id: str,
+        block_ids: tuple[int, ...],
+        skip: int,
+        prompt_hash: str,
+        prefill_tp: int,
+        senders: dict[int, HeadRange | None],
+    ) -> None:
+        deadline = time.monotonic() + self._prefill_wait_s
+        with self._cond:
+            if transfer_id in self._expected or transfer_id in self._results:
+                raise TransferFailed(f"transfer {transfer_id} is already expected")
+            self._expected[transfer_id] = Expectation(
+                transfer_id, block_ids, skip, prompt_hash, deadline, prefill_tp, senders
+            )
+            self._ended.pop(transfer_id, None)
+            self._cond.notify_all()
+
+    def cancel(self, transfer_id: str) -> None:
+        """The expectation fails, and ends once no part writes into its blocks any more (H5)."""
+        with self._cond:
+            expectation = self._expected.get(transfer_id)
+            if expectation is None:
+                return
+            if not expectation.failure:
+                expectation.failure = "cancelled by decode"
+            self._settle_locked(expectation)
+
+    def results(self) -> dict[str, str]:
+        """Expectations that ended since the last call: id -> "" when loaded, else the failure reason."""
+        self._expire_unclaimed()
+        with self._cond:
+            done, self._results = self._results, {}
+        return done
+
+    def wait_for(self, transfer_id: str, timeout: float) -> str | None:
+        """Block until this transfer ends (its outcome, consumed) or timeout (None)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._expire_unclaimed_locked()
+                if transfer_id in self._results:
+                    return self._results.pop(transfer_id)
+                left = min(deadline, self._next_deadline()) - time.monotonic()
+                if time.monotonic() >= deadline:
+                    return None
+                self._cond.wait(max(0.001, left))
+
+    def wait_settled(self, transfer_id: str, timeout: float) -> bool:
+        """Block until this transfer has ended, without consuming its outcome."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                self._expire_unclaimed_locked()
+                if transfer_id in self._results:
+                    return True
+                left = min(deadline, self._next_deadline()) - time.monotonic()
+                if time.monotonic() >= deadline:
+                    return False
+                self._cond.wait(max(0.001, left))
+
+    def _next_deadline(self) -> float:
+        unclaimed = [e.deadline for e in self._expected.values() if e.waiting]
+        return min(unclaimed, default=time.monotonic() + 1.0)
+
+    def _expire_unclaimed(self) -> None:
+        with self._cond:
+            self._expire_unclaimed_locked()
+
+    def _expire_unclaimed_locked(self) -> None:
+        now = time.monotonic()
+        for expectation in list(self._expected.values()):
+            if expectation.waiting and now >= expectation.deadline:
+                expectation.failure = self._nothing_sent(expectation)
+                expectation.timed_out = True
+                self._settle_locked(expectation)
+
+    def _nothing_sent(self, expectation: Expectation) -> str:
+        wait = f"{self._prefill_wait_s:.1f}s"
+        if len(expectation.senders) == 1 and not expectation.claimed:
+            return f"prefill sent nothing within {wait}"
+        missing = sorted(set(expectation.senders) - expectation.claimed)
+        return f"prefill TP ranks {missing} of {expectation.prefill_tp} sent nothing within {wait}"
+
+    def end(self, transfer_id: str, part: Part | None, reason: str, *, timed_out: bool = False) -> None:
+        """A part ended (or an offer failed before claiming one): settle its expectation."""
+        with self._cond:
+            expectation = self._expected.get(transfer_id)
+            if expectation is None or (part is not None and part.expectation is not expectation):
+                return
+            if part is not None:
+                expectation.active.discard(part.prefill_rank)
+                if not reason:
+                    expectation.loaded.add(part.prefill_rank)
+            if reason and not expectation.failure:
+                expectation.failure, expectation.timed_out = reason, timed_out
+            self._settle_locked(expectation)
+
+    def _settle_locked(self, expectation: Expectation) -> None:
+        """End the expectation once nothing writes into its blocks any more and the outcome is known."""
+        if expectation.active:
+            return
+        if expectation.failure:
+            self._finish_locked(expectation.transfer_id, expectation.failure, timed_out=expectation.timed_out)
+        elif expectation.loaded == set(expectation.senders):
+            self._finish_locked(expectation.transfer_id, "")
+
+    def _finish_locked(self, transfer_id: str, reason: str, *, timed_out: bool = False) -> None:
+        expectation = self._expected.pop(transfer_id, None)
+        if expectation is None:
+            return
+        expectation.failure = expectation.failure or reason  # parts still streaming stop loading
+        self._results[transfer_id] = reason
+        self._remember_ended_locked(transfer_id)
+        if reason:
+            self._stats.failed_receives += 1
+            self._stats.timeouts += timed_out
+        else:
+            self._stats.received += 1
+        self._cond.notify_all()
+
+    def _remember_ended_locked(self, transfer_id: str) -> None:
+        self._ended[transfer_id] = None
+        while len(self._ended) > _ENDED_KEPT:
+            del self._ended[next(iter(self._ended))]
+
+    def end_id(self, transfer_id: str) -> None:
+        """Decode will never expect this id: a waiting or later offer for it is refused at once."""
+        with self._cond:
+            if transfer_id in self._expected:
+                return  # decode's own expectation wins over a peer's word
+            self._remember_ended_locked(transfer_id)
+            self._cond.notify_all()
+
+    def claim(self, transfer_id: str, hold_s: float, check: Callable[[Expectation], Part]) -> Part:
+        """Wait (up to `hold_s`) until decode expects this id, then own the part `check` names."""
+        deadline = time.monotonic() + hold_s
+        with self._cond:
+            while True:
+                self._expire_unclaimed_locked()
+                expectation = self._expected.get(transfer_id)
+                if expectation is not None:
+                    part = check(expectation)
+                    expectation.claimed.add(part.prefill_rank)
+                    expectation.active.add(part.prefill_rank)
+                    return part
+                if transfer_id in self._results or transfer_id in self._ended:
+                    raise TransferFailed(f"transfer {transfer_id} is not awaited any more")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferTimeout(f"decode did not claim transfer {transfer_id} within {hold_s:.1f}s")
+                self._cond.wait(min(left, 1.0))
+
+    def close(self, reason: str, timeout: float) -> list[str]:
+        """Fail every expectation and end each once no part is active, waiting up to `timeout`; the
+        ids still written into then (ended anyway: the caller keeps their memory registered)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            for expectation in list(self._expected.values()):
+                expectation.failure = expectation.failure or reason
+                self._settle_locked(expectation)
+            while (active := {e.transfer_id for e in self._expected.values() if e.active}) and (
+                left := deadline - time.monotonic()
+            ) > 0:
+                self._cond.wait(min(left, POLL_S * 10))
+            for transfer_id in list(self._expected):
+                self._finish_locked(transfer_id, reason)
+        return sorted(active)

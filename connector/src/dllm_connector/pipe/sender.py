@@ -1,0 +1,474 @@
+"""Prefill's side of a transfer: offer, then the KV in pipelined chunks, to each decode rank it feeds."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dllm_connector import codec
+from dllm_connector.checksum import RunningChecksum
+from dllm_connector.kv_layout import HeadRange, PagedKV, coalesce, plan_tp_mapping
+from dllm_connector.pipe.chunk_writer import (
+    ChunkWriter,
+    PieceStream,
+    Plan,
+    PreparedChunk,
+    PreparedPiece,
+    StagingRelease,
+)
+from dllm_connector.pipe.common import (
+    EXPECTED_ERRORS,
+    POLL_S,
+    PipeConfig,
+    PipeSide,
+    TransferFailed,
+    chunk_ranges,
+    parse,
+    quoted,
+    readable,
+)
+from dllm_connector.pipe.messages import Accept, Slot, bounded
+from dllm_connector.transport import sidechannel
+from dllm_connector.transport.base import Source, Span, TransferTimeout, Transport, TransportError
+from dllm_connector.transport.sidechannel import Message
+from dllm_connector.transport.torchdist import TorchDistTransport
+from dllm_contract.kvconfig import Compression
+
+_log = logging.getLogger(__name__)
+# Connection attempts to a decode side channel that is not up yet are retried this often.
+_CONNECT_RETRY_S = 0.05
+# Codec none writes block to block only where each run of memory is at least this long. A head
+# range on the NHD layout is one short run per token; those are gathered into staging instead
+# (short runs move far slower zero-copy: docs/kv-connector.md, "Head ranges").
+MIN_ZERO_COPY_RUN = 16 << 10
+# A chunk goes on the wire in pieces of at least this much as it encodes: the wire starts on the
+# first chunk without waiting for all of it, and the calls stay few (each transport write has a
+# fixed cost: docs/kv-connector.md, "Pieces").
+PIECE_BYTES = 8 << 20
+# Zero-copy pieces are one Mooncake write per block span: fewer, larger pieces measured better
+# (docs/kv-connector.md, "Pieces").
+ZERO_COPY_PIECE_BYTES = 32 << 20
+
+
+@dataclass(frozen=True)
+class SendJob:
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    host: str
+    port: int
+    prompt_hash: str = ""
+    engine_id: str | None = None  # the decode engine the router named; checked at the handshake
+    decode_tp_size: int | None = None  # None: the sender's own TP size (rank r sends to rank r)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One decode rank a send goes to (at the job's port + its rank) and the model heads it gets."""
+
+    decode_rank: int
+    model_heads: HeadRange | None  # None: all of this rank's heads (equal TP sizes)
+
+
+class KVSender(PipeSide):
+    """Prefill side. Sends run on their own threads when async; `finished()` drains the outcomes.
+
+    `peer_address(host, port)` (C1) is asked before every connection: it returns the address to
+    connect to, or raises TransferFailed for a decode peer this engine may not send to. None: any.
+    """
+
+    def __init__(
+        self,
+        transport: Transport,
+        kv: PagedKV,
+        config: PipeConfig,
+        *,
+        peer_address: Callable[[str, int], str] | None = None,
+        auth: sidechannel.PeerAuth | None = None,
+    ) -> None:
+        super().__init__(transport, kv, config)
+        self._auth = auth
+        self._tags = itertools.count(1)
+        self.min_zero_copy_run = MIN_ZERO_COPY_RUN
+        self.piece_bytes = PIECE_BYTES
+        self.zero_copy_piece_bytes = ZERO_COPY_PIECE_BYTES
+        self._peer_address = peer_address
+        self._lock = threading.Lock()
+        self._in_flight: set[str] = set()
+        self._done: dict[str, str | None] = {}  # transfer id -> None (sent) or the failure reason
+        self._threads: list[threading.Thread] = []
+        self._closing = threading.Event()
+
+    @property
+    def in_flight(self) -> set[str]:
+        with self._lock:
+            return set(self._in_flight)
+
+    def submit(self, job: SendJob) -> None:
+        with self._lock:
+            self._in_flight.add(job.transfer_id)
+        if self._closing.is_set():
+            self._record(job, "the KV sender is closing")
+            return
+        if not self.config.async_transfer:
+            self._run(job)
+            return
+        thread = threading.Thread(
+            target=self._run, args=(job,), name=f"kv-send-{job.transfer_id}", daemon=True
+        )
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def finished(self) -> dict[str, str | None]:
+        """Transfers that ended since the last call: id -> None if delivered, else the reason."""
+        with self._lock:
+            done, self._done = self._done, {}
+        return done
+
+    def wait_idle(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not self.in_flight and not any(thread.is_alive() for thread in threads)
+
+    def _run(self, job: SendJob) -> None:
+        """One job, whatever happens: it ends with a recorded outcome (H6), never a dead thread."""
+        reason: str | None = None
+        try:
+            self.send(job)
+        except Exception as error:  # noqa: BLE001 - every failure ends the transfer with a reason
+            reason = bounded(str(error) or type(error).__name__)
+            self.stats.failed_sends += 1
+            self.stats.timeouts += isinstance(error, TransferTimeout)
+            unexpected = not isinstance(error, EXPECTED_ERRORS)
+            _log.warning("KV send %s failed: %s", bounded(job.transfer_id), reason, exc_info=unexpected)
+        self._record(job, reason)
+
+    def _record(self, job: SendJob, reason: str | None) -> None:
+        with self._lock:
+            self._in_flight.discard(job.transfer_id)
+            self._done[job.transfer_id] = reason
+
+    @property
+    def codec(self) -> Compression:
+        return codec.effective_codec(self.config.compression, self.kv.dtype)
+
+    @property
+    def zero_copy(self) -> bool:
+        """Codec none over a one-sided transport on host memory: block-to-block writes, no staging."""
+        return self.codec is Compression.NONE and self.transport.one_sided and self.kv.device.type == "cpu"
+
+    def _zero_copy_for(self, heads: HeadRange | None) -> bool:
+        """Zero-copy for all heads, or for a head range whose runs are long enough to write one by one."""
+        if not self.zero_copy:
+            return False
+        return heads is None or self.kv.run_nbytes(heads) >= self.min_zero_copy_run
+
+    def targets(self, job: SendJob) -> list[_Target]:
+        """The decode ranks this rank sends the job to, with their heads (mapped when TP sizes differ)."""
+        own = self.kv.tp
+        decode_tp = job.decode_tp_size or own.size
+        if decode_tp == own.size:
+            return [_Target(own.rank, None)]
+        mapping = plan_tp_mapping(self.kv.geometry.model_kv_heads, own.size, decode_tp)
+        return [_Target(rank, heads) for rank, heads in mapping.sends_from(own.rank).items()]
+
+    def send(self, job: SendJob) -> None:
+        """One blocking transfer to every decode rank it goes to; raises on any failure."""
+        targets = self.targets(job)
+        if len(targets) == 1:
+            self._send_to(job, targets[0])
+            return
+        errors: dict[int, Exception] = {}
+        threads = [
+            threading.Thread(target=_catching(self._send_to, errors, target.decode_rank), args=(job, target))
+            for target in targets[1:]
+        ]
+        for thread in threads:
+            thread.start()
+        if targets:
+            _catching(self._send_to, errors, targets[0].decode_rank)(job, targets[0])
+        for thread in threads:
+            thread.join()
+        if errors:
+            rank, error = min(errors.items())
+            raise _naming_rank(error, rank) from error
+
+    def _send_to(self, job: SendJob, target: _Target) -> None:
+        port = job.port + target.decode_rank
+        heads = None if target.model_heads is None else self.kv.local_heads(target.model_heads)
+        host = self._allowed_address(job)
+        with self._connect(host, port) as sock:
+            plan = self._offer(sock, job, target, port, heads)
+            blocks = job.block_ids[plan.skip : plan.skip + plan.count]
+            writer = ChunkWriter(self.transport, self.config.transfer_timeout_s, self.staging, sock, plan)
+            wire = raw = 0
+            try:
+                for index, (start, stop) in enumerate(chunk_ranges(len(blocks), plan.chunk_blocks)):
+                    self._poll(sock, plan)
+                    chunk = self._prepare(index, blocks[start:stop], start, plan, writer, sock)
+                    if chunk.src:
+                        self._before_write(index, chunk.src)
+                    writer.put(chunk)
+                    wire, raw = wire + chunk.header.payload_nbytes, raw + chunk.header.raw_nbytes
+                writer.finish()
+            except Exception as error:
+                # Nothing more is written; once the write under way returned, decode is told we
+                # stopped, so it may hand the blocks on (H5).
+                writer.stop(error)
+                with contextlib.suppress(Exception):
+                    writer.finish()
+                with contextlib.suppress(TransportError):
+                    sidechannel.send_message(sock, {"type": "abort", "reason": bounded(str(error))})
+                raise
+            sidechannel.send_message(sock, {"type": "done"})
+            sidechannel.expect(sock, "ack", self.config.transfer_timeout_s)
+        with self._lock:
+            self.stats.sent += 1
+            self.stats.bytes_on_wire += wire
+            self.stats.raw_bytes += raw
+
+    def _allowed_address(self, job: SendJob) -> str:
+        """The address to connect to for the job's decode peer (C1); TransferFailed if refused."""
+        if self._peer_address is None:
+            return job.host
+        try:
+            return self._peer_address(job.host, job.port)
+        except Exception as error:  # noqa: BLE001 - any refusal or lookup failure ends this send
+            raise TransferFailed(str(error)) from None
+
+    def _connect(self, host: str, port: int) -> socket.socket:
+        deadline = time.monotonic() + self.config.transfer_timeout_s
+        while True:
+            try:
+                return sidechannel.connect(host, port, self.config.transfer_timeout_s, auth=self._auth)
+            except sidechannel.AuthenticationFailed:
+                raise  # a retry would only repeat the refusal until the timeout
+            except TransportError:
+                if time.monotonic() + _CONNECT_RETRY_S > deadline or self._closing.is_set():
+                    raise
+                time.sleep(_CONNECT_RETRY_S)
+
+    def _chunk_blocks(self, count: int) -> int:
+        """Blocks per chunk, at most the transfer's `count` (decode refuses more, L3)."""
+        if self.kv.geometry.block_size > 0:
+            per_chunk = -(-self.config.threshold_tokens // self.kv.geometry.block_size)
+        else:
+            block_bytes = len(self.kv.caches) * self.kv.layout.segments * self.kv.segment_nbytes
+            per_chunk = self.config.chunk_bytes // max(1, block_bytes)
+        return max(1, min(per_chunk, count))
+
+    def _offer(
+        self, sock: socket.socket, job: SendJob, target: _Target, port: int, heads: HeadRange | None
+    ) -> Plan:
+        offer: dict[str, Any] = {
+            "type": "offer",
+            "transfer_id": job.transfer_id,
+            "prompt_hash": job.prompt_hash,
+            "engine_id": job.engine_id,
+            "num_blocks": len(job.block_ids),
+            "codec": self.codec.value,
+            "zero_copy": self._zero_copy_for(heads),
+            "chunk_blocks": self._chunk_blocks(len(job.block_ids)),
+            "signature": self.kv.signature(),
+            "endpoint": self.transport.endpoint(),
+            "hold_s": self.config.hold_s,
+            "tag": next(self._tags),
+            "tp": {
+                "rank": self.kv.tp.rank,
+                "size": self.kv.tp.size,
+                "decode_rank": target.decode_rank,
+                "heads": None if target.model_heads is None else list(target.model_heads),
+            },
+        }
+        if isinstance(self.transport, TorchDistTransport):
+            offer["endpoint"]["pair"] = self.transport.pair_key(job.host + f":{port}")
+        sidechannel.send_message(sock, offer)
+        self._await(sock, self.config.hold_s)
+        reply = parse(Accept, sidechannel.expect(sock, "accept", self.config.transfer_timeout_s))
+        if reply.skip + reply.count > len(job.block_ids):
+            raise TransferFailed(
+                f"decode accepted blocks {reply.skip}..{reply.skip + reply.count - 1}, "
+                f"prefill offered {len(job.block_ids)}"
+            )
+        chunks = len(chunk_ranges(reply.count, int(offer["chunk_blocks"])))
+        if any(index >= chunks for index, _ in reply.slots):
+            raise TransferFailed(f"decode named a staging slot beyond chunk {chunks - 1}")
+        peer = dict(reply.endpoint) | {"pair": offer["endpoint"].get("pair")}
+        return Plan(
+            reply.skip,
+            reply.count,
+            int(offer["chunk_blocks"]),
+            [Span(addr, nbytes) for addr, nbytes in reply.dst],
+            int(offer["tag"]),
+            peer,
+            heads,
+            bool(offer["zero_copy"]),
+            dict(reply.slots),
+        )
+
+    def _await(self, sock: socket.socket, timeout: float) -> None:
+        """Wait until the peer's next message is there; stops early when this sender closes."""
+        deadline = time.monotonic() + timeout
+        while not readable(sock, min(POLL_S * 10, max(0.0, deadline - time.monotonic()))):
+            if self._closing.is_set():
+                raise TransferFailed("the KV sender is closing")
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"decode did not accept within {timeout:.1f}s")
+
+    def _poll(self, sock: socket.socket, plan: Plan) -> None:
+        """Between pieces: a slot decode named is kept; a nack or abort stops the send (H5)."""
+        while readable(sock, 0.0):
+            self._take_slot(sidechannel.recv_message(sock, self.config.transfer_timeout_s), plan)
+
+    def _take_slot(self, message: Message, plan: Plan) -> None:
+        if message["type"] != "slot":
+            raise sidechannel.unexpected(quoted(message), "slot")
+        slot = parse(Slot, message)
+        if slot.index >= len(chunk_ranges(plan.count, plan.chunk_blocks)) or len(plan.slots) > 1024:
+            raise TransferFailed(f"decode named a staging slot for chunk {slot.index}, which is not due")
+        plan.slots[slot.index] = slot.addr
+
+    def _slot(self, sock: socket.socket, plan: Plan, index: int) -> int:
+        """Where decode stages chunk `index`: named in the accept, or later, once decode has room."""
+        while index not in plan.slots:
+            self._take_slot(sidechannel.recv_message(sock, self.config.transfer_timeout_s), plan)
+        return plan.slots.pop(index)
+
+    def _prepare(
+        self,
+        index: int,
+        blocks: Sequence[int],
+        first: int,
+        plan: Plan,
+        writer: ChunkWriter,
+        sock: socket.socket,
+    ) -> PreparedChunk:
+        """Chunk `index` encoded; on a one-sided transport its finished pieces already went to `writer`."""
+        if plan.zero_copy:
+            return self._prepare_in_place(index, blocks, first, plan, writer, sock)
+        shape = self.kv.batch_shape(len(blocks), plan.heads)
+        groups = self.kv.groups(plan.heads)
+        nbytes = codec.payload_nbytes(self.codec, self.kv.dtype, shape, groups)
+        remote = self._slot(sock, plan, index) if self.transport.one_sided else 0
+        staged = self.staging.reserve(nbytes, self.config.transfer_timeout_s)
+        if not self.transport.one_sided:  # announced first, then sent whole: no pieces
+            pieces = None
+        else:
+            poll = functools.partial(self._poll, sock, plan)
+            pieces = PieceStream(
+                writer,
+                index,
+                staged.data_ptr(),
+                remote,
+                poll,
+                piece_bytes=self.piece_bytes,
+                before_write=self._before_write,
+            )
+        try:
+            # none from host memory: each layer is gathered straight into its place in the payload
+            host_none = self.codec is Compression.NONE and self.kv.device.type == "cpu"
+            in_place = staged if host_none else None
+            parts = self.kv.gather_layers(blocks, plan.heads, out=in_place)
+            on_part = None if pieces is None else pieces.add
+            header, payload = codec.encode_parts(
+                parts, shape, self.kv.dtype, self.codec, groups, out=staged, on_part=on_part
+            )
+        except BaseException:
+            if pieces is not None and pieces.sent:  # the writer may still be reading it
+                with contextlib.suppress(Exception):
+                    writer.put(StagingRelease(staged))
+            else:
+                self.staging.release(staged)
+            raise
+        if pieces is None:  # two-sided: only the size counts
+            return PreparedChunk(index, header, [payload], [Span(0, nbytes)], staged)
+        src, dst = pieces.rest()
+        return PreparedChunk(index, header, src, dst, staged)
+
+    def _prepare_in_place(
+        self,
+        index: int,
+        blocks: Sequence[int],
+        first: int,
+        plan: Plan,
+        writer: ChunkWriter,
+        sock: socket.socket,
+    ) -> PreparedChunk:
+        """Codec none, zero-copy: hash and write the blocks' spans a few layers at a time."""
+        src = self.kv.spans(blocks, plan.heads)
+        per_block = len(src) // len(blocks)
+        theirs = plan.dst[first * per_block : (first + len(blocks)) * per_block]
+        sizes_differ = any(span.nbytes != n for span, (_, n) in zip(theirs, src, strict=False))
+        if len(theirs) != len(src) or sizes_differ:
+            raise TransferFailed(f"decode's block spans for chunk {index} do not match this cache's")
+        dst = [(span.addr, span.nbytes) for span in theirs]
+        running = RunningChecksum()
+        # Spans are in layer order, the same bytes for every layer: a piece is whole layers, as
+        # few as make zero_copy_piece_bytes (the last piece takes what is left).
+        per_layer = len(src) // self.kv.num_layers
+        layer_bytes = sum(nbytes for _, nbytes in src[:per_layer])
+        step = per_layer * max(1, -(-self.zero_copy_piece_bytes // layer_bytes))
+        for start in range(0, len(src), step):
+            self._poll(sock, plan)
+            stop = min(start + step, len(src))
+            for addr, nbytes in src[start:stop]:
+                running.add(addr, nbytes)
+            merged_src, merged_dst = coalesce(src[start:stop], dst[start:stop])
+            piece = PreparedPiece([Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], index)
+            self._before_write(index, piece.src)
+            writer.put(piece)
+        shape = self.kv.batch_shape(len(blocks), plan.heads)
+        header = codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, running.value)
+        return PreparedChunk(index, header, [], [], None)
+
+    def _before_write(self, index: int, src: Sequence[Source]) -> None:
+        """Hook between checksum and write (tests corrupt the payload here)."""
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Stop taking sends and unregister the memory only once no send can write from it (M4).
+
+        Sends still waiting for decode's accept (nothing written yet) end now; sends moving KV run
+        to their end. False (the memory stays registered) if one still runs after `timeout`
+        (default: the hold plus two transfer timeouts).
+        """
+        self._closing.set()
+        if timeout is None:
+            timeout = self.config.hold_s + 2 * self.config.transfer_timeout_s
+        if not self.wait_idle(timeout):
+            _log.error("KV sends %s still running at close: their memory stays registered", self.in_flight)
+            return False
+        self._unregister()
+        return True
+
+
+def _naming_rank(error: Exception, rank: int) -> Exception:
+    """The same kind of error, its message prefixed with the decode rank it came from."""
+    try:
+        return type(error)(f"to decode TP rank {rank}: {error}")
+    except TypeError:
+        return error
+
+
+def _catching(
+    send: Callable[[SendJob, _Target], None], errors: dict[int, Exception], rank: int
+) -> Callable[[SendJob, _Target], None]:
+    """`send`, with its error kept under the decode rank (re-raised by the thread that waits)."""
+
+    def run(job: SendJob, target: _Target) -> None:
+        try:
+            send(job, target)
+        except Exception as error:  # noqa: BLE001 - handed to the waiting thread, which raises it
+            errors[rank] = error
+
+    return run
