@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -215,6 +216,50 @@ def test_high_priority_classes_need_the_opt_in_when_the_chart_caps_them(
             cluster.run("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", check=False)
         for name in classes:
             cluster.run("delete", "priorityclass", name, "--ignore-not-found", check=False)
+
+
+def test_operator_identity_mounts_no_token_and_borrows_no_account(
+    cluster: Cluster, crd: str, namespace: str
+) -> None:
+    """admissionPolicy.limitOperator: whatever its RBAC allows, the operator's ServiceAccount writes no
+    workload that mounts a token, and none with another account, a system- class or the control-plane
+    taint unless the namespace opted in (so a taken-over operator cannot do what a CR may not ask)."""
+    docs = chart_policies(cluster, f"o{namespace[-8:]}", namespace)
+    user = re.search(r"username == '([^']+)'", json.dumps(docs))
+    assert user is not None
+    body = merged(minimal("ops"), {"metadata": {"namespace": namespace, "uid": "u"}})
+    sts = next(m for m in render_all(parse(body)) if m["kind"] == "StatefulSet")
+
+    def as_operator(pod: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        obj = merged(sts, {"spec": {"template": {"spec": pod}}})
+        return cluster.run(
+            f"--as={user[1]}", "--as-group=system:masters", "create", "--dry-run=server", "-n", namespace,
+            "-f", "-", input_text=json.dumps(obj), check=False,
+        )  # fmt: skip
+
+    token = {"automountServiceAccountToken": True}
+    gated: dict[str, dict[str, Any]] = {
+        "account": {"serviceAccountName": "deployer"},
+        "priority": {"priorityClassName": "system-node-critical"},
+        "toleration": {"tolerations": TOLERATE_CONTROL_PLANE},
+    }
+    cluster.run("apply", "--server-side", "-f", "-", input_text=yaml.safe_dump_all(docs))
+    try:
+        wait_until(lambda: as_operator(token).returncode != 0, 30, "the operator policies in force")
+        assert "automountServiceAccountToken: false" in as_operator(token).stderr
+        assert as_operator({}).returncode == 0, as_operator({}).stderr  # what the operator renders
+        for what, pod in gated.items():
+            result = as_operator(pod)
+            assert result.returncode != 0, f"{what} was admitted"
+            assert OPT_IN in result.stderr, result.stderr
+        cluster.run("label", "namespace", namespace, f"{OPT_IN}=true")
+        wait_until(
+            lambda: all(as_operator(pod).returncode == 0 for pod in gated.values()), 30, "the opt-in in force"
+        )
+        assert as_operator(token).returncode != 0  # a token never
+    finally:
+        for doc in docs:
+            cluster.run("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", check=False)
 
 
 def test_unprivileged_asks_need_no_opt_in(cluster: Cluster, namespace: str, engine_policy: str) -> None:
