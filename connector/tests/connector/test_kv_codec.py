@@ -14,6 +14,8 @@ import torch
 import xxhash
 
 from dllm_connector import codec, native_codec
+from dllm_connector.codec import quant
+from dllm_connector.codec.kernel_sets import native_kernels
 from dllm_connector.kv_layout import Geometry, PagedKV
 from dllm_contract.kvconfig import Compression
 
@@ -387,13 +389,13 @@ def native_fp8_decode() -> codec.DecodeFn:
         pytest.skip("no C compiler here: the native kernels are unavailable")
     library = native_codec.load()
     assert library is not None
-    return codec._native_kernels(library)[Compression.FP8].decode_into
+    return native_kernels(library)[Compression.FP8].decode_into
 
 
 FP8_DECODES: dict[str, Callable[[], codec.DecodeFn]] = {
-    "per code": lambda: codec._decoding_with(codec._fp8_values),
-    "torch cast": lambda: codec._decoding_with(codec._fp8_values_cast),
-    "by words": lambda: codec._fp8_decode_by_words(codec._fp8_half_words, codec._fp8_widen_into),
+    "per code": lambda: quant.decoding_with(quant.fp8_values),
+    "torch cast": lambda: quant.decoding_with(quant.fp8_values_cast),
+    "by words": lambda: quant.fp8_decode_by_words(quant.fp8_half_words, quant.fp8_widen_into),
     "native": native_fp8_decode,
 }
 

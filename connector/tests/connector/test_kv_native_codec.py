@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from dllm_connector import codec, native_codec
+from dllm_connector.codec import kernel_sets as codec_kernels
+from dllm_connector.codec.kernel_sets import native_kernels
 from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
@@ -91,7 +93,7 @@ def test_without_a_compiler_plain_torch_serves_and_a_warning_says_why(
     """No C compiler: torch.compile, the next choice, needs one too; this machine has one, so for
     torch.compile its absence is simulated (the compiled set reported unavailable)."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(codec, "_compiled_set", lambda: None)
+    monkeypatch.setattr(codec_kernels, "_compiled_set", lambda: None)
     with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
         assert codec.use_kernels("native") == "plain"
     assert "native KV codec kernels are unavailable" in caplog.text
@@ -231,7 +233,7 @@ def test_tensors_the_c_kernels_cannot_take_as_they_are_go_to_torch(
     """A view whose memory is not the values in row order must not be read as if it were."""
     library = native_codec.load()
     assert library is not None
-    native = codec._native_kernels(library)[Compression.FP8]
+    native = native_kernels(library)[Compression.FP8]
     rows = torch.randn(16, 64).to(torch.bfloat16)
     view = odd_rows(rows)
     assert torch.equal(view, rows)

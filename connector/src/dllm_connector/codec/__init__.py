@@ -1,0 +1,72 @@
+"""KV-cache codecs: none, fp8 (e4m3) and int8, with one scale per (block, KV head, K or V).
+
+Tensor code: the one I/O is choosing the kernels once (native_codec builds or loads the C library;
+torch.compile compiles). A payload is the quantized data followed by its float32 scales,
+described by a KVHeader (codec, source dtype, shape, scale groups, XXH3-64 checksum of the payload).
+
+Input is a contiguous batch of KV blocks, shape [N, ...]; each block is split into `groups` equal,
+contiguous scale groups (the caller lays a block out so that one group is one KV head's K or V).
+
+Defined edge cases:
+- an all-zero group gets the smallest normal float32 scale and decodes to exact zeros (no NaN);
+- a group holding NaN or inf cannot be quantized: encode raises NonFiniteKVError (codec none carries
+  NaN/inf bit-exact, so a caller may fall back to it);
+- a KV cache that is already fp8 (--kv-cache-dtype fp8) passes through unchanged as codec none.
+
+fp8 scales are powers of two (exact scaling, integer rounding to e4m3). Three sets of kernels write
+the same payload bytes (tests compare them), chosen by DLLM_KV_CODEC_KERNELS:
+- native (the default): C loops (native_codec, kvcodec.c) on host tensors, built for this CPU at first
+  use, plain torch ops on other devices; where they cannot be built, compiled, else plain;
+- compiled: fused by torch.compile (which also needs a C++ compiler);
+- plain: torch ops, no compiler.
+
+The package, one idea per module: `header` (the wire header, errors, dtype tables, checksum), `quant`
+(the fp8/int8 maths in torch), `kernel_sets` (the kernel sets and the choice among them), `stream` (encode and
+decode, whole or in parts). The C kernels' build and load stay in `dllm_connector.native_codec`, which
+runs without torch (the image builds the library with it). Callers use the names below.
+"""
+
+from dllm_connector.codec.header import (
+    HEADER_VERSION,
+    QMAX,
+    QUANT_DTYPE,
+    SCALE_DTYPE,
+    SOURCE_DTYPES,
+    ChecksumError,
+    CodecError,
+    KVHeader,
+    NonFiniteKVError,
+    as_bytes,
+    checksum,
+    effective_codec,
+    payload_nbytes,
+)
+from dllm_connector.codec.kernel_sets import kernels, use_kernels, warm_up
+from dllm_connector.codec.quant import DecodeFn
+from dllm_connector.codec.stream import StreamingDecode, decode, decode_parts, encode, encode_parts, verify
+
+__all__ = [
+    "HEADER_VERSION",
+    "QMAX",
+    "QUANT_DTYPE",
+    "SCALE_DTYPE",
+    "SOURCE_DTYPES",
+    "ChecksumError",
+    "CodecError",
+    "DecodeFn",
+    "KVHeader",
+    "NonFiniteKVError",
+    "StreamingDecode",
+    "as_bytes",
+    "checksum",
+    "decode",
+    "decode_parts",
+    "effective_codec",
+    "encode",
+    "encode_parts",
+    "kernels",
+    "payload_nbytes",
+    "use_kernels",
+    "verify",
+    "warm_up",
+]
