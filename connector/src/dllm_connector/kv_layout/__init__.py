@@ -1,0 +1,51 @@
+"""Where each KV block lives in a worker's paged caches, derived from the tensors' shapes and strides.
+
+vLLM registers one tensor per attention layer. Its block axis is 0 (CPU: [blocks, kv_heads,
+block_size, 2 * head_dim]; GPU: [blocks, 2, ...]) or 1 (GPU: [2, blocks, ...], K and V apart).
+Everything inside one block at one K/V index ("a segment") must be contiguous; the layout refuses
+tensors where it is not, rather than guess. The codec's scale groups split a segment into equal,
+contiguous parts: one per (KV head, K or V) when the layout allows it.
+
+Where prefill and decode run different TP sizes, `plan_tp_mapping` (pure) says which model KV heads
+each prefill rank sends each decode rank, and PagedKV addresses a head range inside every segment:
+one run of memory on the CPU and HND layouts, one run per token on NHD.
+
+Two modules: `tp_mapping` (pure: the geometry, TP ranks, the head mapping) and `paged_kv` (torch:
+the caches' layout and block access).
+"""
+
+from dllm_connector.kv_layout.paged_kv import (
+    LayerLayout,
+    PagedKV,
+    coalesce,
+    layer_layout,
+    signature_mismatches,
+)
+from dllm_connector.kv_layout.tp_mapping import (
+    Geometry,
+    HeadRange,
+    LayoutError,
+    TPMapping,
+    TPMappingError,
+    TPRank,
+    head_split_problem,
+    plan_tp_mapping,
+    rank_heads,
+)
+
+__all__ = [
+    "Geometry",
+    "HeadRange",
+    "LayerLayout",
+    "LayoutError",
+    "PagedKV",
+    "TPMapping",
+    "TPMappingError",
+    "TPRank",
+    "coalesce",
+    "head_split_problem",
+    "layer_layout",
+    "plan_tp_mapping",
+    "rank_heads",
+    "signature_mismatches",
+]
