@@ -9,7 +9,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import sys
 
 import aiohttp
@@ -20,12 +19,6 @@ from router_harness import EngineFactory
 from dllm_router.__main__ import LOG_FORMAT, BatchedStreamHandler, _Formatter, direct_access_line
 
 pytestmark = pytest.mark.timeout(30)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def wait_for_log(proc: asyncio.subprocess.Process, text: bytes) -> bytes:
@@ -41,8 +34,12 @@ async def wait_for_log(proc: asyncio.subprocess.Process, text: bytes) -> bytes:
     return await asyncio.wait_for(read(), 15)
 
 
-async def wait_for_listening(proc: asyncio.subprocess.Process) -> None:
-    await wait_for_log(proc, b"dllm-router on 127.0.0.1:")
+async def wait_for_listening(proc: asyncio.subprocess.Process) -> int:
+    """The port the router bound: it is started with --port 0 (no port picked and released first)."""
+    line = await wait_for_log(proc, b"dllm-router on 127.0.0.1:")
+    found = re.search(rb"dllm-router on 127\.0\.0\.1:(\d+),", line)
+    assert found, line
+    return int(found.group(1))
 
 
 @pytest.mark.parametrize(
@@ -52,16 +49,17 @@ async def test_router_process_serves_and_stops_on_sigterm(
     engines: EngineFactory, client: aiohttp.ClientSession, event_loop: str, runs_on: str
 ) -> None:
     p, d = await engines("p0"), await engines("d0")
-    port = free_port()
     env = {**os.environ, "DLLM_ROUTER_DECODE_URL": d.url, "DLLM_ROUTER_LOG_LEVEL": "info"}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "dllm_router",
-        "--host", "127.0.0.1", "--port", str(port), "--flow", "dllm", "--prefill-url", p.url,
+        "--host", "127.0.0.1", "--port", "0", "--flow", "dllm", "--prefill-url", p.url,
         "--event-loop", event_loop, env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{port}"
-        await wait_for_log(proc, f"event loop {runs_on},".encode())  # uvloop is in the pinned venv
+        line = await wait_for_log(proc, f"event loop {runs_on},".encode())  # uvloop is in the pinned venv
+        found = re.search(rb"dllm-router on 127\.0\.0\.1:(\d+),", line)
+        assert found, line
+        url = f"http://127.0.0.1:{int(found.group(1))}"
         async with client.get(url + "/ready") as r:
             assert r.status == 200
         headers = {"X-Request-Id": "cli-1"}
@@ -100,14 +98,13 @@ async def test_sigterm_lets_in_flight_requests_finish(
 ) -> None:
     p, d = await engines("p0"), await engines("d0")
     d.hold = asyncio.Event()
-    port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dllm_router", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "dllm_router", "--host", "127.0.0.1", "--port", "0",
         "--flow", "dllm", "--prefill-url", p.url, "--decode-url", d.url,
         env={**os.environ, "DLLM_ROUTER_LOG_LEVEL": "info"}, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
-        await wait_for_listening(proc)
+        port = await wait_for_listening(proc)
         body = {"prompt": "drain", "max_tokens": 2}
         pending = asyncio.create_task(client.post(f"http://127.0.0.1:{port}/v1/completions", json=body))
         await asyncio.wait_for(d.arrived.wait(), 10)
@@ -130,15 +127,14 @@ async def test_drain_seconds_bounds_how_long_sigterm_waits(
     """M4: --drain-seconds (its variable here, as the operator may set either) replaces the fixed 25 s."""
     p, d = await engines("p0"), await engines("d0")
     d.hold = asyncio.Event()  # never set: the request outlives the drain
-    port = free_port()
     env = {**os.environ, "DLLM_ROUTER_LOG_LEVEL": "info", "DLLM_ROUTER_DRAIN_SECONDS": "0.5"}
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "dllm_router", "--host", "127.0.0.1", "--port", str(port),
+        sys.executable, "-m", "dllm_router", "--host", "127.0.0.1", "--port", "0",
         "--flow", "dllm", "--prefill-url", p.url, "--decode-url", d.url,
         env=env, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     try:
-        await wait_for_listening(proc)
+        port = await wait_for_listening(proc)
         body = {"prompt": "cut", "max_tokens": 2}
         pending = asyncio.create_task(client.post(f"http://127.0.0.1:{port}/v1/completions", json=body))
         await asyncio.wait_for(d.arrived.wait(), 10)
