@@ -292,6 +292,7 @@ BAD_VALUES = [
     ("admissionPolicy.enabled=yes", "/admissionPolicy/enabled"),
     ("admissionPolicy.privilegedEnginesLabel=bad label", "/admissionPolicy/privilegedEnginesLabel"),
     ("operatorPolicy.allowedImagePrefixes={a,}", "/operatorPolicy/allowedImagePrefixes/1"),
+    ("admissionPolicy.maxEnginePriority=2000000000", "/admissionPolicy/maxEnginePriority"),
 ]
 
 
