@@ -1,0 +1,118 @@
+"""vLLM's --kv-transfer-config for KVTransferSettings: the fields vLLM really has, and our extra config."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Annotated, Any, Self
+
+from pydantic import (
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
+
+from dllm_contract.settings import (
+    DEFAULT_HOLD_SECONDS,
+    DEFAULT_PREFILL_WAIT_MS,
+    Compression,
+    Connector,
+    KVTransferSettings,
+    Port,
+    PositiveFloat,
+    PositiveInt,
+    Protocol,
+    Role,
+    _check_transfer_ports,
+    _Frozen,
+)
+
+# vLLM's kv_role for each of our roles.
+VLLM_KV_ROLE: Mapping[Role, str] = {
+    Role.PREFILL: "kv_producer",
+    Role.DECODE: "kv_consumer",
+    Role.BOTH: "kv_both",
+}
+
+# This project's vLLM connector classes (dllm_connector.vllm), one per transport.
+CONNECTOR_MODULE = "dllm_connector.vllm"
+CONNECTOR_CLASS: Mapping[Connector, str] = {
+    Connector.MOONCAKE: "DllmMooncakeConnector",
+    Connector.PYNCCL: "DllmNcclConnector",
+}
+
+
+class ConnectorExtraConfig(_Frozen):
+    """kv_connector_extra_config of this project's connectors: the settings vLLM has no field for.
+
+    Strict (unknown keys and bad values are refused at engine start), because vLLM itself accepts any
+    extra config.
+    """
+
+    compression: Compression
+    buffer_size_gb: PositiveFloat
+    transfer_threshold_tokens: PositiveInt
+    transfer_timeout_ms: PositiveInt
+    prefill_wait_ms: PositiveInt
+    hold_seconds: PositiveInt
+    async_transfer: bool
+    protocol: Protocol
+    decode_host: Annotated[str, Field(min_length=1)] | None = None
+    decode_port: Port | None = None
+    rdma_devices: tuple[str, ...] = ()
+    gid_index: Annotated[int, Field(ge=0)] | None = None
+    host_ip: str | None = None
+    # Mooncake's RPC and data ports (DLLM_KV_TRANSFER_PORTS); left out of the JSON when unset.
+    transfer_ports: tuple[Port, Port] | None = None
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> Self:
+        _check_transfer_ports(self.transfer_ports)
+        return self
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_ports(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        dumped: dict[str, Any] = handler(self)
+        if dumped.get("transfer_ports", ()) is None:  # engines rendered before the range existed
+            del dumped["transfer_ports"]
+        return dumped
+
+
+def extra_config(settings: KVTransferSettings) -> ConnectorExtraConfig:
+    """The kv_connector_extra_config of this project's connectors for these settings."""
+    return ConnectorExtraConfig(
+        compression=settings.compression,
+        buffer_size_gb=settings.buffer_size_gb,
+        transfer_threshold_tokens=settings.transfer_threshold_tokens,
+        transfer_timeout_ms=settings.transfer_timeout_ms,
+        prefill_wait_ms=settings.prefill_wait_ms or DEFAULT_PREFILL_WAIT_MS,
+        hold_seconds=settings.hold_seconds or DEFAULT_HOLD_SECONDS,
+        async_transfer=settings.async_transfer,
+        protocol=settings.protocol,
+        decode_host=settings.decode_host,
+        decode_port=settings.decode_port,
+        rdma_devices=settings.rdma_devices,
+        gid_index=settings.gid_index,
+        host_ip=settings.host_ip,
+        transfer_ports=settings.transfer_ports,
+    )
+
+
+def kv_transfer_config(settings: KVTransferSettings, engine_id: str) -> dict[str, Any]:
+    """vLLM's KVTransferConfig as a dict, with only the fields vLLM really has."""
+    config: dict[str, Any] = {
+        "kv_role": VLLM_KV_ROLE[settings.role],
+        "kv_port": settings.listen_port,
+        "engine_id": engine_id,
+        "kv_load_failure_policy": settings.load_failure_policy.value,
+    }
+    if settings.custom is not None:
+        config["kv_connector"] = settings.custom.connector_class
+        if settings.custom.module_path:
+            config["kv_connector_module_path"] = settings.custom.module_path
+        config["kv_connector_extra_config"] = dict(settings.custom.extra_config)
+    else:
+        config["kv_connector"] = CONNECTOR_CLASS[settings.connector]
+        config["kv_connector_module_path"] = CONNECTOR_MODULE
+        config["kv_connector_extra_config"] = extra_config(settings).model_dump(mode="json")
+    return config
