@@ -38,10 +38,21 @@ def wait_until(predicate: Callable[[], object], timeout: float, step: float = 0.
 
 
 class FakeDecode:
-    """Test double: a decode side channel that runs `script(sock)` for each connection it accepts."""
+    """Test double: a decode side channel that runs `script(sock)` for each connection it accepts.
 
-    def __init__(self, script: Callable[[socket.socket], None], host: str = HOST) -> None:
+    It answers each hello first as a side channel without a key of protocol `version` would (by
+    default this engine's); a peer of another version is answered as a real one answers it.
+    """
+
+    def __init__(
+        self,
+        script: Callable[[socket.socket], None],
+        host: str = HOST,
+        *,
+        version: int = sidechannel.PROTOCOL_VERSION,
+    ) -> None:
         self._script = script
+        self._version = version
         self.connections = 0
         self._listener = socket.socket()
         self._listener.bind((host, 0))
@@ -63,7 +74,15 @@ class FakeDecode:
 
     def _run(self, sock: socket.socket) -> None:
         with sock, contextlib.suppress(Exception):
-            self._script(sock)
+            hello = sidechannel.HELLO.unpack(
+                sidechannel._read_exactly(sock, sidechannel.HELLO.size, time.monotonic() + 10)
+            )
+            status = sidechannel.STATUS_OK if hello[1] == self._version else sidechannel.STATUS_BAD_VERSION
+            sock.sendall(
+                sidechannel.CHALLENGE.pack(sidechannel.MAGIC, self._version, status, bytes(32), bytes(32))
+            )
+            if status == sidechannel.STATUS_OK:
+                self._script(sock)
 
     def close(self) -> None:
         self._listener.close()

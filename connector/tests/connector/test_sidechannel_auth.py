@@ -126,7 +126,11 @@ def test_a_client_that_cannot_answer_the_challenge_is_refused_before_any_json(se
     """A peer without the key: a well-formed hello, then a guessed MAC and an offer."""
     server, handle = serve(auth=KEY)
     with socket.create_connection((HOST, server.port), timeout=5) as sock:
-        sock.sendall(sidechannel.HELLO.pack(sidechannel.MAGIC, sidechannel.VERSION, bytes(32)))
+        sock.sendall(
+            sidechannel.HELLO.pack(
+                sidechannel.MAGIC, sidechannel.PROTOCOL_VERSION, sidechannel.FLAG_KEY, bytes(32)
+            )
+        )
         challenge = sidechannel._read_exactly(sock, sidechannel.CHALLENGE.size, time.monotonic() + 5)
         assert challenge[:4] == sidechannel.MAGIC
         sock.sendall(bytes(32))
@@ -253,7 +257,7 @@ def client():
     # What sidechannel.connect does, on the socket made before: it needs no descriptor now.
     sock.settimeout(30)
     sock.connect(("127.0.0.1", server.port))
-    sidechannel._authenticate_server(sock, key, time.monotonic() + 30, "server")
+    sidechannel._hello(sock, key, time.monotonic() + 30, "server")
     sidechannel.send_message(sock, {"type": "offer", "id": "t1"})
     answers.append(sidechannel.expect(sock, "accept", 30)["id"])
     sock.close()
@@ -303,7 +307,10 @@ def test_a_16_mib_first_frame_without_a_valid_mac_is_refused_after_the_pre_auth_
     if framing == "message":  # a client without the key sends one huge message
         data = struct.pack(">I", BIG - 4) + b"[" + b"[]," * ((BIG - 8) // 3)
     else:  # a well-formed hello, then 16 MiB where the MAC should be
-        data = sidechannel.HELLO.pack(sidechannel.MAGIC, sidechannel.VERSION, bytes(32)) + b"x" * BIG
+        hello = sidechannel.HELLO.pack(
+            sidechannel.MAGIC, sidechannel.PROTOCOL_VERSION, sidechannel.FLAG_KEY, bytes(32)
+        )
+        data = hello + b"x" * BIG
     with socket.create_connection((HOST, server.port), timeout=10) as sock:
         pusher = _send_in_background(sock, data)
         assert _closed_within([sock], 10) == 1
@@ -315,7 +322,8 @@ def test_a_16_mib_first_frame_without_a_valid_mac_is_refused_after_the_pre_auth_
 
 def test_without_a_key_a_16_mib_first_message_is_refused_before_its_body_is_read(serve) -> None:
     server, handle = serve()
-    data = struct.pack(">I", BIG - 4) + b"x" * (BIG - 4)
+    hello = sidechannel.HELLO.pack(sidechannel.MAGIC, sidechannel.PROTOCOL_VERSION, 0, bytes(32))
+    data = hello + struct.pack(">I", BIG - 4) + b"x" * (BIG - 4)
     with socket.create_connection((HOST, server.port), timeout=10) as sock:
         pusher = _send_in_background(sock, data)
         assert _closed_within([sock], 10) == 1
@@ -395,3 +403,88 @@ def test_tokens_shorter_than_32_characters_are_refused_and_keys_never_shown() ->
     auth = PeerAuth.from_token(" " + "s" * 40 + "\n")  # a Secret file's trailing newline is not key
     assert auth == PeerAuth.from_token("s" * 40)
     assert "s" * 40 not in repr(auth)
+
+
+# ---- issue 19: the protocol version travels in every connection's hello -----------------------------
+
+OTHER_VERSION = sidechannel.PROTOCOL_VERSION + 1
+
+
+@pytest.mark.parametrize("auth", [KEY, None], ids=["with-key", "without-key"])
+def test_a_client_of_another_version_is_refused_naming_both_versions(serve, auth, caplog) -> None:
+    server, handle = serve(auth=auth)
+    before = _connection_threads()
+    flags = sidechannel.FLAG_KEY if auth else 0
+    with caplog.at_level(logging.WARNING, logger="dllm_connector.transport.sidechannel"):
+        with socket.create_connection((HOST, server.port), timeout=5) as sock:
+            sock.sendall(sidechannel.HELLO.pack(sidechannel.MAGIC, OTHER_VERSION, flags, bytes(32)))
+            raw = sidechannel._read_exactly(sock, sidechannel.CHALLENGE.size, time.monotonic() + 5)
+            assert _closed_within([sock], 5) == 1
+        assert wait_until(lambda: server.stats.refused == 1)
+    _, version, status, nonce, mac = sidechannel.CHALLENGE.unpack(raw)
+    assert (version, status) == (sidechannel.PROTOCOL_VERSION, sidechannel.STATUS_BAD_VERSION)
+    assert nonce == mac == bytes(32)
+    assert (
+        f"it speaks protocol version {OTHER_VERSION}, this engine {sidechannel.PROTOCOL_VERSION}"
+        in caplog.text
+    )
+    assert handle.calls == 0
+    assert wait_until(lambda: _connection_threads() == before)
+    assert exchange(server, auth) == "t1"  # and it still serves its own version
+
+
+class ServerOfAnotherVersion:
+    """Test double: a side channel that answers every hello as one of `version` would, with `status`."""
+
+    def __init__(self, version: int, status: int) -> None:
+        self.closed_by_client = threading.Event()
+        self._listener = socket.create_server((HOST, 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._answer = sidechannel.CHALLENGE.pack(sidechannel.MAGIC, version, status, bytes(32), bytes(32))
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self._listener.accept()
+        with conn:
+            conn.settimeout(10)
+            sidechannel._read_exactly(conn, sidechannel.HELLO.size, time.monotonic() + 10)
+            conn.sendall(self._answer)
+            if conn.recv(1) == b"":
+                self.closed_by_client.set()
+
+    def close(self) -> None:
+        self._listener.close()
+        self._thread.join(10)
+
+
+@pytest.mark.parametrize("auth", [KEY, None], ids=["with-key", "without-key"])
+@pytest.mark.parametrize(
+    ("version", "status"),
+    [(OTHER_VERSION, sidechannel.STATUS_BAD_VERSION), (1, sidechannel.STATUS_NO_AUTH)],
+    ids=["newer", "version-1-without-key"],
+)
+def test_a_server_of_another_version_is_refused_naming_both_versions(auth, version, status) -> None:
+    server = ServerOfAnotherVersion(version, status)
+    try:
+        with pytest.raises(sidechannel.VersionMismatch) as raised:
+            sidechannel.connect(HOST, server.port, 5, auth=auth)
+        assert server.closed_by_client.wait(10)  # the client closed its end
+    finally:
+        server.close()
+    assert str(raised.value) == (
+        f"the KV side channel at {HOST}:{server.port} speaks protocol version {version}, "
+        f"this engine {sidechannel.PROTOCOL_VERSION}"
+    )
+
+
+def test_a_client_of_version_1_without_a_key_is_told_both_versions(serve) -> None:
+    """Version 1 sent no hello without a key: its first bytes are a message."""
+    server, handle = serve()
+    with socket.create_connection((HOST, server.port), timeout=5) as sock:
+        sidechannel.send_message(sock, {"type": "offer", "id": "t1"})
+        both = rf"speaks protocol version {sidechannel.PROTOCOL_VERSION}.*protocol version 1"
+        with pytest.raises(PeerRefused, match=both):
+            sidechannel.expect(sock, "accept", 5)
+    assert wait_until(lambda: server.stats.refused == 1)
+    assert handle.calls == 0

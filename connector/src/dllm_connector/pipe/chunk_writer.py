@@ -13,7 +13,8 @@ import torch
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import HeadRange
-from dllm_connector.transport import sidechannel
+from dllm_connector.pipe.common import send
+from dllm_connector.pipe.messages import Chunk, Piece
 from dllm_connector.transport.base import Source, Span, Transport, TransportError
 from dllm_connector.transport.staging import StagingBuffer
 
@@ -109,9 +110,9 @@ class ChunkWriter:
         transport = self._transport
         announce = None
         if isinstance(item, PreparedChunk):
-            announce = {"type": "chunk", "index": item.index, "header": item.header.to_dict()}
+            announce = Chunk(type="chunk", index=item.index, header=item.header.to_dict())
         if announce is not None and not transport.one_sided:
-            sidechannel.send_message(self._sock, announce)
+            send(self._sock, announce)
         if item.src:
             try:
                 transport.send(self._plan.peer, item.src, item.dst, self._plan.tag, self._timeout)
@@ -119,9 +120,9 @@ class ChunkWriter:
                 transport.forget_peer(self._plan.peer)
                 raise
         if isinstance(item, PreparedPiece) and item.parts is not None and transport.one_sided:
-            sidechannel.send_message(self._sock, {"type": "piece", "index": item.index, "parts": item.parts})
+            send(self._sock, Piece(type="piece", index=item.index, parts=item.parts))
         if announce is not None and transport.one_sided:
-            sidechannel.send_message(self._sock, announce)
+            send(self._sock, announce)
 
     def _release(self, item: _Item) -> None:
         if not isinstance(item, PreparedPiece) and item.staged is not None:

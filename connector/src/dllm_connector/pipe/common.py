@@ -16,10 +16,15 @@ from dllm_connector.pipe.messages import (
     MalformedMessage,
     Offer,
     Piece,
+    SideMessage,
     Slot,
+    WireMessage,
     bounded,
+    dump,
+    parse_any,
 )
 from dllm_connector.pipe.messages import parse as parse_message
+from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Transport, TransportError
 from dllm_connector.transport.sidechannel import Message
 from dllm_connector.transport.staging import StagingBuffer
@@ -122,6 +127,19 @@ def parse(model: type[_M], message: Message) -> _M:
         return parse_message(model, message)
     except MalformedMessage as error:
         raise TransportError(str(error)) from None
+
+
+def parse_side(message: Message) -> SideMessage:
+    """A peer's message as whichever model its type names; TransportError when it fits none."""
+    try:
+        return parse_any(message)
+    except MalformedMessage as error:
+        raise TransportError(str(error)) from None
+
+
+def send(sock: socket.socket, message: WireMessage) -> None:
+    """`message` on the side channel (TransportError if the connection broke)."""
+    sidechannel.send_message(sock, dump(message))
 
 
 def quoted(message: Message) -> Message:

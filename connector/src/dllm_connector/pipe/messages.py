@@ -1,20 +1,20 @@
-"""The side-channel messages a peer sends, validated before any field is used (H6, L3).
+"""The side channel's messages: a tagged union on `type`, validated before any field is used (H6, L3).
 
 Everything here came over the network: a message that does not fit its model raises
 MalformedMessage with a short reason (the pipe turns it into TransportError), never
 KeyError/TypeError deep inside a transfer. Reasons and logged peer values are cut to `MAX_ECHO`
-characters (L2). Pure: pydantic only (no torch), so the router can import it.
+characters (L2). Pure: pydantic only (no torch).
+
+The protocol's version travels in every connection's hello (transport/sidechannel.py,
+PROTOCOL_VERSION, with the history of what changed): a change here that a peer of the previous
+version would misread bumps it.
 """
 
 from __future__ import annotations
 
-import json
-import socket
-import struct
-from collections.abc import Callable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, TypeAdapter, ValidationError
 
 from dllm_contract.kvconfig import Compression
 from dllm_contract.pd_params import MAX_TRANSFER_ID
@@ -37,19 +37,21 @@ def bounded(value: object, limit: int = MAX_ECHO) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-class _Message(BaseModel):
+class WireMessage(BaseModel):
+    """One side-channel message; `type` names it."""
+
     # lax (JSON lists fill tuples), but a list or a dict is never coerced into a number
     model_config = ConfigDict(frozen=True, extra="ignore")
 
 
-class TPPart(_Message):
+class TPPart(WireMessage):
     rank: _Count = 0
     size: Annotated[int, Field(ge=1, le=1 << 16)] = 1
     decode_rank: _Count | None = None
     heads: tuple[_Count, _Count] | None = None
 
 
-class Offer(_Message):
+class Offer(WireMessage):
     type: Literal["offer"]
     transfer_id: _TransferId
     # L3: required, and decode compares it with its own whenever it has one (empty only for the
@@ -68,7 +70,7 @@ class Offer(_Message):
     tp: TPPart = Field(default_factory=TPPart)
 
 
-class Accept(_Message):
+class Accept(WireMessage):
     type: Literal["accept"]
     skip: _Count
     count: _Count
@@ -77,32 +79,64 @@ class Accept(_Message):
     endpoint: dict[str, Any] = Field(default_factory=dict)
 
 
-class Slot(_Message):
+class Slot(WireMessage):
     type: Literal["slot"]
     index: _Index
     addr: _Addr
 
 
-class Piece(_Message):
+class Piece(WireMessage):
     type: Literal["piece"]
     index: _Index
     parts: _Count
 
 
-class Chunk(_Message):
+class Chunk(WireMessage):
     type: Literal["chunk"]
     index: _Index
     header: dict[str, Any]
 
 
-class EndTransfer(_Message):
+class EndTransfer(WireMessage):
     """M2: decode (or the router) will never claim this id; a waiting offer for it is refused now."""
 
     type: Literal["end"]
     transfer_id: _TransferId
 
 
-_M = TypeVar("_M", bound=_Message)
+class Done(WireMessage):
+    """The sender wrote everything (a one-sided transport's writes have all returned)."""
+
+    type: Literal["done"]
+
+
+class Ack(WireMessage):
+    """Decode loaded and verified the part (or took note of an `end`)."""
+
+    type: Literal["ack"]
+
+
+class Nack(WireMessage):
+    """Decode refused the offer, or tells the sender mid-stream to stop (H5)."""
+
+    type: Literal["nack"]
+    reason: str = ""
+
+
+class Abort(WireMessage):
+    """The sender stopped (told to, or failed); nothing more is written."""
+
+    type: Literal["abort"]
+    reason: str = ""
+
+
+SideMessage = Annotated[
+    Offer | Accept | Slot | Piece | Chunk | Done | Ack | Nack | Abort | EndTransfer,
+    Field(discriminator="type"),
+]
+_ANY: TypeAdapter[SideMessage] = TypeAdapter(SideMessage)
+
+_M = TypeVar("_M", bound=WireMessage)
 
 
 def parse(model: type[_M], message: dict[str, Any]) -> _M:
@@ -110,62 +144,26 @@ def parse(model: type[_M], message: dict[str, Any]) -> _M:
     try:
         return model.model_validate(message)
     except ValidationError as error:
-        first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid"}
-        where = ".".join(str(part) for part in first["loc"]) or "<message>"
-        kind = bounded(message.get("type", "?"), 20)
-        raise MalformedMessage(
-            f"malformed {kind} message from the peer: {bounded(where, 60)}: {bounded(first['msg'], 100)}"
-        ) from None
+        raise _malformed(error, message) from None
 
 
-# ---- ending an id, for the router (no torch here) ------------------------------------------------
-
-_LENGTH = struct.Struct(">I")  # the side channel's framing (transport/sidechannel.py)
-
-
-class EndRefused(OSError):
-    """Decode could not be told to end the id (unreachable, or it did not answer ack)."""
-
-
-def end_transfer(
-    host: str,
-    port: int,
-    transfer_id: str,
-    timeout: float,
-    *,
-    handshake: Callable[[socket.socket], None] | None = None,
-) -> None:
-    """Tell a decode TP rank's side channel (kv port + rank) it will never expect `transfer_id` (M2).
-
-    For the router, when decode refused or lost a request whose prefill already sends: prefill's
-    offer for it is then refused at once instead of holding its blocks for the hold time. An id
-    decode does expect is left alone. `handshake` runs first on the connection (the side channel's
-    authentication, where it has a key). Blocking, bounded by `timeout`; raises EndRefused.
-    """
-    body = json.dumps({"type": "end", "transfer_id": transfer_id}, separators=(",", ":")).encode()
+def parse_any(message: dict[str, Any]) -> SideMessage:
+    """`message` as whichever model its `type` names, or MalformedMessage (an unknown type too)."""
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
-            sock.settimeout(timeout)
-            if handshake is not None:
-                handshake(sock)
-            sock.sendall(_LENGTH.pack(len(body)) + body)
-            (length,) = _LENGTH.unpack(_read(sock, _LENGTH.size))
-            if length > 4096:
-                raise EndRefused(f"decode answered {length} bytes to an end")
-            reply = json.loads(_read(sock, length))
-    except (OSError, ValueError) as error:
-        if isinstance(error, EndRefused):
-            raise
-        raise EndRefused(f"cannot end transfer at {host}:{port}: {bounded(str(error))}") from None
-    if not isinstance(reply, dict) or reply.get("type") != "ack":
-        raise EndRefused(f"decode answered {bounded(reply)} to an end")
+        return _ANY.validate_python(message)
+    except ValidationError as error:
+        raise _malformed(error, message) from None
 
 
-def _read(sock: socket.socket, count: int) -> bytes:
-    data = b""
-    while len(data) < count:
-        chunk = sock.recv(count - len(data))
-        if not chunk:
-            raise EndRefused("decode closed the side channel")
-        data += chunk
-    return data
+def dump(message: WireMessage) -> dict[str, Any]:
+    """`message` as the JSON object that goes on the wire."""
+    return message.model_dump(mode="json")
+
+
+def _malformed(error: ValidationError, message: dict[str, Any]) -> MalformedMessage:
+    first = error.errors()[0] if error.errors() else {"loc": (), "msg": "invalid"}
+    where = ".".join(str(part) for part in first["loc"]) or "<message>"
+    kind = bounded(message.get("type", "?"), 20)
+    return MalformedMessage(
+        f"malformed {kind} message from the peer: {bounded(where, 60)}: {bounded(first['msg'], 100)}"
+    )

@@ -22,12 +22,14 @@ from dllm_connector.pipe.common import (
     TransferFailed,
     chunk_ranges,
     parse,
+    parse_side,
     quoted,
     readable,
+    send,
 )
 from dllm_connector.pipe.expectations import Expectation, Expectations, Part
 from dllm_connector.pipe.layer_stream import LayerStream, check_header
-from dllm_connector.pipe.messages import Chunk, EndTransfer, Offer, Piece, bounded
+from dllm_connector.pipe.messages import Accept, Ack, Chunk, EndTransfer, Nack, Offer, Piece, Slot, bounded
 from dllm_connector.pipe.staging_window import StagingWindow
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import TransferTimeout, Transport, TransportError
@@ -117,13 +119,14 @@ class KVReceiver(PipeSide):
         sends or whatever breaks, the part it claimed ends with a reason (H6)."""
         try:
             first = sidechannel.recv_message(sock, self.config.transfer_timeout_s)
-            if first["type"] == "end":
-                self._expectations.end_id(parse(EndTransfer, first).transfer_id)
-                sidechannel.send_message(sock, {"type": "ack"})
+            message = parse_side(first)
+            if isinstance(message, EndTransfer):
+                self._expectations.end_id(message.transfer_id)
+                send(sock, Ack(type="ack"))
                 return
-            if first["type"] != "offer":
+            if not isinstance(message, Offer):
                 raise sidechannel.unexpected(quoted(first), "offer")
-            offer = parse(Offer, first)
+            offer = message
             if isinstance(self.transport, TorchDistTransport):  # M7: only the peer's own store
                 self.transport.admit(offer.endpoint, sock.getpeername()[0])
         except Exception as error:  # noqa: BLE001 - nothing was claimed: told and logged, bounded
@@ -153,15 +156,12 @@ class KVReceiver(PipeSide):
         failure: Exception | None = None
         try:
             endpoint = self.transport.endpoint() if self.transport.one_sided else {}
-            accept = {
-                "type": "accept",
-                "skip": expectation.skip,
-                "count": count,
-                "dst": dst,
-                "slots": [] if window is None else window.slots(),
-                "endpoint": endpoint,
-            }
-            sidechannel.send_message(sock, accept)
+            slots = [] if window is None else window.slots()
+            # decode's own values, not validated here: the sender validates every accept it reads
+            accept = Accept.model_construct(
+                type="accept", skip=expectation.skip, count=count, dst=dst, slots=slots, endpoint=endpoint
+            )
+            send(sock, accept)
             try:
                 for index, (a, b) in enumerate(chunks):
                     blocks = expectation.block_ids[a:b]
@@ -187,7 +187,7 @@ class KVReceiver(PipeSide):
                     if failure is not None:
                         self._tell_to_stop(sock, part, f"KV load failed: {failure}")
                     for slot, addr in [] if window is None else window.decoded(index):
-                        sidechannel.send_message(sock, {"type": "slot", "index": slot, "addr": addr})
+                        send(sock, Slot(type="slot", index=slot, addr=addr))
                 if (last := self._next_message(sock, part))["type"] != "done":
                     raise sidechannel.unexpected(quoted(last), "done")
                 if failure is None and expectation.failure:
@@ -211,7 +211,7 @@ class KVReceiver(PipeSide):
         self.stats.bytes_on_wire += sum(sizes)
         self.stats.raw_bytes += self.kv.batch_nbytes(count, heads)
         self._expectations.end(expectation.transfer_id, part, "")
-        sidechannel.send_message(sock, {"type": "ack"})
+        send(sock, Ack(type="ack"))
 
     def _tell_to_stop(self, sock: socket.socket, part: Part, reason: str) -> None:
         """Mid-stream, once: nack now, so the sender stops writing and answers with abort (H5)."""
@@ -431,4 +431,4 @@ def _nack_on_error(sock: socket.socket) -> Iterator[None]:
 
 def _send_nack(sock: socket.socket, reason: str) -> None:
     with contextlib.suppress(TransportError):
-        sidechannel.send_message(sock, {"type": "nack", "reason": bounded(reason)})
+        send(sock, Nack(type="nack", reason=bounded(reason)))

@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from dllm_connector import codec
 from dllm_connector.checksum import RunningChecksum
@@ -34,8 +33,9 @@ from dllm_connector.pipe.common import (
     parse,
     quoted,
     readable,
+    send,
 )
-from dllm_connector.pipe.messages import Accept, Slot, bounded
+from dllm_connector.pipe.messages import Abort, Accept, Done, Offer, Slot, TPPart, bounded
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Source, Span, TransferTimeout, Transport, TransportError
 from dllm_connector.transport.sidechannel import Message
@@ -229,9 +229,9 @@ class KVSender(PipeSide):
                 with contextlib.suppress(Exception):
                     writer.finish()
                 with contextlib.suppress(TransportError):
-                    sidechannel.send_message(sock, {"type": "abort", "reason": bounded(str(error))})
+                    send(sock, Abort(type="abort", reason=bounded(str(error))))
                 raise
-            sidechannel.send_message(sock, {"type": "done"})
+            send(sock, Done(type="done"))
             sidechannel.expect(sock, "ack", self.config.transfer_timeout_s)
         with self._lock:
             self.stats.sent += 1
@@ -271,29 +271,32 @@ class KVSender(PipeSide):
     def _offer(
         self, sock: socket.socket, job: SendJob, target: _Target, port: int, heads: HeadRange | None
     ) -> Plan:
-        offer: dict[str, Any] = {
-            "type": "offer",
-            "transfer_id": job.transfer_id,
-            "prompt_hash": job.prompt_hash,
-            "engine_id": job.engine_id,
-            "num_blocks": len(job.block_ids),
-            "codec": self.codec.value,
-            "zero_copy": self._zero_copy_for(heads),
-            "chunk_blocks": self._chunk_blocks(len(job.block_ids)),
-            "signature": self.kv.signature(),
-            "endpoint": self.transport.endpoint(),
-            "hold_s": self.config.hold_s,
-            "tag": next(self._tags),
-            "tp": {
-                "rank": self.kv.tp.rank,
-                "size": self.kv.tp.size,
-                "decode_rank": target.decode_rank,
-                "heads": None if target.model_heads is None else list(target.model_heads),
-            },
-        }
+        endpoint = self.transport.endpoint()
         if isinstance(self.transport, TorchDistTransport):
-            offer["endpoint"]["pair"] = self.transport.pair_key(job.host + f":{port}")
-        sidechannel.send_message(sock, offer)
+            endpoint["pair"] = self.transport.pair_key(job.host + f":{port}")
+        # the sender's own values, not validated here: decode validates every offer it reads
+        tp = TPPart.model_construct(
+            rank=self.kv.tp.rank,
+            size=self.kv.tp.size,
+            decode_rank=target.decode_rank,
+            heads=target.model_heads,
+        )
+        offer = Offer.model_construct(
+            type="offer",
+            transfer_id=job.transfer_id,
+            prompt_hash=job.prompt_hash,
+            engine_id=job.engine_id,
+            num_blocks=len(job.block_ids),
+            codec=self.codec,
+            zero_copy=self._zero_copy_for(heads),
+            chunk_blocks=self._chunk_blocks(len(job.block_ids)),
+            signature=self.kv.signature(),
+            endpoint=endpoint,
+            hold_s=self.config.hold_s,
+            tag=next(self._tags),
+            tp=tp,
+        )
+        send(sock, offer)
         self._await(sock, self.config.hold_s)
         reply = parse(Accept, sidechannel.expect(sock, "accept", self.config.transfer_timeout_s))
         if reply.skip + reply.count > len(job.block_ids):
@@ -301,19 +304,19 @@ class KVSender(PipeSide):
                 f"decode accepted blocks {reply.skip}..{reply.skip + reply.count - 1}, "
                 f"prefill offered {len(job.block_ids)}"
             )
-        chunks = len(chunk_ranges(reply.count, int(offer["chunk_blocks"])))
+        chunks = len(chunk_ranges(reply.count, offer.chunk_blocks))
         if any(index >= chunks for index, _ in reply.slots):
             raise TransferFailed(f"decode named a staging slot beyond chunk {chunks - 1}")
-        peer = dict(reply.endpoint) | {"pair": offer["endpoint"].get("pair")}
+        peer = dict(reply.endpoint) | {"pair": endpoint.get("pair")}
         return Plan(
             reply.skip,
             reply.count,
-            int(offer["chunk_blocks"]),
+            offer.chunk_blocks,
             [Span(addr, nbytes) for addr, nbytes in reply.dst],
-            int(offer["tag"]),
+            offer.tag,
             peer,
             heads,
-            bool(offer["zero_copy"]),
+            offer.zero_copy,
             dict(reply.slots),
         )
 

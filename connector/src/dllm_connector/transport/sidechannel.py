@@ -3,31 +3,36 @@
 A one-sided write tells the receiver nothing, so every transfer is framed here: offer, accept (or
 reject), done (with the payload's checksum), and the receiver's ack or nack.
 
-Peer authentication (security review H4, C2). With a `PeerAuth` (the shared DLLM_KV_AUTH_TOKEN) on
-both ends, every connection starts with a fixed-size handshake, before any JSON is read and before
-the server's handler runs:
+Every connection starts with a fixed-size hello, before any JSON is read and before the server's
+handler runs, so two engines that speak different protocol versions always refuse each other with a
+message naming both versions. With a `PeerAuth` (the shared DLLM_KV_AUTH_TOKEN, security review H4,
+C2) on both ends, the hello also authenticates both ends:
 
-    client -> server  hello      40 bytes  "DLKV" | version u8 | 3 zero bytes | client nonce (32)
+    client -> server  hello      40 bytes  "DLKV" | version u8 | flags u8 | 2 zero bytes | client nonce (32)
     server -> client  challenge  72 bytes  "DLKV" | version u8 | status u8 | 2 zero bytes
                                            | server nonce (32) | server MAC (32)
-    client -> server  answer     32 bytes  client MAC
+    client -> server  answer     32 bytes  client MAC (only when both ends have a key)
 
+    flags bit 0: the client has a key (without one its nonce is zero)
     server MAC = HMAC-SHA256(key, "dllm-kv-side-channel/1 server" | client nonce | server nonce)
     client MAC = HMAC-SHA256(key, "dllm-kv-side-channel/1 client" | client nonce | server nonce)
 
 Both nonces are fresh random bytes, so a recorded handshake cannot be replayed, and the role labels
 keep one side's MAC from being reflected as the other's. MACs are compared with
-`hmac.compare_digest`. Status 0 is ok; 1 says the server has no key; 2 says it speaks another
-version (nonce and MAC are zero then). A client without a key sends no hello (today's wire format):
-its first four bytes are a message length below 16 MiB, never "DLKV", so a server with a key tells
-it apart, answers one `nack` naming the missing token and closes. A wrong MAC on either side closes
-the connection; the server counts and logs it. The handshake authenticates the two ends, not each
-later message: an attacker on the network path could still take over an established connection,
-and nothing is encrypted (use the CNI's encryption for that).
+`hmac.compare_digest`. Without a key on either end, nonce and MACs are zero. Status 0 is ok; 1 says
+the server has no key but the client has; 2 says the server speaks another version (its own is in
+the version byte); 3 says the server requires a key the client does not have. An engine of version 1
+without a key sends no hello: its first four bytes are a message length below 16 MiB, never "DLKV",
+so the server tells it apart, answers one `nack` naming both versions and closes. A wrong MAC on
+either side closes the connection; the server counts and logs it. The handshake authenticates the
+two ends, not each later message: an attacker on the network path could still take over an
+established connection, and nothing is encrypted (use the CNI's encryption for that).
 
 The server also caps concurrent connections (more are closed at once), puts one deadline on the whole
 handshake or, without a key, on the arrival of the first message, bounds the first message before
 authentication to PRE_AUTH_LIMIT bytes, and keeps accepting after transient errors (EMFILE etc.).
+
+The messages themselves are typed models (dllm_connector.pipe.messages); this module frames them.
 """
 
 from __future__ import annotations
@@ -64,11 +69,21 @@ MAX_CONNECTIONS = 64
 ECHO_CHARS = 200
 
 MAGIC = b"DLKV"
-VERSION = 1
+# The side channel's protocol version: the hello's framing and the messages of
+# dllm_connector.pipe.messages together. Bump it with any change a peer of the previous version would
+# misread, and say here what changed:
+#   1: length-prefixed JSON messages (offer, accept, slot, piece, chunk, done, ack, nack, abort,
+#      end); the hello only where a key is configured.
+#   2: the hello on every connection, with a flags byte (bit 0: the client has a key); statuses
+#      3 (key required); the messages a tagged union on `type`.
+PROTOCOL_VERSION = 2
 NONCE_BYTES = MAC_BYTES = 32
-HELLO = struct.Struct(">4sB3x32s")
+HELLO = struct.Struct(">4sBB2x32s")
 CHALLENGE = struct.Struct(">4sBB2x32s32s")
-STATUS_OK, STATUS_NO_AUTH, STATUS_BAD_VERSION = 0, 1, 2
+FLAG_KEY = 1
+STATUS_OK, STATUS_NO_AUTH, STATUS_BAD_VERSION, STATUS_KEY_REQUIRED = 0, 1, 2, 3
+_ZERO = bytes(32)
+_AUTH_REQUIRED = "this KV side channel requires authentication: both engines need the same DLLM_KV_AUTH_TOKEN"
 _SERVER_LABEL = b"dllm-kv-side-channel/1 server"
 _CLIENT_LABEL = b"dllm-kv-side-channel/1 client"
 
@@ -94,6 +109,14 @@ class AuthenticationFailed(TransportError):
 
     Retrying the same peer does not help until its configuration changes.
     """
+
+
+class VersionMismatch(AuthenticationFailed):
+    """The peer speaks another protocol version; the message names both."""
+
+
+class KeyRequired(AuthenticationFailed, PeerRefused):
+    """The server requires a key (DLLM_KV_AUTH_TOKEN) this client does not have; it refused us."""
 
 
 @dataclass(frozen=True)
@@ -203,50 +226,60 @@ def unexpected(message: Message, kind: str) -> TransportError:
 
 
 def connect(host: str, port: int, timeout: float, *, auth: PeerAuth | None = None) -> socket.socket:
-    """A connection to a side channel; with `auth`, authenticated both ways within `timeout`."""
+    """A connection to a side channel, its hello answered within `timeout` (the same protocol
+    version; with `auth`, authenticated both ways)."""
     deadline = time.monotonic() + timeout
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as error:
         raise TransportError(f"cannot reach the KV side channel at {host}:{port}: {error}") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    if auth is None:
-        return sock
     try:
-        _authenticate_server(sock, auth, deadline, f"{host}:{port}")
+        _hello(sock, auth, deadline, f"{host}:{port}")
     except BaseException:
         sock.close()
         raise
-    sock.settimeout(timeout)  # as without the handshake, not what was left of its deadline
+    sock.settimeout(timeout)  # not what was left of the handshake's deadline
     return sock
 
 
-def _authenticate_server(sock: socket.socket, auth: PeerAuth, deadline: float, peer: str) -> None:
-    client_nonce = secrets.token_bytes(NONCE_BYTES)
+def _hello(sock: socket.socket, auth: PeerAuth | None, deadline: float, peer: str) -> None:
+    """The client's half of the handshake: hello, challenge, and with a key the answer."""
+    client_nonce = _ZERO if auth is None else secrets.token_bytes(NONCE_BYTES)
+    flags = 0 if auth is None else FLAG_KEY
     try:
-        sock.sendall(HELLO.pack(MAGIC, VERSION, client_nonce))
+        sock.sendall(HELLO.pack(MAGIC, PROTOCOL_VERSION, flags, client_nonce))
         raw = _read_exactly(sock, CHALLENGE.size, deadline)
     except TimeoutError:
         raise TransferTimeout(f"the KV side channel at {peer} did not answer the handshake in time") from None
-    except (TransportError, ConnectionError):  # closed: a server without the handshake, or a full one
+    except (TransportError, ConnectionError):  # closed: a full server, or one that misread the hello
         raise AuthenticationFailed(
-            f"the KV side channel at {peer} closed the connection during the authentication "
-            "handshake (does that engine have DLLM_KV_AUTH_TOKEN set?)"
+            f"the KV side channel at {peer} closed the connection during the handshake (is that engine "
+            f"of another dllm version, this engine speaks protocol version {PROTOCOL_VERSION}?)"
         ) from None
     except OSError as error:
         raise TransportError(f"KV side-channel handshake with {peer} failed: {error}") from None
     magic, version, status, server_nonce, server_mac = CHALLENGE.unpack(raw)
     if magic != MAGIC:
         raise AuthenticationFailed(f"the KV side channel at {peer} does not speak the dllm handshake")
+    if version != PROTOCOL_VERSION:
+        raise VersionMismatch(
+            f"the KV side channel at {peer} speaks protocol version {version}, this engine {PROTOCOL_VERSION}"
+        )
     if status == STATUS_NO_AUTH:
         raise AuthenticationFailed(
             f"the KV side channel at {peer} does not authenticate peers, but this engine has a key: "
             "set the same DLLM_KV_AUTH_TOKEN on both engines"
         )
-    if status != STATUS_OK or version != VERSION:
-        raise AuthenticationFailed(
-            f"the KV side channel at {peer} speaks handshake version {version}, this engine {VERSION}"
+    if status == STATUS_KEY_REQUIRED:
+        raise KeyRequired(
+            f"the KV side channel at {peer} requires authentication, but this engine has no key: "
+            "set the same DLLM_KV_AUTH_TOKEN on both engines"
         )
+    if status != STATUS_OK:
+        raise AuthenticationFailed(f"the KV side channel at {peer} refused the handshake (status {status})")
+    if auth is None:
+        return
     if not hmac.compare_digest(server_mac, auth.mac(_SERVER_LABEL, client_nonce, server_nonce)):
         raise AuthenticationFailed(
             f"the KV side channel at {peer} failed authentication: its DLLM_KV_AUTH_TOKEN differs"
@@ -293,9 +326,9 @@ class _RateLimitedLog:
 class Server:
     """Accepts side-channel connections and hands each to `handle` on its own thread.
 
-    At most `max_connections` run at once (more are closed at once). With `auth`, `handle` only ever
-    sees authenticated connections; without it, only connections whose first message began to arrive
-    within `handshake_timeout`.
+    At most `max_connections` run at once (more are closed at once). `handle` only ever sees
+    connections whose hello (of this protocol version) arrived within `handshake_timeout`; with
+    `auth`, only authenticated ones.
     """
 
     def __init__(
@@ -393,60 +426,77 @@ class Server:
         deadline = time.monotonic() + self._handshake_timeout
         read = 0
         try:
-            if self._auth is None:
-                return self._admit_without_key(sock, peer, deadline)
             first = _read_exactly(sock, len(MAGIC), deadline)
             read += len(first)
-            if first != MAGIC:  # a client without a key: its first message's length
-                self._refuse(sock, peer, "sent no authentication handshake", deadline, read)
+            if first != MAGIC:  # an engine of version 1 without a key: its first message's length
+                told = self._no_hello()
+                self._refuse(
+                    sock, peer, "sent no versioned hello (protocol version 1?)", deadline, read, told
+                )
                 return False
             hello = first + _read_exactly(sock, HELLO.size - len(MAGIC), deadline)
             read = len(hello)
-            _, version, client_nonce = HELLO.unpack(hello)
-            if version != VERSION:
-                sock.sendall(CHALLENGE.pack(MAGIC, VERSION, STATUS_BAD_VERSION, bytes(32), bytes(32)))
-                self._refused(peer, f"handshake version {version}, not {VERSION}")
+            _, version, flags, client_nonce = HELLO.unpack(hello)
+            if version != PROTOCOL_VERSION:
+                self._refused(peer, f"it speaks protocol version {version}, this engine {PROTOCOL_VERSION}")
+                self._answer(sock, STATUS_BAD_VERSION)
+                return False
+            if self._auth is None:
+                return self._admit_without_key(sock, peer, flags)
+            if not flags & FLAG_KEY:
+                self._refused(peer, "the peer has no DLLM_KV_AUTH_TOKEN, this engine requires one")
+                self._answer(sock, STATUS_KEY_REQUIRED)
                 return False
             server_nonce = secrets.token_bytes(NONCE_BYTES)
             server_mac = self._auth.mac(_SERVER_LABEL, client_nonce, server_nonce)
-            sock.sendall(CHALLENGE.pack(MAGIC, VERSION, STATUS_OK, server_nonce, server_mac))
+            sock.sendall(CHALLENGE.pack(MAGIC, PROTOCOL_VERSION, STATUS_OK, server_nonce, server_mac))
             answer = _read_exactly(sock, MAC_BYTES, deadline)
             read += len(answer)
             if not hmac.compare_digest(answer, self._auth.mac(_CLIENT_LABEL, client_nonce, server_nonce)):
-                self._refuse(sock, peer, "wrong MAC (a different DLLM_KV_AUTH_TOKEN?)", deadline, read)
+                reason = "wrong MAC (a different DLLM_KV_AUTH_TOKEN?)"
+                self._refuse(sock, peer, reason, deadline, read, _AUTH_REQUIRED)
                 return False
         except TimeoutError:
             self._count("timed_out")
             self._warn.warning(f"closed a connection from {peer}: no handshake within the timeout")
             return False
         except (TransportError, OSError):  # closed or reset mid-handshake: by a client that refused us
-            self._refused(peer, "closed during the handshake")
+            if read or self._auth is not None:  # without a key, a bare connect-and-close is no refusal
+                self._refused(peer, "closed during the handshake")
             return False
         finally:
             self._note_preauth(read)
         self._count("authenticated")
         return True
 
-    def _admit_without_key(self, sock: _Accepted, peer: str, deadline: float) -> bool:
+    def _admit_without_key(self, sock: _Accepted, peer: str, flags: int) -> bool:
         """No key here: refuse a client that wants to authenticate; bound the first message."""
-        head = _peek(sock, len(MAGIC), deadline, self._closed)
-        if head is None:  # closed before sending anything
-            return False
-        if head == MAGIC:
-            with contextlib.suppress(OSError):
-                sock.sendall(CHALLENGE.pack(MAGIC, VERSION, STATUS_NO_AUTH, bytes(32), bytes(32)))
+        if flags & FLAG_KEY:
             self._refused(peer, "the peer authenticates but this engine has no DLLM_KV_AUTH_TOKEN")
+            with contextlib.suppress(OSError):
+                self._answer(sock, STATUS_NO_AUTH)
             return False
+        self._answer(sock, STATUS_OK)
         sock.first_message_limit = PRE_AUTH_LIMIT
         return True
 
-    def _refuse(self, sock: _Accepted, peer: str, reason: str, deadline: float, read: int) -> None:
-        """Tell a client (in the message framing it reads) why, then close without a reset."""
-        refusal = {"type": "nack", "reason": "this KV side channel requires authentication: "
-                   "both engines need the same DLLM_KV_AUTH_TOKEN"}  # fmt: skip
+    def _answer(self, sock: socket.socket, status: int) -> None:
+        """A challenge without nonce or MAC: for the statuses that carry none, and for ok without a key."""
+        sock.sendall(CHALLENGE.pack(MAGIC, PROTOCOL_VERSION, status, _ZERO, _ZERO))
+
+    def _no_hello(self) -> str:
+        needs = " and requires authentication" if self._auth is not None else ""
+        return (
+            f"this KV side channel speaks protocol version {PROTOCOL_VERSION}{needs}; the peer sent no "
+            "versioned hello (protocol version 1 without a key): run the same dllm version on both "
+            "engines, with the same DLLM_KV_AUTH_TOKEN"
+        )
+
+    def _refuse(self, sock: _Accepted, peer: str, reason: str, deadline: float, read: int, told: str) -> None:
+        """Tell a client `told` (in the message framing it reads), then close without a reset."""
         self._refused(peer, reason)
         with contextlib.suppress(TransportError, OSError):
-            send_message(sock, refusal)
+            send_message(sock, {"type": "nack", "reason": told})
             # Closing with unread data would reset the connection before the client reads the nack:
             # read what it already sent, bounded in bytes and time.
             sock.shutdown(socket.SHUT_WR)
@@ -476,26 +526,6 @@ class Server:
             self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         self._thread.join(timeout=5)
-
-
-def _peek(sock: socket.socket, count: int, deadline: float, stop: threading.Event) -> bytes | None:
-    """The first `count` bytes, left unread; None if the peer closed first; TimeoutError after deadline."""
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        sock.settimeout(left)
-        try:
-            head = sock.recv(count, socket.MSG_PEEK)
-        except TimeoutError:
-            raise
-        except OSError:  # reset
-            return None
-        if not head:
-            return None
-        if len(head) >= count:
-            return head
-        stop.wait(0.01)  # part of the first bytes: let the rest arrive
 
 
 def _address(address: Any) -> str:
