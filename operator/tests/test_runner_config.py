@@ -30,3 +30,18 @@ def test_a_bad_setting_stops_the_operator_with_exit_2_naming_it() -> None:
     )  # fmt: skip
     assert result.returncode == 2
     assert "DLLM_ALLOW_PRIVILEGED_ENGINES" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("flag", "env"), [(["--log-level", "LOUD"], {}), ([], {"DLLM_LOG_LEVEL": "verbose"})]
+)
+def test_a_bad_log_level_stops_the_operator_with_exit_2_naming_flag_and_variable(
+    flag: list[str], env: dict[str, str]
+) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "dllm_operator", "run", "--namespace", "x", *flag],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith("dllm-operator: --log-level (or DLLM_LOG_LEVEL): ")
+    assert "DEBUG, INFO, WARNING, ERROR, CRITICAL" in result.stderr

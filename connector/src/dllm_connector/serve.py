@@ -31,8 +31,9 @@ from enum import StrEnum
 from typing import Any, NoReturn
 
 from dllm_contract import kvconfig
+from dllm_contract.logs import configure_logging
 
-log = logging.getLogger("dllm_connector.serve")
+log = logging.getLogger(__name__)
 
 EXIT_BAD_CONFIG = 2
 EXIT_NOT_FOUND = 127
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except (kvconfig.EnvContractError, ServeError) as error:
         return _fail(str(error))
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s", stream=sys.stderr)
+    configure_logging("INFO")
     log.info("%s", describe(command, launcher, engine_args))
     if options.print:
         print(shell_line(command), flush=True)

@@ -35,7 +35,7 @@ from dllm_operator.status import (
     without_times,
 )
 
-log = logging.getLogger("dllm_operator")
+log = logging.getLogger(__name__)
 CRKey = tuple[str, str]  # (namespace, name)
 CREATE_FAILURE_RECHECK_S = 10.0
 

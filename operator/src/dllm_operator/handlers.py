@@ -6,7 +6,6 @@ watches (no finalizer, no progress or last-handled-configuration annotations, no
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import kopf
@@ -64,8 +63,8 @@ def configure(settings: kopf.OperatorSettings) -> None:
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = NoDiffBase()
     # kopf 1.45 processes each event as it comes (its time-based batch window is gone); our own work
-    # queue (controller.py) coalesces the events of one CR into one reconcile.
-    logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    # queue (controller.py) coalesces the events of one CR into one reconcile. kopf.objects' per-event
+    # lines are quieted by dllm_contract.logs.
 
 
 def connection_info(credentials: Credentials) -> kopf.ConnectionInfo:

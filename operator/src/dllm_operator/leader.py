@@ -24,7 +24,7 @@ from typing import Any
 from dllm_operator import metrics
 from dllm_operator.kube import ApiError, KubeClient
 
-log = logging.getLogger("dllm_operator.leader")
+log = logging.getLogger(__name__)
 
 
 def _micro_time(moment: dt.datetime) -> str:

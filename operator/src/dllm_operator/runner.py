@@ -18,6 +18,7 @@ import kopf
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dllm_contract.logs import checked_level, configure_logging
 from dllm_operator import metrics
 from dllm_operator.config import ConfigInvalid, OperatorConfig
 from dllm_operator.controller import Controller
@@ -25,7 +26,7 @@ from dllm_operator.handlers import build_registry
 from dllm_operator.kube import KubeClient, load_credentials
 from dllm_operator.leader import LeaderElector
 
-log = logging.getLogger("dllm_operator")
+log = logging.getLogger(__name__)
 LEASE_CALL_TIMEOUT_S = 5.0
 
 
@@ -45,9 +46,11 @@ def _stop_when_done(stop: asyncio.Event, ended: list[str], task: asyncio.Task[An
 def operator_config(args: argparse.Namespace) -> OperatorConfig:
     config = OperatorConfig.from_env()
     namespaces = () if args.all_namespaces else tuple(args.namespace) or config.namespaces
-    return dataclasses.replace(
-        config, namespaces=namespaces, log_level=(args.log_level or config.log_level).upper()
-    )
+    try:
+        level = checked_level(args.log_level or config.log_level)
+    except ValueError as bad:
+        raise ConfigInvalid(f"--log-level (or DLLM_LOG_LEVEL): {bad}") from None
+    return dataclasses.replace(config, namespaces=namespaces, log_level=level)
 
 
 def health_app(controller: Controller, ready: asyncio.Event) -> web.Application:
@@ -144,13 +147,11 @@ async def operate(args: argparse.Namespace) -> None:
 
 def run_operator(args: argparse.Namespace) -> int:
     try:
-        operator_config(args)
+        config = operator_config(args)
     except ConfigInvalid as invalid:
         print(f"dllm-operator: {invalid}", file=sys.stderr)
         return 2
-    level = (args.log_level or os.environ.get("DLLM_LOG_LEVEL", "INFO")).upper()
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    configure_logging(config.log_level)
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(operate(args))
     return 0

@@ -1,0 +1,34 @@
+"""One logging scheme for every entry point (dllm-operator, dllm-serve, dllm-router).
+
+Loggers are named by module (`logging.getLogger(__name__)`), so a line says which package and module
+wrote it; every process writes one format to stderr, where Kubernetes collects it; the level comes
+from the entry point's own flag or variable and is checked here, so a typo is refused at start.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Libraries whose INFO lines repeat what ours say, or one line per request.
+QUIET = ("aiohttp.access", "kopf.objects")
+
+
+def checked_level(value: str) -> str:
+    """The level name in upper case; ValueError naming the allowed ones otherwise."""
+    level = value.strip().upper()
+    if level not in LEVELS:
+        raise ValueError(f"{value!r} is not one of {', '.join(LEVELS)} (any case)")
+    return level
+
+
+def configure_logging(level: str, handler: logging.Handler | None = None) -> None:
+    """Root logger at `level`, one handler (stderr unless given) with LOG_FORMAT unless it has one."""
+    chosen = handler or logging.StreamHandler(sys.stderr)
+    if chosen.formatter is None:
+        chosen.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=checked_level(level), handlers=[chosen], force=True)
+    for name in QUIET:
+        logging.getLogger(name).setLevel(max(logging.WARNING, logging.getLogger().level))
