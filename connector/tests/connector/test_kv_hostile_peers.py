@@ -427,3 +427,30 @@ def test_a_prefill_that_sends_no_hello_is_told_both_versions(receiver: KVReceive
     assert f"speaks protocol version {sidechannel.PROTOCOL_VERSION}" in reason
     assert "protocol version 1" in reason
     assert not receiver.pending
+
+
+# ---- H4: offers waiting for ids decode never expects do not slow a real transfer --------------------
+
+
+def test_offers_waiting_for_unknown_ids_are_not_woken_by_a_real_transfer(
+    receiver: KVReceiver, sender: KVSender
+) -> None:
+    waiting = 40  # under the side channel's connection cap, with room for the real transfer
+    socks = [sidechannel.connect(HOST, receiver.port, 10) for _ in range(waiting)]
+    try:
+        for i, sock in enumerate(socks):
+            sidechannel.send_message(sock, offer_for(receiver.kv, f"unknown-{i}", HASH, 2))
+        receiver.expect("real", [5, 6], prompt_hash=HASH)
+        outcome, _ = send_and_wait(sender, SendJob("real", (1, 2), HOST, receiver.port, HASH), HOLD)
+        assert outcome is None
+        assert receiver.wait_for("real", 10) == ""
+        assert receiver.waiter_wakeups <= 2  # the real offer's claim and its outcome's waiter at most
+        for i in range(waiting):
+            end_transfer(HOST, receiver.port, f"unknown-{i}", TIMEOUT)
+        replies = [sidechannel.recv_message(sock, 10) for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+    assert all(reply["type"] == "nack" and "not awaited any more" in reply["reason"] for reply in replies)
+    assert receiver.waiter_wakeups <= 2 + waiting  # each ended id woke its own waiter only
+    assert receiver.pending == set()

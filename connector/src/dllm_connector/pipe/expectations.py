@@ -2,13 +2,21 @@
 
 An expectation ends exactly once (loaded, failed, timed out or cancelled), and only once no part
 writes into its blocks any more (H5). Thread-safe; the engine step calls `results`.
+
+Waiters wake only for their own id (H4): an offer waiting for decode to expect its id, and a caller
+waiting for an id's outcome, each wait on a condition of that id, notified when that id is expected,
+ended or settled. Expiry is off the hot path: deadlines sit in a heap, and each `results` or `add`
+expires at most `EXPIRY_PER_CALL` of the due ones; a waiter for an id expires that one itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
+import itertools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from dllm_connector.kv_layout import HeadRange
@@ -17,6 +25,8 @@ from dllm_connector.transport.base import TransferTimeout
 
 # Ended transfers remembered, so a late part's offer is refused at once, not held.
 _ENDED_KEPT = 1000
+# Due deadlines one `results` or `add` call handles at most (the rest wait for the next call).
+EXPIRY_PER_CALL = 64
 
 
 @dataclass
@@ -56,20 +66,33 @@ class Part:
     told_to_stop: bool = False  # decode nacked mid-stream; the sender's done or abort is awaited
 
 
+@dataclass(eq=False)
+class _Watch:
+    """The condition the waiters for one id wait on (on the registry's lock), and how many wait."""
+
+    changed: threading.Condition
+    waiters: int = 0
+
+
 class Expectations:
     """The expectations of one receiver, keyed by transfer id, and the outcomes not yet collected."""
 
     def __init__(self, stats: PipeStats, prefill_wait_s: float) -> None:
         self._stats = stats
         self._prefill_wait_s = prefill_wait_s
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._settled = threading.Condition(self._lock)  # close() waits on it for parts to end
         self._expected: dict[str, Expectation] = {}
         self._results: dict[str, str] = {}  # transfer id -> "" loaded, else reason
         self._ended: dict[str, None] = {}  # the latest _ENDED_KEPT ids that ended
+        self._watches: dict[str, _Watch] = {}
+        self._deadlines: list[tuple[float, int, Expectation]] = []  # a heap; stale entries skipped
+        self._order = itertools.count()
+        self.wakeups = 0  # times a waiter woke (for tests: only the waiters of a changed id wake)
 
     @property
     def pending(self) -> set[str]:
-        with self._cond:
+        with self._lock:
             return set(self._expected)
 
     def add(
@@ -82,18 +105,21 @@ class Expectations:
         senders: dict[int, HeadRange | None],
     ) -> None:
         deadline = time.monotonic() + self._prefill_wait_s
-        with self._cond:
+        with self._lock:
             if transfer_id in self._expected or transfer_id in self._results:
                 raise TransferFailed(f"transfer {transfer_id} is already expected")
-            self._expected[transfer_id] = Expectation(
+            expectation = Expectation(
                 transfer_id, block_ids, skip, prompt_hash, deadline, prefill_tp, senders
             )
+            self._expected[transfer_id] = expectation
+            heapq.heappush(self._deadlines, (deadline, next(self._order), expectation))
             self._ended.pop(transfer_id, None)
-            self._cond.notify_all()
+            self._notify_locked(transfer_id)
+            self._expire_due_locked()  # the heap stays bounded where `results` is never called
 
     def cancel(self, transfer_id: str) -> None:
         """The expectation fails, and ends once no part writes into its blocks any more (H5)."""
-        with self._cond:
+        with self._lock:
             expectation = self._expected.get(transfer_id)
             if expectation is None:
                 return
@@ -103,52 +129,77 @@ class Expectations:
 
     def results(self) -> dict[str, str]:
         """Expectations that ended since the last call: id -> "" when loaded, else the failure reason."""
-        self._expire_unclaimed()
-        with self._cond:
+        with self._lock:
+            self._expire_due_locked()
             done, self._results = self._results, {}
         return done
 
     def wait_for(self, transfer_id: str, timeout: float) -> str | None:
         """Block until this transfer ends (its outcome, consumed) or timeout (None)."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                self._expire_unclaimed_locked()
-                if transfer_id in self._results:
-                    return self._results.pop(transfer_id)
-                left = min(deadline, self._next_deadline()) - time.monotonic()
-                if time.monotonic() >= deadline:
-                    return None
-                self._cond.wait(max(0.001, left))
+        with self._lock:
+            if self._wait_settled_locked(transfer_id, time.monotonic() + timeout):
+                return self._results.pop(transfer_id)
+            return None
 
     def wait_settled(self, transfer_id: str, timeout: float) -> bool:
         """Block until this transfer has ended, without consuming its outcome."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
+            return self._wait_settled_locked(transfer_id, time.monotonic() + timeout)
+
+    def _wait_settled_locked(self, transfer_id: str, deadline: float) -> bool:
+        with self._watching(transfer_id) as changed:
             while True:
-                self._expire_unclaimed_locked()
+                expectation = self._expected.get(transfer_id)
+                if expectation is not None:
+                    self._expire_if_due_locked(expectation)
                 if transfer_id in self._results:
                     return True
-                left = min(deadline, self._next_deadline()) - time.monotonic()
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if now >= deadline:
                     return False
-                self._cond.wait(max(0.001, left))
+                wake = deadline
+                if expectation is not None and expectation.waiting:
+                    wake = min(wake, expectation.deadline)
+                changed.wait(max(0.001, wake - now))
+                self.wakeups += 1
 
-    def _next_deadline(self) -> float:
-        unclaimed = [e.deadline for e in self._expected.values() if e.waiting]
-        return min(unclaimed, default=time.monotonic() + 1.0)
+    @contextlib.contextmanager
+    def _watching(self, transfer_id: str) -> Iterator[threading.Condition]:
+        """The condition notified when `transfer_id` changes (call with the lock held)."""
+        watch = self._watches.get(transfer_id)
+        if watch is None:
+            watch = self._watches[transfer_id] = _Watch(threading.Condition(self._lock))
+        watch.waiters += 1
+        try:
+            yield watch.changed
+        finally:
+            watch.waiters -= 1
+            if not watch.waiters:
+                del self._watches[transfer_id]
 
-    def _expire_unclaimed(self) -> None:
-        with self._cond:
-            self._expire_unclaimed_locked()
+    def _notify_locked(self, transfer_id: str) -> None:
+        watch = self._watches.get(transfer_id)
+        if watch is not None:
+            watch.changed.notify_all()
 
-    def _expire_unclaimed_locked(self) -> None:
+    def _expire_due_locked(self) -> None:
+        """Expire at most EXPIRY_PER_CALL of the expectations whose prefill wait is over."""
         now = time.monotonic()
-        for expectation in list(self._expected.values()):
-            if expectation.waiting and now >= expectation.deadline:
-                expectation.failure = self._nothing_sent(expectation)
-                expectation.timed_out = True
-                self._settle_locked(expectation)
+        for _ in range(EXPIRY_PER_CALL):
+            if not self._deadlines or self._deadlines[0][0] > now:
+                return
+            _, _, expectation = heapq.heappop(self._deadlines)
+            self._expire_if_due_locked(expectation, now)
+
+    def _expire_if_due_locked(self, expectation: Expectation, now: float | None = None) -> None:
+        """End `expectation` if some sender has not offered by its deadline (a stale one: nothing)."""
+        if self._expected.get(expectation.transfer_id) is not expectation or not expectation.waiting:
+            return
+        if (time.monotonic() if now is None else now) < expectation.deadline:
+            return
+        expectation.failure = self._nothing_sent(expectation)
+        expectation.timed_out = True
+        self._settle_locked(expectation)
 
     def _nothing_sent(self, expectation: Expectation) -> str:
         wait = f"{self._prefill_wait_s:.1f}s"
@@ -159,7 +210,7 @@ class Expectations:
 
     def end(self, transfer_id: str, part: Part | None, reason: str, *, timed_out: bool = False) -> None:
         """A part ended (or an offer failed before claiming one): settle its expectation."""
-        with self._cond:
+        with self._lock:
             expectation = self._expected.get(transfer_id)
             if expectation is None or (part is not None and part.expectation is not expectation):
                 return
@@ -192,7 +243,8 @@ class Expectations:
             self._stats.timeouts += timed_out
         else:
             self._stats.received += 1
-        self._cond.notify_all()
+        self._notify_locked(transfer_id)
+        self._settled.notify_all()
 
     def _remember_ended_locked(self, transfer_id: str) -> None:
         self._ended[transfer_id] = None
@@ -201,20 +253,21 @@ class Expectations:
 
     def end_id(self, transfer_id: str) -> None:
         """Decode will never expect this id: a waiting or later offer for it is refused at once."""
-        with self._cond:
+        with self._lock:
             if transfer_id in self._expected:
                 return  # decode's own expectation wins over a peer's word
             self._remember_ended_locked(transfer_id)
-            self._cond.notify_all()
+            self._notify_locked(transfer_id)
 
     def claim(self, transfer_id: str, hold_s: float, check: Callable[[Expectation], Part]) -> Part:
         """Wait (up to `hold_s`) until decode expects this id, then own the part `check` names."""
         deadline = time.monotonic() + hold_s
-        with self._cond:
+        with self._lock, self._watching(transfer_id) as changed:
             while True:
-                self._expire_unclaimed_locked()
                 expectation = self._expected.get(transfer_id)
                 if expectation is not None:
+                    self._expire_if_due_locked(expectation)
+                if expectation is not None and self._expected.get(transfer_id) is expectation:
                     part = check(expectation)
                     expectation.claimed.add(part.prefill_rank)
                     expectation.active.add(part.prefill_rank)
@@ -224,20 +277,21 @@ class Expectations:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeout(f"decode did not claim transfer {transfer_id} within {hold_s:.1f}s")
-                self._cond.wait(min(left, 1.0))
+                changed.wait(left)
+                self.wakeups += 1
 
     def close(self, reason: str, timeout: float) -> list[str]:
         """Fail every expectation and end each once no part is active, waiting up to `timeout`; the
         ids still written into then (ended anyway: the caller keeps their memory registered)."""
         deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             for expectation in list(self._expected.values()):
                 expectation.failure = expectation.failure or reason
                 self._settle_locked(expectation)
             while (active := {e.transfer_id for e in self._expected.values() if e.active}) and (
                 left := deadline - time.monotonic()
             ) > 0:
-                self._cond.wait(min(left, POLL_S * 10))
+                self._settled.wait(min(left, POLL_S * 10))
             for transfer_id in list(self._expected):
                 self._finish_locked(transfer_id, reason)
         return sorted(active)

@@ -64,6 +64,11 @@ class KVReceiver(PipeSide):
         return int(self._server.port)
 
     @property
+    def waiter_wakeups(self) -> int:
+        """How often a thread waiting on a transfer id woke: only the waiters of an id that changed do."""
+        return self._expectations.wakeups
+
+    @property
     def pending(self) -> set[str]:
         return self._expectations.pending
 

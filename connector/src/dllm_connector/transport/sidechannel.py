@@ -254,8 +254,8 @@ def _hello(sock: socket.socket, auth: PeerAuth | None, deadline: float, peer: st
         raise TransferTimeout(f"the KV side channel at {peer} did not answer the handshake in time") from None
     except (TransportError, ConnectionError):  # closed: a full server, or one that misread the hello
         raise AuthenticationFailed(
-            f"the KV side channel at {peer} closed the connection during the handshake (is that engine "
-            f"of another dllm version, this engine speaks protocol version {PROTOCOL_VERSION}?)"
+            f"the KV side channel at {peer} closed the connection during the handshake: it is full, "
+            f"or an engine that does not speak this engine's protocol version {PROTOCOL_VERSION}"
         ) from None
     except OSError as error:
         raise TransportError(f"KV side-channel handshake with {peer} failed: {error}") from None
