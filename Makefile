@@ -46,7 +46,7 @@ cluster-env: ## Print exports for eval "$$(make -s cluster-env)"; never builds
 
 # ---- sources that are generated or copied ----
 .PHONY: crds
-crds: .venv/.ready ## Regenerate the CRD (tools/crdgen.py) and copy it into the chart
+crds: .venv/.ready ## Regenerate the CRD from the typed model (api.py, through crd.py) and copy it into the chart
 	@$(PY) tools/crdgen.py
 	@cp $(CRD) $(CHART)/crds/
 
