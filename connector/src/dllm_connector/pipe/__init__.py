@@ -16,7 +16,7 @@ Mid-stream, decode may nack at any time (the load was cancelled or a chunk faile
 stops writing, waits for the write under way, and answers abort; only then does decode end the
 part and report the load, so vLLM never frees blocks that are still written (H5). A connection
 whose first message is `end {id}` (the router, when decode refused a request prefill already
-sends: messages.end_transfer) makes decode refuse that id's offers at once instead of holding them (M2).
+sends: end.end_transfer) makes decode refuse that id's offers at once instead of holding them (M2).
 
 Everything a peer sends is validated (messages.py) before use; every failure on either side ends
 the transfer with a recorded, bounded reason, and decode tells a peer which fields differ, never
@@ -30,6 +30,6 @@ exactly once (loaded, failed, timed out or cancelled) and every staging reservat
 
 The modules, one idea each: common (config, stats, errors, what both sides share), sender and
 chunk_writer (prefill), receiver, expectations, layer_stream and staging_window (decode), messages
-(the side channel's typed messages), tensor_api (the seed's `KVPipe.send_kv_cache` /
-`receive_kv_cache` on the same machinery).
+(the side channel's typed messages), end (ending an id), tensor_api (the seed's
+`KVPipe.send_kv_cache` / `receive_kv_cache` on the same machinery).
 """
