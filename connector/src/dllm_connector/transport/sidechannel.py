@@ -29,8 +29,8 @@ two ends, not each later message: an attacker on the network path could still ta
 established connection, and nothing is encrypted (use the CNI's encryption for that).
 
 The server also caps concurrent connections (more are closed at once), puts one deadline on the whole
-handshake or, without a key, on the arrival of the first message, bounds the first message before
-authentication to PRE_AUTH_LIMIT bytes, and keeps accepting after transient errors (EMFILE etc.).
+handshake, bounds the first message of a connection without a key to PRE_AUTH_LIMIT bytes, and keeps
+accepting after transient errors (EMFILE etc.).
 
 The messages themselves are typed models (dllm_connector.pipe.messages); this module frames them.
 """
@@ -74,8 +74,8 @@ MAGIC = b"DLKV"
 # misread, and say here what changed:
 #   1: length-prefixed JSON messages (offer, accept, slot, piece, chunk, done, ack, nack, abort,
 #      end); the hello only where a key is configured.
-#   2: the hello on every connection, with a flags byte (bit 0: the client has a key); statuses
-#      3 (key required); the messages a tagged union on `type`.
+#   2: the hello on every connection, with a flags byte (bit 0: the client has a key); status 3
+#      (the server requires a key); the messages a tagged union on `type`.
 PROTOCOL_VERSION = 2
 NONCE_BYTES = MAC_BYTES = 32
 HELLO = struct.Struct(">4sBB2x32s")
