@@ -28,7 +28,14 @@ from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Transport, TransportError
 from dllm_connector.transport.sidechannel import Message
 from dllm_connector.transport.staging import StagingBuffer
-from dllm_contract.kvconfig import Compression, ConnectorExtraConfig
+from dllm_contract.kvconfig import (
+    DEFAULT_HOLD_SECONDS,
+    DEFAULT_PREFILL_WAIT_MS,
+    DEFAULT_TRANSFER_THRESHOLD_TOKENS,
+    DEFAULT_TRANSFER_TIMEOUT_MS,
+    Compression,
+    ConnectorExtraConfig,
+)
 
 _GB = 1 << 30
 # A transfer is pipelined in chunks (transferThresholdTokens of KV each): chunk k+1 is encoded
@@ -45,13 +52,15 @@ EXPECTED_ERRORS = (TransportError, codec.CodecError, LayoutError)
 
 @dataclass(frozen=True)
 class PipeConfig:
+    """The connector's extra config in the pipe's units (bytes, seconds); its defaults are the contract's."""
+
     compression: Compression = Compression.NONE
     buffer_bytes: int = 1 << 28
-    transfer_timeout_s: float = 5.0
-    prefill_wait_s: float = 60.0
-    hold_s: float = 480.0
+    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_MS / 1000
+    prefill_wait_s: float = DEFAULT_PREFILL_WAIT_MS / 1000
+    hold_s: float = float(DEFAULT_HOLD_SECONDS)
     async_transfer: bool = True
-    threshold_tokens: int = 1024  # KV moves in batches (pipeline chunks) of this many tokens
+    threshold_tokens: int = DEFAULT_TRANSFER_THRESHOLD_TOKENS  # KV moves in batches of this many tokens
     chunk_bytes: int = CHUNK_BYTES  # the batch size where the block size is unknown (tensor API)
 
     @classmethod
