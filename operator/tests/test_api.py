@@ -174,3 +174,15 @@ def test_render_cli_applies_the_operator_policy_from_its_environment(tmp_path: P
     bad = run("maybe")
     assert (bad.returncode, bad.stdout) == (2, "")
     assert "DLLM_ALLOW_PRIVILEGED_ENGINES: 'maybe' is not true or false" in bad.stderr
+
+
+def test_bad_resource_quantity_is_refused_naming_its_key_as_the_api_server_does() -> None:
+    """The API server says `spec.prefill.resources.limits.cpu: Invalid value: "lots"`; so does the model."""
+    body = merged(
+        minimal(), {"spec": {"prefill": {"resources": {"limits": {"cpu": "lots", "memory": "1Gi"}}}}}
+    )
+    with pytest.raises(SpecInvalid) as refused:
+        parse(body)
+    assert [str(error) for error in refused.value.errors] == [
+        "spec.prefill.resources.limits.cpu: 'lots' is not a quantity (e.g. 16Gi, 500m, 2)"
+    ]
