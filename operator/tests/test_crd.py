@@ -176,7 +176,13 @@ class Loose(BaseModel):
     anything: dict[str, Any] = Field(default_factory=dict, description="Free-form, unmarked.")
 
 
-@pytest.mark.parametrize(("model", "words"), [(Union, "union"), (Loose, "free-form")])
+class Overridden(BaseModel):
+    inner: Inner = Field(Inner(size=5), description="Not what {} would give.")
+
+
+@pytest.mark.parametrize(
+    ("model", "words"), [(Union, "union"), (Loose, "free-form"), (Overridden, "model's defaults")]
+)
 def test_transform_refuses_what_has_no_structural_form(model: type[BaseModel], words: str) -> None:
     with pytest.raises(crd.SchemaError, match=words):
         crd.model_schema(model)

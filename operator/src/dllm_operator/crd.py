@@ -82,6 +82,25 @@ def _merge_ref(node: Schema, defs: dict[str, Schema]) -> Schema:
     return node
 
 
+def _unset(value: Any) -> bool:
+    return _is_empty(value) or (isinstance(value, dict) and all(_unset(v) for v in value.values()))
+
+
+def _fills_in(node: Schema, default: dict[str, Any]) -> bool:
+    """Whether the API server, given `{}` for this object, fills in exactly the model's default object."""
+    for name, child in node["properties"].items():
+        value = default.get(name)
+        if child.get("default") == {} and "properties" in child:
+            if not isinstance(value, dict) or not _fills_in(child, value):
+                return False
+        elif "default" in child:
+            if child["default"] != value:
+                return False
+        elif not _unset(value):
+            return False
+    return True
+
+
 def _default(node: Schema, default: Any, empty_is_a_choice: bool) -> Any:
     """The default the CRD writes, or None for none. Empty values mean "unset" and are left out (so CEL's
     has() stays false) unless the field marks its empty default a choice; an object's default is written
@@ -89,6 +108,10 @@ def _default(node: Schema, default: Any, empty_is_a_choice: bool) -> Any:
     if default is None:
         return None
     if node.get("type") == "object" and "properties" in node:
+        if not _fills_in(node, default):
+            raise SchemaError(
+                f"an object's default must be its model's defaults, as {{}} fills in: {default}"
+            )
         filled = any("default" in child for child in node["properties"].values())
         return {} if filled else None
     if _is_empty(default) and not empty_is_a_choice:
