@@ -131,7 +131,7 @@ def test_a_client_that_cannot_answer_the_challenge_is_refused_before_any_json(se
                 sidechannel.MAGIC, sidechannel.PROTOCOL_VERSION, sidechannel.FLAG_KEY, bytes(32)
             )
         )
-        challenge = sidechannel._read_exactly(sock, sidechannel.CHALLENGE.size, time.monotonic() + 5)
+        challenge = sidechannel.read_exactly(sock, sidechannel.CHALLENGE.size, time.monotonic() + 5)
         assert challenge[:4] == sidechannel.MAGIC
         sock.sendall(bytes(32))
         sidechannel.send_message(sock, {"type": "offer", "id": "forged"})
@@ -257,7 +257,7 @@ def client():
     # What sidechannel.connect does, on the socket made before: it needs no descriptor now.
     sock.settimeout(30)
     sock.connect(("127.0.0.1", server.port))
-    sidechannel._hello(sock, key, time.monotonic() + 30, "server")
+    sidechannel.client_hello(sock, key, time.monotonic() + 30, "server")
     sidechannel.send_message(sock, {"type": "offer", "id": "t1"})
     answers.append(sidechannel.expect(sock, "accept", 30)["id"])
     sock.close()
@@ -418,7 +418,7 @@ def test_a_client_of_another_version_is_refused_naming_both_versions(serve, auth
     with caplog.at_level(logging.WARNING, logger="dllm_connector.transport.sidechannel"):
         with socket.create_connection((HOST, server.port), timeout=5) as sock:
             sock.sendall(sidechannel.HELLO.pack(sidechannel.MAGIC, OTHER_VERSION, flags, bytes(32)))
-            raw = sidechannel._read_exactly(sock, sidechannel.CHALLENGE.size, time.monotonic() + 5)
+            raw = sidechannel.read_exactly(sock, sidechannel.CHALLENGE.size, time.monotonic() + 5)
             assert _closed_within([sock], 5) == 1
         assert wait_until(lambda: server.stats.refused == 1)
     _, version, status, nonce, mac = sidechannel.CHALLENGE.unpack(raw)
@@ -448,7 +448,7 @@ class ServerOfAnotherVersion:
         conn, _ = self._listener.accept()
         with conn:
             conn.settimeout(10)
-            sidechannel._read_exactly(conn, sidechannel.HELLO.size, time.monotonic() + 10)
+            sidechannel.read_exactly(conn, sidechannel.HELLO.size, time.monotonic() + 10)
             conn.sendall(self._answer)
             if conn.recv(1) == b"":
                 self.closed_by_client.set()
