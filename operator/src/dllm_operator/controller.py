@@ -9,18 +9,16 @@ afterwards, never twice at once. Failures retry with exponential backoff.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import logging
-import secrets
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dllm_operator import metrics
-from dllm_operator.api import API_VERSION, KIND, DisaggregatedLLM, SpecInvalid, parse
+from dllm_operator.api import KIND, DisaggregatedLLM, SpecInvalid, parse
 from dllm_operator.config import OperatorConfig
+from dllm_operator.events import cr_event, now_iso
 from dllm_operator.kube import ApiError, KubeClient
 from dllm_operator.plan import MANAGED_KINDS, Key, key_of, only_replicas_changed, plan
 from dllm_operator.redact import redact_values
@@ -34,152 +32,11 @@ from dllm_operator.status import (
     replica_failure,
     without_times,
 )
+from dllm_operator.store import CRKey, Store
+from dllm_operator.work_queue import WorkQueue
 
 log = logging.getLogger(__name__)
-CRKey = tuple[str, str]  # (namespace, name)
 CREATE_FAILURE_RECHECK_S = 10.0
-
-
-def _resource_version(obj: dict[str, Any]) -> int:
-    try:
-        return int(obj.get("metadata", {}).get("resourceVersion", "0"))
-    except ValueError:
-        return 0
-
-
-@dataclass
-class Store:
-    """The last seen state of every CR and every child, by owning CR."""
-
-    resources: dict[CRKey, dict[str, Any]] = field(default_factory=dict)
-    children: dict[CRKey, dict[Key, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
-    pods: dict[CRKey, dict[str, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
-
-    @staticmethod
-    def owner_key(obj: dict[str, Any]) -> CRKey | None:
-        meta = obj.get("metadata", {})
-        instance = meta.get("labels", {}).get(labels.INSTANCE)
-        return (meta.get("namespace", ""), instance) if instance else None
-
-    def put_resource(self, body: dict[str, Any], deleted: bool = False) -> CRKey:
-        key = (body["metadata"]["namespace"], body["metadata"]["name"])
-        if deleted:
-            self.resources.pop(key, None)
-        else:
-            self.resources[key] = body
-        return key
-
-    def put_child(self, obj: dict[str, Any], deleted: bool = False) -> CRKey | None:
-        key = self.owner_key(obj)
-        if key is None:
-            return None
-        if obj.get("kind") == "Pod":
-            bucket: dict[Any, dict[str, Any]] = self.pods[key]
-            child_key: Any = obj["metadata"]["name"]
-        else:
-            bucket, child_key = self.children[key], key_of(obj)
-        if deleted:
-            bucket.pop(child_key, None)
-        elif _resource_version(obj) >= _resource_version(bucket.get(child_key, {})):
-            bucket[child_key] = obj
-        return key
-
-    def merge_listing(self, listed: Store, listed_at: int) -> set[CRKey]:
-        """Take a fresh listing: newer objects replace older ones, and an object the listing lacks is
-        dropped unless it changed after the listing was taken. Returns the CR keys that are gone.
-
-        kopf re-lists after a watch gap without DELETED events for what vanished meanwhile; without
-        this, a child deleted in the gap is never recreated and a deleted CR is reconciled forever.
-        """
-
-        def merge(mine: dict[Any, dict[str, Any]], theirs: dict[Any, dict[str, Any]]) -> None:
-            for name in [name for name in mine if name not in theirs]:
-                if _resource_version(mine[name]) <= listed_at:
-                    del mine[name]
-            for name, obj in theirs.items():
-                if _resource_version(obj) >= _resource_version(mine.get(name, {})):
-                    mine[name] = obj
-
-        before = set(self.resources)
-        merge(self.resources, listed.resources)
-        for key in set(self.children) | set(listed.children):
-            merge(self.children[key], listed.children.get(key, {}))
-        for key in set(self.pods) | set(listed.pods):
-            merge(self.pods[key], listed.pods.get(key, {}))
-        return before - set(self.resources)
-
-
-class WorkQueue:
-    """Keys to reconcile; each at most once in the queue and once in flight."""
-
-    def __init__(self) -> None:
-        self._queue: asyncio.Queue[CRKey] = asyncio.Queue()
-        self._queued: set[CRKey] = set()
-        self._active: set[CRKey] = set()
-        self._dirty: set[CRKey] = set()
-        self._failures: dict[CRKey, int] = defaultdict(int)
-
-    def add(self, key: CRKey) -> None:
-        if key in self._active:
-            self._dirty.add(key)
-        elif key not in self._queued:
-            self._queued.add(key)
-            self._queue.put_nowait(key)
-
-    def add_after(self, key: CRKey, delay: float) -> None:
-        asyncio.get_running_loop().call_later(delay, self.add, key)
-
-    async def get(self) -> CRKey:
-        key = await self._queue.get()
-        self._queued.discard(key)
-        self._active.add(key)
-        return key
-
-    def done(self, key: CRKey, failed: bool) -> float | None:
-        """Finish a key; returns the retry delay after a failure."""
-        self._active.discard(key)
-        delay = None
-        if failed:
-            self._failures[key] += 1
-            delay = min(0.5 * 2 ** (self._failures[key] - 1), 60.0)
-        else:
-            self._failures.pop(key, None)
-        if key in self._dirty:
-            self._dirty.discard(key)
-            self.add(key)
-        return delay
-
-    def __len__(self) -> int:
-        return len(self._queued) + len(self._active)
-
-
-def now_iso() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def cr_event(body: dict[str, Any], reason: str, message: str, warning: bool = False) -> dict[str, Any]:
-    meta = body["metadata"]
-    stamp = now_iso()
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"name": f"{meta['name']}.{secrets.token_hex(8)}", "namespace": meta["namespace"]},
-        "involvedObject": {
-            "apiVersion": API_VERSION,
-            "kind": KIND,
-            "name": meta["name"],
-            "namespace": meta["namespace"],
-            "uid": meta.get("uid", ""),
-            "resourceVersion": meta.get("resourceVersion", ""),
-        },
-        "reason": reason,
-        "message": message[:1000],
-        "type": "Warning" if warning else "Normal",
-        "source": {"component": "dllm-operator"},
-        "firstTimestamp": stamp,
-        "lastTimestamp": stamp,
-        "count": 1,
-    }
 
 
 def _describe(obj: dict[str, Any]) -> str:

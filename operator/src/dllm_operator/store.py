@@ -1,0 +1,81 @@
+"""What the operator last saw: every CR, its children and its pods, kept current by events and relists."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from dllm_operator.plan import Key, key_of
+from dllm_operator.render import labels
+
+CRKey = tuple[str, str]  # (namespace, name)
+
+
+def _resource_version(obj: dict[str, Any]) -> int:
+    try:
+        return int(obj.get("metadata", {}).get("resourceVersion", "0"))
+    except ValueError:
+        return 0
+
+
+@dataclass
+class Store:
+    """The last seen state of every CR and every child, by owning CR."""
+
+    resources: dict[CRKey, dict[str, Any]] = field(default_factory=dict)
+    children: dict[CRKey, dict[Key, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
+    pods: dict[CRKey, dict[str, dict[str, Any]]] = field(default_factory=lambda: defaultdict(dict))
+
+    @staticmethod
+    def owner_key(obj: dict[str, Any]) -> CRKey | None:
+        meta = obj.get("metadata", {})
+        instance = meta.get("labels", {}).get(labels.INSTANCE)
+        return (meta.get("namespace", ""), instance) if instance else None
+
+    def put_resource(self, body: dict[str, Any], deleted: bool = False) -> CRKey:
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        if deleted:
+            self.resources.pop(key, None)
+        else:
+            self.resources[key] = body
+        return key
+
+    def put_child(self, obj: dict[str, Any], deleted: bool = False) -> CRKey | None:
+        key = self.owner_key(obj)
+        if key is None:
+            return None
+        if obj.get("kind") == "Pod":
+            bucket: dict[Any, dict[str, Any]] = self.pods[key]
+            child_key: Any = obj["metadata"]["name"]
+        else:
+            bucket, child_key = self.children[key], key_of(obj)
+        if deleted:
+            bucket.pop(child_key, None)
+        elif _resource_version(obj) >= _resource_version(bucket.get(child_key, {})):
+            bucket[child_key] = obj
+        return key
+
+    def merge_listing(self, listed: Store, listed_at: int) -> set[CRKey]:
+        """Take a fresh listing: newer objects replace older ones, and an object the listing lacks is
+        dropped unless it changed after the listing was taken. Returns the CR keys that are gone.
+
+        kopf re-lists after a watch gap without DELETED events for what vanished meanwhile; without
+        this, a child deleted in the gap is never recreated and a deleted CR is reconciled forever.
+        """
+
+        def merge(mine: dict[Any, dict[str, Any]], theirs: dict[Any, dict[str, Any]]) -> None:
+            for name in [name for name in mine if name not in theirs]:
+                if _resource_version(mine[name]) <= listed_at:
+                    del mine[name]
+            for name, obj in theirs.items():
+                if _resource_version(obj) >= _resource_version(mine.get(name, {})):
+                    mine[name] = obj
+
+        before = set(self.resources)
+        merge(self.resources, listed.resources)
+        for key in set(self.children) | set(listed.children):
+            merge(self.children[key], listed.children.get(key, {}))
+        for key in set(self.pods) | set(listed.pods):
+            merge(self.pods[key], listed.pods.get(key, {}))
+        return before - set(self.resources)
