@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 from pathlib import Path
@@ -32,3 +33,18 @@ def free_port() -> int:
                 continue
             return port
     raise RuntimeError(f"no free port on 127.0.0.1 in {band.start}-{band.stop - 1}")
+
+
+def free_consecutive_ports(count: int) -> int:
+    """A base port with `count` ports free from it on (a TP group listens on base + rank), drawn from
+    the same band as free_port, not from the ephemeral range."""
+    band = range(_BAND_START, max(_BAND_START + 1000, _ephemeral_start()) - count)
+    for base in random.sample(band, 200):
+        with contextlib.ExitStack() as stack:
+            try:
+                for offset in range(count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", base + offset))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1 in {band.start}-{band.stop - 1}")

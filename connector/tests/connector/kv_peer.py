@@ -11,12 +11,10 @@ before writing.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import json
 import os
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -258,22 +256,10 @@ class Prefill:
 
 def consecutive_free_ports(count: int) -> int:
     """A base port with `count` free ports from it on (decode rank r listens on base + r)."""
-    for _ in range(50):
-        probe = socket.socket()
-        probe.bind((HOST, 0))
-        base = int(probe.getsockname()[1])
-        probe.close()
-        if base + count > 65535:
-            continue
-        with contextlib.ExitStack() as stack:
-            try:
-                for offset in range(count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind((HOST, base + offset))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports on {HOST}")
+    from e2e.ports import free_consecutive_ports  # here: this file also runs as the peer's script
+
+    assert HOST == "127.0.0.1"
+    return free_consecutive_ports(count)
 
 
 if __name__ == "__main__":
