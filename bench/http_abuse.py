@@ -1,5 +1,5 @@
 """Do library HTTP servers hold the router's abuse limits? The raw-socket cases of the router's own tests
-(connector/tests/router/test_router_abuse.py, test_router_http_limits.py), against `dllm-router` and
+(router/tests/test_router_abuse.py, test_router_http_limits.py), against `dllm-router` and
 against the same Router behind uvicorn and granian (bench/router_asgi.py, the router's limits mapped
 onto each library's knobs where it has one).
 
@@ -237,7 +237,7 @@ def start(server: str, port: int, engine: str) -> subprocess.Popen[bytes]:
         "--body-timeout-s", str(BODY_TIMEOUT_S), "--health-interval-s", "60",
     ]  # fmt: skip
     if server == "router":
-        cmd = [sys.executable, "-m", "dllm_connector.router", "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, "-m", "dllm_router", "--host", "127.0.0.1", "--port", str(port)]
         cmd += flags
     else:
         cmd = [sys.executable, str(ASGI_APP), server, str(port), "--", *flags]

@@ -14,7 +14,7 @@ uvloop, granian by ASGI and by RSGI), in the same rounds, so the router's own se
 against them (issue 19: it stays only if clearly ahead). `--libraries ''` leaves them out; they are
 installed into .venv from requirements/bench.in when missing.
 
-    .venv/bin/python bench/router.py --quick        # under 50 s
+    .venv/bin/python bench/router.py --quick        # about a minute; --libraries "" under 50 s
     .venv/bin/python bench/router.py --quick --flow dllm   # the concurrent flow
     .venv/bin/python bench/router.py --pin          # taskset: engines on CPU 0, router on CPU 1
 
@@ -269,7 +269,7 @@ def ensure_library_servers() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="fewer requests, shorter runs (under 50 s)")
+    ap.add_argument("--quick", action="store_true", help="fewer requests, shorter runs (about a minute)")
     ap.add_argument("--pin", action="store_true", help="taskset engines to CPU 0, router to CPU 1")
     ap.add_argument("--router-log-level", default="info")
     ap.add_argument("--event-loop", default="auto", choices=["auto", "asyncio", "uvloop"])
