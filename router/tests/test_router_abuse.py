@@ -72,7 +72,7 @@ class RouterProcess:
         c.send(b"GET /metrics HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
         page = (await c.answer()).body.decode()
         c.close()
-        found = re.search(r"^dllm_router_open_connections (\d+)$", page, re.MULTILINE)
+        found = re.search(r"^dllm_router_open_connections (\d+)(?:\.0)?$", page, re.MULTILINE)
         assert found is not None
         return int(found.group(1))
 

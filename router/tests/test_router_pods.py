@@ -7,6 +7,7 @@ import json
 from collections import Counter
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from router_engine_double import expected_text
 from router_harness import EngineFactory, MutableSource, RouterFactory, wait_until
 
@@ -123,17 +124,27 @@ async def test_metrics_count_requests_errors_ttft_and_inflight(
         text = await resp.text()
     d.hold.set()
     await held
-    lines = set(text.splitlines())
-    assert 'dllm_router_requests_total{route="/v1/completions",code="200"} 3' in lines
-    assert 'dllm_router_requests_total{route="/v1/completions",code="400"} 1' in lines
-    assert 'dllm_router_errors_total{kind="bad_request"} 1' in lines
-    assert 'dllm_router_errors_total{kind="no_decode"} 0' in lines
-    assert "dllm_router_prefill_seconds_count{} 4" in lines
-    assert "dllm_router_decode_first_byte_seconds_count{} 3" in lines
-    assert "dllm_router_ttft_seconds_count{} 3" in lines
-    assert f'dllm_router_inflight{{role="decode",pod="127.0.0.1:{d.port}"}} 1' in lines
-    assert f'dllm_router_inflight{{role="prefill",pod="127.0.0.1:{p.port}"}} 0' in lines
-    assert f'dllm_router_pod_ready{{role="decode",pod="127.0.0.1:{d.port}"}} 1' in lines
+    seen = samples(text)
+    assert seen["dllm_router_requests_total", (("code", "200"), ("route", "/v1/completions"))] == 3
+    assert seen["dllm_router_requests_total", (("code", "400"), ("route", "/v1/completions"))] == 1
+    assert seen["dllm_router_errors_total", (("kind", "bad_request"),)] == 1
+    assert seen["dllm_router_errors_total", (("kind", "no_decode"),)] == 0
+    assert seen["dllm_router_prefill_seconds_count", ()] == 4
+    assert seen["dllm_router_decode_first_byte_seconds_count", ()] == 3
+    assert seen["dllm_router_ttft_seconds_count", ()] == 3
+    assert seen["dllm_router_inflight", (("pod", f"127.0.0.1:{d.port}"), ("role", "decode"))] == 1
+    assert seen["dllm_router_inflight", (("pod", f"127.0.0.1:{p.port}"), ("role", "prefill"))] == 0
+    assert seen["dllm_router_pod_ready", (("pod", f"127.0.0.1:{d.port}"), ("role", "decode"))] == 1
+    assert "# HELP dllm_router_ttft_seconds " in text  # every family says what it counts
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The page's samples, parsed as Prometheus does: (name, sorted labels) -> value."""
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
 
 
 async def test_health_reports_pods_per_role(engines: EngineFactory, start_router: RouterFactory) -> None:

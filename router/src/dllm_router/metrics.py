@@ -1,10 +1,14 @@
-"""Prometheus text-format metrics, kept cheap enough to update on every request."""
+"""The router's metrics: cheap to update on every request, exposed through prometheus_client."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+
+import prometheus_client
+import prometheus_client.registry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from dllm_router.endpoints import Pool
 
@@ -27,6 +31,8 @@ ERROR_KINDS = (
 
 
 class Histogram:
+    """Counts per bucket and a sum: one list increment per observation on the request path."""
+
     def __init__(self) -> None:
         self.counts = [0] * (len(BUCKETS) + 1)
         self.total = 0.0
@@ -35,18 +41,20 @@ class Histogram:
         self.counts[bisect_left(BUCKETS, seconds)] += 1
         self.total += seconds
 
-    def render(self, name: str, labels: str) -> Iterable[str]:
-        sep = "," if labels else ""
-        running = 0
+    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
+        running, buckets = 0, []
         for bound, count in zip((*BUCKETS, float("inf")), self.counts, strict=True):
             running += count
-            le = "+Inf" if bound == float("inf") else repr(bound)
-            yield f'{name}_bucket{{{labels}{sep}le="{le}"}} {running}'
-        yield f"{name}_sum{{{labels}}} {self.total}"
-        yield f"{name}_count{{{labels}}} {running}"
+            buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        family = HistogramMetricFamily(name, documentation)
+        family.add_metric([], buckets, self.total)
+        return family
 
 
 class Metrics:
+    """The router's counters: plain integers on the request path (the router's per-request budget is
+    tens of microseconds); prometheus_client writes the exposition at scrape time (`Collector`)."""
+
     def __init__(self) -> None:
         self.requests: Counter[tuple[str, int]] = Counter()
         self.errors: Counter[str] = Counter()
@@ -58,35 +66,59 @@ class Metrics:
         self.ttft_seconds = Histogram()
         self.open_connections: Callable[[], int] = lambda: 0  # the HTTP server's, set by serve()
 
-    def render(self, pools: Iterable[Pool]) -> str:
-        lines = ["# TYPE dllm_router_requests_total counter"]
-        lines += [
-            f'dllm_router_requests_total{{route="{route}",code="{code}"}} {n}'
-            for (route, code), n in sorted(self.requests.items())
-        ]
-        lines.append("# TYPE dllm_router_errors_total counter")
-        lines += [f'dllm_router_errors_total{{kind="{k}"}} {self.errors[k]}' for k in ERROR_KINDS]
-        lines += [
-            "# TYPE dllm_router_retries_total counter",
-            f"dllm_router_retries_total {self.retries}",
-            "# TYPE dllm_router_prefill_only_answers_total counter",
-            f"dllm_router_prefill_only_answers_total {self.prefill_answers}",
-        ]
-        for name, hist in (
-            ("dllm_router_prefill_seconds", self.prefill_seconds),
-            ("dllm_router_decode_first_byte_seconds", self.decode_first_byte_seconds),
-            ("dllm_router_ttft_seconds", self.ttft_seconds),
-        ):
-            lines.append(f"# TYPE {name} histogram")
-            lines += hist.render(name, "")
-        lines += [
-            "# TYPE dllm_router_open_connections gauge",
-            f"dllm_router_open_connections {self.open_connections()}",
-        ]
-        lines += ["# TYPE dllm_router_inflight gauge", "# TYPE dllm_router_pod_ready gauge"]
+    def families(self, pools: Iterable[Pool]) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "dllm_router_requests", "Requests answered, by route and status code", labels=["route", "code"]
+        )
+        for (route, code), n in sorted(self.requests.items()):
+            requests.add_metric([route, str(code)], n)
+        yield requests
+        errors = CounterMetricFamily("dllm_router_errors", "Requests that failed, by kind", labels=["kind"])
+        for kind in ERROR_KINDS:
+            errors.add_metric([kind], self.errors[kind])
+        yield errors
+        yield CounterMetricFamily(
+            "dllm_router_retries", "Engine calls retried on another pod", value=self.retries
+        )
+        yield CounterMetricFamily(
+            "dllm_router_prefill_only_answers",
+            "Answers prefill finished alone (EOS at the first token, or max_tokens 1)",
+            value=self.prefill_answers,
+        )
+        yield self.prefill_seconds.family("dllm_router_prefill_seconds", "Prefill call duration")
+        yield self.decode_first_byte_seconds.family(
+            "dllm_router_decode_first_byte_seconds", "From prefill's answer to decode's first byte"
+        )
+        yield self.ttft_seconds.family("dllm_router_ttft_seconds", "Time to the first byte for the client")
+        yield GaugeMetricFamily(
+            "dllm_router_open_connections", "Client connections open", value=self.open_connections()
+        )
+        inflight = GaugeMetricFamily(
+            "dllm_router_inflight", "Requests in flight per engine pod", labels=["role", "pod"]
+        )
+        ready = GaugeMetricFamily(
+            "dllm_router_pod_ready", "1 if the pod answers /health", labels=["role", "pod"]
+        )
         for pool in pools:
             for ep in pool.endpoints.values():
-                labels = f'role="{pool.role}",pod="{ep.name}"'
-                lines.append(f"dllm_router_inflight{{{labels}}} {ep.inflight}")
-                lines.append(f"dllm_router_pod_ready{{{labels}}} {int(ep.healthy)}")
-        return "\n".join(lines) + "\n"
+                inflight.add_metric([pool.role, ep.name], ep.inflight)
+                ready.add_metric([pool.role, ep.name], int(ep.healthy))
+        yield inflight
+        yield ready
+
+
+class Collector(prometheus_client.registry.Collector):
+    """Hands the router's counters to a registry of its own (no process or GC metrics of the library)."""
+
+    def __init__(self, metrics: Metrics, pools: Callable[[], Iterable[Pool]]) -> None:
+        self._metrics, self._pools = metrics, pools
+
+    def collect(self) -> Iterator[Metric]:
+        return self._metrics.families(self._pools())
+
+
+def exposition(metrics: Metrics, pools: Callable[[], Iterable[Pool]]) -> Callable[[], bytes]:
+    """The /metrics page: Prometheus text format, written by prometheus_client."""
+    registry = prometheus_client.CollectorRegistry(auto_describe=False)
+    registry.register(Collector(metrics, pools))
+    return lambda: prometheus_client.generate_latest(registry)

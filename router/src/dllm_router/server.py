@@ -23,6 +23,7 @@ from time import perf_counter
 from typing import Any
 
 import aiohttp
+import prometheus_client
 
 from dllm_router import flows
 from dllm_router import openai as oa
@@ -40,7 +41,7 @@ from dllm_router.errors import (
 from dllm_router.fastpath import FastExchange
 from dllm_router.httpserver import FastHandler, Handler, HttpServer, Request, Response, StreamWriter
 from dllm_router.httpserver import _Connection as Connection
-from dllm_router.metrics import Metrics
+from dllm_router.metrics import Metrics, exposition
 from dllm_router.upstream import ConnectFailed, Deadlines, UpstreamError, UpstreamPool
 from dllm_router.upstream import Response as UpstreamResponse
 
@@ -99,6 +100,7 @@ class Router:
             "decode": decode_source or source_for(config.decode),
         }
         self.metrics = Metrics()
+        self._exposition = exposition(self.metrics, lambda: (self.prefill, self.decode))
         self.deadlines = Deadlines(config.request_timeout_s)  # the fast path's calls
         self.limits = oa.Limits(max_prompts=config.max_prompts, max_n=config.max_n)
         # The engines' key replaces the client's Authorization on every engine call; it is kept as
@@ -706,8 +708,7 @@ class Router:
         return Response(oa.dumps({"status": "ok", **state}))
 
     async def metrics_page(self, _: Request) -> Response:
-        text = self.metrics.render((self.prefill, self.decode))
-        return Response(text.encode(), content_type="text/plain; charset=utf-8")
+        return Response(self._exposition(), content_type=prometheus_client.CONTENT_TYPE_LATEST)
 
     def upstream_headers(self, request: Request) -> bytes:
         """The header lines both engine calls carry besides X-Request-Id: the engines' key when one is
