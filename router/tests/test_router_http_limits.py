@@ -65,13 +65,13 @@ async def test_unterminated_header_is_431_before_the_parser_holds_more_than_the_
     server: ServerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     fed: list[int] = []
-    feed = httpserver._Connection._feed
+    feed = httpserver.Connection._feed
 
-    def counting(conn: httpserver._Connection, data: memoryview) -> None:
+    def counting(conn: httpserver.Connection, data: memoryview) -> None:
         fed.append(len(data))
         feed(conn, data)
 
-    monkeypatch.setattr(httpserver._Connection, "_feed", counting)
+    monkeypatch.setattr(httpserver.Connection, "_feed", counting)
     s = await server()
     c = await RawClient.to(port_of(s))
     c.send(b"POST /v1/completions HTTP/1.1\r\nX: ")
@@ -104,14 +104,14 @@ async def test_pipelining_without_reading_holds_back_instead_of_buffering(
     server: ServerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     buffered: list[int] = []  # the server's write buffer after each write
-    write = httpserver._Connection.write
+    write = httpserver.Connection.write
 
-    def recording(conn: httpserver._Connection, data: bytes) -> None:
+    def recording(conn: httpserver.Connection, data: bytes) -> None:
         write(conn, data)
         if conn.transport is not None:
             buffered.append(conn.transport.get_write_buffer_size())
 
-    monkeypatch.setattr(httpserver._Connection, "write", recording)
+    monkeypatch.setattr(httpserver.Connection, "write", recording)
     s = await server()
     c = await RawClient.to(port_of(s), rcvbuf=4096)
     [conn] = await connections(s, 1)
@@ -218,6 +218,6 @@ async def test_connection_over_the_cap_gets_503_and_a_freed_slot_serves_again(se
     assert (await again.answer()).body == b"{}"
 
 
-async def connections(s: HttpServer, n: int) -> list[httpserver._Connection]:
+async def connections(s: HttpServer, n: int) -> list[httpserver.Connection]:
     await wait_until(lambda: len(s.connections) == n, f"{n} connections at the server")
     return list(s.connections)

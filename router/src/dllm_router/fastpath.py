@@ -19,17 +19,14 @@ from __future__ import annotations
 
 import logging
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dllm_router import openai as oa
 from dllm_router.endpoints import Endpoint
 from dllm_router.errors import RouterError, Unreachable, pod_error, prefill_answer
-from dllm_router.httpserver import Pending, Request, Response
+from dllm_router.exchange import ExchangeHost
+from dllm_router.httpserver import Connection, Pending, Request, Response
 from dllm_router.upstream import Call
-
-if TYPE_CHECKING:
-    from dllm_router.httpserver import _Connection
-    from dllm_router.server import Router
 
 log = logging.getLogger("dllm.router")
 JsonObject = dict[str, Any]
@@ -63,8 +60,8 @@ class FastExchange(Pending):
 
     def __init__(
         self,
-        router: Router,
-        conn: _Connection,
+        router: ExchangeHost,
+        conn: Connection,
         request: Request,
         route: str,
         body: JsonObject,

@@ -74,7 +74,7 @@ class Request:
         "started",
     )
 
-    def __init__(self, conn: _Connection | None = None) -> None:
+    def __init__(self, conn: Connection | None = None) -> None:
         self._conn = conn
         self._url = b""
         self._pieces: list[bytes] = []
@@ -132,7 +132,7 @@ class StreamWriter:
 
     __slots__ = ("_chunked", "_conn", "_head", "_request", "finished", "status")
 
-    def __init__(self, conn: _Connection, request: Request, status: int, headers: Mapping[str, str]) -> None:
+    def __init__(self, conn: Connection, request: Request, status: int, headers: Mapping[str, str]) -> None:
         self._conn, self._request = conn, request
         self.status = status
         self._chunked = not request.http10
@@ -185,7 +185,7 @@ class Pending:
 # Takes a complete request. Returns None when it took the request: it answers with
 # `conn.reply(request, response)` (now or from a callback; `conn.pending` holds its work meanwhile), or
 # `conn.reply_internal_error(request)`; or returns the awaitable to run as a task, as a `Handler`'s.
-FastHandler = Callable[[Request, "_Connection"], Awaitable[Response | StreamWriter] | None]
+FastHandler = Callable[[Request, "Connection"], Awaitable[Response | StreamWriter] | None]
 ErrorPage = Callable[[int, str, Request | None], Response]
 
 
@@ -225,7 +225,7 @@ class _Refusal(Exception):
         self.status = status
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One client connection: parses requests, answers them one at a time in arrival order."""
 
     def __init__(self, server: HttpServer) -> None:
@@ -719,7 +719,7 @@ class HttpServer:
         self.max_connections = max_connections
         self.head_timeout_s, self.body_timeout_s = head_timeout_s, body_timeout_s
         self.write_timeout_s = write_timeout_s
-        self.connections: set[_Connection] = set()
+        self.connections: set[Connection] = set()
         self.lingering = 0  # connections refused over the cap, still closing
         self.refused_connections = 0
         self.draining = False
@@ -730,7 +730,7 @@ class HttpServer:
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> None:
         self.loop = loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, backlog=backlog)
+        self._server = await loop.create_server(lambda: Connection(self), host, port, backlog=backlog)
         self._sweeper = loop.call_later(self._sweep_every(), self._sweep_idle)
 
     @property

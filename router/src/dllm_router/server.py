@@ -39,8 +39,15 @@ from dllm_router.errors import (
     request_id_or_new,
 )
 from dllm_router.fastpath import FastExchange
-from dllm_router.httpserver import FastHandler, Handler, HttpServer, Request, Response, StreamWriter
-from dllm_router.httpserver import _Connection as Connection
+from dllm_router.httpserver import (
+    Connection,
+    FastHandler,
+    Handler,
+    HttpServer,
+    Request,
+    Response,
+    StreamWriter,
+)
 from dllm_router.metrics import Metrics, exposition
 from dllm_router.upstream import ConnectFailed, Deadlines, UpstreamError, UpstreamPool
 from dllm_router.upstream import Response as UpstreamResponse

@@ -1,0 +1,40 @@
+"""What an exchange needs from the router: pods, the pick, the plan, accounting and errors.
+
+The callback fast path (fastpath.py) drives one request against this interface, and the Router
+(server.py) provides it; neither imports the other, so there is no import cycle between them.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from dllm_router import flows
+from dllm_router.config import RouterConfig
+from dllm_router.endpoints import Endpoint, Pool
+from dllm_router.errors import RouterError, Unreachable
+from dllm_router.httpserver import Response
+from dllm_router.metrics import Metrics
+from dllm_router.upstream import Deadlines
+
+
+class ExchangeHost(Protocol):
+    config: RouterConfig
+    prefill: Pool
+    decode: Pool
+    metrics: Metrics
+    deadlines: Deadlines  # the fast path's upstream calls
+
+    def pick(self, pool: Pool, tried: list[Endpoint]) -> Endpoint: ...
+
+    def plan(self, rid: str, index: int, p: Endpoint, d: Endpoint) -> flows.PairPlan: ...
+
+    @staticmethod
+    def note_unreachable(error: Unreachable, rid: str, tried: list[Endpoint]) -> None: ...
+
+    def error_response(self, error: RouterError, rid: str) -> Response: ...
+
+    def upstream_failure(self, ep: Endpoint, error: BaseException) -> Exception: ...
+
+    def account(
+        self, route: str, rid: str, status: int, prefill: str, decode: str, started: float, sent: bool = False
+    ) -> None: ...
