@@ -7,6 +7,7 @@ DLLM_E2E_KUBECONFIG=path plus DLLM_E2E_ALLOW_CONTEXT=<its current context> (kind
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from typing import Any
 import pytest
 
 from e2e.cluster import controlplane as cp
+from e2e.cluster import node, probepod
 
 LOCAL_CONTEXT = "dllm-local"
 
@@ -208,11 +210,10 @@ def namespace_name(nodeid: str) -> str:
     return f"t-{stem}-{digest}"
 
 
-@pytest.fixture
-def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
-    """A fresh namespace per test, deleted (without waiting) afterwards."""
-    name = namespace_name(request.node.nodeid)
-    cluster.run("delete", "namespace", name, "--ignore-not-found", "--wait=true", "--timeout=60s")
+def _fresh_namespace(cluster: Cluster, name: str, delete_timeout: str) -> Iterator[str]:
+    cluster.run(
+        "delete", "namespace", name, "--ignore-not-found", "--wait=true", f"--timeout={delete_timeout}"
+    )
     cluster.run("create", "namespace", name)
     wait_until(
         lambda: cluster.exists("serviceaccount", "default", "-n", name),
@@ -221,6 +222,54 @@ def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]
     )
     yield name
     cluster.run("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace per test, deleted (without waiting) afterwards."""
+    yield from _fresh_namespace(cluster, namespace_name(request.node.nodeid), "60s")
+
+
+@pytest.fixture
+def other_namespace(cluster: Cluster, namespace: str) -> Iterator[str]:
+    """A second fresh namespace beside the test's own."""
+    yield from _fresh_namespace(cluster, f"{namespace}-other", "120s")
+
+
+# ---- probe pods on the real node (the node tests' servers and clients) -------------------------------
+
+# Outcomes of `probe dial` that mean the connection was not made: kube-router REJECTs (an ICMP port
+# unreachable, which the client sees at once as 'connection refused'); a DROP would be a timeout.
+BLOCKED = ("refused", "timeout")
+DIAL_SECONDS = 3
+
+
+def pod_ready(cluster: Cluster, pod: str, namespace: str) -> bool:
+    conditions = cluster.get_json("pod", pod, "-n", namespace).get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def start_probe_servers(
+    cluster: Cluster, layout: cp.Layout, pods: list[tuple[str, str, dict[str, str]]]
+) -> None:
+    """Probe servers (name, namespace, labels) on the real node, all Ready."""
+    image = node.probe_image(layout)
+    for name, namespace, labels in pods:
+        cluster.apply(probepod.server(name, namespace, image, labels))
+    for name, namespace, _ in pods:
+        wait_until(
+            functools.partial(pod_ready, cluster, name, namespace), 120, f"pod {namespace}/{name} Ready"
+        )
+
+
+def probe_dial(cluster: Cluster, pod: str, namespace: str, *addrs: str) -> dict[str, str]:
+    """`probe dial` from inside a probe pod: each address's outcome (open, refused, timeout, error ...)."""
+    result = cluster.run(
+        "exec", pod, "-n", namespace, "--", "/probe", "dial", str(DIAL_SECONDS), *addrs, timeout=300
+    )
+    outcomes = dict(line.split(" ", 1) for line in result.stdout.splitlines() if line.strip())
+    assert set(outcomes) == set(addrs), result.stdout
+    return outcomes
 
 
 CRD_FILE = Path(__file__).resolve().parents[1] / "crds" / "disaggregatedllms.disagg.dev.yaml"

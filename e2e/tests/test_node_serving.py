@@ -1,12 +1,18 @@
-"""The product on the real node, as users run it: the chart's operator pod, the CPU sample's engines
-and router in pods from the images built here, requests through the router's Service (a ClusterIP
-through kube-proxy, engines found through the headless Services' DNS), and the faults users meet."""
+"""The product on the real node, as users run it: `make demo` (python -m e2e.demo up, then down)
+deploys the CPU sample once for the whole module; the chart's operator pod, the engines and router in
+pods from the images built here, requests through the router's Service (a ClusterIP through kube-proxy,
+engines found through the headless Services' DNS), the operator's NetworkPolicies against a pod of
+another namespace, and the faults users meet, which run last (they kill, roll and scale the sample)."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -17,14 +23,16 @@ from typing import Any
 
 import pytest
 import yaml
-from e2e import demo
+from e2e import demo, models_volume
 from e2e.cluster import controlplane as cp
 from e2e.cluster import node, nodehost
 from e2e.dataplane.pipeline import counter, metrics_text, post_json, start_single_engine, wait_healthy
-from e2e.fixtures import Cluster, wait_until
+from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
 
 from dllm_operator.api import parse
 from dllm_operator.config import OperatorConfig
+from dllm_operator.render.netpol import MOONCAKE_BOOTSTRAP_PORT
+from dllm_operator.render.ports import TRANSFER_PORTS_ENV
 from dllm_operator.render.router import router_args
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -33,6 +41,7 @@ NAMESPACE = "node-serving"
 NAME = demo.NAME
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "0123456789 abcdefghij KLMNOPQRST " * 2]
 MAX_TOKENS = 12
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -40,6 +49,7 @@ class Served:
     cluster: Cluster
     layout: cp.Layout
     model: Path
+    demo_output: str  # what `python -m e2e.demo up` printed
 
     def get(self, *args: str) -> Any:
         return self.cluster.get_json(*args, "-n", NAMESPACE)
@@ -52,28 +62,49 @@ class Served:
     def pod_url(self, pod: str) -> str:
         return f"http://{self.get('pod', pod)['status']['podIP']}:8000"
 
+    def engine_logs(self, lines: int = 40) -> str:
+        """The last lines each engine logged (what a 500 from vLLM names only as an internal error)."""
+        return "\n".join(
+            f"--- {pod}:\n"
+            + self.cluster.run("logs", pod, "-n", NAMESPACE, f"--tail={lines}", check=False).stdout
+            for pod in (f"{NAME}-prefill-0", f"{NAME}-decode-0")
+        )
+
     def condition(self, kind: str) -> dict[str, Any]:
         cr = self.get("dllm", NAME)
         return next((c for c in cr.get("status", {}).get("conditions", []) if c["type"] == kind), {})
 
 
+def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, DLLM_DEMO_NAMESPACE=NAMESPACE)
+    return subprocess.run([sys.executable, "-m", "e2e.demo", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1200, check=False)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def served(cluster: Cluster) -> Iterator[Served]:
+    """The sample deployed by `make demo`'s own command, once: every test here shares it (each deploy
+    costs minutes of engine start and compile on two cores); `make demo-down`'s command removes it."""
     layout = cp.Layout.from_env()
     if not node.running(layout):
         pytest.fail(f"the real node is not running: {node.why_not(layout)}")
-    model = demo.deploy(layout, NAMESPACE, 900, time.monotonic())
+    # What an interrupted run left: a model PV still terminating would leave the claim unbound.
+    demo.undeploy(layout, NAMESPACE)
     try:
-        served = Served(cluster, layout, model)
+        up = run_demo("up", "--timeout", "900")
+        assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
+        served = Served(cluster, layout, models_volume.make_model(), up.stdout)
         # Ready (the CR's) comes a moment before the router's own checks have seen both engines.
         wait_until(lambda: demo.answers(served.router + "/ready"), 60, "the router's /ready")
         # vLLM's CPU sampler compiles its log-probability op (torch.compile) at the first request that
         # asks for them: on two busy cores that takes about a minute, once per engine start.
         status, body = completion(served.router, PROMPTS[0], timeout=600)
-        assert status == 200, body
+        assert status == 200, f"{body}\n{served.engine_logs()}"
         yield served
     finally:
-        demo.undeploy(layout, NAMESPACE)
+        down = run_demo("down", "--keep-cluster")
+    assert down.returncode == 0, down.stderr
+    assert cluster.helm("list", "-n", demo.SYSTEM_NAMESPACE, "-q").stdout.strip() == ""
     # Deleting the CR and uninstalling leaves no pod, Service or kube-proxy rule of ours on the node.
     leftover = cluster.run("get", "pods,svc", "-n", NAMESPACE, "--ignore-not-found", "-o", "name").stdout
     assert leftover.strip() == ""
@@ -100,6 +131,22 @@ def completion(url: str, prompt: str, timeout: float = 120) -> tuple[int, dict[s
 
 def tokens(body: dict[str, Any]) -> list[str]:
     return list(body["choices"][0]["logprobs"]["tokens"])
+
+
+def test_make_demo_answers_through_the_router_service(served: Served) -> None:
+    """What `make demo` shows: the sample Ready through real probes, the operator a pod on the real
+    node from the image built here, and one chat completion with decode's KV loaded over the wire."""
+    out = served.demo_output
+    assert "Ready=True" in out
+    assert re.search(r"dllm-dllm-operator-\S+\s+1/1\s+Running\s+\d+.*dllm-real-0", out), out
+    assert re.search(r"answer:\s+'.+'", out), out
+    loaded = re.search(
+        r"decode loaded (\d+) prompt tokens of KV from prefill over Mooncake \((\d+) bytes\)", out
+    )
+    assert loaded is not None, out
+    assert int(loaded.group(1)) >= 32  # at least one full block came over the wire
+    assert int(loaded.group(2)) == int(loaded.group(1)) * 1024  # 2 layers x 2 KV heads x 64 x K,V x bf16
+    assert re.search(r"curl -s http://10\.96\.\d+\.\d+:8000/v1/chat/completions", out), out
 
 
 def test_the_operator_runs_as_a_pod_from_its_image_with_the_charts_identity(served: Served) -> None:
@@ -163,6 +210,89 @@ def test_completions_through_the_router_service_equal_one_engine(served: Served,
             assert through_service[prompt] == tokens(body), prompt[:30]
     finally:
         reference.stop()
+
+
+# ---- the operator's NetworkPolicies, enforced by kube-router (before the faults below change the pods) --
+
+
+def listening_ports(cluster: Cluster, pod: str, namespace: str) -> set[int]:
+    """TCP ports the pod listens on beyond loopback, from its own /proc/net/tcp{,6} (state 0A)."""
+    out = cluster.run("exec", pod, "-n", namespace, "--", "cat", "/proc/net/tcp", "/proc/net/tcp6").stdout
+    rows = [line.split() for line in out.splitlines() if line.strip() and not line.lstrip().startswith("sl")]
+    loopback = ("0100007F", "00000000000000000000000001000000")
+    return {
+        int(port, 16)
+        for _, local, _, state, *_ in rows
+        for address, port in [local.rsplit(":", 1)]
+        if state == "0A" and address not in loopback
+    }
+
+
+def engine_ports(pod: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """(declared container ports: HTTP and each rank's KV side channel, Mooncake's range) as rendered."""
+    [container] = pod["spec"]["containers"]
+    declared = [int(p["containerPort"]) for p in container["ports"]]
+    value = next(e["value"] for e in container["env"] if e["name"] == TRANSFER_PORTS_ENV)
+    low, high = (int(v) for v in value.split("-"))
+    return declared, list(range(low, high + 1))
+
+
+def connect_from_engine(cluster: Cluster, pod: str, namespace: str, addrs: list[str]) -> dict[str, str]:
+    """TCP connects from inside an engine pod (its image has Python, not the probe)."""
+    script = (
+        "import socket, sys, json\n"
+        "out = {}\n"
+        "for a in sys.argv[1:]:\n"
+        "    h, p = a.rsplit(':', 1)\n"
+        "    try:\n"
+        "        socket.create_connection((h, int(p)), timeout=3).close(); out[a] = 'open'\n"
+        "    except OSError as e:\n"
+        "        out[a] = type(e).__name__\n"
+        "print(json.dumps(out))\n"
+    )
+    result = cluster.run("exec", pod, "-n", namespace, "--", "python3", "-c", script, *addrs, timeout=300)
+    return dict(json.loads(result.stdout))
+
+
+def test_a_pod_of_another_namespace_reaches_no_engine_port_while_the_router_serves(
+    served: Served, other_namespace: str
+) -> None:
+    cluster, ns = served.cluster, NAMESPACE
+    policies = {p["metadata"]["name"] for p in cluster.get_json("networkpolicy", "-n", ns)["items"]}
+    assert f"{NAME}-engines" in policies, (
+        f"the operator rendered no engines NetworkPolicy ({sorted(policies)}): is the image "
+        "localhost/dllm/operator:dev older than the operator's NetworkPolicy rendering? (make images)"
+    )
+    start_probe_servers(cluster, served.layout, [("stranger", other_namespace, {})])
+    kv_listening: dict[str, list[int]] = {}
+    for role, peer in (("prefill", "decode"), ("decode", "prefill")):
+        pod = served.get("pod", f"{NAME}-{role}-0")
+        declared, transfer = engine_ports(pod)
+        listening = listening_ports(cluster, pod["metadata"]["name"], ns)
+        assert declared[0] == 8000, (role, declared)
+        assert 8000 in listening, (role, sorted(listening))
+        kv_ports = set(declared[1:]) | set(transfer) | {MOONCAKE_BOOTSTRAP_PORT}
+        kv_listening[role] = sorted(listening & kv_ports)
+        ip = pod["status"]["podIP"]
+        # The other engine of this CR reaches every port that listens: they are reachable at all.
+        peer_pod = f"{NAME}-{peer}-0"
+        from_peer = connect_from_engine(cluster, peer_pod, ns, [f"{ip}:{p}" for p in sorted(listening)])
+        assert set(from_peer.values()) == {"open"}, (role, from_peer)
+        # A pod of another namespace reaches none of them, nor any port the CR declares: HTTP, the side
+        # channel, Mooncake's bootstrap and its whole transfer range.
+        ports = sorted(listening | set(declared) | set(transfer) | {MOONCAKE_BOOTSTRAP_PORT})
+        outcomes = probe_dial(cluster, "stranger", other_namespace, *[f"{ip}:{p}" for p in ports])
+        assert all(outcome in BLOCKED for outcome in outcomes.values()), (role, outcomes)
+        print(f"\n{role}: listening {sorted(listening)}; from another namespace {len(ports)} ports tried, "
+              f"{sorted(collections.Counter(outcomes.values()).items())}")  # fmt: skip
+    # The KV path was among what was tried: some KV port listened (the side channel, Mooncake's).
+    assert any(kv_listening.values()), kv_listening
+
+    wait_until(lambda: demo.answers(served.router + "/ready"), 120, "the router's /ready")
+    body = {"model": "tiny-llama", "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0}
+    status, answer = post_json(served.router + "/v1/completions", body, timeout=600)
+    assert status == 200, answer
+    assert len(answer["choices"]) == 1, answer
 
 
 def _stream_first_event(url: str) -> tuple[Any, bytes]:
@@ -248,7 +378,7 @@ def test_a_failing_engine_shows_as_degraded_naming_the_pod_and_reason(
 
         def degraded() -> str | None:
             cr = served.get("dllm", name)
-            cond = next(
+            cond: dict[str, Any] = next(
                 (c for c in cr.get("status", {}).get("conditions", []) if c["type"] == "Degraded"), {}
             )
             message = str(cond.get("message", ""))
