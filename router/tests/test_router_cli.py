@@ -70,7 +70,7 @@ async def test_router_process_serves_and_stops_on_sigterm(
         line = (await wait_for_log(proc, b" cli-1 ")).decode()
         pods = f"prefill=127.0.0.1:{p.port} decode=127.0.0.1:{d.port}"
         stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
-        access = stamp + rf" INFO dllm.router cli-1 /v1/completions 200 {pods} [\d.]+ms"
+        access = stamp + rf" INFO dllm_router\.access: cli-1 /v1/completions 200 {pods} [\d.]+ms"
         assert re.fullmatch(access, line.rstrip("\n")), line
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
@@ -155,20 +155,20 @@ def test_direct_access_line_is_what_logging_would_write() -> None:
     stream = io.StringIO()
     handler = BatchedStreamHandler(stream)
     handler.setFormatter(_Formatter(LOG_FORMAT))
-    record = logging.LogRecord("dllm.router", logging.INFO, "", 0, "%s done", ("r1",), None)
+    record = logging.LogRecord("dllm_router.access", logging.INFO, "", 0, "%s done", ("r1",), None)
     via_logging = handler.format(record)
     standard = logging.Formatter(LOG_FORMAT).format(record)  # logging's own asctime, uncached
     assert via_logging == standard
     formatter = handler.formatter
     assert isinstance(formatter, _Formatter)
     assert formatter.stamp(record.created) == standard[:23]
-    handler.info_line("dllm.router", "r1 done")
+    handler.info_line("dllm_router.access", "r1 done")
     handler.flush()
     assert stream.getvalue()[23:] == standard[23:] + "\n"
 
 
 def test_direct_access_line_only_when_logging_would_write_the_same() -> None:
-    root, logger = logging.getLogger(), logging.getLogger("dllm.router")
+    root, logger = logging.getLogger(), logging.getLogger("dllm_router.access")
     saved = root.handlers[:]
     handler = BatchedStreamHandler(io.StringIO())
     handler.setFormatter(_Formatter(LOG_FORMAT))

@@ -247,7 +247,7 @@ async def test_request_id_appears_in_the_logs(
 ) -> None:
     p, d = await engines("p0", nixl=flow == "nixl"), await engines("d0")
     r = await start_router(flow, [p], [d])
-    caplog.set_level(logging.INFO, logger="dllm.router")
+    caplog.set_level(logging.INFO, logger="dllm_router")
     async with await r.post(COMPLETIONS, {"prompt": "x"}, headers={"X-Request-Id": "trace-ok"}) as resp:
         assert resp.status == 200
     access = f"trace-ok /v1/completions 200 prefill=127.0.0.1:{p.port} decode=127.0.0.1:{d.port} "

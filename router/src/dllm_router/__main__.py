@@ -13,17 +13,18 @@ from collections.abc import Callable, Coroutine, Sequence
 from functools import partial
 from typing import Any, TextIO
 
+from dllm_contract import logs
+from dllm_contract.logs import LOG_FORMAT
 from dllm_router.config import ConfigError, RouterConfig, parse_config
-from dllm_router.server import Router, serve
+from dllm_router.server import Router, access_log, serve
 
-log = logging.getLogger("dllm.router")
+log = logging.getLogger("dllm_router")  # this module runs as __main__
 LOG_FLUSH_S = 0.1  # log lines written while serving reach stderr in one write per this interval
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 
 async def run(config: RouterConfig) -> None:
     router = Router(config)
-    router.access_line = direct_access_line(log)
+    router.access_line = direct_access_line(access_log)
     await router.start()
     # --drain-seconds (M4): the operator derives it from the pod's terminationGracePeriodSeconds
     server = await serve(router, config.host, config.port, drain_s=config.drain_seconds)
@@ -86,7 +87,7 @@ class BatchedStreamHandler(logging.StreamHandler[TextIO]):
         (the access line, once per request, skips logging's ~20 calls per record)."""
         formatter = self.formatter
         assert isinstance(formatter, _Formatter)
-        self._lines.append(f"{formatter.stamp(time.time())} INFO {logger} {message}{self.terminator}")
+        self._lines.append(f"{formatter.stamp(time.time())} INFO {logger}: {message}{self.terminator}")
         self._flush_soon()
 
     def flush(self) -> None:
@@ -150,12 +151,13 @@ def _parents(logger: logging.Logger) -> list[logging.Logger]:
 
 
 def configure_logging(level: str) -> None:
+    """The one logging scheme (dllm_contract.logs), written through the batching handler."""
     # One access line per request: skip the record fields the format never shows (logging's own advice).
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging._srcfile = None  # no caller lookup per record (the logging HOWTO's "Optimization")
     handler = BatchedStreamHandler(sys.stderr)
     handler.setFormatter(_Formatter(LOG_FORMAT))
-    logging.basicConfig(level=level.upper(), handlers=[handler])
+    logs.configure_logging(level, handler)
 
 
 def event_loop_runner(choice: str) -> Any:

@@ -19,7 +19,7 @@ from dllm_router.config import Address, Upstreams
 if TYPE_CHECKING:
     from dllm_router.upstream import UpstreamPool
 
-log = logging.getLogger("dllm.router")
+log = logging.getLogger(__name__)
 
 AddressSource = Callable[[], Awaitable[frozenset[Address]]]
 Resolver = Callable[[str], Awaitable[frozenset[str]]]

@@ -28,7 +28,7 @@ from dllm_router.exchange import ExchangeHost
 from dllm_router.httpserver import Connection, Pending, Request, Response
 from dllm_router.upstream import Call
 
-log = logging.getLogger("dllm.router")
+log = logging.getLogger(__name__)
 JsonObject = dict[str, Any]
 
 

@@ -41,7 +41,7 @@ from time import time
 
 import httptools
 
-log = logging.getLogger("dllm.router.http")
+log = logging.getLogger(__name__)
 
 MAX_HEAD = 64 * 1024  # request line and headers
 MAX_PIPELINE = 16  # requests queued on one connection before it stops reading

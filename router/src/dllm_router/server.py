@@ -52,7 +52,8 @@ from dllm_router.metrics import Metrics, exposition
 from dllm_router.upstream import ConnectFailed, Deadlines, UpstreamError, UpstreamPool
 from dllm_router.upstream import Response as UpstreamResponse
 
-log = logging.getLogger("dllm.router")
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("dllm_router.access")  # one line per answered request
 JsonObject = dict[str, Any]
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 GENERATION_ROUTES = (oa.COMPLETIONS, oa.CHAT)
@@ -309,13 +310,13 @@ class Router:
         """Every answered generation request: its count, and its access line (`sent`: the answer is out
         already; else the line is made on the next loop turn, after the server has sent it)."""
         self.metrics.requests[(route, status)] += 1
-        if not log.isEnabledFor(logging.INFO):
+        if not access_log.isEnabledFor(logging.INFO):
             return
         ms = (perf_counter() - started) * 1000
         direct = self.access_line
         if direct is None:
-            args = (rid, route, status, prefill, decode, ms)
-            asyncio.get_running_loop().call_soon(log.info, "%s %s %d prefill=%s decode=%s %.1fms", *args)
+            args = ("%s %s %d prefill=%s decode=%s %.1fms", rid, route, status, prefill, decode, ms)
+            asyncio.get_running_loop().call_soon(access_log.info, *args)
             return
         line = f"{rid} {route} {status} prefill={prefill} decode={decode} {ms:.1f}ms"
         if sent:
