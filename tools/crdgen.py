@@ -1,5 +1,5 @@
 """Writes crds/disaggregatedllms.disagg.dev.yaml, the CRD users apply, from the typed model
-(dllm_operator.crd turns operator/src/dllm_operator/api.py into it). The file is committed, reviewed and
+(dllm_operator.crd turns operator/src/dllm_operator/api/ into it). The file is committed, reviewed and
 shipped (chart, kubectl); a test fails if it differs from what the model gives. Run: `make crds`.
 """
 

@@ -1,4 +1,4 @@
-"""The DisaggregatedLLM CRD, generated from the typed model in api.py (what controller-gen is to Go types).
+"""The DisaggregatedLLM CRD, generated from the typed model in api/ (what controller-gen is to Go types).
 
 pydantic writes the model's JSON schema (validation mode, by alias); `structural` turns it into the
 Kubernetes structural schema: $refs inlined, Optional (anyOf with null) made the plain type, numeric
@@ -29,7 +29,7 @@ from dllm_operator.api import (
 Schema = dict[str, Any]
 
 NAME = f"{PLURAL}.{GROUP}"
-HEADER = "# Generated from operator/src/dllm_operator/api.py by `make crds`; edit the model, not this file.\n"
+HEADER = "# Generated from operator/src/dllm_operator/api/ by `make crds`; edit the model, not this file.\n"
 PRINTER_COLUMNS: list[Schema] = [
     {"name": "Prefill", "type": "string", "jsonPath": ".status.prefill.ready"},
     {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready"},
