@@ -75,7 +75,7 @@ class FakeDecode:
     def _run(self, sock: socket.socket) -> None:
         with sock, contextlib.suppress(Exception):
             hello = sidechannel.HELLO.unpack(
-                sidechannel._read_exactly(sock, sidechannel.HELLO.size, time.monotonic() + 10)
+                sidechannel.read_exactly(sock, sidechannel.HELLO.size, time.monotonic() + 10)
             )
             status = sidechannel.STATUS_OK if hello[1] == self._version else sidechannel.STATUS_BAD_VERSION
             sock.sendall(

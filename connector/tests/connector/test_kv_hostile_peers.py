@@ -401,7 +401,7 @@ def test_a_prefill_of_another_version_is_refused_and_the_expectation_left_alone(
     with caplog.at_level(logging.WARNING, logger="dllm_connector.transport.sidechannel"):
         with socket.create_connection((HOST, receiver.port), timeout=10) as sock:
             sock.sendall(hello)
-            answer = sidechannel._read_exactly(sock, sidechannel.CHALLENGE.size, time.monotonic() + 10)
+            answer = sidechannel.read_exactly(sock, sidechannel.CHALLENGE.size, time.monotonic() + 10)
             _, version, status, _, _ = sidechannel.CHALLENGE.unpack(answer)
             assert sock.recv(1) == b""  # and closed
         assert wait_until(lambda: "speaks protocol version" in caplog.text, 10)
