@@ -71,9 +71,15 @@ class OperatorProcess:
         return self._get("/readyz") == "ok"
 
     def metric(self, name: str) -> float:
-        text = self._get("/metrics") or ""
+        """An unlabelled sample's value; a page that does not answer or lacks it fails the test (never
+        reads as 0, which would let a broken replica pass for an idle follower)."""
+        text = self._get("/metrics")
+        if text is None:
+            raise AssertionError(f"the operator's /metrics on port {self.port} does not answer")
         values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
-        return values[0] if values else 0.0
+        if not values:
+            raise AssertionError(f"{name} is not on the operator's /metrics page")
+        return values[0]
 
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""

@@ -108,7 +108,9 @@ def test_scale_decode_leaves_prefill_alone(
         cluster.run("scale", "dllm/tiny-cpu", "-n", namespace, f"--replicas={replicas}")
         cr = wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
         assert cr["status"]["decode"]["ready"] == f"{replicas}/{replicas}"
-        assert len(pod_uids(cluster, namespace, "decode")) == replicas or replicas == 1
+        wait_until(
+            lambda n=replicas: len(pod_uids(cluster, namespace, "decode")) == n, 60, f"{replicas} decode pods"
+        )
     assert (
         cluster.get_json("sts", "tiny-cpu-prefill", "-n", namespace)["metadata"]["generation"]
         == prefill_generation
@@ -116,6 +118,7 @@ def test_scale_decode_leaves_prefill_alone(
     assert pod_uids(cluster, namespace, "prefill") == prefill_pods
     events = cluster.get_json("events", "-n", namespace, "--field-selector", "reason=Scaled")["items"]
     assert any("to 3" in e["message"] for e in events)
+    assert any("to 1" in e["message"] for e in events)  # the way back is an Event too
 
 
 def test_deleted_and_edited_children_are_restored(
