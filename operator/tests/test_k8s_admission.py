@@ -57,7 +57,9 @@ def test_invalid_resource_is_refused_naming_the_field(
     result = cluster.run("create", "-n", namespace, "-f", "-", input_text=json.dumps(body), check=False)
     assert result.returncode != 0, f"{case} was admitted"
     assert "no matches for kind" not in result.stderr
-    assert path in result.stderr, f"{case}: {path} not named in: {result.stderr}"
+    # The whole path, not a prefix of a longer one (spec.model must not pass for spec.model.name).
+    whole = rf"(?<![\w.\[]){re.escape(path)}(?![\w\[]|\.\w)"
+    assert re.search(whole, result.stderr), f"{case}: {path} not named in: {result.stderr}"
     name = body["metadata"]["name"]
     assert not cluster.exists("dllm", name, "-n", namespace)
 
