@@ -172,8 +172,11 @@ def pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split(") ", 1)[-1].startswith("Z"))
+    try:  # the process may end between the signal and this read
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[-1]
+    except OSError:
+        return False
+    return not state.startswith("Z")
 
 
 def read_pid(layout: Layout, component: str) -> int | None:
