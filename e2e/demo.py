@@ -129,10 +129,23 @@ def ask(layout: cp.Layout, namespace: str, model: Path) -> dict[str, Any]:
     before = counter(metrics_text(decode), "vllm:external_prefix_cache_hits")
     status, body = post_json(f"{router}/v1/chat/completions", DEMO_CHAT)
     if status != 200:
-        raise DemoError(f"the router answered {status}: {json.dumps(body)[:500]}")
+        logs = engine_logs(layout, namespace)
+        raise DemoError(f"the router answered {status}: {json.dumps(body)[:500]}\n{logs}")
     loaded = counter(metrics_text(decode), "vllm:external_prefix_cache_hits") - before
     return {"router": router, "body": body, "tokens": int(loaded),
             "bytes": int(loaded) * models_volume.kv_bytes_per_token(model)}  # fmt: skip
+
+
+def engine_logs(layout: cp.Layout, namespace: str, lines: int = 40) -> str:
+    """The last lines of each engine's log: what to read when an answer is an engine's error."""
+    parts = []
+    for role in ("prefill", "decode"):
+        try:
+            text = tool(layout, "kubectl", "logs", f"{NAME}-{role}-0", "-n", namespace, f"--tail={lines}")
+        except DemoError as error:
+            text = str(error)
+        parts.append(f"--- {role} engine, last {lines} lines ---\n{text}")
+    return "\n".join(parts)
 
 
 def show_answer(result: dict[str, Any]) -> None:

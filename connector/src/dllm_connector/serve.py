@@ -33,7 +33,7 @@ from typing import Any, NoReturn
 from dllm_contract import kvconfig
 from dllm_contract.logs import configure_logging
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("dllm_connector.serve")  # by name: this module also runs as __main__
 
 EXIT_BAD_CONFIG = 2
 EXIT_NOT_FOUND = 127
