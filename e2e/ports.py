@@ -24,21 +24,13 @@ def _ephemeral_start() -> int:
 
 def free_port() -> int:
     """A port free now, from [20000, start of the ephemeral range)."""
-    band = range(_BAND_START, max(_BAND_START + 1000, _ephemeral_start()))
-    for port in random.sample(band, 200):
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port on 127.0.0.1 in {band.start}-{band.stop - 1}")
+    return free_consecutive_ports(1)
 
 
 def free_consecutive_ports(count: int) -> int:
-    """A base port with `count` ports free from it on (a TP group listens on base + rank), drawn from
-    the same band as free_port, not from the ephemeral range."""
-    band = range(_BAND_START, max(_BAND_START + 1000, _ephemeral_start()) - count)
+    """A base port with `count` ports free from it on (a TP group listens on base + rank), all of them in
+    [20000, start of the ephemeral range)."""
+    band = range(_BAND_START, max(_BAND_START + 1000, _ephemeral_start()) - count + 1)
     for base in random.sample(band, 200):
         with contextlib.ExitStack() as stack:
             try:
@@ -47,4 +39,4 @@ def free_consecutive_ports(count: int) -> int:
             except OSError:
                 continue
         return base
-    raise RuntimeError(f"no {count} consecutive free ports on 127.0.0.1 in {band.start}-{band.stop - 1}")
+    raise RuntimeError(f"no {count} consecutive free port(s) on 127.0.0.1 in {band.start}-{band.stop - 1}")
