@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 
 import torch
 
+from dllm_connector.transport.placement import TransportTraits
+
 
 class TransportError(RuntimeError):
     """A transfer did not complete: the peer is unreachable, refused it, or it broke midway."""
@@ -84,6 +86,10 @@ class Transport(ABC):
     @abstractmethod
     def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
         """Two-sided transports: receive into dst; one-sided ones return at once."""
+
+    def traits(self) -> TransportTraits:
+        """What the data-path decision needs to know (transport.placement); by default, host only."""
+        return TransportTraits(self.name, self.one_sided, False, f"{self.name} moves host memory only")
 
     def forget_peer(self, peer: Mapping[str, Any]) -> None:  # noqa: B027 - optional hook
         """Drop per-peer state after a failure, so the next transfer starts clean."""

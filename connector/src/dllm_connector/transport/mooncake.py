@@ -25,11 +25,12 @@ resumes) still applies them after both sides gave up (seen with a SIGSTOPped pee
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import re
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar
 
@@ -44,6 +45,7 @@ from dllm_connector.transport.base import (
     check_sizes,
     span_of,
 )
+from dllm_connector.transport.placement import TransportTraits
 from dllm_contract.kvconfig import transfer_ports_problem
 
 _log = logging.getLogger(__name__)
@@ -88,6 +90,21 @@ def configure_environment(
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(MC_MIN_TIMEOUT_S))
 
 
+# Mooncake's wheels: `mooncake-transfer-engine` (and -cuda13) are built with CUDA and take device
+# pointers (GPUDirect RDMA where the NIC and driver allow it); `...-non-cuda` takes host memory only.
+_NON_CUDA_DIST = "mooncake-transfer-engine-non-cuda"
+
+
+def cuda_build(distributions: Iterable[str]) -> bool:
+    """Whether the Mooncake installed (the distributions providing `mooncake`) is a CUDA build."""
+    names = {name.lower().replace("_", "-") for name in distributions}
+    return any(name.startswith("mooncake-transfer-engine") and name != _NON_CUDA_DIST for name in names)
+
+
+def installed_cuda_build() -> bool:
+    return cuda_build(importlib.metadata.packages_distributions().get("mooncake", []))
+
+
 class MooncakeTransport(Transport):
     name: ClassVar[str] = "mooncake"
     one_sided: ClassVar[bool] = True
@@ -122,6 +139,8 @@ class MooncakeTransport(Transport):
                 "its port range once per process, and this process's Mooncake started with another"
             )
         self._session = f"{host}:{rpc_port}"
+        self._protocol = protocol
+        self._cuda = installed_cuda_build()
         self._registered: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -147,6 +166,11 @@ class MooncakeTransport(Transport):
 
     def endpoint(self) -> dict[str, Any]:
         return {"session": self._session}
+
+    def traits(self) -> TransportTraits:
+        kind = f"mooncake ({self._protocol})"
+        why = "" if self._cuda else f"{_NON_CUDA_DIST} is installed, a build without CUDA"
+        return TransportTraits(kind, True, self._cuda, why)
 
     def send(
         self,

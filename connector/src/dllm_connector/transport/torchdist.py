@@ -37,6 +37,7 @@ from dllm_connector.transport.base import (
     TransportError,
     check_sizes,
 )
+from dllm_connector.transport.placement import TransportTraits
 from dllm_connector.transport.sidechannel import clip
 
 _SENDER, _RECEIVER = 0, 1
@@ -84,6 +85,13 @@ class TorchDistTransport(Transport):
     @property
     def backend(self) -> str:
         return self._backend
+
+    def traits(self) -> TransportTraits:
+        """NCCL sends device tensors (device staging); gloo sends host tensors (host staging)."""
+        kind = f"torch.distributed ({self._backend})"
+        if self._backend == "nccl":
+            return TransportTraits(kind, False, True)
+        return TransportTraits(kind, False, False, "gloo sends host tensors")
 
     def register(self, tensor: torch.Tensor) -> None:
         return None

@@ -1,0 +1,140 @@
+"""The data-path decision (transport.placement): every case of the table, and the bad overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from dllm_connector.transport.mooncake import cuda_build
+from dllm_connector.transport.placement import (
+    DataPath,
+    DataPathError,
+    PathSetting,
+    TransportTraits,
+    choose_path,
+    parse_setting,
+)
+from dllm_contract.kvconfig import Compression
+
+MOONCAKE_CUDA = TransportTraits("mooncake (rdma)", one_sided=True, registers_device_memory=True)
+MOONCAKE_TCP_NO_CUDA = TransportTraits(
+    "mooncake (tcp)", one_sided=True, registers_device_memory=False, why_not_device="built without CUDA"
+)
+NCCL = TransportTraits("torch.distributed (nccl)", one_sided=False, registers_device_memory=True)
+GLOO = TransportTraits(
+    "torch.distributed (gloo)", one_sided=False, registers_device_memory=False, why_not_device="gloo"
+)
+NONE, FP8 = Compression.NONE, Compression.FP8
+AUTO, DEVICE, PINNED, HOST = PathSetting.AUTO, PathSetting.DEVICE, PathSetting.PINNED_HOST, PathSetting.HOST
+
+# (cache device, codec, transport, setting) -> (path, cache registered, zero-copy)
+TABLE = [
+    # GPU caches, auto: device where the transport takes device memory, else pinned host
+    ("cuda", NONE, MOONCAKE_CUDA, AUTO, DataPath.DEVICE, True, True),
+    ("cuda", FP8, MOONCAKE_CUDA, AUTO, DataPath.DEVICE, True, False),
+    ("cuda", NONE, NCCL, AUTO, DataPath.DEVICE, True, False),
+    ("cuda", FP8, NCCL, AUTO, DataPath.DEVICE, True, False),
+    ("cuda", NONE, MOONCAKE_TCP_NO_CUDA, AUTO, DataPath.PINNED_HOST, False, False),
+    ("cuda", FP8, MOONCAKE_TCP_NO_CUDA, AUTO, DataPath.PINNED_HOST, False, False),
+    ("cuda", NONE, GLOO, AUTO, DataPath.PINNED_HOST, False, False),
+    # GPU caches, overridden
+    ("cuda", NONE, MOONCAKE_CUDA, PINNED, DataPath.PINNED_HOST, False, False),
+    ("cuda", NONE, MOONCAKE_CUDA, HOST, DataPath.HOST, False, False),
+    ("cuda", FP8, NCCL, DEVICE, DataPath.DEVICE, True, False),
+    ("cuda", NONE, GLOO, HOST, DataPath.HOST, False, False),
+    # CPU caches: today's host path, zero-copy for none over a one-sided transport
+    ("cpu", NONE, MOONCAKE_TCP_NO_CUDA, AUTO, DataPath.HOST, True, True),
+    ("cpu", FP8, MOONCAKE_TCP_NO_CUDA, AUTO, DataPath.HOST, True, False),
+    ("cpu", NONE, GLOO, AUTO, DataPath.HOST, True, False),
+    ("cpu", NONE, NCCL, AUTO, DataPath.HOST, True, False),
+    # CPU caches forced onto the device code (how this machine tests it) or the pinned-host code
+    ("cpu", NONE, MOONCAKE_TCP_NO_CUDA, DEVICE, DataPath.DEVICE, True, True),
+    ("cpu", FP8, GLOO, DEVICE, DataPath.DEVICE, True, False),
+    ("cpu", NONE, MOONCAKE_TCP_NO_CUDA, PINNED, DataPath.PINNED_HOST, False, False),
+    ("cpu", FP8, GLOO, PINNED, DataPath.PINNED_HOST, False, False),
+    ("cpu", NONE, MOONCAKE_TCP_NO_CUDA, HOST, DataPath.HOST, True, True),
+]
+
+
+@pytest.mark.parametrize(
+    ("device", "codec", "transport", "setting", "path", "registered", "zero_copy"), TABLE
+)
+def test_every_case_of_the_table(
+    device: str,
+    codec: Compression,
+    transport: TransportTraits,
+    setting: PathSetting,
+    path: DataPath,
+    registered: bool,
+    zero_copy: bool,
+) -> None:
+    placement = choose_path(device, codec, transport, setting)
+    assert (placement.path, placement.cache_registered, placement.zero_copy) == (path, registered, zero_copy)
+    assert placement.reason
+    assert placement.describe().startswith(path.value)
+
+
+def test_the_reason_names_the_transport_and_why_it_cannot_take_device_memory() -> None:
+    placement = choose_path("cuda", NONE, MOONCAKE_TCP_NO_CUDA)
+    assert "mooncake (tcp)" in placement.reason
+    assert "built without CUDA" in placement.reason
+    assert "pinned" in placement.reason
+    assert "no host copy" in choose_path("cuda", NONE, MOONCAKE_CUDA).reason
+    assert "host memory" in choose_path("cpu", NONE, GLOO).reason
+    assert "CPU tensors" in choose_path("cpu", NONE, GLOO, DEVICE).reason
+
+
+def test_device_override_a_transport_cannot_honour_is_refused_by_name() -> None:
+    with pytest.raises(
+        DataPathError, match=r"torch.distributed \(gloo\) cannot register cuda memory \(gloo\)"
+    ):
+        choose_path("cuda", FP8, GLOO, DEVICE)
+    with pytest.raises(DataPathError, match="built without CUDA"):
+        choose_path("cuda", NONE, MOONCAKE_TCP_NO_CUDA, DEVICE)
+
+
+@pytest.mark.parametrize(
+    ("raw", "setting"),
+    [(None, AUTO), ("", AUTO), ("auto", AUTO), (" Device ", DEVICE), ("pinned-host", PINNED), ("host", HOST)],
+)
+def test_settings_parse(raw: str | None, setting: PathSetting) -> None:
+    assert parse_setting(raw) is setting
+
+
+@pytest.mark.parametrize("raw", ["gpu", "pinned", "device;rm -rf"])
+def test_unknown_settings_are_refused_with_the_choices(raw: str) -> None:
+    with pytest.raises(DataPathError, match="expected one of auto, device, pinned-host, host"):
+        parse_setting(raw)
+
+
+@pytest.mark.parametrize(
+    ("distributions", "cuda"),
+    [
+        (["mooncake-transfer-engine"], True),
+        (["mooncake_transfer_engine_cuda13"], True),
+        (["mooncake-transfer-engine-non-cuda"], False),
+        (["mooncake_transfer_engine_non_cuda"], False),
+        ([], False),
+    ],
+)
+def test_mooncake_cuda_build_is_told_by_its_wheel(distributions: list[str], cuda: bool) -> None:
+    assert cuda_build(distributions) is cuda
+
+
+def test_transports_describe_themselves() -> None:
+    """The real transports here: Mooncake's non-CUDA wheel over TCP, gloo; NCCL by its traits alone."""
+    from dllm_connector.transport.mooncake import MooncakeTransport
+    from dllm_connector.transport.torchdist import TorchDistTransport
+
+    mooncake = MooncakeTransport("127.0.0.1")
+    try:
+        traits = mooncake.traits()
+    finally:
+        mooncake.close()
+    assert (traits.kind, traits.one_sided, traits.registers_device_memory) == ("mooncake (tcp)", True, False)
+    assert "without CUDA" in traits.why_not_device
+    gloo = TorchDistTransport("127.0.0.1", backend="gloo").traits()
+    assert (gloo.kind, gloo.one_sided, gloo.registers_device_memory) == (
+        "torch.distributed (gloo)",
+        False,
+        False,
+    )
