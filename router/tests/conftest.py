@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -84,9 +83,8 @@ async def start_router(client: aiohttp.ClientSession) -> AsyncIterator[RouterFac
             connect_timeout_s=2.0,
             request_timeout_s=WAIT_S,
         )
-        router = Router(
-            replace(config, **overrides), prefill_source=prefill_source, decode_source=decode_source
-        )
+        config = RouterConfig.model_validate({**dict(config), **overrides})  # validated, as flags are
+        router = Router(config, prefill_source=prefill_source, decode_source=decode_source)
         await router.start(background=background)
         runner = await serve(router, "127.0.0.1", 0, drain_s=0.2)
         made.append((router, runner))

@@ -192,3 +192,21 @@ def test_engine_api_key_comes_from_its_variable_and_never_shows() -> None:
         parse_config(BASE, {"DLLM_ENGINE_API_KEY": "abc\r\nX-Injected: 1"})
     assert "DLLM_ENGINE_API_KEY: must be printable ASCII" in str(refused.value)
     assert "abc" not in str(refused.value)
+
+
+def test_log_level_is_the_one_logging_scheme_s() -> None:
+    """The level is checked by dllm_contract.logs, as the operator's and dllm-serve's are: any case."""
+    assert parse_config([*BASE, "--log-level", "Debug"], {}).log_level == "DEBUG"
+    assert parse_config(BASE, {"DLLM_ROUTER_LOG_LEVEL": "critical"}).log_level == "CRITICAL"
+    assert parse_config(BASE, {}).log_level == "INFO"
+
+
+def test_a_config_built_in_code_is_validated_as_the_command_line_is() -> None:
+    """One model: a program building RouterConfig gets the same checks (it may leave a role's pods to
+    an address source it hands the Router, but not name them two ways)."""
+    with pytest.raises(ValueError, match=r"0 is outside 1\.\.1024"):
+        RouterConfig(flow="dllm", prefill=Upstreams(), decode=Upstreams(), decode_tp_size=0)
+    with pytest.raises(ValueError, match="give either --decode-dns"):
+        RouterConfig(flow="dllm", prefill=Upstreams(), decode=Upstreams(dns=("d", 1), urls=("http://d:1",)))
+    with pytest.raises(ValueError, match="frozen"):
+        parse_config(BASE, {}).port = 1  # type: ignore[misc]
