@@ -15,8 +15,9 @@ from typing import Any, TextIO
 
 from dllm_contract import logs
 from dllm_contract.logs import LOG_FORMAT
+from dllm_router.accounting import access_log
 from dllm_router.config import ConfigError, RouterConfig, parse_config
-from dllm_router.server import Router, access_log, serve
+from dllm_router.server import Router, serve
 
 log = logging.getLogger("dllm_router")  # this module runs as __main__
 LOG_FLUSH_S = 0.1  # log lines written while serving reach stderr in one write per this interval

@@ -1,7 +1,8 @@
-"""What an exchange needs from the router: pods, the pick, the plan, accounting and errors.
+"""What a request path needs from the router: pods, the pick, the plan, accounting and errors.
 
-The callback fast path (fastpath.py) drives one request against this interface, and the Router
-(server.py) provides it; neither imports the other, so there is no import cycle between them.
+Both request paths, the fast path's callbacks (fastpath.py) and the coroutine path's tasks
+(coroutine_path.py), drive requests against this interface, and the Router (server.py) provides it;
+the paths never import the server, so there is no import cycle between them.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ class ExchangeHost(Protocol):
 
     def plan(self, rid: str, index: int, p: Endpoint, d: Endpoint) -> flows.PairPlan: ...
 
-    @staticmethod
-    def note_unreachable(error: Unreachable, rid: str, tried: list[Endpoint]) -> None: ...
+    def note_unreachable(self, error: Unreachable, rid: str, tried: list[Endpoint]) -> None: ...
 
     def error_response(self, error: RouterError, rid: str) -> Response: ...
 

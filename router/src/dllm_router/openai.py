@@ -17,6 +17,7 @@ from dllm_router.jsonshape import TooComplex, check_shape
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+GENERATION_ROUTES = (COMPLETIONS, CHAT)
 JsonObject = dict[str, Any]
 DONE = b"[DONE]"
 MAX_SSE_EVENT = 16 * 1024 * 1024  # one upstream event (a chunk of a few tokens is ~1 KiB)

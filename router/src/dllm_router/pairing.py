@@ -1,0 +1,60 @@
+"""One prompt's pair of pods, what its two calls carry, and which failures another pair may retry.
+
+Both request paths (the fast path's callbacks, the coroutine path's tasks) choose and plan through
+here, so a prompt is paired and retried the same way whichever path serves it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from dllm_router import flows
+from dllm_router.config import RouterConfig
+from dllm_router.endpoints import Endpoint, Pool
+from dllm_router.errors import RouterError, Unreachable
+from dllm_router.upstream import ConnectFailed
+
+log = logging.getLogger(__name__)
+
+
+class Pairing:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self._dllm_plans = flows.DllmPlans(config)
+
+    def pick(self, pool: Pool, tried: list[Endpoint]) -> Endpoint:
+        """The pool's least busy ready pod not tried yet for this prompt; 503 when it has none."""
+        ep = pool.pick(tried)
+        if ep is None:
+            raise RouterError(503, f"no_{pool.role}", f"no ready {pool.role} pod", None)
+        return ep
+
+    def plan(self, rid: str, index: int, p: Endpoint, d: Endpoint) -> flows.PairPlan:
+        """What prefill and decode are told for prompt `index` of request `rid`, in the configured flow."""
+        flow = self.config.flow
+        if flow == "dllm":
+            return self._dllm_plans.plan(rid, index, p.host, d.host)
+        if flow == "mooncake":
+            rank = p.next_dp_rank % max(len(p.engine_ids), 1)
+            p.next_dp_rank += 1
+            addr = flows.bootstrap_url(p.host, self.config.mooncake_bootstrap_port)
+            return flows.mooncake_plan(rid, index, addr, p.engine_ids[rank], rank, len(p.engine_ids))
+        return flows.nixl_plan()
+
+    @staticmethod
+    def note_unreachable(error: Unreachable, rid: str, tried: list[Endpoint]) -> None:
+        """An attempt failed on a connection: that pod is not tried again for this prompt, and a pod
+        that refused the connection is taken out at once."""
+        ep = error.endpoint
+        tried.append(ep)
+        if error.connect_failed and ep.healthy:
+            ep.healthy = False
+            log.warning("%s %s pod %s taken out: %s", rid, ep.role, ep.name, error)
+
+    def upstream_failure(self, ep: Endpoint, error: BaseException) -> Exception:
+        """An upstream call's failure as the request sees it: a 504 after the timeout, else Unreachable
+        (retried on another pair)."""
+        if isinstance(error, TimeoutError):
+            limit = self.config.request_timeout_s
+            return RouterError(504, "timeout", f"{ep.role} pod {ep.name} timed out after {limit}s")
+        return Unreachable(ep, error, connect_failed=isinstance(error, ConnectFailed))
