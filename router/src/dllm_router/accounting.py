@@ -13,7 +13,7 @@ from time import perf_counter
 
 from dllm_router import openai as oa
 from dllm_router.errors import RouterError, request_id_or_new
-from dllm_router.httpserver import Request, Response
+from dllm_router.http_messages import Request, Response
 from dllm_router.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from dllm_router import openai as oa
 from dllm_router.engine_auth import EngineAuth
 from dllm_router.errors import RouterError, request_id
 from dllm_router.exchange import ExchangeHost
-from dllm_router.httpserver import Request, Response
+from dllm_router.http_messages import Request, Response
 from dllm_router.metrics import exposition
 from dllm_router.pod_watch import PodWatch
 

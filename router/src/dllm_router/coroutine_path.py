@@ -17,7 +17,7 @@ from dllm_router import openai as oa
 from dllm_router.engine_auth import EngineAuth
 from dllm_router.errors import RouterError, request_id, request_id_or_new
 from dllm_router.exchange import ExchangeHost
-from dllm_router.httpserver import Request, Response, StreamWriter
+from dllm_router.http_messages import Request, Response, StreamWriter
 from dllm_router.prompt_exchange import Answer, Prompt, PromptExchange
 from dllm_router.stream_relay import relay_many, relay_one
 

@@ -7,7 +7,7 @@ probes carry none. The key is kept as header bytes and never logged (RouterConfi
 
 from __future__ import annotations
 
-from dllm_router.httpserver import Request
+from dllm_router.http_messages import Request
 
 _JSON_LINE = b"Content-Type: application/json\r\n"
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from dllm_router import openai as oa
 from dllm_router.endpoints import Endpoint
-from dllm_router.httpserver import Request
+from dllm_router.http_messages import Request
 
 
 class RouterError(Exception):

@@ -13,7 +13,7 @@ from dllm_router import flows
 from dllm_router.config import RouterConfig
 from dllm_router.endpoints import Endpoint, Pool
 from dllm_router.errors import RouterError, Unreachable
-from dllm_router.httpserver import Response
+from dllm_router.http_messages import Response
 from dllm_router.metrics import Metrics
 from dllm_router.upstream import Deadlines
 

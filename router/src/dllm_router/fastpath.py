@@ -25,7 +25,8 @@ from dllm_router import openai as oa
 from dllm_router.endpoints import Endpoint
 from dllm_router.errors import RouterError, Unreachable, pod_error, prefill_answer
 from dllm_router.exchange import ExchangeHost
-from dllm_router.httpserver import Connection, Pending, Request, Response
+from dllm_router.http_messages import Request, Response
+from dllm_router.httpserver import Connection, Pending
 from dllm_router.upstream import Call
 
 log = logging.getLogger(__name__)

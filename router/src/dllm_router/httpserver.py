@@ -5,7 +5,8 @@ constant (request objects, header multidicts, payload streams, a task and severa
 This one parses with llhttp, keeps headers as a plain dict of lowercased bytes, hands the handler the
 whole body, and writes each answer with one `write`. A route may also have a `FastHandler`, called
 with the complete request from the parser's callback, which answers by callbacks (no task per request)
-or hands the request to a task.
+or hands the request to a task. What a handler gets and gives back (Request, Response, StreamWriter)
+is in `http_messages.py`; this module is the connection that parses and writes them, and the server.
 
 Behaviour a client sees:
 - keep-alive (HTTP/1.1 by default, HTTP/1.0 on request); pipelined requests are answered in order,
@@ -41,6 +42,25 @@ from time import time
 
 import httptools
 
+from dllm_router.http_messages import Request, Response, StreamWriter, format_headers
+
+# The server's API: its messages (http_messages.py) are part of it, so a handler's module may import
+# everything from here.
+__all__ = [
+    "MAX_HEAD",
+    "Connection",
+    "ErrorPage",
+    "FastHandler",
+    "Handler",
+    "HttpServer",
+    "Pending",
+    "Request",
+    "Response",
+    "StreamWriter",
+    "plain_error",
+    "status_line",
+]
+
 log = logging.getLogger(__name__)
 
 MAX_HEAD = 64 * 1024  # request line and headers
@@ -50,123 +70,6 @@ LINGER_S = 2.0  # after a refusal, unread request bytes are drained this long so
 HEAD_TIMEOUT_S = 10.0  # a request head, from its first byte
 BODY_TIMEOUT_S = 60.0  # a request body, from the end of its head
 WRITE_TIMEOUT_S = 60.0  # writes paused this long (the client reads nothing): the connection is aborted
-
-
-class Request:
-    """One parsed request: method, path (no query), lowercased header names, the whole body."""
-
-    __slots__ = (
-        "_conn",
-        "_pieces",
-        "_size",
-        "_url",
-        "body",
-        "complete",
-        "continued",
-        "expect_continue",
-        "headers",
-        "http10",
-        "keep_alive",
-        "method",
-        "path",
-        "query",
-        "refusal",
-        "started",
-    )
-
-    def __init__(self, conn: Connection | None = None) -> None:
-        self._conn = conn
-        self._url = b""
-        self._pieces: list[bytes] = []
-        self._size = 0
-        self.method = ""
-        self.path = ""
-        self.query = ""
-        self.headers: dict[bytes, bytes] = {}
-        self.body = b""
-        self.keep_alive = True
-        self.http10 = False
-        self.complete = False
-        self.expect_continue = False
-        self.continued = False
-        self.refusal: tuple[int, str] | None = None  # the server's own answer; then the connection closes
-        self.started = False  # an answer's first bytes were written
-
-    def header(self, name: bytes) -> bytes | None:
-        """A header's raw value by its lowercased name (repeated headers are joined with ", ")."""
-        return self.headers.get(name)
-
-    def stream(self, headers: Mapping[str, str], status: int = 200) -> StreamWriter:
-        """Begin a streamed answer (the handler then returns the writer)."""
-        if self._conn is None or self._conn.closed:
-            raise ConnectionResetError("the client closed the connection")
-        return StreamWriter(self._conn, self, status, headers)
-
-
-class Response:
-    """A whole answer: status, body, content type and extra headers (`header_lines`: already formatted
-    `Name: value\r\n` lines, for a hot path that has them as bytes)."""
-
-    __slots__ = ("body", "content_type", "header_lines", "headers", "status")
-
-    def __init__(
-        self,
-        body: bytes = b"",
-        *,
-        status: int = 200,
-        content_type: str = "application/json",
-        headers: Mapping[str, str] | None = None,
-        header_lines: bytes = b"",
-    ) -> None:
-        self.status, self.body, self.content_type = status, body, content_type
-        self.headers = headers
-        self.header_lines = header_lines
-
-
-class StreamWriter:
-    """A streamed answer (status 200 unless given): `await write(data)` per piece, then `await finish()`.
-
-    The head goes out with the first piece (one send fewer). A write while the client is not reading
-    waits until its buffer drains. Writing to a client that has gone raises ConnectionResetError.
-    """
-
-    __slots__ = ("_chunked", "_conn", "_head", "_request", "finished", "status")
-
-    def __init__(self, conn: Connection, request: Request, status: int, headers: Mapping[str, str]) -> None:
-        self._conn, self._request = conn, request
-        self.status = status
-        self._chunked = not request.http10
-        if not self._chunked:
-            request.keep_alive = False  # HTTP/1.0: the body ends when the connection closes
-        framing = b"Transfer-Encoding: chunked\r\n" if self._chunked else b""
-        self._head: bytes | None = conn.head(request, status, framing + format_headers(headers))
-        self.finished = False
-
-    async def write(self, data: bytes) -> None:
-        conn = self._conn
-        if conn.closed:
-            raise ConnectionResetError("the client closed the connection")
-        if not data:
-            return
-        piece = b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data
-        if self._head is not None:
-            piece, self._head = self._head + piece, None
-            self._request.started = True
-        conn.write(piece)
-        if conn.write_paused:
-            await conn.drained()
-
-    async def finish(self) -> None:
-        conn = self._conn
-        if conn.closed:
-            raise ConnectionResetError("the client closed the connection")
-        end = b"0\r\n\r\n" if self._chunked else b""
-        if self._head is not None:
-            end, self._head = self._head + end, None
-        self.finished = True
-        conn.write(end)
-        if conn.write_paused:
-            await conn.drained()
 
 
 Handler = Callable[[Request], Awaitable[Response | StreamWriter]]
@@ -191,18 +94,6 @@ ErrorPage = Callable[[int, str, Request | None], Response]
 
 def plain_error(status: int, message: str, _: Request | None) -> Response:
     return Response(message.encode(), status=status, content_type="text/plain; charset=utf-8")
-
-
-def format_headers(headers: Mapping[str, str] | None) -> bytes:
-    """`Name: value` lines; a value with a line break would split the answer, so it is refused."""
-    if not headers:
-        return b""
-    out = b""
-    for name, value in headers.items():
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            raise ValueError(f"header {name!r} contains a line break")
-        out += name.encode("latin-1") + b": " + value.encode("latin-1", errors="replace") + b"\r\n"
-    return out
 
 
 _STATUS_LINES: dict[int, bytes] = {}

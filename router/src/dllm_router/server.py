@@ -23,15 +23,8 @@ from dllm_router.endpoints import AddressSource
 from dllm_router.engine_auth import EngineAuth
 from dllm_router.errors import RouterError, header_value, request_id, request_id_or_new
 from dllm_router.fastpath import FastExchange
-from dllm_router.httpserver import (
-    Connection,
-    FastHandler,
-    Handler,
-    HttpServer,
-    Request,
-    Response,
-    StreamWriter,
-)
+from dllm_router.http_messages import Request, Response, StreamWriter
+from dllm_router.httpserver import Connection, FastHandler, Handler, HttpServer
 from dllm_router.metrics import Metrics
 from dllm_router.pairing import Pairing
 from dllm_router.pod_watch import PodWatch
