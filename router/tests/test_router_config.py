@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
+import yaml
 
 from dllm_router.__main__ import main
 from dllm_router.config import ConfigError, RouterConfig, Upstreams, env_name, parse_config
@@ -16,6 +20,42 @@ OPERATOR_ARGS = [
     "--resolve-interval-s", "5", "--health-interval-s", "5", "--connect-timeout-s", "5",
     "--request-timeout-s", "600", "--log-level", "info",
 ]  # fmt: skip
+
+
+OPERATOR_SNAPSHOTS = sorted((Path(__file__).parents[2] / "operator" / "tests" / "snapshots").glob("*.yaml"))
+
+
+def rendered_router_container(snapshot: Path) -> dict[str, Any]:
+    for manifest in yaml.safe_load_all(snapshot.read_text()):
+        if manifest and manifest["kind"] == "Deployment":
+            for container in manifest["spec"]["template"]["spec"]["containers"]:
+                if container["command"] == ["dllm-router"]:
+                    return dict(container)
+    raise AssertionError(f"{snapshot.name} renders no dllm-router container")
+
+
+@pytest.mark.parametrize("snapshot", OPERATOR_SNAPSHOTS, ids=lambda p: p.stem)
+def test_the_operator_s_rendered_router_args_parse(snapshot: Path) -> None:
+    """test-review section 2: the flags the operator renders (its snapshots, which its own tests keep
+    equal to its rendering) are the flags dllm-router takes, so a flag renamed on one side fails here."""
+    container = rendered_router_container(snapshot)
+    env = {"DLLM_ENGINE_API_KEY": "a-key-from-the-secret"}  # the one variable it renders, from a Secret
+    assert {e["name"] for e in container.get("env", [])} <= set(env)
+    args = [str(a) for a in container["args"]]
+    config = parse_config(args, env)
+    given = dict(zip(args[::2], args[1::2], strict=True))
+    assert config.flow == given["--flow"]
+    assert config.port == int(given["--port"])
+    assert config.prefill.dns is not None
+    assert config.decode.dns is not None
+    assert f"{config.prefill.dns[0]}:{config.prefill.dns[1]}" == given["--prefill-dns"]
+    assert f"{config.decode.dns[0]}:{config.decode.dns[1]}" == given["--decode-dns"]
+    assert config.engine_api_key == "a-key-from-the-secret"
+
+
+def test_the_operator_s_snapshots_are_found() -> None:
+    """Else the test above would have no cases and pass by skipping."""
+    assert len(OPERATOR_SNAPSHOTS) >= 5
 
 
 def test_operator_command_line_parses() -> None:
