@@ -1,8 +1,8 @@
 """The fast path: one non-streamed, single-prompt request of the nixl or dllm flow, driven by callbacks.
 
-The coroutine path (`Router.generate`) costs a task, several coroutines and futures per request. Here
-the HTTP server's parser callback starts the exchange, the upstream connections' `data_received`
-callbacks move it on, and the answer goes to the client with one write:
+The coroutine path (`CoroutinePath.generate`) costs a task, several coroutines and futures per
+request. Here the HTTP server's parser callback starts the exchange, the upstream connections'
+`data_received` callbacks move it on, and the answer goes to the client with one write:
 
     client request complete -> pick pods -> prefill call (dllm: and decode call at once)
     prefill answered -> nixl: decode call with prefill's kv_transfer_params
