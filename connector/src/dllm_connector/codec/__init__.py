@@ -2,7 +2,8 @@
 
 Tensor code: the one I/O is choosing the kernels once (native_codec builds or loads the C library;
 torch.compile compiles). A payload is the quantized data followed by its float32 scales,
-described by a KVHeader (codec, source dtype, shape, scale groups, XXH3-64 checksum of the payload).
+described by a KVHeader (codec, source dtype, shape, scale groups, checksum of the payload and its
+algorithm: XXH3-64 on the host, `device_checksum`'s nh64 where the payload is on a device).
 
 Input is a contiguous batch of KV blocks, shape [N, ...]; each block is split into `groups` equal,
 contiguous scale groups (the caller lays a block out so that one group is one KV head's K or V).
@@ -32,12 +33,14 @@ from dllm_connector.codec.header import (
     QUANT_DTYPE,
     SCALE_DTYPE,
     SOURCE_DTYPES,
+    ChecksumAlgo,
     ChecksumError,
     CodecError,
     KVHeader,
     NonFiniteKVError,
     as_bytes,
     checksum,
+    default_checksum_algo,
     effective_codec,
     payload_nbytes,
 )
@@ -51,6 +54,7 @@ __all__ = [
     "QUANT_DTYPE",
     "SCALE_DTYPE",
     "SOURCE_DTYPES",
+    "ChecksumAlgo",
     "ChecksumError",
     "CodecError",
     "DecodeFn",
@@ -61,6 +65,7 @@ __all__ = [
     "checksum",
     "decode",
     "decode_parts",
+    "default_checksum_algo",
     "effective_codec",
     "encode",
     "encode_parts",

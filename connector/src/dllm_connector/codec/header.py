@@ -5,16 +5,32 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
 
+from dllm_connector import device_checksum
 from dllm_connector.checksum import RunningChecksum, combine_checksums
 from dllm_contract.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
 
-HEADER_VERSION = 2  # 2: data and scales hashed apart; batches may come in pieces
+
+class ChecksumAlgo(StrEnum):
+    """What a header's checksum is of: XXH3-64 read from host memory (what every peer before issue 20
+    sends), or `device_checksum`'s torch ops, run where the payload is (a GPU's staging)."""
+
+    XXH3_64 = "xxh3_64"
+    NH64 = "nh64"
+
+
+# 2: data and scales hashed apart; batches may come in pieces; the checksum is XXH3-64 (no
+# "checksum_algo" key). 3: the same, the checksum's algorithm named by "checksum_algo". An XXH3
+# header is still written as version 2, byte for byte as before, so an older peer reads it; one it
+# cannot verify (nh64) is version 3, which an older peer refuses by its version before using a byte.
+HEADER_VERSION = 3
+_XXH3_ONLY_VERSION = 2
 SCALE_DTYPE = torch.float32
 SCALE_BYTES = 4
 # The smallest normal float32: keeps 1/scale finite for all-zero and subnormal groups.
@@ -68,6 +84,17 @@ class KVHeader:
     shape: tuple[int, ...]
     groups: int
     checksum: int
+    checksum_algo: ChecksumAlgo = ChecksumAlgo.XXH3_64
+
+    def same_layout(self, other: KVHeader) -> bool:
+        """Whether the two describe the same payload bytes (codec, dtype, shape, groups), whatever
+        their checksums and the checksums' algorithms."""
+        return (self.codec, self.dtype, self.shape, self.groups) == (
+            other.codec,
+            other.dtype,
+            other.shape,
+            other.groups,
+        )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -110,26 +137,29 @@ class KVHeader:
         ]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "v": HEADER_VERSION,
+        xxh3 = self.checksum_algo is ChecksumAlgo.XXH3_64
+        raw: dict[str, Any] = {
+            "v": _XXH3_ONLY_VERSION if xxh3 else HEADER_VERSION,
             "codec": self.codec.value,
             "dtype": self.dtype,
             "shape": list(self.shape),
             "groups": self.groups,
             "checksum": self.checksum,
         }
+        if not xxh3:
+            raw["checksum_algo"] = self.checksum_algo.value
+        return raw
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> KVHeader:
         try:
-            if raw["v"] != HEADER_VERSION:
-                raise CodecError(f"KV header version {raw['v']!r}, this connector reads {HEADER_VERSION}")
             header = cls(
                 codec=Compression(raw["codec"]),
                 dtype=str(raw["dtype"]),
                 shape=tuple(int(size) for size in raw["shape"]),
                 groups=int(raw["groups"]),
                 checksum=int(raw["checksum"]),
+                checksum_algo=_checksum_algo(raw),
             )
         except (KeyError, TypeError, ValueError) as error:
             if isinstance(error, CodecError):
@@ -137,6 +167,27 @@ class KVHeader:
             raise CodecError(f"malformed KV header {dict(raw)!r}: {error}") from None
         check_geometry(header.dtype, header.shape, header.groups)
         return header
+
+
+def _checksum_algo(raw: Mapping[str, Any]) -> ChecksumAlgo:
+    """The algorithm a header's version and "checksum_algo" name; refused unless known."""
+    version = raw["v"]
+    if version == _XXH3_ONLY_VERSION:
+        if "checksum_algo" in raw:
+            raise CodecError("a version 2 KV header names no checksum_algo (its checksum is XXH3-64)")
+        return ChecksumAlgo.XXH3_64
+    if version != HEADER_VERSION:
+        shown = repr(version)[:40]
+        raise CodecError(
+            f"KV header version {shown}, this connector reads {_XXH3_ONLY_VERSION} and {HEADER_VERSION}"
+        )
+    name = raw["checksum_algo"]
+    known = {algo.value: algo for algo in ChecksumAlgo}
+    if not isinstance(name, str) or name not in known:
+        raise CodecError(
+            f"KV header names checksum algorithm {repr(name)[:40]}; this connector knows {', '.join(known)}"
+        )
+    return known[name]
 
 
 def check_geometry(dtype: str, shape: tuple[int, ...], groups: int) -> None:
@@ -164,7 +215,8 @@ def payload_nbytes(requested: Compression, dtype: torch.dtype, shape: tuple[int,
 
 
 def checksum(header: KVHeader, payload: torch.Tensor) -> int:
-    """The payload's checksum: XXH3-64 of its data, and for codes that of its scales too, combined.
+    """The payload's checksum by the header's algorithm: that of its data, and for codes that of its
+    scales too, combined.
 
     Data and scales are hashed apart, each in order, so that a payload written part by part can
     hash each part's codes and scales as soon as they are final, whatever the parts are.
@@ -174,20 +226,43 @@ def checksum(header: KVHeader, payload: torch.Tensor) -> int:
     return running.value
 
 
+def default_checksum_algo(payload: torch.Tensor) -> ChecksumAlgo:
+    """XXH3-64 for a host payload (fast there, and what older peers verify), nh64 on a device."""
+    return ChecksumAlgo.XXH3_64 if payload.device.type == "cpu" else ChecksumAlgo.NH64
+
+
 class PayloadChecksum:
-    """`checksum` fed range lists from `KVHeader.ranges` in entry order: each region hashed in order."""
+    """`checksum` fed range lists from `KVHeader.ranges` in entry order: each region hashed in order,
+    by the header's algorithm (nh64: on the payload's device, one host sync for `value`)."""
 
     def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
-        self._base = payload.data_ptr()
-        self._regions = [RunningChecksum() for _ in header.ranges(0, 0)]
+        self._payload, regions = payload, len(header.ranges(0, 0))
+        self._host: list[RunningChecksum] = []
+        self._device: list[device_checksum.RunningTensorChecksum] = []
+        if header.checksum_algo is ChecksumAlgo.XXH3_64:
+            if payload.device.type != "cpu":
+                raise CodecError(
+                    f"an XXH3-64 checksum reads host memory; a payload on {payload.device} takes nh64"
+                )
+            self._host = [RunningChecksum() for _ in range(regions)]
+        else:
+            self._device = [device_checksum.RunningTensorChecksum() for _ in range(regions)]
 
     def add(self, ranges: list[tuple[int, int]]) -> None:
-        for region, (start, stop) in zip(self._regions, ranges, strict=True):
-            region.add(self._base + start, stop - start)
+        if self._host:
+            base = self._payload.data_ptr()
+            for host, (start, stop) in zip(self._host, ranges, strict=True):
+                host.add(base + start, stop - start)
+            return
+        for device, (start, stop) in zip(self._device, ranges, strict=True):
+            device.add(self._payload[start:stop])
 
     @property
     def value(self) -> int:
-        values = [region.value for region in self._regions]
+        if self._host:
+            values = [region.value for region in self._host]
+        else:
+            values = device_checksum.values(self._device)
         return values[0] if len(values) == 1 else combine_checksums(*values)
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
 import torch
 
 from dllm_connector.codec.header import (
     CODE_DTYPE,
     SCALE_DTYPE,
+    ChecksumAlgo,
     ChecksumError,
     CodecError,
     KVHeader,
@@ -17,11 +19,24 @@ from dllm_connector.codec.header import (
     as_bytes,
     check_geometry,
     checksum,
+    default_checksum_algo,
     dtype_name,
     effective_codec,
 )
 from dllm_connector.codec.kernel_sets import DECODE_CHUNK_ELEMENTS, kernels
 from dllm_contract.kvconfig import Compression
+
+# Elements per kernel call on a device (not the CPU): each call is a dozen launches of torch ops, so
+# calls take whole parts (a layer of a long prompt is 64M elements); this only bounds the float32
+# temporaries (256 MiB each).
+DEVICE_CHUNK_ELEMENTS = 1 << 26
+
+
+def device_path(header: KVHeader, payload: torch.Tensor) -> bool:
+    """Whether a payload goes the device's way: large kernel calls, no host sync before its end
+    (deferred scale checks). That of every payload off the host, and of nh64 ones on the host too, so
+    that this path runs, and is tested, on a CPU as well."""
+    return payload.device.type != "cpu" or header.checksum_algo is ChecksumAlgo.NH64
 
 
 def _target(out: torch.Tensor | None, nbytes: int) -> torch.Tensor:
@@ -47,6 +62,8 @@ def encode_parts(
     groups: int,
     out: torch.Tensor | None = None,
     on_part: Callable[[list[tuple[int, int]]], None] | None = None,
+    *,
+    checksum_algo: ChecksumAlgo | None = None,
 ) -> tuple[KVHeader, torch.Tensor]:
     """Encode a batch of `shape` handed over in consecutive parts along its first axis.
 
@@ -54,18 +71,23 @@ def encode_parts(
     so each is encoded, and hashed, while still in cache, with no batch-sized copy in between.
     `on_part(ranges)` is told the payload byte ranges each part filled (its data, and its scales),
     final (hashed, never written again), so they can go on the wire while the next part encodes.
+
+    Everything runs where `out` is: on a device, torch kernels and the nh64 checksum, with one host
+    sync at the end (the checksum and the scales' check); on the host, the C kernels and XXH3-64.
+    `checksum_algo` overrides the checksum's algorithm (nh64 on the host runs the device path's).
     """
     name = dtype_name(dtype)
     check_geometry(name, shape, groups)
     codec = effective_codec(requested, dtype)
-    draft = KVHeader(codec, name, shape, groups, 0)
-    payload = _target(out, draft.payload_nbytes)
+    payload = _target(out, KVHeader(codec, name, shape, groups, 0).payload_nbytes)
+    algo = default_checksum_algo(payload) if checksum_algo is None else checksum_algo
+    draft = KVHeader(codec, name, shape, groups, 0, algo)
     writer = _PartWriter(draft, payload)
     for part in parts:
         filled = writer.write(part)
         if on_part is not None:
             on_part(filled)
-    return KVHeader(codec, name, shape, groups, writer.finish()), payload
+    return replace(draft, checksum=writer.finish()), payload
 
 
 class _PayloadViews:
@@ -73,6 +95,7 @@ class _PayloadViews:
 
     def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
         self._header, self._payload = header, payload
+        self._on_device = device_path(header, payload)
         if header.codec is not Compression.NONE:
             codes = payload[: header.data_nbytes].view(CODE_DTYPE[header.codec])
             self._codes = codes.view(header.num_scales, -1)
@@ -110,7 +133,8 @@ class _PartWriter(_PayloadViews):
         else:
             first, last = self._done * header.groups, (self._done + count) * header.groups
             rows = part.reshape(count * header.groups, -1)
-            _quantize_rows(rows, header.codec, self._codes[first:last], self._scales[first:last])
+            codes, scales = self._codes[first:last], self._scales[first:last]
+            _quantize_rows(rows, header.codec, codes, scales, on_device=self._on_device)
         self._checksum.add(filled)
         self._done += count
         return filled
@@ -120,12 +144,13 @@ class _PartWriter(_PayloadViews):
         header = self._header
         if self._done != header.shape[0]:
             raise CodecError(f"parts held {self._done} of the batch's {header.shape[0]} entries")
+        value = self._checksum.value  # first: on a device, this sync also ends the encode
         if header.codec is not Compression.NONE and not bool(torch.isfinite(self._scales).all()):
             bad = int((~torch.isfinite(self._scales)).sum())
             raise NonFiniteKVError(
                 f"{bad} of {self._scales.numel()} scale groups hold NaN or inf; use codec none"
             )
-        return self._checksum.value
+        return value
 
 
 def _row_chunks(rows: int, row_len: int, chunk_elements: int) -> range:
@@ -133,10 +158,13 @@ def _row_chunks(rows: int, row_len: int, chunk_elements: int) -> range:
     return range(0, rows, max(1, chunk_elements // row_len))
 
 
-def _quantize_rows(rows: torch.Tensor, codec: Compression, codes: torch.Tensor, scales: torch.Tensor) -> None:
+def _quantize_rows(
+    rows: torch.Tensor, codec: Compression, codes: torch.Tensor, scales: torch.Tensor, *, on_device: bool
+) -> None:
     chosen = kernels()
     functions = chosen.by_codec[codec]
-    chunks = _row_chunks(rows.shape[0], rows.shape[1], chosen.chunk_elements)
+    chunk = DEVICE_CHUNK_ELEMENTS if on_device else chosen.chunk_elements
+    chunks = _row_chunks(rows.shape[0], rows.shape[1], chunk)
     for start in chunks:
         stop = start + chunks.step
         functions.encode_into(rows[start:stop], codes[start:stop], scales[start:stop])
@@ -171,10 +199,12 @@ def decode(header: KVHeader, payload: torch.Tensor, out: torch.Tensor | None = N
     """Verify and decode a payload into a [N, ...] tensor of the source dtype (written into out if given)."""
     dtype = header.torch_dtype
     if out is None:
-        out = torch.empty(header.shape, dtype=dtype)
+        out = torch.empty(header.shape, dtype=dtype, device=payload.device)
     elif tuple(out.shape) != header.shape or out.dtype != dtype or not out.is_contiguous():
         raise CodecError(f"decode target must be contiguous {dtype} of shape {list(header.shape)}")
-    _PartReader(header, verify(header, payload)).read_into(0, out)
+    reader = _PartReader(header, verify(header, payload))
+    reader.check_all_scales()
+    reader.read_into(0, out)
     return out
 
 
@@ -186,7 +216,8 @@ def decode_parts(header: KVHeader, payload: torch.Tensor, parts: int) -> Iterato
     """
     count = _part_entries(header, parts)
     reader = _PartReader(header, verify(header, payload))
-    part = torch.empty((count, *header.shape[1:]), dtype=header.torch_dtype)
+    reader.check_all_scales()
+    part = torch.empty((count, *header.shape[1:]), dtype=header.torch_dtype, device=payload.device)
     for index in range(parts):
         reader.read_into(index * count, part)
         yield part
@@ -198,16 +229,20 @@ class StreamingDecode:
     For a payload written in pieces: part k can be decoded once its data and scales are in,
     before the rest of the payload is, so decode overlaps the wire. Each part's data and scales
     are hashed just before it is decoded (then read from cache), each region in order, as
-    `checksum` hashes them. Decoded parts are not verified until `verify`: a consumer that places
-    them must treat the places as failed if it raises.
+    `checksum` hashes them, with the algorithm `header` names (the decode side's expectation; see
+    `verify`). Decoded parts are not verified until `verify`: a consumer that places them must treat
+    the places as failed if it raises. On a device nothing syncs with the host before `verify`: the
+    received scales' check (L3) is made there too, and bad scales decode as zeros meanwhile.
     """
 
     def __init__(self, header: KVHeader, payload: torch.Tensor, parts: int) -> None:
         self._header, self._parts = header, parts
         self._count = _part_entries(header, parts)
-        payload = _trimmed(header, payload)
+        payload = self._payload = _trimmed(header, payload)
         self._reader = _PartReader(header, payload)
-        self._part = torch.empty((self._count, *header.shape[1:]), dtype=header.torch_dtype)
+        self._part = torch.empty(
+            (self._count, *header.shape[1:]), dtype=header.torch_dtype, device=payload.device
+        )
         self._checksum = PayloadChecksum(header, payload)
         self.decoded = 0  # parts decoded so far
 
@@ -222,15 +257,41 @@ class StreamingDecode:
             self.decoded += 1
             yield self._part
 
-    def verify(self, expected: int) -> None:
-        """After every part: the payload's checksum must be `expected` (the sender's)."""
+    def verify(self, expected: int, algo: ChecksumAlgo | None = None) -> None:
+        """After every part: the payload's checksum by `algo` (the sender's header's; by default the
+        one this stream hashed with) must be `expected`. Where the sender's algorithm is not the one
+        hashed while decoding, the payload, still whole in staging, is hashed again by it."""
         if self.decoded != self._parts:
             raise CodecError(f"verified after {self.decoded} of {self._parts} parts")
-        _check_checksum(self._checksum.value, expected)
+        self._reader.raise_for_deferred_scales()
+        if algo is None or algo is self._header.checksum_algo:
+            actual = self._checksum.value
+        else:
+            actual = checksum(replace(self._header, checksum_algo=algo), self._payload)
+        _check_checksum(actual, expected)
 
 
 class _PartReader(_PayloadViews):
-    """Decodes any run of a verified payload's first-axis entries into a tensor."""
+    """Decodes any run of a verified payload's first-axis entries into a tensor.
+
+    L3: scales come from the peer; a NaN, inf or non-positive one is never decoded into the cache.
+    On the host a part's scales are checked before it is decoded; on the device path
+    (`device_path`), where that check would stop the stream for a host sync per part, bad scales
+    decode as zeros and are reported once, at `raise_for_deferred_scales` (`StreamingDecode.verify`),
+    or up front by `check_all_scales` where the whole payload is in.
+    """
+
+    def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
+        super().__init__(header, payload)
+        self._bad_scales: torch.Tensor | None = None  # device-side: whether any part's were bad
+
+    def check_all_scales(self) -> None:
+        if self._header.codec is not Compression.NONE:
+            _require_valid_scales(self._scales)
+
+    def raise_for_deferred_scales(self) -> None:
+        if self._bad_scales is not None and bool(self._bad_scales):
+            raise CodecError(_BAD_SCALES)
 
     def read_into(self, first: int, out: torch.Tensor) -> None:
         header, count = self._header, out.shape[0]
@@ -243,10 +304,23 @@ class _PartReader(_PayloadViews):
         decode_into = kernels().by_codec[header.codec].decode_into
         limit = float(torch.finfo(header.torch_dtype).max)
         codes, scales = self._codes[rows], self._scales[rows]
-        # L3: scales come from the peer; a NaN, inf or non-positive one would be decoded into the cache
-        if not bool(((scales > 0) & torch.isfinite(scales)).all()):
-            raise CodecError("received KV scales are not all finite and positive")
-        chunks = _row_chunks(target.shape[0], target.shape[1], DECODE_CHUNK_ELEMENTS[header.codec])
+        if not self._on_device:
+            _require_valid_scales(scales)
+        else:
+            valid = (scales > 0) & torch.isfinite(scales)
+            bad = ~valid.all()
+            self._bad_scales = bad if self._bad_scales is None else self._bad_scales | bad
+            scales = torch.where(valid, scales, 0.0)
+        chunk = DEVICE_CHUNK_ELEMENTS if self._on_device else DECODE_CHUNK_ELEMENTS[header.codec]
+        chunks = _row_chunks(target.shape[0], target.shape[1], chunk)
         for start in chunks:
             stop = start + chunks.step
             decode_into(codes[start:stop], scales[start:stop], limit, target[start:stop])
+
+
+_BAD_SCALES = "received KV scales are not all finite and positive"
+
+
+def _require_valid_scales(scales: torch.Tensor) -> None:
+    if not bool(((scales > 0) & torch.isfinite(scales)).all()):
+        raise CodecError(_BAD_SCALES)

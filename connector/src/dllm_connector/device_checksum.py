@@ -1,0 +1,289 @@
+"""A 64-bit checksum of bytes computed with torch ops where the bytes are (CPU or GPU), the same value
+on every device: the KV check of payloads that never visit the host (issue 20).
+
+It catches corruption (torn, lost, swapped or flipped bytes); it authenticates nothing (the side
+channel's key does that). The maths, all in wrapping 64-bit integers, which torch's int64 ops are on
+CPU and CUDA alike (a test checks every step against Python integers):
+
+- the bytes are read as little-endian 64-bit words w_i, the last one zero-padded;
+- each word is mixed with a key of its position in its row of ROW_WORDS words, k_(i mod ROW_WORDS)
+  (splitmix64 of the position), the NH/XXH3 way: x = w ^ k, and term = lo(x) * hi(x) + w, where lo
+  and hi are the signed 32-bit halves (their product never overflows, and a half of 0 still leaves
+  w in the term);
+- a row's terms are summed (wrapping sums are associative: any reduction order, any device, the
+  same value), and each row's sum goes through murmur3's fmix64 with its row number, so that
+  swapping whole rows changes the value;
+- the rows' mixes are summed and mixed once more with the byte count (zero padding and trailing
+  zero bytes cannot collide).
+
+On a device this is four elementwise ops and two reductions per piece, and one `.item()` at the end:
+no other host sync. Pieces may be any size: `RunningTensorChecksum` carries a partial word over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+_log = logging.getLogger(__name__)
+
+ROW_WORDS = 1 << 16  # 512 KiB rows: the key table stays in cache; a value costs one mix per row
+# Rows per kernel call. On a CPU, 2 MiB at a time keeps the temporaries in cache (1.7 GB/s per core
+# against 0.4 for 64 MiB at once); on a device, 256 MiB bound them while launches stay few.
+_CPU_ROWS_PER_CALL = 4
+_DEVICE_ROWS_PER_CALL = 512
+_MASK64 = (1 << 64) - 1
+_SEED = 0x9E3779B97F4A7C15  # the key table's
+_LENGTH_SEED = 0xD6E8FEB86659FD93
+_GOLDEN = 0x9E3779B97F4A7C15
+_SPLITMIX_1 = 0xBF58476D1CE4E5B9
+_SPLITMIX_2 = 0x94D049BB133111EB
+_FMIX_1 = 0xFF51AFD7ED558CCD
+_FMIX_2 = 0xC4CEB9FE1A85EC53
+
+
+def _signed(value: int) -> int:
+    """A 64-bit pattern as the int64 torch holds."""
+    value &= _MASK64
+    return value - (1 << 64) if value >> 63 else value
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic on signed integers)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _fmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shr(x, 33)
+    x = x * _signed(_FMIX_1)
+    x = x ^ _shr(x, 33)
+    x = x * _signed(_FMIX_2)
+    return x ^ _shr(x, 33)
+
+
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ _shr(x, 30)
+    x = x * _signed(_SPLITMIX_1)
+    x = x ^ _shr(x, 27)
+    x = x * _signed(_SPLITMIX_2)
+    return x ^ _shr(x, 31)
+
+
+def fmix64(value: int) -> int:
+    """murmur3's 64-bit finalizer on a Python int (the host side of the last step)."""
+    value &= _MASK64
+    value ^= value >> 33
+    value = (value * _FMIX_1) & _MASK64
+    value ^= value >> 33
+    value = (value * _FMIX_2) & _MASK64
+    return value ^ (value >> 33)
+
+
+_keys_by_device: dict[torch.device, torch.Tensor] = {}
+
+
+def _keys(device: torch.device) -> torch.Tensor:
+    """The position keys, computed on the device itself (integer ops: the same bits everywhere)."""
+    keys = _keys_by_device.get(device)
+    if keys is None:
+        positions = torch.arange(ROW_WORDS, dtype=torch.int64, device=device) + _signed(_SEED)
+        keys = _keys_by_device[device] = _splitmix64(positions)
+    return keys
+
+
+def terms_sum(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Sum over the last axis of lo(w ^ k) * hi(w ^ k) + w, wrapping (words int64, keys broadcast)."""
+    halves = (words ^ keys).view(torch.int32).view(*words.shape[:-1], -1, 2)  # little-endian: [lo, hi]
+    products = halves[..., 0].to(torch.int64)
+    products.mul_(halves[..., 1])  # |lo * hi| < 2^62: no overflow
+    return products.sum(-1) + words.sum(-1)
+
+
+TermsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_compiled: dict[str, TermsFn] = {}  # by device type
+_choice = "auto"
+_choice_lock = threading.Lock()
+
+
+def use_kernel(name: str) -> None:
+    """How `terms_sum` runs: "eager" (torch ops), "compiled" (torch.compile; Triton on a GPU: one
+    fused pass over the words), or "auto" (the default: compiled on devices other than the CPU,
+    where eager's four passes would cost more than the codec; eager on the CPU)."""
+    global _choice
+    if name not in ("auto", "eager", "compiled"):
+        raise ValueError(f"checksum kernel {name!r} is none of auto, eager, compiled")
+    _choice = name
+
+
+def kernel(device: torch.device) -> TermsFn:
+    """The `terms_sum` in use for tensors on `device`: compiled where chosen and it works (checked
+    against eager on a probe once; a failure warns and falls back to eager)."""
+    wanted = _choice == "compiled" or (_choice == "auto" and device.type != "cpu")
+    if not wanted:
+        return terms_sum
+    with _choice_lock:
+        if device.type not in _compiled:
+            _compiled[device.type] = _checked_compiled(device)
+        return _compiled[device.type]
+
+
+def _checked_compiled(device: torch.device) -> TermsFn:
+    try:
+        compiled: TermsFn = torch.compile(terms_sum, dynamic=True)
+        probe = torch.arange(-(3 * ROW_WORDS), 3 * ROW_WORDS, dtype=torch.int64, device=device)
+        probe = probe * _signed(_GOLDEN)  # wrapping: every bit pattern kind
+        keys = _keys(device)
+        for words, key in (
+            (probe[:5], keys[7:12]),
+            (probe.view(-1, ROW_WORDS)[:1], keys),
+            (probe.view(-1, ROW_WORDS), keys),
+        ):
+            if not torch.equal(compiled(words, key), terms_sum(words, key)):
+                _log.warning("the compiled KV checksum differs from torch ops on %s; using torch ops", device)
+                return terms_sum
+        return compiled
+    except Exception as error:  # noqa: BLE001 - any compiler failure means eager ops
+        _log.warning("torch.compile is unavailable for the KV checksum on %s: %s", device, error)
+        return terms_sum
+
+
+def _as_words(data: torch.Tensor) -> torch.Tensor:
+    """A uint8 run whose length is a multiple of 8 as int64 words, copied once if misaligned."""
+    if data.storage_offset() % 8:
+        data = data.clone()
+    return data.view(torch.int64)
+
+
+def _check(data: torch.Tensor) -> None:
+    if data.dtype != torch.uint8 or data.dim() != 1 or not data.is_contiguous():
+        raise ValueError(
+            f"checksummed data must be a contiguous 1-D uint8 tensor, not {data.dtype} {list(data.shape)}"
+        )
+
+
+class RunningTensorChecksum:
+    """`tensor_checksum` fed piece by piece, in order: equal to `tensor_checksum` of the concatenation
+    of every piece, for any split (a partial word at a piece's end is carried to the next one).
+
+    State stays on the pieces' device (all pieces must be on one device); only `value` syncs.
+    """
+
+    def __init__(self) -> None:
+        self._nbytes = 0
+        self._device: torch.device | None = None
+        self._rows: torch.Tensor | None = None  # per row: the wrapping sum of its terms
+        self._carry: torch.Tensor | None = None  # the bytes of a word not yet whole (< 8)
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def add(self, data: torch.Tensor) -> None:
+        _check(data)
+        if data.numel() == 0:
+            return
+        if self._device is None:
+            self._device = data.device
+        elif data.device != self._device:
+            raise ValueError(f"checksum pieces on {data.device} and {self._device}: one device only")
+        carried = 0 if self._carry is None else self._carry.numel()
+        if carried:
+            assert self._carry is not None
+            take = min(8 - carried, data.numel())
+            self._carry = torch.cat([self._carry, data[:take]])
+            self._nbytes += take
+            data = data[take:]
+            if self._carry.numel() < 8:
+                return
+            self._add_words(_as_words(self._carry), (self._nbytes - 8) // 8)
+            self._carry = None
+        whole = data.numel() // 8 * 8
+        if whole:
+            self._add_words(_as_words(data[:whole]), self._nbytes // 8)
+            self._nbytes += whole
+        if whole < data.numel():
+            self._carry = data[whole:].clone()
+            self._nbytes += data.numel() - whole
+
+    def _add_words(self, words: torch.Tensor, first: int) -> None:
+        """Add the terms of words at word positions [first, first + len), row by row."""
+        keys, terms = _keys(words.device), kernel(words.device)
+        row, offset = divmod(first, ROW_WORDS)
+        self._reserve(row + (offset + words.numel() + ROW_WORDS - 1) // ROW_WORDS)
+        assert self._rows is not None
+        done = 0
+        if offset:  # the rest of a row begun by an earlier piece
+            done = min(ROW_WORDS - offset, words.numel())
+            self._rows[row] += terms(words[:done], keys[offset : offset + done])
+            row += 1
+        whole = (words.numel() - done) // ROW_WORDS
+        step = _CPU_ROWS_PER_CALL if words.device.type == "cpu" else _DEVICE_ROWS_PER_CALL
+        for start in range(0, whole, step):
+            count = min(step, whole - start)
+            rows = words[done : done + count * ROW_WORDS].view(count, ROW_WORDS)
+            self._rows[row : row + count] += terms(rows, keys)
+            done += count * ROW_WORDS
+            row += count
+        if done < words.numel():
+            rest = words.numel() - done
+            self._rows[row] += terms(words[done:], keys[:rest])
+
+    def _reserve(self, rows: int) -> None:
+        have = 0 if self._rows is None else self._rows.numel()
+        if rows <= have:
+            return
+        grown = torch.zeros(max(rows, 2 * have, 16), dtype=torch.int64, device=self._device)
+        if self._rows is not None:
+            grown[:have] = self._rows
+        self._rows = grown
+
+    def total(self) -> torch.Tensor | None:
+        """The device-side part of `value` (a 0-d int64 tensor, None for no bytes): the mixed rows'
+        sum, the carried partial word included. `finish` turns it into the value."""
+        if self._nbytes == 0:
+            return None
+        assert self._device is not None
+        rows = (self._nbytes + ROW_WORDS * 8 - 1) // (ROW_WORDS * 8)
+        sums = torch.zeros(rows, dtype=torch.int64, device=self._device)
+        if self._rows is not None:
+            have = min(rows, self._rows.numel())
+            sums[:have] += self._rows[:have]
+        if self._carry is not None:
+            padded = torch.zeros(8, dtype=torch.uint8, device=self._device)
+            padded[: self._carry.numel()] = self._carry
+            position = self._nbytes // 8
+            key = _keys(self._device)[position % ROW_WORDS]
+            sums[position // ROW_WORDS] += terms_sum(padded.view(torch.int64), key.reshape(1))
+        numbers = torch.arange(1, rows + 1, dtype=torch.int64, device=self._device)
+        return _fmix64(sums + numbers * _signed(_GOLDEN)).sum()
+
+    def finish(self, total: int | None) -> int:
+        """The value from `total()`'s number (read with `.item()`, maybe with others at once)."""
+        if total is None:
+            total = 0
+        return fmix64(total + fmix64(self._nbytes + _LENGTH_SEED))
+
+    @property
+    def value(self) -> int:
+        total = self.total()
+        return self.finish(None if total is None else int(total.item()))
+
+
+def values(running: Sequence[RunningTensorChecksum]) -> list[int]:
+    """The values of several running checksums on one device, read with one host sync."""
+    totals = [one.total() for one in running]
+    present = [total for total in totals if total is not None]
+    read = iter(torch.stack(present).tolist() if present else [])
+    return [
+        one.finish(None if total is None else next(read)) for one, total in zip(running, totals, strict=True)
+    ]
+
+
+def tensor_checksum(data: torch.Tensor) -> int:
+    """The checksum of a contiguous 1-D uint8 tensor on any device: the same value on every device."""
+    running = RunningTensorChecksum()
+    running.add(data)
+    return running.value
