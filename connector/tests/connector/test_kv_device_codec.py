@@ -4,8 +4,12 @@ kernels against the C ones bit for bit, and the device path's deferred checks.""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
+ROOT = Path(__file__).resolve().parents[3]
 NH64 = codec.ChecksumAlgo.NH64
 XXH3 = codec.ChecksumAlgo.XXH3_64
 M64 = (1 << 64) - 1
@@ -422,3 +427,37 @@ def test_nan_in_the_kv_is_refused_on_the_device_path_too(torch_kernels: None) ->
     kv[2, 1, 3, 4] = float("nan")
     with pytest.raises(codec.NonFiniteKVError, match="1 of 24 scale groups"):
         encode_device_path(kv, Compression.FP8)
+
+
+# ---- the GPU check, run here on the CPU ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_gpu_check_runs_on_the_cpu_and_finds_the_kernels_equal(tmp_path: Path) -> None:
+    """bench/gpu_check.py --device cpu --quick: the same code paths as on a GPU, small sizes."""
+    written = tmp_path / "gpu_check.json"
+    command = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--quick"]
+    done = subprocess.run(
+        [*command, "--json", str(written)], capture_output=True, text=True, timeout=360, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report == json.loads(written.read_text())
+    assert report["all_equal"] is True
+    assert {"device", "torch", "triton", "goal_gbps", "sizes", "mooncake", "seconds"} <= report.keys()
+    (size,) = report["sizes"]
+    assert size["tokens"] == 256
+    assert {row["codec"] for row in size["codec"]} == {"fp8", "int8"}
+    for row in size["codec"]:
+        for key in ("encode_layers_gbps", "encode_whole_gbps", "decode_layers_gbps", "decode_whole_gbps"):
+            assert row[key] > 0
+    assert [row["kernel"] for row in size["checksum"]] == ["eager"]
+    assert len(size["equality"]) == 2
+    for row in size["equality"]:
+        assert row["payload_equal"] is row["decoded_equal"] is row["checksum_equal"] is True
+        assert row["bytes"] > 0
+    assert "skipped" in size["copies"]
+    mooncake = report["mooncake"]
+    assert mooncake.get("checksum_equal") is True or "skipped" in mooncake, mooncake
+    assert "all equal: True" in done.stderr  # the human table

@@ -284,10 +284,12 @@ class _PartReader(_PayloadViews):
     def __init__(self, header: KVHeader, payload: torch.Tensor) -> None:
         super().__init__(header, payload)
         self._bad_scales: torch.Tensor | None = None  # device-side: whether any part's were bad
+        self._all_checked = False
 
     def check_all_scales(self) -> None:
         if self._header.codec is not Compression.NONE:
             _require_valid_scales(self._scales)
+        self._all_checked = True
 
     def raise_for_deferred_scales(self) -> None:
         if self._bad_scales is not None and bool(self._bad_scales):
@@ -304,7 +306,9 @@ class _PartReader(_PayloadViews):
         decode_into = kernels().by_codec[header.codec].decode_into
         limit = float(torch.finfo(header.torch_dtype).max)
         codes, scales = self._codes[rows], self._scales[rows]
-        if not self._on_device:
+        if self._all_checked:
+            pass
+        elif not self._on_device:
             _require_valid_scales(scales)
         else:
             valid = (scales > 0) & torch.isfinite(scales)
