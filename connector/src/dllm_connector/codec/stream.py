@@ -70,7 +70,9 @@ def encode_parts(
     A part may be overwritten once the next is taken (e.g. one layer at a time in a reused buffer),
     so each is encoded, and hashed, while still in cache, with no batch-sized copy in between.
     `on_part(ranges)` is told the payload byte ranges each part filled (its data, and its scales),
-    final (hashed, never written again), so they can go on the wire while the next part encodes.
+    final (never written again), so they can go on the wire while the next part encodes. On a
+    device they are final once the kernels queued so far ran: a caller that hands them to anything
+    not ordered on the current stream (a NIC, another stream) waits for that first (an event).
 
     Everything runs where `out` is: on a device, torch kernels and the nh64 checksum, with one host
     sync at the end (the checksum and the scales' check); on the host, the C kernels and XXH3-64.
@@ -100,6 +102,10 @@ class _PayloadViews:
             codes = payload[: header.data_nbytes].view(CODE_DTYPE[header.codec])
             self._codes = codes.view(header.num_scales, -1)
             self._scales = payload[header.data_nbytes :].view(SCALE_DTYPE)
+
+    @property
+    def on_device(self) -> bool:
+        return self._on_device
 
 
 class _PartWriter(_PayloadViews):
@@ -135,7 +141,8 @@ class _PartWriter(_PayloadViews):
             rows = part.reshape(count * header.groups, -1)
             codes, scales = self._codes[first:last], self._scales[first:last]
             _quantize_rows(rows, header.codec, codes, scales, on_device=self._on_device)
-        self._checksum.add(filled)
+        if not self._on_device:  # on a device the whole regions are hashed at `finish`: fewer launches
+            self._checksum.add(filled)
         self._done += count
         return filled
 
@@ -144,6 +151,8 @@ class _PartWriter(_PayloadViews):
         header = self._header
         if self._done != header.shape[0]:
             raise CodecError(f"parts held {self._done} of the batch's {header.shape[0]} entries")
+        if self._on_device:
+            self._checksum.add(header.ranges(0, header.shape[0]))
         value = self._checksum.value  # first: on a device, this sync also ends the encode
         if header.codec is not Compression.NONE and not bool(torch.isfinite(self._scales).all()):
             bad = int((~torch.isfinite(self._scales)).sum())
@@ -252,7 +261,8 @@ class StreamingDecode:
             raise CodecError(f"parts {self.decoded}..{stop} are not the next of {self._parts}")
         while self.decoded < stop:
             first = self.decoded * self._count
-            self._checksum.add(self._header.ranges(first, self._count))
+            if not self._reader.on_device:
+                self._checksum.add(self._header.ranges(first, self._count))
             self._reader.read_into(first, self._part)
             self.decoded += 1
             yield self._part
@@ -264,9 +274,10 @@ class StreamingDecode:
         if self.decoded != self._parts:
             raise CodecError(f"verified after {self.decoded} of {self._parts} parts")
         self._reader.raise_for_deferred_scales()
-        if algo is None or algo is self._header.checksum_algo:
+        algo = self._header.checksum_algo if algo is None else algo
+        if algo is self._header.checksum_algo and not self._reader.on_device:
             actual = self._checksum.value
-        else:
+        else:  # on a device the whole payload is hashed here, in a few launches
             actual = checksum(replace(self._header, checksum_algo=algo), self._payload)
         _check_checksum(actual, expected)
 
