@@ -16,6 +16,7 @@ import torch
 
 from dllm_connector import codec, device_checksum
 from dllm_connector.checksum import combine_checksums
+from dllm_connector.codec import kernel_sets
 from dllm_connector.codec.stream import device_path
 from dllm_contract.kvconfig import Compression
 
@@ -427,6 +428,34 @@ def test_nan_in_the_kv_is_refused_on_the_device_path_too(torch_kernels: None) ->
     kv[2, 1, 3, 4] = float("nan")
     with pytest.raises(codec.NonFiniteKVError, match="1 of 24 scale groups"):
         encode_device_path(kv, Compression.FP8)
+
+
+@pytest.mark.parametrize("compression", list(Compression))
+def test_warm_up_for_device_staging_checks_the_kernels_there(compression: Compression) -> None:
+    codec.warm_up(blocks(), compression, GROUPS, staging=torch.device("cpu"))
+
+
+def test_kernels_that_write_other_bytes_where_staging_is_are_refused_at_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fake_off_by_one: a kernel set whose int8 codes differ from the host's (no real set does on a
+    CPU; a GPU compiler's division could), refused before any payload is written with it."""
+    plain = kernel_sets._PLAIN
+
+    def fake_off_by_one(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        plain[Compression.INT8].encode_into(rows, codes, scales)
+        codes.add_(1)
+
+    int8 = kernel_sets._CodecKernels(fake_off_by_one, plain[Compression.INT8].decode_into)
+    fake = kernel_sets._Kernels(
+        {Compression.FP8: plain[Compression.FP8], Compression.INT8: int8}, "fake", 1 << 18
+    )
+    monkeypatch.setattr(kernel_sets, "_kernels", fake)
+    codec.warm_up(blocks(), Compression.FP8, GROUPS, staging=torch.device("cpu"))
+    with pytest.raises(
+        codec.CodecError, match="fake int8 KV kernels on cpu write other bytes than the host's"
+    ):
+        codec.warm_up(blocks(), Compression.INT8, GROUPS, staging=torch.device("cpu"))
 
 
 # ---- the GPU check, run here on the CPU ------------------------------------------------------------

@@ -13,8 +13,15 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from dllm_connector import native_codec
-from dllm_connector.codec.header import CODE_DTYPE, SCALE_BYTES, SCALE_DTYPE, as_bytes, effective_codec
+from dllm_connector import device_checksum, native_codec
+from dllm_connector.codec.header import (
+    CODE_DTYPE,
+    SCALE_BYTES,
+    SCALE_DTYPE,
+    CodecError,
+    as_bytes,
+    effective_codec,
+)
 from dllm_connector.codec.quant import (
     CodesFn,
     DecodeFn,
@@ -298,13 +305,14 @@ def _row_shapes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _round_trip_rows(
-    rows: torch.Tensor, functions: _CodecKernels, code_dtype: torch.dtype
+    rows: torch.Tensor, functions: _CodecKernels, code_dtype: torch.dtype, staging: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes, scales and decoded values of [rows, group] values, through both kernels."""
-    codes = torch.empty(rows.shape, dtype=code_dtype)  # on the host, as staging is
-    scale = torch.empty(rows.shape[0], dtype=SCALE_DTYPE)
+    """Codes, scales and decoded values of [rows, group] values, through both kernels, with the
+    payload and the decoded values where staging is (the host unless told)."""
+    codes = torch.empty(rows.shape, dtype=code_dtype, device=staging)
+    scale = torch.empty(rows.shape[0], dtype=SCALE_DTYPE, device=staging)
     functions.encode_into(rows, codes, scale)
-    restored = torch.empty(rows.shape, dtype=rows.dtype)  # decode runs on the host, as the pipe's does
+    restored = torch.empty(rows.shape, dtype=rows.dtype, device=staging)
     functions.decode_into(codes, scale, float(torch.finfo(rows.dtype).max), restored)
     return codes, scale, restored
 
@@ -326,19 +334,43 @@ def kernels() -> _Kernels:
         return _kernels
 
 
-def warm_up(sample: torch.Tensor, requested: Compression, groups: int) -> None:
+def warm_up(
+    sample: torch.Tensor, requested: Compression, groups: int, *, staging: torch.device | None = None
+) -> None:
     """Compile (or load) the kernels for the KV dtype now, e.g. at engine start, not on a request's path.
 
     Compiling took 5-17 s on two cores; in a vLLM worker a send stalled for as long, past the
     receiver's timeout. Both row counts torch.compile tells apart are compiled here.
+
+    `staging`: where payloads will be (the host unless told). On a device (the device path), the
+    kernels are compiled for payloads there, so is the nh64 checksum, and the kernels are checked
+    there against the plain torch ops on the host on probe rows, bit for bit: a difference raises
+    CodecError (one format on the wire: such a device should stage on the host).
     """
     codec = effective_codec(requested, sample.dtype)
+    if staging is not None and staging.type != "cpu":
+        device_checksum.kernel(staging)
     if codec is Compression.NONE:
         return
     rows = sample.contiguous().reshape(sample.shape[0] * groups, -1)
     functions = kernels().by_codec[codec]
     for some in _row_shapes(rows):
-        _round_trip_rows(some, functions, CODE_DTYPE[codec])
+        _round_trip_rows(some, functions, CODE_DTYPE[codec], staging)
+    if staging is not None:
+        _check_on(staging, codec, sample.dtype, functions)
+
+
+def _check_on(
+    staging: torch.device, codec: Compression, dtype: torch.dtype, functions: _CodecKernels
+) -> None:
+    for probe in _row_shapes(_probe_rows(dtype)):
+        expected = _round_trip_rows(probe, _PLAIN[codec], CODE_DTYPE[codec])
+        got = _round_trip_rows(probe.to(staging), functions, CODE_DTYPE[codec], staging)
+        if not all(torch.equal(as_bytes(a), as_bytes(b.cpu())) for a, b in zip(expected, got, strict=True)):
+            raise CodecError(
+                f"the {kernels().name} {codec} KV kernels on {staging} write other bytes than the host's "
+                f"for {dtype}; stage this KV on the host"
+            )
 
 
 def use_kernels(name: str) -> str:
