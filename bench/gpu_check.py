@@ -136,10 +136,12 @@ def count_syncs(run: Callable[[], object], device: Any) -> int | None:
 # ---- the checks ----------------------------------------------------------------------------------
 
 
-def kernel_sets(device: Any, quick: bool) -> list[str]:
-    """The sets a device runs: plain torch ops, and torch.compile's (skipped by --quick on a CPU,
-    where compiling takes a minute of two cores)."""
-    return ["plain"] if quick and device.type == "cpu" else ["plain", "compiled"]
+def passes(device: Any, quick: bool, compiled: bool) -> list[tuple[str, str]]:
+    """(codec kernel set, checksum kernel) per pass: plain torch ops first, so that a run cut short
+    still has them; then torch.compile's (skipped by --no-compiled, and by --quick on a CPU, where
+    compiling takes a minute of two cores)."""
+    plain = [("plain", "eager")]
+    return plain if not compiled or (quick and device.type == "cpu") else [*plain, ("compiled", "compiled")]
 
 
 def label(used: str, device: Any) -> str:
@@ -148,18 +150,17 @@ def label(used: str, device: Any) -> str:
     return "plain" if used == "native" and device.type != "cpu" else used
 
 
-def codec_rows(kv: Any, device: Any, sets: list[str], repeats: int) -> list[dict[str, Any]]:
+def codec_rows(kv: Any, device: Any, name: str, repeats: int) -> list[dict[str, Any]]:
     from dllm_connector import codec
     from dllm_contract.kvconfig import Compression
 
     rows = []
-    for name in sets:
+    started = time.perf_counter()
+    used = label(codec.use_kernels(name), device)
+    for compression in (Compression.FP8, Compression.INT8):
+        rows.append(codec_row(kv, device, compression, repeats) | {"kernels": used})
+        rows[-1]["first_call_s"] = round(rows[-1]["first_call_s"] + time.perf_counter() - started, 2)
         started = time.perf_counter()
-        used = label(codec.use_kernels(name), device)
-        for compression in (Compression.FP8, Compression.INT8):
-            rows.append(codec_row(kv, device, compression, repeats) | {"kernels": used})
-            rows[-1]["first_call_s"] = round(rows[-1]["first_call_s"] + time.perf_counter() - started, 2)
-            started = time.perf_counter()
     codec.use_kernels("native")
     return rows
 
@@ -205,7 +206,7 @@ def codec_row(kv: Any, device: Any, compression: Any, repeats: int) -> dict[str,
     }
 
 
-def equality_rows(kv: Any, device: Any, sets: list[str]) -> list[dict[str, Any]]:
+def equality_rows(kv: Any, device: Any, name: str) -> list[dict[str, Any]]:
     """Device kernels against the host's on one sample of the KV (the first two layers' worth)."""
     import torch
 
@@ -220,58 +221,53 @@ def equality_rows(kv: Any, device: Any, sets: list[str]) -> list[dict[str, Any]]
         header, payload = codec.encode(host_sample, compression, KV_HEADS)
         expected[compression] = (payload.clone(), codec.decode(header, payload))
     rows = []
-    for name in sets:
-        used = label(codec.use_kernels(name), device)
-        for compression in (Compression.FP8, Compression.INT8):
-            out = torch.empty(
-                codec.payload_nbytes(compression, kv.dtype, shape, KV_HEADS), dtype=torch.uint8, device=device
-            )
-            header, payload = codec.encode_parts(
-                [sample], shape, kv.dtype, compression, KV_HEADS, out, checksum_algo=codec.ChecksumAlgo.NH64
-            )
-            values = codec.decode(header, payload)
-            host_payload, host_values = expected[compression]
-            on_host = payload.cpu()
-            rows.append(
-                {
-                    "kernels": used,
-                    "reference": reference,
-                    "codec": compression.value,
-                    "bytes": int(on_host.numel()),
-                    "payload_equal": bool(torch.equal(on_host, host_payload)),
-                    "decoded_equal": bool(
-                        torch.equal(values.cpu().view(torch.uint8), host_values.view(torch.uint8))
-                    ),
-                    "checksum_equal": header.checksum == codec.checksum(header, on_host)
-                    and device_checksum.tensor_checksum(payload) == device_checksum.tensor_checksum(on_host),
-                }
-            )
+    used = label(codec.use_kernels(name), device)
+    for compression in (Compression.FP8, Compression.INT8):
+        out = torch.empty(
+            codec.payload_nbytes(compression, kv.dtype, shape, KV_HEADS), dtype=torch.uint8, device=device
+        )
+        header, payload = codec.encode_parts(
+            [sample], shape, kv.dtype, compression, KV_HEADS, out, checksum_algo=codec.ChecksumAlgo.NH64
+        )
+        values = codec.decode(header, payload)
+        host_payload, host_values = expected[compression]
+        on_host = payload.cpu()
+        rows.append(
+            {
+                "kernels": used,
+                "reference": reference,
+                "codec": compression.value,
+                "bytes": int(on_host.numel()),
+                "payload_equal": bool(torch.equal(on_host, host_payload)),
+                "decoded_equal": bool(
+                    torch.equal(values.cpu().view(torch.uint8), host_values.view(torch.uint8))
+                ),
+                "checksum_equal": header.checksum == codec.checksum(header, on_host)
+                and device_checksum.tensor_checksum(payload) == device_checksum.tensor_checksum(on_host),
+            }
+        )
     codec.use_kernels("native")
     return rows
 
 
-def checksum_rows(kv: Any, device: Any, repeats: int, quick: bool) -> list[dict[str, Any]]:
+def checksum_rows(kv: Any, device: Any, name: str, repeats: int) -> list[dict[str, Any]]:
     from dllm_connector import device_checksum
 
     data = kv.view(-1).view(__import__("torch").uint8)
-    rows = []
-    names = ["eager"] if quick and device.type == "cpu" else ["eager", "compiled"]
-    for name in names:
-        device_checksum.use_kernel(name)
-        started = time.perf_counter()
-        value = device_checksum.tensor_checksum(data)
-        rows.append(
-            {
-                "kernel": name,
-                "first_call_s": round(time.perf_counter() - started, 2),
-                "gbps": gbps(
-                    data.numel(), seconds(lambda: device_checksum.tensor_checksum(data), device, repeats)
-                ),
-                "value": f"{value:#018x}",
-            }
-        )
+    device_checksum.use_kernel(name)
+    started = time.perf_counter()
+    value = device_checksum.tensor_checksum(data)
+    first_call_s = round(time.perf_counter() - started, 2)
+    elapsed = seconds(lambda: device_checksum.tensor_checksum(data), device, repeats)
     device_checksum.use_kernel("auto")
-    return rows
+    return [
+        {
+            "kernel": name,
+            "first_call_s": first_call_s,
+            "gbps": gbps(data.numel(), elapsed),
+            "value": f"{value:#018x}",
+        }
+    ]
 
 
 def copy_rows(kv: Any, device: Any, repeats: int) -> dict[str, Any]:
@@ -416,7 +412,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="256 tokens, 2 repeats: a smoke run")
     parser.add_argument("--tokens", type=int, nargs="+", help="default 2048 32768 (--quick: 256)")
     parser.add_argument("--repeats", type=int, help="timed calls per figure (median); default 5, --quick 2")
-    parser.add_argument("--json", help="also write the JSON document here")
+    parser.add_argument("--json", help="also write the JSON document here (after each step)")
+    parser.add_argument("--no-compiled", action="store_true", help="plain torch ops and eager checksum only")
     parser.add_argument("--wheels", help="a directory of wheels for missing pure dependencies")
     parser.add_argument("--mooncake-receiver", help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
@@ -436,40 +433,44 @@ def main() -> int:
         return 2
     tokens = args.tokens or ([256] if args.quick else [2048, 32768])
     repeats = args.repeats or (2 if args.quick else 5)
-    sets = kernel_sets(device, args.quick)
     started = time.perf_counter()
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": importlib.util.find_spec("triton") is not None,
         "goal_gbps": GOAL_GBPS,
-        "sizes": [],
+        "sizes": [{"tokens": count, "codec": [], "checksum": [], "equality": []} for count in tokens],
+        "mooncake": {"skipped": "not reached"},
     }
-    for count in tokens:
-        kv = make_kv(count, device)
-        report["sizes"].append(
-            {
-                "tokens": count,
-                "kv_bytes": kv.numel() * kv.element_size(),
-                "codec": codec_rows(kv, device, sets, repeats),
-                "checksum": checksum_rows(kv, device, repeats, args.quick),
-                "equality": equality_rows(kv, device, sets),
-                "copies": copy_rows(kv, device, repeats),
-            }
+
+    def save(step: str) -> None:
+        """The report so far, where --json says (a run cut short keeps what it measured)."""
+        report["seconds"] = round(time.perf_counter() - started, 1)
+        rows = [row for size in report["sizes"] for row in size["equality"]]
+        report["all_equal"] = bool(rows) and all(
+            row["payload_equal"] and row["decoded_equal"] and row["checksum_equal"] for row in rows
         )
-        del kv
-    payload_bytes = min(COPY_BYTES_MAX, report["sizes"][0]["kv_bytes"])
-    report["mooncake"] = mooncake_row(device, payload_bytes, repeats)
-    rows = [row for size in report["sizes"] for row in size["equality"]]
-    report["all_equal"] = all(
-        row["payload_equal"] and row["decoded_equal"] and row["checksum_equal"] for row in rows
-    )
-    report["seconds"] = round(time.perf_counter() - started, 1)
+        print(f"[{report['seconds']:7.1f} s] {step}", file=sys.stderr, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
+    for number, (kernels, checksum_kernel) in enumerate(passes(device, args.quick, not args.no_compiled)):
+        for size in report["sizes"]:
+            kv = make_kv(size["tokens"], device)
+            size["kv_bytes"] = kv.numel() * kv.element_size()
+            size["equality"] += equality_rows(kv, device, kernels)
+            size["codec"] += codec_rows(kv, device, kernels, repeats)
+            size["checksum"] += checksum_rows(kv, device, checksum_kernel, repeats)
+            if number == 0:
+                size["copies"] = copy_rows(kv, device, repeats)
+            del kv
+            save(f"{size['tokens']} tokens, {kernels} kernels")
+        if number == 0:
+            payload_bytes = min(COPY_BYTES_MAX, report["sizes"][0]["kv_bytes"])
+            report["mooncake"] = mooncake_row(device, payload_bytes, repeats)
+            save("mooncake")
     print(table(report), file=sys.stderr)
-    document = json.dumps(report, indent=1)
-    print(document)
-    if args.json:
-        Path(args.json).write_text(document + "\n")
+    print(json.dumps(report, indent=1))
     return 0 if report["all_equal"] else 1
 
 
