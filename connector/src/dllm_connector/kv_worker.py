@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,11 +25,16 @@ from dllm_connector.pipe.common import PipeConfig, TransferFailed
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
+from dllm_connector.transport.placement import DataPathError, PathSetting, parse_setting
 from dllm_connector.transport.sidechannel import PeerAuth
 from dllm_contract import kvconfig
 from dllm_contract.kvconfig import ConnectorExtraConfig, Protocol
 
 _log = logging.getLogger(__name__)
+
+# The operator's override of the KV data path (transport.placement): auto (unset), device,
+# pinned-host or host. Read from the worker's environment, like the side channel's key.
+DATA_PATH_ENV = "DLLM_KV_DATA_PATH"
 
 
 @dataclass(frozen=True)
@@ -49,8 +54,15 @@ class StepResults:
     failed_recving: set[str]
 
 
-def make_transport(kind: str, extra: ConnectorExtraConfig, host: str, device: torch.device) -> Transport:
-    """The transport for a connector class: 'mooncake', or 'nccl' (gloo when the KV is on CPU)."""
+def make_transport(
+    kind: str,
+    extra: ConnectorExtraConfig,
+    host: str,
+    device: torch.device,
+    setting: PathSetting = PathSetting.AUTO,
+) -> Transport:
+    """The transport for a connector class: 'mooncake', or 'nccl' (gloo where the staging is in host
+    memory: a CPU cache, or a GPU cache told to take the host or pinned-host path)."""
     if kind == "mooncake":
         from dllm_connector.transport.mooncake import MooncakeTransport
 
@@ -63,7 +75,8 @@ def make_transport(kind: str, extra: ConnectorExtraConfig, host: str, device: to
         )
     from dllm_connector.transport.torchdist import TorchDistTransport
 
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    host_staging = setting in (PathSetting.HOST, PathSetting.PINNED_HOST)
+    backend = "nccl" if device.type == "cuda" and not host_staging else "gloo"
     return TorchDistTransport(
         host, backend=backend, connect_timeout=extra.transfer_timeout_ms / 1000, require_admission=True
     )
@@ -96,6 +109,8 @@ class ConnectorWorker:
         self._refused: dict[str, tuple[tuple[int, ...], str]] = {}  # loads refused before starting
         self._cancelled: set[str] = set()  # transfer ids of loads vLLM aborted (no blocks to report)
         self._unsendable: dict[str, str | None] = {}  # sends this worker cannot do: reported failed
+        self.data_path: str | None = None  # the path transfers take (set with the caches)
+        self.data_path_reason = ""  # and why, in words
 
     def register_kv_caches(self, caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
         tp = TPRank(self.identity.tp_rank, self.identity.tp_size)
@@ -105,7 +120,12 @@ class ConnectorWorker:
         # config (that JSON is on vLLM's command line and in its logs).
         token = kvconfig.side_channel_token(os.environ)
         auth = PeerAuth.from_token(token) if token is not None else None
-        self.transport = make_transport(self.transport_kind, self.extra, self.host, self.kv.device)
+        try:
+            setting = parse_setting(os.environ.get(DATA_PATH_ENV))
+        except DataPathError as error:
+            raise DataPathError(f"{DATA_PATH_ENV}: {error}") from None
+        self.config = replace(self.config, data_path=setting)
+        self.transport = make_transport(self.transport_kind, self.extra, self.host, self.kv.device, setting)
         if self.identity.sends:
             peers = DecodePeers(self.extra.decode_host, self.extra.decode_port, self.host)
             self.sender = KVSender(
@@ -121,6 +141,16 @@ class ConnectorWorker:
                 port,
                 engine_id=self.identity.engine_id,
                 auth=auth,
+            )
+        side = self.sender or self.receiver
+        if side is not None:
+            self.data_path = side.placement.path.value
+            self.data_path_reason = side.data_path
+            _log.info(
+                "KV data path (TP rank %d, %s): %s",
+                self.identity.tp_rank,
+                self.transport.traits().kind,
+                side.data_path,
             )
 
     def start(self, plan: StepPlan) -> None:
@@ -221,6 +251,16 @@ class ConnectorWorker:
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def data_path_levels(self) -> dict[str, str]:
+        """The path in use and why, for the connector's metrics (empty before the caches came)."""
+        if self.data_path is None or self.transport is None:
+            return {}
+        return {
+            "data_path": self.data_path,
+            "data_path_transport": self.transport.traits().kind,
+            "data_path_reason": self.data_path_reason,
+        }
 
     def stats(self) -> dict[str, int]:
         totals: dict[str, int] = {}

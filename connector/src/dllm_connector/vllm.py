@@ -13,7 +13,10 @@ get_block_ids_with_load_errors, so vLLM's kv_load_failure_policy applies).
 
 Metrics (M4): the scheduler side reports how many finished requests still hold their blocks for a
 KV push; vLLM's /metrics shows it as the gauge `SENDS_IN_FLIGHT_METRIC`
-(vllm:dllm_kv_sends_in_flight{model_name, engine}), which the preStop drain waits on.
+(vllm:dllm_kv_sends_in_flight{model_name, engine}), which the preStop drain waits on. Each worker
+reports its KV data path once, in its first stats (vLLM's "KV Transfer metrics" log line:
+data_path=..., data_path_transport=..., data_path_reason=...), and /metrics shows it as
+`DATA_PATH_METRIC` (vllm:dllm_kv_data_path_info{model_name, engine, path, transport, reason} 1).
 """
 
 from __future__ import annotations
@@ -32,8 +35,11 @@ if TYPE_CHECKING:
 _log = logging.getLogger(__name__)
 
 SENDS_IN_FLIGHT_METRIC = "vllm:dllm_kv_sends_in_flight"
+# The KV data path in use (transport.placement), as an info gauge: 1, labelled with the path, the
+# transport and the reason in words.
+DATA_PATH_METRIC = "vllm:dllm_kv_data_path_info"
 # Stats keys that are levels, not counts: aggregating keeps the latest, not the sum.
-_GAUGES = frozenset({"sends_in_flight"})
+_GAUGES = frozenset({"sends_in_flight", "data_path", "data_path_transport", "data_path_reason"})
 
 
 class _VllmMissing:
@@ -67,7 +73,7 @@ _ConnectorBase, _MetadataBase, _Role, _StatsBase = _vllm_bases()
 @dataclass
 class DllmConnectorStats(_StatsBase):  # type: ignore[misc,valid-type]
     """Counters since the last interval (transfers, failures, timeouts, checksum failures, bytes)
-    and levels (sends_in_flight: the latest reading wins)."""
+    and levels (sends_in_flight, the data path and its reason: the latest reading wins)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
@@ -77,7 +83,7 @@ class DllmConnectorStats(_StatsBase):  # type: ignore[misc,valid-type]
             self.data[key] = value if key in _GAUGES else self.data.get(key, 0) + value
         return self
 
-    def reduce(self) -> dict[str, int | float]:
+    def reduce(self) -> dict[str, int | float | str]:
         return dict(self.data)
 
     def is_empty(self) -> bool:
@@ -91,7 +97,7 @@ def _prom_metrics_class() -> Any:
     from vllm.v1.metrics.utils import create_metric_per_engine
 
     class DllmPromMetrics(KVConnectorPromMetrics):
-        """Exports the sends-in-flight level as a gauge per engine."""
+        """Exports the sends-in-flight level as a gauge per engine, and the data path as an info gauge."""
 
         def __init__(
             self,
@@ -112,11 +118,29 @@ def _prom_metrics_class() -> Any:
                 multiprocess_mode="mostrecent",
             )
             self._sends_in_flight: dict[int, Any] = create_metric_per_engine(gauge, per_engine_labelvalues)
+            self._data_path = gauge_cls(
+                name=DATA_PATH_METRIC,
+                documentation=(
+                    "The dllm connector's KV data path (device, pinned-host or host), its transport "
+                    "and why it was chosen: 1 for the path in use."
+                ),
+                labelnames=[*self._labelnames, "path", "transport", "reason"],
+                multiprocess_mode="mostrecent",
+            )
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
             value = transfer_stats_data.get("sends_in_flight")
             if value is not None and engine_idx in self._sends_in_flight:
                 self._sends_in_flight[engine_idx].set(value)
+            path = transfer_stats_data.get("data_path")
+            if path is not None and engine_idx in self.per_engine_labelvalues:
+                labels = [
+                    *self.per_engine_labelvalues[engine_idx],
+                    path,
+                    transfer_stats_data.get("data_path_transport", ""),
+                    transfer_stats_data.get("data_path_reason", ""),
+                ]
+                self._data_path.labels(*labels).set(1)
 
     return DllmPromMetrics
 
@@ -248,7 +272,12 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
         reported = getattr(self, "_stats_reported", {})
         delta = {key: value - reported.get(key, 0) for key, value in totals.items()}
         self._stats_reported = totals
-        stats = DllmConnectorStats(data={key: value for key, value in delta.items() if value})
+        data: dict[str, Any] = {key: value for key, value in delta.items() if value}
+        if not getattr(self, "_path_reported", False) and self._worker is not None:
+            levels = self._worker.data_path_levels()  # once, as soon as the caches came
+            self._path_reported = bool(levels)
+            data |= levels
+        stats = DllmConnectorStats(data=data)
         return None if stats.is_empty() else stats
 
     @classmethod

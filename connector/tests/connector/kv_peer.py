@@ -30,6 +30,7 @@ from dllm_connector.pipe.common import PipeConfig
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Source, Span, Transport
 from dllm_connector.transport.mooncake import MooncakeTransport
+from dllm_connector.transport.placement import PathSetting
 from dllm_connector.transport.torchdist import TorchDistTransport
 from dllm_contract.kvconfig import Compression
 
@@ -145,6 +146,7 @@ def _config(spec: dict[str, Any]) -> PipeConfig:
         hold_s=spec.get("hold_s", 10.0),
         async_transfer=False,
         threshold_tokens=spec.get("threshold_tokens", 256),  # 16-block batches: the pipeline runs
+        data_path=PathSetting(spec.get("data_path", "auto")),
     )
 
 
@@ -157,7 +159,14 @@ def _send_all(
         sender.submit(SendJob(job["transfer_id"], blocks, HOST, spec["port"], digest, None, decode_tp))
         lines.extend(tag | {"transfer_id": tid, "error": error} for tid, error in sender.finished().items())
     sender.close()
-    lines.append(tag | {"stats": sender.stats.snapshot(), "staging_in_use": sender.staging.in_use})
+    lines.append(
+        tag
+        | {
+            "stats": sender.stats.snapshot(),
+            "staging_in_use": sender.staging.in_use,
+            "data_path": sender.placement.path.value,
+        }
+    )
     return lines
 
 

@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
-import pytest
+import logging
+import threading
+from typing import Any
 
+import pytest
+import torch
+from kv_peer import GEOMETRY, NUM_BLOCKS, make_caches
+from test_kv_vllm_plugin import settings, vllm_config
+
+from dllm_connector.kv_layout import LayoutError, PagedKV
+from dllm_connector.kv_worker import DATA_PATH_ENV, ConnectorWorker, WorkerIdentity, make_transport
+from dllm_connector.pipe.device_copy import Copies, HostMirror, Scratch
+from dllm_connector.transport.base import TransportError
 from dllm_connector.transport.mooncake import cuda_build
 from dllm_connector.transport.placement import (
     DataPath,
@@ -13,13 +24,18 @@ from dllm_connector.transport.placement import (
     choose_path,
     parse_setting,
 )
-from dllm_contract.kvconfig import Compression
+from dllm_connector.transport.staging import StagingBuffer
+from dllm_connector.transport.torchdist import TorchDistTransport
+from dllm_connector.vllm import DATA_PATH_METRIC, DllmConnectorStats, DllmMooncakeConnector
+from dllm_contract.kvconfig import Compression, Connector, ConnectorExtraConfig, Role, kv_transfer_config
 
 MOONCAKE_CUDA = TransportTraits("mooncake (rdma)", one_sided=True, registers_device_memory=True)
 MOONCAKE_TCP_NO_CUDA = TransportTraits(
     "mooncake (tcp)", one_sided=True, registers_device_memory=False, why_not_device="built without CUDA"
 )
-NCCL = TransportTraits("torch.distributed (nccl)", one_sided=False, registers_device_memory=True)
+NCCL = TransportTraits(
+    "torch.distributed (nccl)", one_sided=False, registers_device_memory=True, moves_host_memory=False
+)
 GLOO = TransportTraits(
     "torch.distributed (gloo)", one_sided=False, registers_device_memory=False, why_not_device="gloo"
 )
@@ -41,11 +57,12 @@ TABLE = [
     ("cuda", NONE, MOONCAKE_CUDA, HOST, DataPath.HOST, False, False),
     ("cuda", FP8, NCCL, DEVICE, DataPath.DEVICE, True, False),
     ("cuda", NONE, GLOO, HOST, DataPath.HOST, False, False),
+    ("cuda", FP8, GLOO, PINNED, DataPath.PINNED_HOST, False, False),
     # CPU caches: today's host path, zero-copy for none over a one-sided transport
     ("cpu", NONE, MOONCAKE_TCP_NO_CUDA, AUTO, DataPath.HOST, True, True),
     ("cpu", FP8, MOONCAKE_TCP_NO_CUDA, AUTO, DataPath.HOST, True, False),
     ("cpu", NONE, GLOO, AUTO, DataPath.HOST, True, False),
-    ("cpu", NONE, NCCL, AUTO, DataPath.HOST, True, False),
+    ("cpu", NONE, NCCL, DEVICE, DataPath.DEVICE, True, False),
     # CPU caches forced onto the device code (how this machine tests it) or the pinned-host code
     ("cpu", NONE, MOONCAKE_TCP_NO_CUDA, DEVICE, DataPath.DEVICE, True, True),
     ("cpu", FP8, GLOO, DEVICE, DataPath.DEVICE, True, False),
@@ -90,6 +107,13 @@ def test_device_override_a_transport_cannot_honour_is_refused_by_name() -> None:
         choose_path("cuda", FP8, GLOO, DEVICE)
     with pytest.raises(DataPathError, match="built without CUDA"):
         choose_path("cuda", NONE, MOONCAKE_TCP_NO_CUDA, DEVICE)
+
+
+@pytest.mark.parametrize(("device", "setting"), [("cuda", HOST), ("cuda", PINNED), ("cpu", AUTO)])
+def test_host_staging_over_nccl_is_refused(device: str, setting: PathSetting) -> None:
+    """NCCL moves device tensors only: host staging needs gloo (the worker picks it, kv_worker)."""
+    with pytest.raises(DataPathError, match=r"host memory, which torch.distributed \(nccl\) cannot move"):
+        choose_path(device, NONE, NCCL, setting)
 
 
 @pytest.mark.parametrize(
@@ -138,3 +162,144 @@ def test_transports_describe_themselves() -> None:
         False,
         False,
     )
+
+
+# ---- what the decision places: staging, copies, the worker's report ------------------------------
+
+
+def worker_extra() -> ConnectorExtraConfig:
+    settings_ = settings(Connector.PYNCCL, Role.PREFILL)
+    return ConnectorExtraConfig.model_validate(
+        kv_transfer_config(settings_, "e")["kv_connector_extra_config"]
+    )
+
+
+def test_pinned_staging_without_an_accelerator_is_plain_host_memory_and_says_so() -> None:
+    staging = StagingBuffer(1 << 16, pinned=True)
+    assert staging.device.type == "cpu"
+    assert "plain host memory" in staging.note
+    assert StagingBuffer(1 << 16).note == ""
+
+
+def test_a_pinned_buffer_on_a_device_is_refused() -> None:
+    with pytest.raises(TransportError, match="a pinned staging buffer is host memory, not cuda"):
+        StagingBuffer(1 << 16, device=torch.device("cuda"), pinned=True)
+
+
+def test_a_host_mirror_copies_ranges_each_way() -> None:
+    """The pinned-host path's copies, synchronous on the CPU: each range lands once it is ready."""
+    copies = Copies(torch.device("cpu"))
+    work = torch.arange(256, dtype=torch.int32).view(torch.uint8)[:1000].clone()
+    host = torch.zeros(1000, dtype=torch.uint8)
+    mirror = HostMirror(work, host, copies)
+    ready = mirror.to_host([(0, 100), (600, 1000)])
+    ready()
+    assert torch.equal(host[:100], work[:100])
+    assert torch.equal(host[600:], work[600:])
+    assert not bool(host[100:600].any())
+    host[100:600] = 7
+    mirror.to_device([(100, 600)])
+    assert bool((work[100:600] == 7).all())
+    copies.mark()()  # nothing queued on the CPU: ready at once
+    with pytest.raises(ValueError, match="a 10-byte scratch cannot mirror 1000 bytes"):
+        HostMirror(work[:10], host, copies)
+
+
+def test_each_thread_reuses_its_own_scratch() -> None:
+    scratch = Scratch(torch.device("cpu"))
+    first = scratch.take(4096)
+    assert scratch.take(1024).data_ptr() == first.data_ptr()  # reused, no new allocation
+    assert scratch.take(8192).numel() == 8192  # grown
+    other: list[int] = []
+    thread = threading.Thread(target=lambda: other.append(scratch.take(1024).data_ptr()))
+    thread.start()
+    thread.join()
+    assert other[0] != scratch.take(1024).data_ptr()
+
+
+def test_a_span_of_the_cache_is_a_byte_view_in_place() -> None:
+    caches = make_caches(7)
+    kv = PagedKV(caches, NUM_BLOCKS, GEOMETRY)
+    (addr, nbytes), *_ = kv.spans([5])  # layer 0's block 5 first
+    region = kv.byte_region(addr, nbytes)
+    assert region.data_ptr() == addr
+    assert torch.equal(region, kv.gather([5])[0].reshape(-1).view(torch.uint8))
+    with pytest.raises(LayoutError, match="are not in this worker's KV caches"):
+        kv.byte_region(addr, 1 << 40)
+
+
+@pytest.mark.parametrize("setting", ["device", "pinned-host"])
+def test_the_worker_logs_its_data_path_once_and_reports_it(
+    setting: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(DATA_PATH_ENV, setting)
+    worker = ConnectorWorker(worker_extra(), GEOMETRY, WorkerIdentity(0, receives=False), "nccl")
+    with caplog.at_level(logging.INFO, logger="dllm_connector.kv_worker"):
+        worker.register_kv_caches(make_caches(None), NUM_BLOCKS)
+    try:
+        lines = [record.getMessage() for record in caplog.records if "KV data path" in record.getMessage()]
+        assert len(lines) == 1
+        assert f"torch.distributed (gloo)): {setting}" in lines[0]  # a CPU cache: gloo, not NCCL
+        levels = worker.data_path_levels()
+        assert levels["data_path"] == setting
+        assert levels["data_path_transport"] == "torch.distributed (gloo)"
+        assert levels["data_path_reason"] in lines[0]
+    finally:
+        worker.close()
+
+
+def test_a_bad_data_path_setting_stops_the_worker_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DATA_PATH_ENV, "gpu")
+    worker = ConnectorWorker(worker_extra(), GEOMETRY, WorkerIdentity(0, receives=False), "mooncake")
+    with pytest.raises(DataPathError, match=f"{DATA_PATH_ENV}: KV data path 'gpu': expected one of"):
+        worker.register_kv_caches(make_caches(None), NUM_BLOCKS)
+    assert worker.transport is None  # nothing was started, so nothing is left running
+    assert worker.sender is None
+
+
+def test_the_data_path_is_a_level_in_the_stats_and_an_info_gauge() -> None:
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    registry = CollectorRegistry()
+
+    class PrivateGauge(Gauge):
+        """Gauge on this test's registry (vLLM's is process-wide)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **(kwargs | {"registry": registry}))
+
+    levels = {"data_path": "pinned-host", "data_path_transport": "mooncake (tcp)", "data_path_reason": "why"}
+    workers = DllmConnectorStats(data={"sent": 2}).aggregate(DllmConnectorStats(data={"sent": 1} | levels))
+    assert workers.reduce() == {"sent": 3} | levels  # the levels are kept, not summed
+    metrics = DllmMooncakeConnector.build_prom_metrics(
+        vllm_config(kv_transfer_config(settings(Connector.MOONCAKE, Role.PREFILL), "engine-a")),
+        {Gauge: PrivateGauge, Counter: Counter, Histogram: Histogram},
+        ["model_name", "engine"],
+        {0: ["tiny", "0"]},
+    )
+    metrics.observe(workers.reduce(), 0)
+    text = generate_latest(registry).decode()
+    assert (
+        f'{DATA_PATH_METRIC}{{engine="0",model_name="tiny",path="pinned-host",reason="why",'
+        'transport="mooncake (tcp)"} 1.0'
+    ) in text
+
+
+@pytest.mark.parametrize(
+    ("device", "setting", "backend"),
+    [
+        ("cuda", PathSetting.AUTO, "nccl"),  # device staging: NCCL moves the device tensors
+        ("cuda", PathSetting.DEVICE, "nccl"),
+        ("cuda", PathSetting.PINNED_HOST, "gloo"),  # host staging: NCCL cannot move it
+        ("cuda", PathSetting.HOST, "gloo"),
+        ("cpu", PathSetting.AUTO, "gloo"),
+        ("cpu", PathSetting.DEVICE, "gloo"),
+    ],
+)
+def test_the_nccl_connector_picks_its_backend_by_where_the_staging_is(
+    device: str, setting: PathSetting, backend: str
+) -> None:
+    """No group is formed, so NCCL's transport is built here without a GPU."""
+    transport = make_transport("nccl", worker_extra(), "127.0.0.1", torch.device(device), setting)
+    assert isinstance(transport, TorchDistTransport)
+    assert transport.backend == backend

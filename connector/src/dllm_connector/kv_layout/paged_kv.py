@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -113,6 +114,11 @@ class PagedKV:
         self._check_rank_heads()
         # [blocks, segments, *segment] views; index along dim 0 selects blocks.
         self._views = [self._block_major(tensor) for tensor in self.caches]
+        # Each cache's storage as flat bytes, by address: `byte_region` turns a span into a tensor.
+        self._storages = sorted(
+            ((tensor.untyped_storage().data_ptr(), _storage_bytes(tensor)) for tensor in self.caches),
+            key=lambda entry: entry[0],
+        )
 
     def _check_rank_heads(self) -> None:
         total = self.geometry.total_kv_heads
@@ -332,9 +338,26 @@ class PagedKV:
             for row in range(_product(segment[:axis]))
         ]
 
+    def byte_region(self, addr: int, nbytes: int) -> torch.Tensor:
+        """A span `spans` listed, as a flat uint8 view of the cache holding it (on the cache's device):
+        what a device-side checksum reads in place."""
+        index = bisect.bisect_right([base for base, _ in self._storages], addr) - 1
+        if index >= 0:
+            base, flat = self._storages[index]
+            if addr + nbytes <= base + flat.numel():
+                return flat[addr - base : addr - base + nbytes]
+        raise LayoutError(f"{nbytes} bytes at {addr:#x} are not in this worker's KV caches")
+
     def register_with(self, register: Any) -> None:
         for tensor in self.caches:
             register(tensor)
+
+
+def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage under `tensor` as a flat uint8 tensor on its device (no copy)."""
+    storage = tensor.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _product(sizes: Sequence[int]) -> int:
@@ -364,6 +387,17 @@ def coalesce(
             merged_src.append((s_addr, length))
             merged_dst.append((d_addr, length))
     return merged_src, merged_dst
+
+
+def coalesce_runs(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge neighbouring spans that are contiguous (the same bytes in the same order, fewer runs)."""
+    merged: list[tuple[int, int]] = []
+    for addr, length in spans:
+        if merged and merged[-1][0] + merged[-1][1] == addr:
+            merged[-1] = (merged[-1][0], merged[-1][1] + length)
+        else:
+            merged.append((addr, length))
+    return merged
 
 
 def signature_mismatches(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:

@@ -14,6 +14,7 @@ import torch
 from dllm_connector import codec
 from dllm_connector.kv_layout import HeadRange
 from dllm_connector.pipe.common import send
+from dllm_connector.pipe.device_copy import Ready
 from dllm_connector.pipe.messages import Chunk, Piece
 from dllm_connector.transport.base import Source, Span, Transport, TransportError
 from dllm_connector.transport.staging import StagingBuffer
@@ -41,6 +42,7 @@ class PreparedChunk:
     src: list[Source]
     dst: list[Span]
     staged: torch.Tensor | None
+    ready: Ready | None = None  # waited for before the transport reads src (device work, copies)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class PreparedPiece:
     dst: list[Span]
     index: int
     parts: int | None = None
+    ready: Ready | None = None
 
 
 @dataclass(frozen=True)
@@ -113,6 +116,8 @@ class ChunkWriter:
             announce = Chunk(type="chunk", index=item.index, header=item.header.to_dict())
         if announce is not None and not transport.one_sided:
             send(self._sock, announce)
+        if item.ready is not None:  # the device's encode, or its copy to host, done
+            item.ready()
         if item.src:
             try:
                 transport.send(self._plan.peer, item.src, item.dst, self._plan.tag, self._timeout)
@@ -164,8 +169,10 @@ class PieceStream:
         self._parts = 0
         self._pending = 0  # final bytes not handed over yet
         self.sent = False  # whether a piece went to the writer (which may still be reading it)
+        self.ready: Ready | None = None  # of the latest part (one stream: it covers the earlier ones)
 
-    def add(self, ranges: list[tuple[int, int]]) -> None:
+    def add(self, ranges: list[tuple[int, int]], ready: Ready | None = None) -> None:
+        self.ready = ready
         if not self._ready:
             self._sent = [start for start, _ in ranges]
             self._ready = list(self._sent)
@@ -177,7 +184,7 @@ class PieceStream:
             self._poll()
             src, dst = self.rest()
             self._before_write(self._index, src)
-            self._writer.put(PreparedPiece(src, dst, self._index, self._parts))
+            self._writer.put(PreparedPiece(src, dst, self._index, self._parts, self.ready))
             self.sent = True
 
     def rest(self) -> tuple[list[Source], list[Span]]:

@@ -9,6 +9,7 @@ from typing import TypeVar
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import LayoutError, PagedKV
+from dllm_connector.pipe.device_copy import Copies, Scratch
 from dllm_connector.pipe.messages import (
     Accept,
     Chunk,
@@ -26,6 +27,7 @@ from dllm_connector.pipe.messages import (
 from dllm_connector.pipe.messages import parse as parse_message
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Transport, TransportError
+from dllm_connector.transport.placement import DataPath, PathSetting, Placement, choose_path
 from dllm_connector.transport.sidechannel import Message
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_contract.kvconfig import (
@@ -62,6 +64,7 @@ class PipeConfig:
     async_transfer: bool = True
     threshold_tokens: int = DEFAULT_TRANSFER_THRESHOLD_TOKENS  # KV moves in batches of this many tokens
     chunk_bytes: int = CHUNK_BYTES  # the batch size where the block size is unknown (tensor API)
+    data_path: PathSetting = PathSetting.AUTO  # the operator's override of transport.placement's choice
 
     @classmethod
     def from_extra(cls, extra: ConnectorExtraConfig) -> PipeConfig:
@@ -110,21 +113,49 @@ def chunk_ranges(count: int, chunk_blocks: int) -> list[tuple[int, int]]:
 
 
 class PipeSide:
-    """What both sides hold: the transport, with the paged KV and a staging buffer registered."""
+    """What both sides hold: the transport, with a staging buffer and (where the data path lets a
+    peer write into it) the paged KV registered once.
+
+    The data path (transport.placement) places the staging: on the KV's device (device), in
+    page-locked host memory (pinned-host, with a scratch on the device to encode and decode in),
+    or in host memory (host). `data_path` says which and why, in words.
+    """
 
     def __init__(self, transport: Transport, kv: PagedKV, config: PipeConfig) -> None:
         self.transport = transport
         self.kv = kv
         self.config = config
         self.stats = PipeStats()
-        self.staging = StagingBuffer(config.buffer_bytes)
+        effective = codec.effective_codec(config.compression, kv.dtype)
+        self.placement: Placement = choose_path(
+            kv.device.type, effective, transport.traits(), config.data_path
+        )
+        path = self.placement.path
+        self.staging = StagingBuffer(
+            config.buffer_bytes,
+            device=kv.device if path is DataPath.DEVICE else None,
+            pinned=path is DataPath.PINNED_HOST,
+        )
+        self.data_path = self.placement.describe() + (f"; {self.staging.note}" if self.staging.note else "")
+        self.copies = Copies(kv.device)
+        self.scratch = Scratch(kv.device) if path is DataPath.PINNED_HOST else None
         transport.register(self.staging.tensor)
-        kv.register_with(transport.register)
+        if self.placement.cache_registered:
+            kv.register_with(transport.register)
+
+    @property
+    def checksum_algo(self) -> codec.ChecksumAlgo:
+        """Payloads and zero-copy spans are checksummed where they are: XXH3-64 by host cores on the
+        host path, nh64 (device_checksum) on the device off it, the same ops on CPU tensors here."""
+        if self.placement.path is DataPath.HOST:
+            return codec.ChecksumAlgo.XXH3_64
+        return codec.ChecksumAlgo.NH64
 
     def _unregister(self) -> None:
         self.transport.unregister(self.staging.tensor)
-        for tensor in self.kv.caches:
-            self.transport.unregister(tensor)
+        if self.placement.cache_registered:
+            for tensor in self.kv.caches:
+                self.transport.unregister(tensor)
 
 
 _M = TypeVar("_M", Accept, Chunk, EndTransfer, Offer, Piece, Slot)

@@ -10,6 +10,7 @@ import torch
 from dllm_connector import codec
 from dllm_connector.kv_layout import HeadRange, LayoutError, PagedKV
 from dllm_connector.pipe.common import TransferFailed
+from dllm_connector.pipe.device_copy import HostMirror
 from dllm_connector.pipe.messages import bounded
 
 
@@ -29,12 +30,19 @@ class LayerStream:
         blocks: Sequence[int],
         heads: HeadRange | None,
         failed: Callable[[], str],
+        *,
+        mirror: HostMirror | None = None,
     ) -> None:
+        """`mirror` (pinned-host path): `view` is host staging, decoded from the mirror's device
+        scratch once each piece's layers were copied there."""
         self._kv, self._draft, self._blocks, self._heads = kv, draft, blocks, heads
         self._failed = failed  # the expectation's failure: once set, nothing more is placed (H5)
         self._error: Exception | None = None
+        self._mirror = mirror
         try:
-            self._decode = codec.StreamingDecode(draft, view, kv.num_layers)
+            self._decode = codec.StreamingDecode(
+                draft, view if mirror is None else mirror.work, kv.num_layers
+            )
         except codec.CodecError as error:  # raised at `finish`, once the chunk's messages were read
             self._error = error
 
@@ -45,6 +53,9 @@ class LayerStream:
             return
         try:
             done = self._decode.decoded
+            if self._mirror is not None and layers > done:
+                per_layer = self._draft.shape[0] // self._kv.num_layers
+                self._mirror.to_device(self._draft.ranges(done * per_layer, (layers - done) * per_layer))
             parts = self._decode.parts_until(layers)
             self._kv.scatter_layers(self._blocks, parts, self._heads, layers=range(done, layers))
         except (codec.CodecError, LayoutError) as error:
@@ -61,7 +72,12 @@ class LayerStream:
 
 def check_header(header: codec.KVHeader, draft: codec.KVHeader) -> None:
     """A chunk's header must be the one decode worked out from its own layout (H6): a peer's
-    codec, dtype, groups or shape never choose how decode reads its memory."""
+    codec, dtype, groups, shape or checksum algorithm never choose how decode reads its memory."""
+    if header.same_layout(draft) and header.checksum_algo is not draft.checksum_algo:
+        raise TransferFailed(
+            f"prefill checksums the KV with {header.checksum_algo.value}, decode with "
+            f"{draft.checksum_algo.value}: both engines need the same data path"
+        )
     if replace(header, checksum=0) != draft:
         theirs = bounded(header.to_dict() | {"checksum": None})
         raise TransferFailed(f"KV chunk header {theirs} does not match this cache's layout")

@@ -11,8 +11,8 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from dllm_connector import codec
-from dllm_connector.checksum import spans_checksum
 from dllm_connector.kv_layout import HeadRange, PagedKV, plan_tp_mapping, signature_mismatches
+from dllm_connector.kv_layout.paged_kv import coalesce_runs
 from dllm_connector.pipe.common import (
     EXPECTED_ERRORS,
     POLL_S,
@@ -27,9 +27,11 @@ from dllm_connector.pipe.common import (
     readable,
     send,
 )
+from dllm_connector.pipe.device_copy import HostMirror
 from dllm_connector.pipe.expectations import Expectation, Expectations, Part
 from dllm_connector.pipe.layer_stream import LayerStream, check_header
 from dllm_connector.pipe.messages import Accept, Ack, Chunk, EndTransfer, Nack, Offer, Piece, Slot, bounded
+from dllm_connector.pipe.span_checksum import SpanChecksum
 from dllm_connector.pipe.staging_window import StagingWindow
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import TransferTimeout, Transport, TransportError
@@ -238,6 +240,11 @@ class KVReceiver(PipeSide):
             for a, b in chunks
         ]
         if offer.zero_copy and self.transport.one_sided:
+            if not self.placement.cache_registered:
+                raise TransferFailed(
+                    "both engines need the same data path: prefill offered codec none block to block, "
+                    f"decode's data path ({self.placement.path.value}) does not register its KV cache"
+                )
             spans = [span for a, b in chunks for span in self.kv.spans(block_ids[a:b], heads)]
             return None, spans, sizes
         self.staging.check_fits(max(sizes))  # refused before the accept, whichever the transport
@@ -316,8 +323,11 @@ class KVReceiver(PipeSide):
         heads, expectation = part.heads, part.expectation
         draft = self._draft_header(offer, blocks, heads, staged=view is not None)
         stream = None
+        mirror = None if view is None else self._mirror(view)
         if load and view is not None and self.transport.one_sided:
-            stream = LayerStream(self.kv, draft, view, blocks, heads, lambda: expectation.failure)
+            stream = LayerStream(
+                self.kv, draft, view, blocks, heads, lambda: expectation.failure, mirror=mirror
+            )
         announced = self._chunk_message(sock, index, stream, part)
         header = codec.KVHeader.from_dict(announced.header)
         if load:
@@ -332,26 +342,38 @@ class KVReceiver(PipeSide):
         if not load:
             return
         if view is None:
-            actual = spans_checksum(self.kv.spans(blocks, heads))
+            running = SpanChecksum(self.kv, self.checksum_algo)
+            running.add_all(coalesce_runs(self.kv.spans(blocks, heads)))
+            actual = running.value
             if actual != header.checksum:
                 raise codec.ChecksumError(f"KV checksum {actual:#018x} != sender's {header.checksum:#018x}")
             return
         if stream is None:  # two-sided: the whole chunk arrived at once
             if expectation.failure:  # cancelled while it was on the wire: not placed (H5)
                 raise TransferFailed(f"the load failed elsewhere: {expectation.failure}")
-            self.kv.scatter_layers(blocks, codec.decode_parts(header, view, self.kv.num_layers), heads)
+            payload = view
+            if mirror is not None:  # pinned-host: the whole batch to the device, then decoded there
+                mirror.to_device([(0, view.numel())])
+                payload = mirror.work
+            self.kv.scatter_layers(blocks, codec.decode_parts(header, payload, self.kv.num_layers), heads)
             return
         stream.finish(header)
+
+    def _mirror(self, view: torch.Tensor) -> HostMirror | None:
+        """Pinned-host path: this thread's scratch on the KV's device, where `view` is decoded from."""
+        if self.scratch is None:
+            return None
+        return HostMirror(self.scratch.take(view.numel()), view, self.copies)
 
     def _draft_header(
         self, offer: Offer, blocks: Sequence[int], heads: HeadRange | None, *, staged: bool = True
     ) -> codec.KVHeader:
         """The header a chunk of `blocks` will carry, but for its checksum (known at its end).
         Zero-copy chunks (not staged) are raw blocks: codec none, one group."""
-        shape = self.kv.batch_shape(len(blocks), heads)
+        shape, algo = self.kv.batch_shape(len(blocks), heads), self.checksum_algo
         if not staged:
-            return codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, 0)
-        return codec.KVHeader(offer.codec, self.kv.dtype_name, shape, self.kv.groups(heads), 0)
+            return codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, 0, algo)
+        return codec.KVHeader(offer.codec, self.kv.dtype_name, shape, self.kv.groups(heads), 0, algo)
 
     def _chunk_message(
         self, sock: socket.socket, index: int, stream: LayerStream | None, part: Part

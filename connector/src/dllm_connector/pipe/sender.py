@@ -12,8 +12,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from dllm_connector import codec
-from dllm_connector.checksum import RunningChecksum
 from dllm_connector.kv_layout import HeadRange, PagedKV, coalesce, plan_tp_mapping
 from dllm_connector.pipe.chunk_writer import (
     ChunkWriter,
@@ -35,7 +36,9 @@ from dllm_connector.pipe.common import (
     readable,
     send,
 )
+from dllm_connector.pipe.device_copy import HostMirror, Ready, ready_now
 from dllm_connector.pipe.messages import Abort, Accept, Done, Offer, Slot, TPPart, bounded
+from dllm_connector.pipe.span_checksum import SpanChecksum
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Source, Span, TransferTimeout, Transport, TransportError
 from dllm_connector.transport.sidechannel import Message
@@ -165,8 +168,11 @@ class KVSender(PipeSide):
 
     @property
     def zero_copy(self) -> bool:
-        """Codec none over a one-sided transport on host memory: block-to-block writes, no staging."""
-        return self.codec is Compression.NONE and self.transport.one_sided and self.kv.device.type == "cpu"
+        """Codec none over a one-sided transport that holds the cache's memory (a host cache on the
+        host path, any cache on the device path): block-to-block writes, no staging. Of the codec
+        configured now (placement.zero_copy, of the codec at start, is what the worker reports)."""
+        registered = self.placement.cache_registered
+        return registered and self.codec is Compression.NONE and self.transport.one_sided
 
     def _zero_copy_for(self, heads: HeadRange | None) -> bool:
         """Zero-copy for all heads, or for a head range whose runs are long enough to write one by one."""
@@ -365,6 +371,7 @@ class KVSender(PipeSide):
         nbytes = codec.payload_nbytes(self.codec, self.kv.dtype, shape, groups)
         remote = self._slot(sock, plan, index) if self.transport.one_sided else 0
         staged = self.staging.reserve(nbytes, self.config.transfer_timeout_s)
+        mirror = self._mirror(staged)
         if not self.transport.one_sided:  # announced first, then sent whole: no pieces
             pieces = None
         else:
@@ -378,26 +385,49 @@ class KVSender(PipeSide):
                 piece_bytes=self.piece_bytes,
                 before_write=self._before_write,
             )
+        ready: list[Ready] = [ready_now]
+
+        def on_part(ranges: list[tuple[int, int]]) -> None:
+            # the part's bytes go to host staging (pinned-host) or are marked once the device wrote them
+            ready[0] = mirror.to_host(ranges) if mirror is not None else self.copies.mark()
+            if pieces is not None:
+                pieces.add(ranges, ready[0])
+
         try:
-            # none from host memory: each layer is gathered straight into its place in the payload
-            host_none = self.codec is Compression.NONE and self.kv.device.type == "cpu"
-            in_place = staged if host_none else None
-            parts = self.kv.gather_layers(blocks, plan.heads, out=in_place)
-            on_part = None if pieces is None else pieces.add
-            header, payload = codec.encode_parts(
-                parts, shape, self.kv.dtype, self.codec, groups, out=staged, on_part=on_part
+            out = staged if mirror is None else mirror.work
+            # none: each layer is gathered straight into its place in a payload on the cache's device
+            none_in_place = self.codec is Compression.NONE and out.device == self.kv.device
+            parts = self.kv.gather_layers(blocks, plan.heads, out=out if none_in_place else None)
+            header, _ = codec.encode_parts(
+                parts,
+                shape,
+                self.kv.dtype,
+                self.codec,
+                groups,
+                out=out,
+                on_part=on_part,
+                checksum_algo=self.checksum_algo,
             )
         except BaseException:
             if pieces is not None and pieces.sent:  # the writer may still be reading it
                 with contextlib.suppress(Exception):
                     writer.put(StagingRelease(staged))
             else:
+                ready[0]()  # no copy still writes into it
                 self.staging.release(staged)
             raise
         if pieces is None:  # two-sided: only the size counts
-            return PreparedChunk(index, header, [payload], [Span(0, nbytes)], staged)
+            return PreparedChunk(index, header, [staged[:nbytes]], [Span(0, nbytes)], staged, ready[0])
         src, dst = pieces.rest()
-        return PreparedChunk(index, header, src, dst, staged)
+        return PreparedChunk(index, header, src, dst, staged, ready[0])
+
+    def _mirror(self, staged: torch.Tensor) -> HostMirror | None:
+        """Pinned-host path: a scratch on the KV's device to encode in, copied to `staged` per part.
+        The scratch is this thread's, reused batch after batch once the last batch's copies ran."""
+        if self.scratch is None:
+            return None
+        self.copies.join()
+        return HostMirror(self.scratch.take(staged.numel()), staged, self.copies)
 
     def _prepare_in_place(
         self,
@@ -416,7 +446,7 @@ class KVSender(PipeSide):
         if len(theirs) != len(src) or sizes_differ:
             raise TransferFailed(f"decode's block spans for chunk {index} do not match this cache's")
         dst = [(span.addr, span.nbytes) for span in theirs]
-        running = RunningChecksum()
+        running = SpanChecksum(self.kv, self.checksum_algo)
         # Spans are in layer order, the same bytes for every layer: a piece is whole layers, as
         # few as make zero_copy_piece_bytes (the last piece takes what is left).
         per_layer = len(src) // self.kv.num_layers
@@ -425,14 +455,15 @@ class KVSender(PipeSide):
         for start in range(0, len(src), step):
             self._poll(sock, plan)
             stop = min(start + step, len(src))
-            for addr, nbytes in src[start:stop]:
-                running.add(addr, nbytes)
             merged_src, merged_dst = coalesce(src[start:stop], dst[start:stop])
+            running.add_all(merged_src)  # the same bytes in the same order: the same value
             piece = PreparedPiece([Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], index)
             self._before_write(index, piece.src)
             writer.put(piece)
         shape = self.kv.batch_shape(len(blocks), plan.heads)
-        header = codec.KVHeader(Compression.NONE, self.kv.dtype_name, shape, 1, running.value)
+        header = codec.KVHeader(
+            Compression.NONE, self.kv.dtype_name, shape, 1, running.value, self.checksum_algo
+        )
         return PreparedChunk(index, header, [], [], None)
 
     def _before_write(self, index: int, src: Sequence[Source]) -> None:

@@ -52,6 +52,7 @@ class TransportTraits:
     one_sided: bool
     registers_device_memory: bool  # Mooncake CUDA build (GPUDirect on RDMA), NCCL; not gloo
     why_not_device: str = ""  # in words, where it cannot
+    moves_host_memory: bool = True  # NCCL moves device tensors only
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,18 @@ def choose_path(
     kv_device: str, codec: Compression, transport: TransportTraits, setting: PathSetting = PathSetting.AUTO
 ) -> Placement:
     """The path for a KV cache on `kv_device` ("cpu", "cuda", ...) moved with `codec` over `transport`."""
+    placement = _choose(kv_device, codec, transport, setting)
+    if placement.path is not DataPath.DEVICE and not transport.moves_host_memory:
+        raise DataPathError(
+            f"KV data path {placement.path.value} stages in host memory, which {transport.kind} cannot "
+            "move; its engines need the device path (or gloo for host staging)"
+        )
+    return placement
+
+
+def _choose(
+    kv_device: str, codec: Compression, transport: TransportTraits, setting: PathSetting
+) -> Placement:
     on_host = kv_device == "cpu"
     if setting is PathSetting.HOST:
         if on_host:

@@ -1,8 +1,10 @@
 """A registered staging buffer for compressed KV, with a first-fit range allocator.
 
-The buffer is allocated and registered once (bufferSizeGB). Reservations wait for space up to a
-deadline, which is the back-pressure when the buffer is full; every reservation is released on
-every path, and `in_use` lets tests prove it.
+The buffer is allocated and registered once (bufferSizeGB), where the data path puts it
+(transport.placement): in host memory, page-locked host memory (the pinned-host path), or device
+memory (the device path). Reservations wait for space up to a deadline, which is the back-pressure
+when the buffer is full; every reservation is released on every path, and `in_use` lets tests
+prove it.
 """
 
 from __future__ import annotations
@@ -18,13 +20,36 @@ from dllm_connector.transport.base import TransferTimeout, TransportError
 _ALIGN = 64
 
 
+def pinned_host_bytes(nbytes: int) -> tuple[torch.Tensor, str]:
+    """`nbytes` of page-locked host memory, and a note: torch pins memory only where an accelerator
+    is present; without one (this CPU-only machine) the buffer is plain host memory, and the note
+    says so (the worker logs it with the data path)."""
+    if torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), ""
+    note = "no accelerator to pin host memory for: the staging buffer is plain host memory"
+    return torch.empty(nbytes, dtype=torch.uint8), note
+
+
 class StagingBuffer:
-    def __init__(self, nbytes: int) -> None:
+    """`device`: where the buffer lives (host by default); `pinned`: page-locked host memory."""
+
+    def __init__(self, nbytes: int, *, device: torch.device | None = None, pinned: bool = False) -> None:
         if nbytes <= 0:
             raise TransportError("the staging buffer needs a positive size")
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8)
+        device = device or torch.device("cpu")
+        if pinned and device.type != "cpu":
+            raise TransportError(f"a pinned staging buffer is host memory, not {device}")
+        self.note = ""
+        if pinned:
+            self.tensor, self.note = pinned_host_bytes(nbytes)
+        else:
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
         self._spans: list[tuple[int, int]] = []  # sorted (offset, length) in use
         self._cond = threading.Condition()
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
 
     @property
     def capacity(self) -> int:

@@ -90,7 +90,7 @@ class TorchDistTransport(Transport):
         """NCCL sends device tensors (device staging); gloo sends host tensors (host staging)."""
         kind = f"torch.distributed ({self._backend})"
         if self._backend == "nccl":
-            return TransportTraits(kind, False, True)
+            return TransportTraits(kind, False, True, moves_host_memory=False)
         return TransportTraits(kind, False, False, "gloo sends host tensors")
 
     def register(self, tensor: torch.Tensor) -> None:

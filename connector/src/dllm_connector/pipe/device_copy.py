@@ -1,0 +1,109 @@
+"""Copies between the KV's device and host staging, and marks of when written bytes may go on the wire.
+
+The pinned-host path (transport.placement) encodes a batch on the KV's device into a scratch
+payload and copies it into page-locked host staging range by range as each layer is encoded, so
+that the copy of piece k+1 runs while piece k is on the wire; decode copies each piece back as it
+arrives. On CUDA the copies are non_blocking on a side stream, and the writer waits for a piece's
+event before the transport reads it. On the CPU the same calls copy synchronously and every mark is
+ready at once: the code paths are those the tests run here. The CUDA lines are `_CudaCopies`,
+behind the one check in `Copies`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+
+# Called before the transport reads bytes written on the device: returns once they are written.
+Ready = Callable[[], None]
+
+
+def ready_now() -> None:
+    """Host work is done by the time it returns: nothing to wait for."""
+
+
+class _CudaCopies:
+    """CUDA only: copies on a side stream, ordered after the current stream's kernels."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ready:
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))  # after what wrote src
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(self._stream)
+        return done.synchronize
+
+    def mark(self) -> Ready:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self._device))
+        return event.synchronize
+
+    def join(self) -> None:
+        torch.cuda.current_stream(self._device).wait_stream(self._stream)
+
+
+class Copies:
+    """Byte copies for one KV device: asynchronous on CUDA, synchronous elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = _CudaCopies(device) if device.type == "cuda" else None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ready:
+        """dst <- src; the Ready returns once dst holds the bytes."""
+        if self._cuda is None:
+            dst.copy_(src)
+            return ready_now
+        return self._cuda.copy(dst, src)
+
+    def mark(self) -> Ready:
+        """Ready once the work queued so far (e.g. an encode into device staging) is done."""
+        return ready_now if self._cuda is None else self._cuda.mark()
+
+    def join(self) -> None:
+        """Later work (an encode into the scratch the copies read, a decode of what they wrote)
+        runs after every copy issued so far."""
+        if self._cuda is not None:
+            self._cuda.join()
+
+
+class HostMirror:
+    """A payload worked on in `work` (on the KV's device), mirrored in host staging `host` range by
+    range: encode, then `to_host` (sender); `to_device`, then decode (receiver)."""
+
+    def __init__(self, work: torch.Tensor, host: torch.Tensor, copies: Copies) -> None:
+        if work.numel() < host.numel():
+            raise ValueError(f"a {work.numel()}-byte scratch cannot mirror {host.numel()} bytes of staging")
+        self.work, self.host, self._copies = work, host, copies
+
+    def to_host(self, ranges: list[tuple[int, int]]) -> Ready:
+        ready: Ready = ready_now
+        for start, stop in ranges:
+            ready = self._copies.copy(self.host[start:stop], self.work[start:stop])
+        return ready  # one stream: the last copy's mark covers the earlier ones
+
+    def to_device(self, ranges: list[tuple[int, int]]) -> None:
+        for start, stop in ranges:
+            self._copies.copy(self.work[start:stop], self.host[start:stop])
+        self._copies.join()
+
+
+class Scratch:
+    """A payload-sized scratch on the KV's device per thread (one send or load each), reused across
+    batches so that host memory is not faulted in again for every batch."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._local = threading.local()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        buffer: torch.Tensor | None = getattr(self._local, "buffer", None)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self._local.buffer = buffer
+        return buffer[:nbytes]

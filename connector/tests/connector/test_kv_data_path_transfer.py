@@ -1,0 +1,186 @@
+"""KV on the device and pinned-host data paths, with CPU tensors, through the real transports.
+
+A CPU cache forced onto the `device` path runs the device code: staging on the cache's device, the
+device checksum (device_checksum) for zero-copy spans, readiness marks before each write; forced
+onto `pinned-host` it runs the fallback: encode into a scratch on the cache's device, copy to host
+staging per part, and back per piece at decode (synchronous copies here, a side stream on CUDA).
+Decode runs in this process, prefill in kv_peer.py's, over Mooncake (TCP) and a gloo pair group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, make_transport
+
+from dllm_connector.kv_layout import PagedKV
+from dllm_connector.kv_scheduler import prompt_hash
+from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.receiver import KVReceiver
+from dllm_connector.transport.base import Transport
+from dllm_connector.transport.placement import DataPath, PathSetting
+from dllm_contract.kvconfig import Compression
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
+
+SRC_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(3))[:120]]
+DST_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(4))[:120]]
+RELATIVE_ERROR = {Compression.NONE: 0.0, Compression.FP8: 0.04, Compression.INT8: 0.01}
+PATHS = [PathSetting.DEVICE, PathSetting.PINNED_HOST]
+
+
+def receiver_config(path: PathSetting, **changes: Any) -> PipeConfig:
+    base: dict[str, Any] = {
+        "buffer_bytes": 64 << 20,
+        "transfer_timeout_s": 10.0,
+        "prefill_wait_s": 30.0,
+        "hold_s": 10.0,
+        "data_path": path,
+    }
+    return PipeConfig(**(base | changes))
+
+
+@pytest.fixture(scope="module", params=["mooncake", "gloo"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def transport(kind: str) -> Iterator[Transport]:
+    engine = make_transport(kind)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prefill(kind: str) -> Iterator[Prefill]:
+    peer = Prefill(kind)
+    yield peer
+    peer.close()
+
+
+def decode(transport: Transport, path: PathSetting, **changes: Any) -> tuple[KVReceiver, PagedKV]:
+    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
+    return KVReceiver(transport, kv, receiver_config(path, **changes), HOST, 0), kv
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+PIECES = {"whole batches": {}, "layer pieces": {"piece_bytes": 1}}
+
+
+@pytest.mark.parametrize("pieces", PIECES.values(), ids=PIECES.keys())
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.FP8])
+@pytest.mark.parametrize("path", PATHS)
+def test_kv_arrives_on_each_data_path(
+    transport: Transport,
+    prefill: Prefill,
+    path: PathSetting,
+    compression: Compression,
+    pieces: dict[str, int],
+) -> None:
+    receiver, kv = decode(transport, path)
+    try:
+        assert receiver.placement.path is DataPath(path.value)
+        receiver.expect("t-path", DST_BLOCKS, prompt_hash=prompt_hash([5]))
+        prefill.send(
+            receiver.port,
+            [{"transfer_id": "t-path", "block_ids": SRC_BLOCKS, "hash": prompt_hash([5])}],
+            compression=compression.value,
+            data_path=path.value,
+            **pieces,
+        )
+        assert receiver.wait_for("t-path", timeout=60) == ""
+        report = prefill.report()
+        assert report[0] == {"transfer_id": "t-path", "error": None}
+        assert report[-1]["data_path"] == path.value
+        assert report[-1]["staging_in_use"] == 0
+        assert receiver.staging.in_use == 0
+        want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
+        assert relative_error(kv.gather(DST_BLOCKS), want) <= RELATIVE_ERROR[compression]
+        untouched = sorted(set(range(NUM_BLOCKS)) - set(DST_BLOCKS))
+        assert not bool(kv.gather(untouched).any())
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.FP8])
+@pytest.mark.parametrize("path", PATHS)
+def test_a_corrupted_payload_fails_on_each_data_path(
+    transport: Transport, prefill: Prefill, path: PathSetting, compression: Compression
+) -> None:
+    """Zero-copy on the device path: the device checksum over the blocks; staged: over the payload."""
+    receiver, _ = decode(transport, path)
+    try:
+        receiver.expect("t-bad", DST_BLOCKS[:40])
+        prefill.send(
+            receiver.port,
+            [{"transfer_id": "t-bad", "block_ids": SRC_BLOCKS[:40]}],
+            compression=compression.value,
+            data_path=path.value,
+            double="corrupt",
+        )
+        outcome = receiver.wait_for("t-bad", timeout=60)
+        assert outcome is not None
+        assert "checksum" in outcome
+        report = prefill.report()
+        assert "checksum" in report[0]["error"]
+        assert report[-1]["staging_in_use"] == 0
+        assert receiver.stats.checksum_failures == 1
+        assert receiver.staging.in_use == 0
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize("kind", ["mooncake"], indirect=True, scope="module")  # zero-copy is one-sided
+def test_zero_copy_into_a_cache_the_transport_does_not_hold_is_refused(
+    transport: Transport, prefill: Prefill
+) -> None:
+    """Prefill on the device path offers codec none block to block; decode on pinned-host never
+    registered its cache, so it refuses by name before anything is written."""
+    receiver, kv = decode(transport, PathSetting.PINNED_HOST)
+    try:
+        receiver.expect("t-mixed", DST_BLOCKS[:10])
+        prefill.send(
+            receiver.port,
+            [{"transfer_id": "t-mixed", "block_ids": SRC_BLOCKS[:10]}],
+            data_path=PathSetting.DEVICE.value,
+        )
+        outcome = receiver.wait_for("t-mixed", timeout=60)
+        assert outcome is not None
+        assert "both engines need the same data path" in outcome
+        assert "both engines need the same data path" in prefill.report()[0]["error"]
+        assert not bool(kv.gather(DST_BLOCKS[:10]).any())
+        assert receiver.staging.in_use == 0
+    finally:
+        receiver.close()
+
+
+@pytest.mark.parametrize(("prefill_path", "decode_path"), [("host", "device"), ("pinned-host", "host")])
+def test_a_peer_checksumming_with_another_algorithm_is_refused_by_name(
+    transport: Transport, prefill: Prefill, prefill_path: str, decode_path: str
+) -> None:
+    """Host path: XXH3-64 by host cores; off it: nh64 where the payload is. The header names it."""
+    receiver, _ = decode(transport, PathSetting(decode_path))
+    algos = {"host": "xxh3_64", "device": "nh64", "pinned-host": "nh64"}
+    try:
+        receiver.expect("t-algo", DST_BLOCKS[:20])
+        prefill.send(
+            receiver.port,
+            [{"transfer_id": "t-algo", "block_ids": SRC_BLOCKS[:20]}],
+            compression="int8",
+            data_path=prefill_path,
+        )
+        outcome = receiver.wait_for("t-algo", timeout=60)
+        assert outcome is not None
+        named = f"prefill checksums the KV with {algos[prefill_path]}, decode with {algos[decode_path]}"
+        assert named in outcome
+        assert prefill.report()[0]["error"]
+        assert receiver.staging.in_use == 0
+    finally:
+        receiver.close()
