@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ ROW_WORDS = 1 << 16  # 512 KiB rows: the key table stays in cache; a value costs
 # Rows per kernel call. On a CPU, 2 MiB at a time keeps the temporaries in cache (1.7 GB/s per core
 # against 0.4 for 64 MiB at once); on a device, 256 MiB bound them while launches stay few.
 _CPU_ROWS_PER_CALL = 4
+GATHER_BYTES = 64 << 20  # add_all: small pieces are concatenated into runs of about this size
 _DEVICE_ROWS_PER_CALL = 512
 _MASK64 = (1 << 64) - 1
 _SEED = 0x9E3779B97F4A7C15  # the key table's
@@ -207,6 +208,36 @@ class RunningTensorChecksum:
         if whole < data.numel():
             self._carry = data[whole:].clone()
             self._nbytes += data.numel() - whole
+
+    def add_all(self, pieces: Iterable[torch.Tensor], gather_bytes: int = GATHER_BYTES) -> None:
+        """`add` each piece in order, small ones gathered first into runs of about `gather_bytes`
+        (one concatenation each): a piece costs a dozen kernel launches, its bytes a copy, so many
+        small pieces (a cache's 32 KiB block spans) are hashed at the device's speed, not the
+        launches'. The value is the same: it is defined over the concatenation."""
+        pending: list[torch.Tensor] = []
+        size = 0
+        for piece in pieces:
+            _check(piece)
+            if piece.numel() >= gather_bytes:
+                self._add_gathered(pending)
+                pending, size = [], 0
+                self.add(piece)
+                continue
+            pending.append(piece)
+            size += piece.numel()
+            if size >= gather_bytes:
+                self._add_gathered(pending)
+                pending, size = [], 0
+        self._add_gathered(pending)
+
+    def _add_gathered(self, pieces: list[torch.Tensor]) -> None:
+        if len(pieces) > 1:
+            devices = {piece.device for piece in pieces}
+            if len(devices) > 1:
+                raise ValueError(f"checksum pieces on {sorted(map(str, devices))}: one device only")
+            self.add(torch.cat(pieces))
+        elif pieces:
+            self.add(pieces[0])
 
     def _add_words(self, words: torch.Tensor, first: int) -> None:
         """Add the terms of words at word positions [first, first + len), row by row."""

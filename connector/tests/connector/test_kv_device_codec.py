@@ -130,6 +130,25 @@ def test_pieces_straddling_real_rows_and_misaligned_views_agree() -> None:
     assert device_checksum.tensor_checksum(data[3:]) == device_checksum.tensor_checksum(data[3:].clone())
 
 
+def test_many_small_pieces_added_at_once_give_the_value_of_the_whole(small_rows: int) -> None:
+    """add_all gathers small pieces (a cache's block spans) into runs: the same value as one by one."""
+    rng = random.Random(5)
+    data = as_tensor(extreme_bytes(700, 2))
+    cuts = sorted(rng.sample(range(1, data.numel()), 40))
+    pieces = [data[a:b] for a, b in zip([0, *cuts], [*cuts, data.numel()], strict=True)]
+    whole = device_checksum.tensor_checksum(data)
+    for gather_bytes in (1, 16, 100, 1 << 20):
+        running = device_checksum.RunningTensorChecksum()
+        running.add(data[:0])
+        running.add_all(pieces[:20], gather_bytes=gather_bytes)
+        running.add_all(pieces[20:], gather_bytes=gather_bytes)
+        assert running.value == whole
+    mixed = device_checksum.RunningTensorChecksum()
+    with pytest.raises(ValueError, match="one device only"):
+        mixed.add_all([data[:8], torch.ones(8, dtype=torch.uint8, device="meta")])
+    assert mixed.nbytes == 0
+
+
 def test_values_reads_several_checksums_at_once_as_each_alone() -> None:
     pieces = [as_tensor(extreme_bytes(n, n)) for n in (0, 5, 4096)]
     running = []
