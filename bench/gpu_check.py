@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 GOAL_GBPS = 500.0
 COPY_BYTES_MAX = 1 << 30
+SPAN_BYTES = BLOCK * KV_HEADS * HEAD_DIM * 2  # one block's K or V in vLLM's GPU layout: 32 KiB
+SPAN_SAMPLE = 512
 PINS = {"pydantic": "requirements/dev.in", "xxhash": "requirements/engine.in"}
 
 
@@ -251,23 +253,39 @@ def equality_rows(kv: Any, device: Any, name: str) -> list[dict[str, Any]]:
 
 
 def checksum_rows(kv: Any, device: Any, name: str, repeats: int) -> list[dict[str, Any]]:
+    """nh64 over the KV as one run, and over its 32 KiB block spans in scattered order (a zero-copy
+    transfer's checksum): through add_all, and one add per span (on the first SPAN_SAMPLE spans)."""
     from dllm_connector import device_checksum
 
     data = kv.view(-1).view(__import__("torch").uint8)
+    spans = list(data.view(-1, SPAN_BYTES).unbind(0))[::-1]
+    sample = spans[:SPAN_SAMPLE]
     device_checksum.use_kernel(name)
     started = time.perf_counter()
     value = device_checksum.tensor_checksum(data)
     first_call_s = round(time.perf_counter() - started, 2)
-    elapsed = seconds(lambda: device_checksum.tensor_checksum(data), device, repeats)
+
+    def by_spans(pieces: list[Any], each: bool) -> int:
+        running = device_checksum.RunningTensorChecksum()
+        if each:
+            for piece in pieces:
+                running.add(piece)
+        else:
+            running.add_all(pieces)
+        return running.value
+
+    row = {
+        "kernel": name,
+        "first_call_s": first_call_s,
+        "gbps": gbps(data.numel(), seconds(lambda: device_checksum.tensor_checksum(data), device, repeats)),
+        "spans_add_all_gbps": gbps(data.numel(), seconds(lambda: by_spans(spans, False), device, repeats)),
+        "spans_each_gbps": gbps(
+            len(sample) * SPAN_BYTES, seconds(lambda: by_spans(sample, True), device, repeats)
+        ),
+        "value": f"{value:#018x}",
+    }
     device_checksum.use_kernel("auto")
-    return [
-        {
-            "kernel": name,
-            "first_call_s": first_call_s,
-            "gbps": gbps(data.numel(), elapsed),
-            "value": f"{value:#018x}",
-        }
-    ]
+    return [row]
 
 
 def copy_rows(kv: Any, device: Any, repeats: int) -> dict[str, Any]:
@@ -394,7 +412,8 @@ def table(report: dict[str, Any]) -> str:
             syncs = f"{row['encode_syncs']} / {row['decode_syncs']}"
             lines.append(f"   {row['kernels']:9s} {row['codec']:5s}  {encode} {decode} {syncs}")
         for row in size["checksum"]:
-            lines.append(f"   checksum {row['kernel']:8s} {row['gbps']:.2f} GB/s")
+            spans = f"spans: add_all {row['spans_add_all_gbps']:.2f}, each {row['spans_each_gbps']:.2f}"
+            lines.append(f"   checksum {row['kernel']:8s} {row['gbps']:.2f} GB/s; {spans}")
         for row in size["equality"]:
             same = row["payload_equal"] and row["decoded_equal"] and row["checksum_equal"]
             lines.append(f"   equal to {row['reference']}: {row['kernels']} {row['codec']}: {same}")
