@@ -136,15 +136,22 @@ def ask(layout: cp.Layout, namespace: str, model: Path) -> dict[str, Any]:
             "bytes": int(loaded) * models_volume.kv_bytes_per_token(model)}  # fmt: skip
 
 
-def engine_logs(layout: cp.Layout, namespace: str, lines: int = 40) -> str:
-    """The last lines of each engine's log: what to read when an answer is an engine's error."""
+# Lines every engine prints by the dozen that never explain an error: its route table and the
+# probes' and scrapes' access lines.
+_LOG_NOISE = ("Route: ", '"GET /health ', '"GET /metrics ')
+
+
+def engine_logs(layout: cp.Layout, namespace: str, lines: int = 25) -> str:
+    """The last lines of each engine's log but the noise: what to read when an answer is an error."""
     parts = []
     for role in ("prefill", "decode"):
         try:
-            text = tool(layout, "kubectl", "logs", f"{NAME}-{role}-0", "-n", namespace, f"--tail={lines}")
+            text = tool(layout, "kubectl", "logs", f"{NAME}-{role}-0", "-n", namespace, "--tail=1000")
+            kept = [line for line in text.splitlines() if not any(noise in line for noise in _LOG_NOISE)]
+            text = "\n".join(kept[-lines:])
         except DemoError as error:
             text = str(error)
-        parts.append(f"--- {role} engine, last {lines} lines ---\n{text}")
+        parts.append(f"--- {role} engine, last {lines} lines (no route table, probes or scrapes) ---\n{text}")
     return "\n".join(parts)
 
 
