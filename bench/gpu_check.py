@@ -22,14 +22,22 @@ torch (and Triton) must be there; the project's pure dependencies (pydantic, xxh
     python bench/gpu_check.py                              # on a GPU: 2k and 32k tokens
     python bench/gpu_check.py --device cpu --quick         # here: small sizes, the same code paths
     python bench/gpu_check.py --json "$OUT/gpu_check.json" --wheels build/gpu-wheels
+
+On the lent H200 (Python 3.12, torch 2.11, no pydantic, no Mooncake): build/gpu-wheels (ignored by
+git; carry it) holds pydantic 2.14.3 with pydantic_core, annotated-types, typing-inspection and
+typing_extensions for cp312, and mooncake-transfer-engine-cuda13 0.3.14 (47 MiB), fetched with pip
+download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux...x86_64.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import json
 import os
+import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +54,7 @@ GOAL_GBPS = 500.0
 COPY_BYTES_MAX = 1 << 30
 SPAN_BYTES = BLOCK * KV_HEADS * HEAD_DIM * 2  # one block's K or V in vLLM's GPU layout: 32 KiB
 SPAN_SAMPLE = 512
+MOONCAKE_TIMEOUT_S = 60.0
 PINS = {"pydantic": "requirements/dev.in", "xxhash": "requirements/engine.in"}
 
 
@@ -60,21 +69,23 @@ def _pinned(name: str) -> str:
 
 
 def prepare_imports(wheels: str | None) -> str | None:
-    """Put the project on sys.path and its pure dependencies with it; the reason it cannot, else None."""
+    """Put the project on sys.path, with the wheels of `wheels` (every one, without their
+    dependencies: carry each needed, one version each) installed ahead of the machine's packages;
+    the reason it cannot run, else None."""
     sys.path[:0] = [str(ROOT / "contract" / "src"), str(ROOT / "connector" / "src")]
     if importlib.util.find_spec("torch") is None:
         return "torch is not installed"
-    missing = [name for name in PINS if importlib.util.find_spec(name) is None]
-    if missing and wheels:
+    if wheels:
         target = Path(tempfile.mkdtemp(prefix="gpu-check-site-"))
-        command = [sys.executable, "-m", "pip", "install", "--no-index", "--find-links", wheels]
-        command += ["--target", str(target), "--quiet", *(_pinned(name) for name in missing)]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        atexit.register(shutil.rmtree, target, ignore_errors=True)
+        command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile"]
+        command += ["--no-cache-dir", "--target", str(target), *map(str, sorted(Path(wheels).glob("*.whl")))]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=240, check=False)
         if done.returncode != 0:
-            return f"pip could not install {missing} from {wheels}: {done.stderr.strip()[-500:]}"
+            return f"pip could not install the wheels of {wheels}: {done.stderr.strip()[-500:]}"
         sys.path.insert(0, str(target))
         importlib.invalidate_caches()
-        missing = [name for name in PINS if importlib.util.find_spec(name) is None]
+    missing = [name for name in PINS if importlib.util.find_spec(name) is None]
     if missing:
         pins = " ".join(_pinned(name) for name in missing)
         return f"missing {', '.join(missing)}: carry wheels of {pins} for this Python and pass --wheels DIR"
@@ -316,6 +327,7 @@ def copy_rows(kv: Any, device: Any, repeats: int) -> dict[str, Any]:
 
 def _engine(host: str) -> Any:
     os.environ.setdefault("MC_FORCE_TCP", "1")
+    os.environ.setdefault("MC_TRANSFER_TIMEOUT", "30")
     os.environ.setdefault("MC_TCP_BIND_ADDRESS", host)
     from mooncake.engine import TransferEngine
 
@@ -343,10 +355,6 @@ def mooncake_receiver(device_name: str, nbytes: int) -> None:
 
 
 def mooncake_row(device: Any, nbytes: int, repeats: int) -> dict[str, Any]:
-    import torch
-
-    from dllm_connector import device_checksum
-
     try:
         import mooncake.engine as engine_module
     except ImportError as error:
@@ -365,35 +373,52 @@ def mooncake_row(device: Any, nbytes: int, repeats: int) -> dict[str, Any]:
         env=os.environ | {"PYTHONPATH": os.pathsep.join(sys.path)},
     )
     try:
-        assert receiver.stdout is not None
-        assert receiver.stdin is not None
-        peer = json.loads(receiver.stdout.readline() or "{}")
-        if "session" not in peer:
-            return {"skipped": "the receiving process did not start (see stderr)"}
-        engine = _engine("127.0.0.1")
-        data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
-        location = "cpu:0" if device.type == "cpu" else f"cuda:{device.index or 0}"
-        if engine.register_memory(data.data_ptr(), nbytes, location) != 0:
-            return {"skipped": "Mooncake could not register the sender's buffer"}
-
-        def write() -> None:
-            if engine.transfer_sync_write(peer["session"], data.data_ptr(), peer["addr"], nbytes) != 0:
-                raise RuntimeError("Mooncake transfer_sync_write failed")
-
-        elapsed = seconds(write, device, repeats)
-        receiver.stdin.write("done\n")
-        receiver.stdin.flush()
-        theirs = json.loads(receiver.stdout.readline() or "{}").get("checksum")
-        return {
-            "memory": "device" if device.type == "cuda" else "host",
-            "protocol": "tcp",
-            "bytes": nbytes,
-            "gbps": gbps(nbytes, elapsed),
-            "checksum_equal": theirs == device_checksum.tensor_checksum(data),
-        }
+        return _send_to(receiver, device, nbytes, repeats)
+    except Exception as error:  # noqa: BLE001 - reported in the row; the rest of the check stands
+        return {"skipped": f"failed: {type(error).__name__}: {error}"}
     finally:
         receiver.kill()
         receiver.wait(timeout=30)
+
+
+def _line(receiver: subprocess.Popen[str], timeout_s: float = MOONCAKE_TIMEOUT_S) -> dict[str, Any]:
+    """The receiver's next JSON line, or {} if none comes within the timeout."""
+    assert receiver.stdout is not None
+    ready, _, _ = select.select([receiver.stdout], [], [], timeout_s)
+    line = receiver.stdout.readline() if ready else ""
+    return dict(json.loads(line)) if line.strip() else {}
+
+
+def _send_to(receiver: subprocess.Popen[str], device: Any, nbytes: int, repeats: int) -> dict[str, Any]:
+    import torch
+
+    from dllm_connector import device_checksum
+
+    assert receiver.stdin is not None
+    peer = _line(receiver)
+    if "session" not in peer:
+        return {"skipped": "the receiving process did not start (see stderr)"}
+    engine = _engine("127.0.0.1")
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device)
+    location = "cpu:0" if device.type == "cpu" else f"cuda:{device.index or 0}"
+    if engine.register_memory(data.data_ptr(), nbytes, location) != 0:
+        return {"skipped": "Mooncake could not register the sender's buffer"}
+
+    def write() -> None:
+        if engine.transfer_sync_write(peer["session"], data.data_ptr(), peer["addr"], nbytes) != 0:
+            raise RuntimeError("Mooncake transfer_sync_write failed")
+
+    elapsed = seconds(write, device, repeats)
+    receiver.stdin.write("done\n")
+    receiver.stdin.flush()
+    theirs = _line(receiver).get("checksum")
+    return {
+        "memory": "device" if device.type == "cuda" else "host",
+        "protocol": "tcp",
+        "bytes": nbytes,
+        "gbps": gbps(nbytes, elapsed),
+        "checksum_equal": theirs == device_checksum.tensor_checksum(data),
+    }
 
 
 # ---- report ---------------------------------------------------------------------------------------
