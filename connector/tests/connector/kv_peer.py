@@ -177,7 +177,9 @@ def _sender_class(double: str) -> type[KVSender]:
 def run_spec(transport: Transport, spec: dict[str, Any]) -> list[dict[str, Any]]:
     """Send one spec's jobs with a fresh sender; the report lines for them."""
     geometry = Geometry(**spec.get("geometry", vars(GEOMETRY)))
-    kv = PagedKV(make_caches(spec.get("seed", 7), geometry), NUM_BLOCKS, geometry)
+    device = torch.device(spec.get("device", "cpu"))  # "cuda": the GPU tests' caches
+    caches = {name: cache.to(device) for name, cache in make_caches(spec.get("seed", 7), geometry).items()}
+    kv = PagedKV(caches, NUM_BLOCKS, geometry)
     if spec.get("nan"):
         NaNKV.poison(kv)
     sender = _sender_class(spec.get("double", ""))(transport, kv, _config(spec))

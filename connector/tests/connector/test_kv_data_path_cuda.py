@@ -1,0 +1,116 @@
+"""The data paths on a CUDA device: the lines that only run there (pipe.device_copy's side stream and
+events, page-locked staging) and a GPU KV moved between two processes. Skipped without CUDA (this
+machine); run them where a GPU is lent:
+
+    python -m pytest -q connector/tests/connector/test_kv_data_path_cuda.py
+
+With Mooncake's non-CUDA wheel or gloo, a GPU cache takes the pinned-host path; with Mooncake's CUDA
+build, the device path (zero-copy for codec none). Each test asserts which it took.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, make_transport
+
+from dllm_connector import codec
+from dllm_connector.kv_layout import PagedKV
+from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.device_copy import Copies, HostMirror
+from dllm_connector.pipe.receiver import KVReceiver
+from dllm_connector.transport.base import Transport
+from dllm_connector.transport.placement import DataPath, choose_path
+from dllm_connector.transport.staging import StagingBuffer, pinned_host_bytes
+from dllm_contract.kvconfig import Compression
+
+pytestmark = [
+    pytest.mark.engine,
+    pytest.mark.timeout(240),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run where a GPU is lent)"),
+]
+
+CUDA = torch.device("cuda")
+SRC_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(5))[:200]]
+DST_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(6))[:200]]
+RELATIVE_ERROR = {Compression.NONE: 0.0, Compression.FP8: 0.04}
+
+
+def test_staging_is_page_locked_where_a_gpu_is() -> None:
+    host, note = pinned_host_bytes(1 << 20)
+    assert host.is_pinned()
+    assert note == ""
+    assert StagingBuffer(1 << 20, pinned=True).tensor.is_pinned()
+    assert StagingBuffer(1 << 20, device=CUDA).device.type == "cuda"
+
+
+def test_copies_on_the_side_stream_land_once_ready() -> None:
+    """Written by a kernel on the current stream, copied on the side stream after it, both ways."""
+    nbytes = 64 << 20
+    work = torch.empty(nbytes, dtype=torch.uint8, device=CUDA)
+    work.copy_(torch.arange(nbytes, device=CUDA) % 251)  # a kernel the copy must wait for
+    host, _ = pinned_host_bytes(nbytes)
+    mirror = HostMirror(work, host, Copies(CUDA))
+    mirror.to_host([(0, nbytes // 2), (nbytes // 2, nbytes)])()
+    assert torch.equal(host, work.cpu())
+    host.fill_(3)
+    mirror.to_device([(0, nbytes)])
+    assert bool((work == 3).all())  # the current stream waited for the copy
+
+
+@pytest.fixture(scope="module", params=["mooncake", "gloo"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def transport(kind: str) -> Iterator[Transport]:
+    engine = make_transport(kind)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prefill(kind: str) -> Iterator[Prefill]:
+    peer = Prefill(kind)
+    yield peer
+    peer.close()
+
+
+@pytest.mark.parametrize("compression", [Compression.NONE, Compression.FP8])
+def test_gpu_kv_moves_between_two_processes(
+    transport: Transport, prefill: Prefill, compression: Compression
+) -> None:
+    caches = {name: cache.to(CUDA) for name, cache in make_caches(None).items()}
+    kv = PagedKV(caches, NUM_BLOCKS, GEOMETRY)
+    config = PipeConfig(
+        compression=compression, buffer_bytes=64 << 20, transfer_timeout_s=20.0, prefill_wait_s=60.0
+    )
+    receiver = KVReceiver(transport, kv, config, HOST, 0)
+    try:
+        want_path = choose_path("cuda", codec.effective_codec(compression, kv.dtype), transport.traits()).path
+        assert receiver.placement.path is want_path
+        receiver.expect("t-gpu", DST_BLOCKS)
+        prefill.send(
+            receiver.port,
+            [{"transfer_id": "t-gpu", "block_ids": SRC_BLOCKS}],
+            compression=compression.value,
+            device="cuda",
+            piece_bytes=1,  # a piece per layer: the copies overlap the wire
+        )
+        assert receiver.wait_for("t-gpu", timeout=120) == ""
+        report = prefill.report()
+        assert report[0] == {"transfer_id": "t-gpu", "error": None}
+        assert report[-1]["data_path"] == want_path.value
+        assert report[-1]["staging_in_use"] == 0
+        assert receiver.staging.in_use == 0
+        want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
+        got = kv.gather(DST_BLOCKS).cpu()
+        error = float((got.float() - want.float()).norm() / want.float().norm())
+        assert error <= RELATIVE_ERROR[compression]
+        if want_path is DataPath.PINNED_HOST:
+            assert receiver.staging.tensor.is_pinned()
+    finally:
+        receiver.close()
