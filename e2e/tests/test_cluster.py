@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from e2e.cluster import controlplane as cp
 from e2e.fixtures import Cluster, wait_until
+from e2e.ports import free_consecutive_ports
 
 pytestmark = pytest.mark.k8s
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,22 +172,32 @@ def _run_cluster_cli(state: Path, port_base: int, *args: str) -> subprocess.Comp
 
 @pytest.mark.slow
 def test_second_cluster_lifecycle_reuse_stale_and_clean_teardown(tmp_path: Path) -> None:
-    """A separate cluster on other ports: up twice (reuse), SIGKILL everything (stale), up, down."""
-    state, base = tmp_path / "cp", 27400
-    layout = cp.Layout(cp.Layout.from_env().cache, state, base, cp.read_versions())
+    """A separate cluster on ports of its own: up twice (reused), its API server SIGKILLed (a stale
+    cluster: the other components still run), up (the survivors replaced), down (no process, no port)."""
+    state = tmp_path / "cp"
+    probe = cp.Layout(cp.Layout.from_env().cache, state, 0, cp.read_versions())
+    base = free_consecutive_ports(len(probe.ports))
+    layout = cp.Layout(probe.cache, state, base, probe.versions)
+    pids: list[int] = []
     try:
         assert _run_cluster_cli(state, base, "up", "--nodes", "1").returncode == 0
         again = _run_cluster_cli(state, base, "up", "--nodes", "1")
         assert again.returncode == 0
         assert "reusing" in again.stderr
-        for component in cp.COMPONENTS:
-            cp.kill_component(layout, component)
+        cp.kill_component(layout, "kube-apiserver")
+        survivors = [c for c in cp.COMPONENTS if c != "kube-apiserver"]
+        assert cp.running_components(layout) == survivors
+        stale = [pid for c in survivors if (pid := cp.read_pid(layout, c)) is not None]
         revived = _run_cluster_cli(state, base, "up", "--nodes", "1")
         assert revived.returncode == 0, revived.stderr
-        assert "stale cluster" in revived.stderr or "starting" in revived.stderr
+        assert f"stale cluster ({', '.join(survivors)} still alive): stopping it first" in revived.stderr
+        assert [pid for pid in stale if cp.pid_alive(pid)] == []
+        assert cp.running_components(layout) == list(cp.COMPONENTS)
+        pids = [pid for c in cp.COMPONENTS if (pid := cp.read_pid(layout, c)) is not None]
     finally:
         down = _run_cluster_cli(state, base, "down")
     assert down.returncode == 0, down.stderr
+    assert [pid for pid in pids if cp.pid_alive(pid)] == []
     assert [p for p in layout.ports.values() if cp.port_in_use(p)] == []
     assert not state.exists()
 
