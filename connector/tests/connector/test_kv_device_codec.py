@@ -509,3 +509,23 @@ def test_the_gpu_check_runs_on_the_cpu_and_finds_the_kernels_equal(tmp_path: Pat
     mooncake = report["mooncake"]
     assert mooncake.get("checksum_equal") is True or "skipped" in mooncake, mooncake
     assert "all equal: True" in done.stderr  # the human table
+
+
+@pytest.mark.parametrize("kernels", ["native", "plain"])
+def test_forged_nan_codes_never_decode_to_nan(kernels: str) -> None:
+    """L3 for codes: encode never writes e4m3's two NaN codes, a peer can (with a right checksum);
+    every kernel set decodes them to finite values (the C kernels +-480 x scale, torch ops +-448)."""
+    header, payload = codec.encode(blocks(), Compression.FP8, GROUPS)
+    forged = payload.clone()
+    forged[:4] = torch.tensor([0x7F, 0xFF, 0x7F, 0xFF], dtype=torch.uint8)
+    forged_header = codec.KVHeader(header.codec, header.dtype, header.shape, header.groups, 0)
+    forged_header = codec.KVHeader(
+        header.codec, header.dtype, header.shape, header.groups, codec.checksum(forged_header, forged)
+    )
+    codec.use_kernels(kernels)
+    try:
+        values = codec.decode(forged_header, forged).float().view(-1)
+    finally:
+        codec.use_kernels("native")
+    assert torch.isfinite(values).all()
+    assert (values[:4].sign() == torch.tensor([1.0, -1.0, 1.0, -1.0])).all()

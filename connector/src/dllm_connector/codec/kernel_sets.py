@@ -35,8 +35,8 @@ from dllm_connector.codec.quant import (
     fp8_values_cast,
     fp8_widen_into,
     int8_codes,
+    int8_decode_into,
     int8_scales,
-    int8_values,
 )
 from dllm_contract.kvconfig import Compression
 
@@ -73,7 +73,7 @@ _PLAIN: Mapping[Compression, _CodecKernels] = {
     Compression.FP8: _CodecKernels(
         _encoding_with(fp8_scales, fp8_codes_cast), decoding_with(fp8_values_cast)
     ),
-    Compression.INT8: _CodecKernels(_encoding_with(int8_scales, int8_codes), decoding_with(int8_values)),
+    Compression.INT8: _CodecKernels(_encoding_with(int8_scales, int8_codes), int8_decode_into),
 }
 _PLAIN_CHUNK_ELEMENTS = 1 << 18
 _COMPILED_CHUNK_ELEMENTS = 1 << 22
@@ -118,7 +118,7 @@ def _compiled_kernels() -> Mapping[Compression, _CodecKernels]:
         ),
         Compression.INT8: _CodecKernels(
             _encoding_with(_compile(int8_scales), _compile(int8_codes)),
-            decoding_with(int8_values),  # eager on purpose (see int8_values)
+            int8_decode_into,  # eager on purpose (see its docstring)
         ),
     }
 

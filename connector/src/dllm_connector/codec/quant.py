@@ -127,7 +127,11 @@ def fp8_codes_cast(rows: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor)
 
 
 def fp8_values_cast(codes: torch.Tensor, scale: torch.Tensor, limit: float) -> torch.Tensor:
-    return codes.view(torch.float8_e4m3fn).float().mul_(scale.unsqueeze(1)).clamp_(-limit, limit)
+    """Through torch's e4m3 -> float32 cast. The two NaN codes, which encode never writes but a peer
+    can (L3), read as +-448 (the cast would give NaN): never a NaN in the cache. The C and compiled
+    kernels read them as +-480; only a forged payload can tell."""
+    finite = codes ^ ((codes & 0x7F) == 0x7F)  # 0x7F -> 0x7E, 0xFF -> 0xFE: three passes of bytes
+    return finite.view(torch.float8_e4m3fn).float().mul_(scale.unsqueeze(1)).clamp_(-limit, limit)
 
 
 def int8_scales(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -140,6 +144,8 @@ def int8_codes(rows: torch.Tensor, inverse: torch.Tensor, out: torch.Tensor) -> 
     out.copy_((rows.float() * inverse.unsqueeze(1)).clamp(-127.0, 127.0).round().to(torch.int8))
 
 
-def int8_values(codes: torch.Tensor, scale: torch.Tensor, limit: float) -> torch.Tensor:
-    # Eager on purpose: int8 -> float is vectorized in eager torch and beat a compiled kernel.
-    return codes.float().mul_(scale.unsqueeze(1))
+def int8_decode_into(codes: torch.Tensor, scale: torch.Tensor, limit: float, out: torch.Tensor) -> None:
+    """codes * scale in float32, rounded into out's dtype by the multiply's store (as a copy would,
+    one pass fewer over the values, which a device's memory feels). Eager on purpose: int8 -> float
+    is vectorized in eager torch and beat a compiled kernel."""
+    torch.mul(codes.float(), scale.unsqueeze(1), out=out)
