@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import socket
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -11,10 +14,12 @@ import torch
 from kv_peer import GEOMETRY, NUM_BLOCKS, make_caches
 from test_kv_vllm_plugin import settings, vllm_config
 
+from dllm_connector import codec
 from dllm_connector.kv_layout import LayoutError, PagedKV
 from dllm_connector.kv_worker import DATA_PATH_ENV, ConnectorWorker, WorkerIdentity, make_transport
+from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan, PreparedChunk, PreparedPiece
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Scratch
-from dllm_connector.transport.base import TransportError
+from dllm_connector.transport.base import Source, Span, Transport, TransportError
 from dllm_connector.transport.mooncake import cuda_build
 from dllm_connector.transport.placement import (
     DataPath,
@@ -303,3 +308,91 @@ def test_the_nccl_connector_picks_its_backend_by_where_the_staging_is(
     transport = make_transport("nccl", worker_extra(), "127.0.0.1", torch.device(device), setting)
     assert isinstance(transport, TorchDistTransport)
     assert transport.backend == backend
+
+
+class RecordingTransportDouble(Transport):
+    """Test double: a one-sided transport that only records when it was asked to read a source,
+    which no real transport reports (the order against the ready marks is what is tested)."""
+
+    name = "recording"
+    one_sided = True
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def register(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def endpoint(self) -> dict[str, Any]:
+        return {}
+
+    def send(
+        self, peer: Mapping[str, Any], src: Sequence[Source], dst: Sequence[Span], tag: int, timeout: float
+    ) -> None:
+        self.events.append(f"write {dst[0].addr}")
+
+    def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+def test_the_writer_reads_a_piece_only_once_its_copy_or_encode_is_done() -> None:
+    """Pinned-host and device paths hand pieces over before the device finished them; the writer
+    waits for each piece's (and chunk's) ready mark before the transport reads it."""
+    events: list[str] = []
+    ours, theirs = socket.socketpair()
+    staging = StagingBuffer(1 << 12)
+    plan = Plan(0, 1, 1, [], 1, {})
+    writer = ChunkWriter(RecordingTransportDouble(events), 5.0, staging, ours, plan)
+    try:
+        for index in range(3):
+            ready = functools.partial(events.append, f"ready {index}")
+            writer.put(PreparedPiece([Span(1, 8)], [Span(100 + index, 8)], 0, index + 1, ready))
+        header = codec.KVHeader(Compression.NONE, "bfloat16", (1, 4), 1, 0)
+        staged = staging.reserve(8, 1.0)
+        ready = functools.partial(events.append, "ready chunk")
+        writer.put(PreparedChunk(0, header, [Span(1, 8)], [Span(200, 8)], staged, ready))
+        writer.finish()
+    finally:
+        ours.close()
+        theirs.close()
+    assert events == [
+        "ready 0",
+        "write 100",
+        "ready 1",
+        "write 101",
+        "ready 2",
+        "write 102",
+        "ready chunk",
+        "write 200",
+    ]
+    assert staging.in_use == 0
+
+
+def test_the_connector_reports_its_data_path_in_its_first_stats_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    config = vllm_config(kv_transfer_config(settings(Connector.PYNCCL, Role.PREFILL), "engine-a"))
+    cache = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    connector: Any = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, cache)
+    assert connector.get_kv_connector_stats() is None  # no caches yet: no path to report
+    monkeypatch.setenv(DATA_PATH_ENV, "pinned-host")
+    worker = ConnectorWorker(worker_extra(), GEOMETRY, WorkerIdentity(0, receives=False), "nccl")
+    worker.register_kv_caches(make_caches(None), NUM_BLOCKS)
+    connector._worker = worker  # what register_kv_caches sets from vLLM's model config (none here)
+    try:
+        first = connector.get_kv_connector_stats()
+        assert first is not None
+        assert first.data["data_path"] == "pinned-host"
+        assert first.data["data_path_transport"] == "torch.distributed (gloo)"
+        assert "pinned-host staging" in first.data["data_path_reason"]
+        assert connector.get_kv_connector_stats() is None  # once: nothing else changed
+    finally:
+        worker.close()
