@@ -205,8 +205,12 @@ def codec_row(kv: Any, device: Any, compression: Any, repeats: int) -> dict[str,
             target[index * part.shape[0] : (index + 1) * part.shape[0]].copy_(part)
         stream.verify(header.checksum, header.checksum_algo)
 
+    from dllm_connector import device_checksum
+
+    checksum_kernel = "eager" if device_checksum.kernel(device) is device_checksum.terms_sum else "compiled"
     return {
         "codec": compression.value,
+        "checksum_kernel": checksum_kernel,  # nh64's, chosen by default ("auto")
         "first_call_s": first_call_s,
         "encode_layers_gbps": gbps(raw, seconds(lambda: encode(kv.chunk(LAYERS)), device, repeats)),
         "encode_whole_gbps": gbps(raw, seconds(lambda: encode([kv]), device, repeats)),
