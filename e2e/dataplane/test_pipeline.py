@@ -37,8 +37,10 @@ PROMPTS = [
     "0123456789 abcdefghij KLMNOPQRST " * 2,
     "ab",
 ]
+ONE_TOKEN_PROMPT = "a"
 MAX_TOKENS = 12
 LOGPROB_TOLERANCE = 0.02
+COMPRESSED_FIRST_LOGPROB_BOUND = 1.0
 FINDINGS: dict[str, Any] = {}
 
 
@@ -82,7 +84,7 @@ def reference(
     single = start_single_engine(model, tmp_path_factory.mktemp("single"))
     try:
         outputs = {}
-        for prompt in PROMPTS:
+        for prompt in [*PROMPTS, ONE_TOKEN_PROMPT]:
             status, body = completion(single.url, prompt)
             assert status == 200, body
             outputs[prompt] = tokens_and_logprobs(body)
@@ -141,9 +143,14 @@ def test_decode_loaded_the_prompt_externally(pipeline: Pipeline) -> None:
 
 
 def test_one_token_prompt(pipeline: Pipeline, reference: dict[str, Any]) -> None:
-    """A prompt of one token has no KV worth sending; decode must still answer, not wait for KV."""
-    status, body = completion(pipeline.processes["router"].url, "a")
+    """A prompt of one token has no KV worth sending; decode must still answer, not wait for KV, and
+    answer what one engine answers."""
+    status, body = completion(pipeline.processes["router"].url, ONE_TOKEN_PROMPT)
     assert status == 200, body
+    tokens, logprobs = tokens_and_logprobs(body)
+    want_tokens, want_logprobs = reference[ONE_TOKEN_PROMPT]
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) <= LOGPROB_TOLERANCE
 
 
 def test_streaming_through_the_pipeline(pipeline: Pipeline) -> None:
@@ -235,4 +242,9 @@ def test_compressed_kv_difference_is_measured(
             f"{len(first_diffs)}/{len(PROMPTS)} prompts, max |logprob diff| there {worst:.4f}"
         )
         assert loaded > 0, "decode recomputed instead of loading the compressed KV"
-        assert agree > 0
+        # Floors well under what both codecs measure (docs/benchmarks.md) and far above what KV decoded
+        # with wrong scales gives: a third of the tokens, the first token on half the prompts, and
+        # there within a nat of one engine's log-probability.
+        assert agree >= total // 3, f"{agree}/{total} tokens equal to one engine"
+        assert len(first_diffs) >= len(PROMPTS) // 2, f"first token equal on {len(first_diffs)}"
+        assert worst <= COMPRESSED_FIRST_LOGPROB_BOUND
