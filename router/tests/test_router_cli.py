@@ -16,7 +16,8 @@ import pytest
 from router_engine_double import expected_text
 from router_harness import EngineFactory
 
-from dllm_router.__main__ import LOG_FORMAT, BatchedStreamHandler, _Formatter, direct_access_line
+from dllm_contract.logs import LOG_FORMAT
+from dllm_router.__main__ import BatchedStreamHandler, _Formatter, direct_access_line
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -67,11 +68,11 @@ async def test_router_process_serves_and_stops_on_sigterm(
         async with client.post(url + "/v1/completions", json=body, headers=headers) as r:
             assert r.status == 200
             assert json.loads(await r.text())["choices"][0]["text"] == expected_text("cli", 2)
-        line = (await wait_for_log(proc, b" cli-1 ")).decode()
+        access_line = (await wait_for_log(proc, b" cli-1 ")).decode()
         pods = f"prefill=127.0.0.1:{p.port} decode=127.0.0.1:{d.port}"
         stamp = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}"
         access = stamp + rf" INFO dllm_router\.access: cli-1 /v1/completions 200 {pods} [\d.]+ms"
-        assert re.fullmatch(access, line.rstrip("\n")), line
+        assert re.fullmatch(access, access_line.rstrip("\n")), access_line
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
     finally:
