@@ -409,11 +409,12 @@ class KVSender(PipeSide):
                 checksum_algo=self.checksum_algo,
             )
         except BaseException:
+            with contextlib.suppress(Exception):
+                ready[0]()  # no copy still writes into the staging once it is handed on
             if pieces is not None and pieces.sent:  # the writer may still be reading it
                 with contextlib.suppress(Exception):
                     writer.put(StagingRelease(staged))
             else:
-                ready[0]()  # no copy still writes into it
                 self.staging.release(staged)
             raise
         if pieces is None:  # two-sided: only the size counts
