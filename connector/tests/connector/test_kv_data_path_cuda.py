@@ -24,6 +24,7 @@ from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.transport.base import Transport
 from dllm_connector.transport.placement import DataPath, choose_path
 from dllm_connector.transport.staging import StagingBuffer, pinned_host_bytes
+from dllm_connector.transport.torchdist import _on_device_of
 from dllm_contract.kvconfig import Compression
 
 pytestmark = [
@@ -114,3 +115,10 @@ def test_gpu_kv_moves_between_two_processes(
             assert receiver.staging.tensor.is_pinned()
     finally:
         receiver.close()
+
+
+def test_nccl_calls_run_on_the_tensors_device() -> None:
+    """The writer's thread starts on cuda:0; a TP rank's staging may be on another GPU."""
+    last = torch.device("cuda", torch.cuda.device_count() - 1)
+    with _on_device_of([torch.empty(1, device=last)]):
+        assert torch.cuda.current_device() == last.index

@@ -17,6 +17,7 @@ ephemeral ports: the engines' NetworkPolicy has to admit any port between them.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import itertools
 import threading
@@ -148,11 +149,13 @@ class TorchDistTransport(Transport):
         if len(tensors) != len(src):
             raise TransportError(f"{self._backend} sends tensors, not raw memory spans")
         group = self._group(str(peer["pair"]), _SENDER, peer, timeout)
-        self._run([group.send([tensor], _RECEIVER, tag) for tensor in tensors], peer, timeout)
+        with _on_device_of(tensors):
+            self._run([group.send([tensor], _RECEIVER, tag) for tensor in tensors], peer, timeout)
 
     def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
         group = self._group(str(peer["pair"]), _RECEIVER, peer, timeout)
-        self._run([group.recv([tensor], _SENDER, tag) for tensor in dst], peer, timeout)
+        with _on_device_of(dst):
+            self._run([group.recv([tensor], _SENDER, tag) for tensor in dst], peer, timeout)
 
     def _run(self, works: list[Any], peer: Mapping[str, Any], timeout: float) -> None:
         try:
@@ -232,6 +235,14 @@ class TorchDistTransport(Transport):
             self._groups.clear()
             self._admitted.clear()
             self._store = None
+
+
+def _on_device_of(tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """NCCL runs on the current CUDA device: make it the tensors' (a TP rank's GPU is not cuda:0,
+    and the writer's thread starts on cuda:0). Host tensors (gloo) need nothing."""
+    if tensors and tensors[0].device.type == "cuda":
+        return torch.cuda.device(tensors[0].device)
+    return contextlib.nullcontext()
 
 
 def _ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
