@@ -119,6 +119,7 @@ class PagedKV:
             ((tensor.untyped_storage().data_ptr(), _storage_bytes(tensor)) for tensor in self.caches),
             key=lambda entry: entry[0],
         )
+        self._storage_bases = [base for base, _ in self._storages]
 
     def _check_rank_heads(self) -> None:
         total = self.geometry.total_kv_heads
@@ -341,7 +342,7 @@ class PagedKV:
     def byte_region(self, addr: int, nbytes: int) -> torch.Tensor:
         """A span `spans` listed, as a flat uint8 view of the cache holding it (on the cache's device):
         what a device-side checksum reads in place."""
-        index = bisect.bisect_right([base for base, _ in self._storages], addr) - 1
+        index = bisect.bisect_right(self._storage_bases, addr) - 1
         if index >= 0:
             base, flat = self._storages[index]
             if addr + nbytes <= base + flat.numel():
