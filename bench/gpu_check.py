@@ -478,6 +478,12 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, help="timed calls per figure (median); default 5, --quick 2")
     parser.add_argument("--json", help="also write the JSON document here (after each step)")
     parser.add_argument("--no-compiled", action="store_true", help="plain torch ops and eager checksum only")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=200.0,
+        help="past this many seconds, the compiled pass's remaining sizes are skipped (default 200)",
+    )
     parser.add_argument("--wheels", help="a directory of wheels for missing pure dependencies")
     parser.add_argument("--mooncake-receiver", help=argparse.SUPPRESS)
     parser.add_argument("--bytes", type=int, help=argparse.SUPPRESS)
@@ -518,8 +524,12 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
 
+    skipped: list[str] = []
     for number, (kernels, checksum_kernel) in enumerate(passes(device, args.quick, not args.no_compiled)):
         for size in report["sizes"]:
+            if number and time.perf_counter() - started > args.budget_s:
+                skipped.append(f"{size['tokens']} tokens, {kernels} kernels")
+                continue
             kv = make_kv(size["tokens"], device)
             size["kv_bytes"] = kv.numel() * kv.element_size()
             size["equality"] += equality_rows(kv, device, kernels)
@@ -533,6 +543,9 @@ def main() -> int:
             payload_bytes = min(COPY_BYTES_MAX, report["sizes"][0]["kv_bytes"])
             report["mooncake"] = mooncake_row(device, payload_bytes, repeats)
             save("mooncake")
+    if skipped:
+        report["skipped_for_time"] = skipped
+        save(f"past --budget-s {args.budget_s:.0f}: skipped {', '.join(skipped)}")
     print(table(report), file=sys.stderr)
     print(json.dumps(report, indent=1))
     return 0 if report["all_equal"] else 1
