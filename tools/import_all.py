@@ -13,6 +13,7 @@ import sys
 ENGINE_ONLY = (
     "dllm_connector.checksum",
     "dllm_connector.codec",
+    "dllm_connector.device_checksum",
     "dllm_connector.kv_layout",
     "dllm_connector.kv_worker",
     "dllm_connector.pipe",
