@@ -11,6 +11,10 @@ exit code 2 and one line on stderr naming the variable and what it allows.
 DLLM_KV_AUTH_TOKEN (the KV side channel's key) is checked here but never put on vLLM's command line
 or in the log: vLLM's workers inherit it from the environment (kv_worker reads it).
 
+A decode engine of our connector also gets `--middleware dllm_connector.end_route.EndTransferRoute`
+(the router's `POST /v1/dllm/end_transfer`, security review M2) and the TP size that route ends ids on
+(DLLM_END_ROUTE_TP_SIZE, from --tensor-parallel-size); prefill's command line has neither.
+
 Everything up to `main` is pure (env and args in, a command out); `main` does the I/O.
 """
 
@@ -55,6 +59,11 @@ ENV_MC_FORCE_TCP = "MC_FORCE_TCP"
 ENV_MC_TCP_BIND_ADDRESS = "MC_TCP_BIND_ADDRESS"
 
 KV_TRANSFER_FLAG = "--kv-transfer-config"
+MIDDLEWARE_FLAG = "--middleware"
+# By name, not imported: end_route pulls in the pipe (torch), which dllm-serve itself never needs.
+END_ROUTE_MIDDLEWARE = "dllm_connector.end_route.EndTransferRoute"
+ENV_END_ROUTE_TP_SIZE = "DLLM_END_ROUTE_TP_SIZE"
+_TP_FLAGS = ("--tensor-parallel-size", "-tp")
 # argparse accepts any unambiguous prefix of a flag; no other vLLM flag starts like this.
 _KV_TRANSFER_FLAG_SHORTEST_PREFIX = "--kv-t"
 
@@ -116,6 +125,34 @@ def refuse_own_kv_transfer_config(engine_args: Sequence[str]) -> None:
             )
 
 
+def tensor_parallel_size(engine_args: Sequence[str]) -> int:
+    """The engine's --tensor-parallel-size (or -tp; the last one wins, as in argparse); 1 when unset."""
+    size: str | None = None
+    for i, arg in enumerate(engine_args):
+        name, eq, value = arg.partition("=")
+        flag = name if name == "-tp" else _flag_name(name) if name.startswith("--") else None
+        if flag in _TP_FLAGS:
+            size = value if eq else (engine_args[i + 1] if i + 1 < len(engine_args) else "")
+    if size is None:
+        return 1
+    if not size.isdigit() or int(size) < 1:
+        raise ServeError(
+            f"engine args: --tensor-parallel-size {size[:20]!r} must be a whole number, 1 or more"
+        )
+    return int(size)
+
+
+def end_route(
+    settings: kvconfig.KVTransferSettings, engine_args: Sequence[str]
+) -> tuple[list[str], dict[str, str]]:
+    """The end route's flag and env (M2) for an engine that receives through our connector; none else
+    (prefill, or a user's own connector, which has no side channel to end ids on)."""
+    if not settings.receives or settings.connector is kvconfig.Connector.CUSTOM:
+        return [], {}
+    tp = tensor_parallel_size(engine_args)
+    return [MIDDLEWARE_FLAG, END_ROUTE_MIDDLEWARE], {ENV_END_ROUTE_TP_SIZE: str(tp)}
+
+
 def engine_id(settings: kvconfig.KVTransferSettings, hostname: str, boot_id: str) -> str:
     """vLLM's engine_id: the pod name (DLLM_ENGINE_ID, else the hostname) plus this boot's id."""
     return f"{settings.engine_id or hostname}-{boot_id}"
@@ -145,10 +182,11 @@ def build_command(
     refuse_own_kv_transfer_config(engine_args)
     config = kvconfig.kv_transfer_config(settings, engine_id(settings, hostname, boot_id))
     config_json = json.dumps(config, separators=(",", ":"))
-    argv = (*launcher_argv(launcher, python), *engine_args, KV_TRANSFER_FLAG, config_json)
+    route_args, route_env = end_route(settings, engine_args)
+    argv = (*launcher_argv(launcher, python), *route_args, *engine_args, KV_TRANSFER_FLAG, config_json)
     return ServeCommand(
         argv=argv,
-        added_env=mooncake_env(settings, env),
+        added_env={**mooncake_env(settings, env), **route_env},
         kv_transfer_config=config,
         side_channel_authenticated=kvconfig.side_channel_token(env) is not None,
     )

@@ -40,7 +40,8 @@ PREFILL_LINE = (
     f"--kv-transfer-config '{PREFILL_JSON}'"
 )
 DECODE_LINE = (
-    f"MC_FORCE_TCP=1 MC_TCP_BIND_ADDRESS=10.0.0.6 {shlex.join(API_SERVER)} --model meta-llama/Llama-2-70b "
+    f"MC_FORCE_TCP=1 MC_TCP_BIND_ADDRESS=10.0.0.6 DLLM_END_ROUTE_TP_SIZE=4 {shlex.join(API_SERVER)} "
+    "--middleware dllm_connector.end_route.EndTransferRoute --model meta-llama/Llama-2-70b "
     "--tensor-parallel-size 4 --max-num-seqs 256 --max-num-batched-tokens 2048 --no-enable-chunked-prefill "
     f"--port 8001 --kv-transfer-config '{DECODE_JSON}'"
 )
@@ -112,16 +113,18 @@ def test_vllm_cli_launcher_runs_vllm_serve(seed_decode, run_serve):
     result = run_serve(["--print", "--launcher", "vllm-cli", "--", *seed_decode.args], seed_decode.env)
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
-    assert argv[2:4] == ["vllm", "serve"]
-    assert argv[4:-2] == seed_decode.args
+    start = argv.index("vllm")  # after the added env (A=1 ...)
+    assert argv[start : start + 2] == ["vllm", "serve"]
+    assert argv[start + 2 : start + 4] == ["--middleware", "dllm_connector.end_route.EndTransferRoute"]
+    assert argv[start + 4 : -2] == seed_decode.args
 
 
 def test_launcher_comes_from_the_env_and_the_flag_wins(seed_decode, run_serve):
     env = {**seed_decode.env, "DLLM_SERVE_LAUNCHER": "vllm-cli"}
     from_env = shlex.split(run_serve(["--print", "--", "--port", "8001"], env).stdout)
     from_flag = shlex.split(run_serve(["--print", "--launcher", "api-server", "--"], env).stdout)
-    assert from_env[2:4] == ["vllm", "serve"]
-    assert from_flag[3:5] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert from_env[3:5] == ["vllm", "serve"]  # after three added env entries
+    assert from_flag[4:6] == ["-m", "vllm.entrypoints.openai.api_server"]
 
 
 def test_mooncake_env_respects_what_the_user_set(seed_prefill):
@@ -186,3 +189,71 @@ def test_a_missing_vllm_program_is_one_clear_line(seed_decode, run_serve, tmp_pa
 )  # fmt: skip
 def test_secret_names(name, secret):
     assert serve.is_secret_name(name) is secret
+
+
+# ---- the end route (security review M2): decode's engine serves POST /v1/dllm/end_transfer -----------
+
+END_ROUTE = ["--middleware", "dllm_connector.end_route.EndTransferRoute"]
+
+
+def _build(env, args):
+    return serve.build_command(
+        env, args, serve.Launcher.API_SERVER, hostname="h", boot_id="b", python="python3"
+    )
+
+
+def test_decode_gets_the_end_route_with_its_tp_size_and_prefill_does_not(seed_decode, seed_prefill):
+    decode = _build(seed_decode.env, seed_decode.args)
+    assert list(decode.argv[3:5]) == END_ROUTE  # after the launcher, before the engine args
+    assert decode.added_env["DLLM_END_ROUTE_TP_SIZE"] == "4"
+    prefill = _build(seed_prefill.env, seed_prefill.args)
+    assert "--middleware" not in prefill.argv
+    assert "DLLM_END_ROUTE_TP_SIZE" not in prefill.added_env
+
+
+def test_kv_both_gets_the_end_route_and_a_custom_connector_does_not(seed_decode):
+    both = _build({**seed_decode.env, "VLLM_KV_ROLE": "both"}, ["--model", "m"])
+    assert list(both.argv[3:5]) == END_ROUTE
+    assert both.added_env["DLLM_END_ROUTE_TP_SIZE"] == "1"
+    custom_env = {
+        **seed_decode.env,
+        "VLLM_KV_CONNECTOR": "custom",
+        "VLLM_KV_CONNECTOR_CLASS": "MyConnector",
+        "VLLM_KV_CONNECTOR_MODULE_PATH": "my_pkg.conn",
+    }
+    custom = _build(custom_env, ["--model", "m"])
+    assert "--middleware" not in custom.argv
+
+
+def test_a_users_own_middleware_is_kept_next_to_the_end_route(seed_decode):
+    args = ["--model", "m", "--middleware", "my_pkg.Mine"]
+    command = _build(seed_decode.env, args)
+    assert command.argv.count("--middleware") == 2  # vLLM's flag appends
+    assert "my_pkg.Mine" in command.argv
+
+
+@pytest.mark.parametrize(
+    ("args", "size"),
+    [
+        ([], 1),
+        (["--tensor-parallel-size", "2"], 2),
+        (["--tensor-parallel-size=8"], 8),
+        (["--tensor_parallel_size", "4"], 4),
+        (["-tp", "2"], 2),
+        (["-tp=4"], 4),
+        (["-tp", "2", "--tensor-parallel-size", "8"], 8),  # the last wins, as in argparse
+    ],
+)
+def test_the_tp_size_is_read_from_every_spelling(args, size):
+    assert serve.tensor_parallel_size(args) == size
+
+
+@pytest.mark.parametrize(
+    "args", [["--tensor-parallel-size", "zero"], ["-tp", "0"], ["--tensor-parallel-size"]]
+)
+def test_a_bad_tp_size_is_one_clear_line(seed_decode, run_serve, args):
+    result = run_serve(["--print", "--", "--model", "m", *args], seed_decode.env)
+    assert result.returncode == 2
+    assert "--tensor-parallel-size" in result.stderr
+    assert "must be a whole number" in result.stderr
+    assert "Traceback" not in result.stderr

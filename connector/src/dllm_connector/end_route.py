@@ -1,0 +1,227 @@
+"""`POST /v1/dllm/end_transfer` on a decode engine's HTTP port: how the router ends a transfer id (M2).
+
+When decode fails a request after prefill ran (decode answered an error, was unreachable or timed out,
+or the client left), prefill's KV sender would hold that request's blocks for the hold time waiting for
+an accept that never comes. The router then posts `{"transfer_id": "..."}` here, and this middleware
+tells every TP rank of this engine's own side channel (kv port + rank) to `end` the id, so prefill's
+offer is refused at once. An id decode does expect is left alone (pipe/end.py).
+
+It adds no trust: the router already calls this port with the engine API key, and only the router may
+reach it (NetworkPolicy); the router never learns the side channel's token, this engine uses its own.
+dllm-serve adds it with vLLM's `--middleware` for the decode role; vLLM builds the app in each API
+server process and adds this class last, so it runs before vLLM's own key check (which guards `/v1`):
+it checks the key itself. Every other request goes through untouched after one path comparison.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from dllm_connector.pipe.end import EndRefused, end_transfer
+from dllm_connector.transport.sidechannel import PeerAuth
+from dllm_contract import kvconfig
+from dllm_contract.pd_params import MAX_TRANSFER_ID
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+END_PATH = "/v1/dllm/end_transfer"
+MIDDLEWARE = f"{__name__}.EndTransferRoute"  # what dllm-serve passes to vLLM's --middleware
+ENV_TP_SIZE = "DLLM_END_ROUTE_TP_SIZE"  # set by dllm-serve from the engine's --tensor-parallel-size
+ENV_API_KEY = "VLLM_API_KEY"  # vLLM's own key for /v1 (the operator sets it from the engine Secret)
+MAX_BODY = 1024  # {"transfer_id": <at most 256 characters>} fits with room
+MAX_IN_FLIGHT = 64  # ends being sent at once; beyond: 503 (the router bounds its own too)
+MAX_TP_SIZE = 1024
+# What the router generates: new_transfer_id(request id, prompt index) = "<rid>-<index>-<12 hex>",
+# the request id being visible ASCII (the router refuses any other X-Request-Id).
+TRANSFER_ID = re.compile(r"[!-~]+-[0-9]{1,9}-[0-9a-f]{12}")
+
+
+class EndRouteConfigError(ValueError):
+    """The engine's env does not allow the route (named variable, what it allows)."""
+
+
+@dataclass(frozen=True)
+class EndTarget:
+    """This engine's own side channel, and the key a caller must present."""
+
+    host: str
+    port: int  # TP rank 0's; rank r listens on port + r
+    tp_size: int
+    timeout_s: float
+    auth: PeerAuth | None = None
+    api_key: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> EndTarget:
+        settings = kvconfig.from_env(env)
+        raw_tp = env.get(ENV_TP_SIZE, "1").strip()
+        if not raw_tp.isdigit() or not 1 <= int(raw_tp) <= MAX_TP_SIZE:
+            raise EndRouteConfigError(
+                f"{ENV_TP_SIZE}: {raw_tp[:20]!r} must be a whole number 1-{MAX_TP_SIZE}"
+            )
+        token = kvconfig.side_channel_token(env)
+        return cls(
+            host=settings.host_ip or "127.0.0.1",  # where kv_worker binds the side channel
+            port=settings.listen_port,
+            tp_size=int(raw_tp),
+            timeout_s=settings.transfer_timeout_ms / 1000,
+            auth=PeerAuth.from_token(token) if token is not None else None,
+            api_key=env.get(ENV_API_KEY) or None,
+        )
+
+
+class BadEnd(Exception):
+    """A request this route refuses: its status and a one-line reason."""
+
+    def __init__(self, status: int, reason: str) -> None:
+        super().__init__(reason)
+        self.status = status
+
+
+# ---- pure: what a request asks ------------------------------------------------------------------------
+
+
+def parse_body(body: bytes) -> str:
+    """The transfer id of a body `{"transfer_id": "..."}`; BadEnd(400) naming what is wrong."""
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise BadEnd(400, 'the body must be JSON: {"transfer_id": "..."}') from None
+    if not isinstance(data, dict) or set(data) != {"transfer_id"}:
+        raise BadEnd(400, 'the body must be an object with one key: {"transfer_id": "..."}')
+    tid = data["transfer_id"]
+    if not isinstance(tid, str) or len(tid) > MAX_TRANSFER_ID or TRANSFER_ID.fullmatch(tid) is None:
+        raise BadEnd(
+            400,
+            f"transfer_id must be a transfer id the router generates (<request id>-<index>-<12 hex>, "
+            f"at most {MAX_TRANSFER_ID} visible ASCII characters)",
+        )
+    return tid
+
+
+def key_matches(authorization: bytes | None, key: str) -> bool:
+    """`Authorization: Bearer <key>`, compared in constant time (digests: the length leaks nothing)."""
+    if authorization is None:
+        return False
+    scheme, _, given = authorization.partition(b" ")
+    if scheme.lower() != b"bearer":
+        return False
+    expected = hashlib.sha256(key.encode()).digest()
+    return hmac.compare_digest(hashlib.sha256(given.strip()).digest(), expected)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+# ---- the middleware ----------------------------------------------------------------------------------
+
+
+class EndTransferRoute:
+    """ASGI middleware serving END_PATH (see the module docstring); vLLM constructs it with the app only,
+    so the target comes from the engine's env unless a test passes one."""
+
+    def __init__(self, app: ASGIApp, target: EndTarget | None = None) -> None:
+        self.app = app
+        self.target = target if target is not None else EndTarget.from_env(os.environ)
+        self._in_flight = 0
+        log.info(
+            "%s serves ends for side channel %s:%d (TP %d)",
+            END_PATH,
+            self.target.host,
+            self.target.port,
+            self.target.tp_size,
+        )
+
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        if scope["type"] != "http" or scope["path"] != END_PATH:
+            return self.app(scope, receive, send)
+        return self._serve(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            tid = await self._accept(scope, receive)
+            if self._in_flight >= MAX_IN_FLIGHT:
+                raise BadEnd(503, f"over {MAX_IN_FLIGHT} ends in flight; try again later")
+            self._in_flight += 1
+            try:
+                refusals = await self._end_everywhere(tid)
+            finally:
+                self._in_flight -= 1
+            if refusals:
+                raise BadEnd(502, "; ".join(refusals))
+        except BadEnd as bad:
+            await _answer(send, bad.status, str(bad))
+            return
+        await _answer(send, 204, None)
+
+    async def _accept(self, scope: Scope, receive: Receive) -> str:
+        if scope.get("method") != "POST":
+            raise BadEnd(405, f"{END_PATH} takes POST")
+        key = self.target.api_key
+        if key is not None and not key_matches(_header(scope, b"authorization"), key):
+            raise BadEnd(401, "Unauthorized")
+        length = _header(scope, b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY):
+            raise BadEnd(413, f"the body must be at most {MAX_BODY} bytes")
+        return parse_body(await _read_body(receive))
+
+    async def _end_everywhere(self, tid: str) -> list[str]:
+        """End `tid` on every TP rank at once, off the event loop; the ranks' refusals, in words."""
+        target = self.target
+
+        def end(rank: int) -> str | None:
+            try:
+                end_transfer(target.host, target.port + rank, tid, target.timeout_s, auth=target.auth)
+            except EndRefused as error:
+                return f"rank {rank}: {error}"
+            return None
+
+        results = await asyncio.gather(*(asyncio.to_thread(end, r) for r in range(target.tp_size)))
+        return [r for r in results if r is not None]
+
+
+async def _read_body(receive: Receive) -> bytes:
+    """The request body, refused past MAX_BODY without reading further."""
+    body = bytearray()
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise BadEnd(400, "the client went away before the body was complete")
+        body += message.get("body", b"")
+        if len(body) > MAX_BODY:
+            raise BadEnd(413, f"the body must be at most {MAX_BODY} bytes")
+        if not message.get("more_body", False):
+            return bytes(body)
+
+
+async def _answer(send: Send, status: int, reason: str | None) -> None:
+    if reason is None:
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    kind = "BadRequestError" if status < 500 else "ServiceUnavailableError"
+    payload = json.dumps({"error": {"message": reason, "type": kind, "code": status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    if status == 405:
+        headers.append((b"allow", b"POST"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
