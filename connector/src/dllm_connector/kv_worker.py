@@ -25,7 +25,7 @@ from dllm_connector.pipe.common import PipeConfig, TransferFailed
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
-from dllm_connector.transport.placement import DataPathError, PathSetting, parse_setting
+from dllm_connector.transport.placement import DataPath, DataPathError, PathSetting, parse_setting
 from dllm_connector.transport.sidechannel import PeerAuth
 from dllm_contract import kvconfig
 from dllm_contract.kvconfig import ConnectorExtraConfig, Protocol
@@ -115,7 +115,6 @@ class ConnectorWorker:
     def register_kv_caches(self, caches: Mapping[str, torch.Tensor], num_blocks: int) -> None:
         tp = TPRank(self.identity.tp_rank, self.identity.tp_size)
         self.kv = PagedKV(caches, num_blocks, self.geometry, tp=tp)
-        codec.warm_up(self.kv.gather([0]), self.config.compression, self.kv.layout.groups)
         # The side channel's key comes from the worker's environment, never from the kv-transfer
         # config (that JSON is on vLLM's command line and in its logs).
         token = kvconfig.side_channel_token(os.environ)
@@ -143,6 +142,13 @@ class ConnectorWorker:
                 auth=auth,
             )
         side = self.sender or self.receiver
+        # Where payloads are encoded is known now: off the host path, on the cache's device (in device
+        # staging, or in the scratch the pinned-host path copies from). The kernels and the checksum
+        # are compiled and checked for it here, not at the first transfer (seconds, past a peer's
+        # timeout); a device whose kernels write other bytes than the host's stops the engine here.
+        off_host = side is not None and side.placement.path is not DataPath.HOST
+        staging = self.kv.device if off_host and self.kv.device.type != "cpu" else None
+        codec.warm_up(self.kv.gather([0]), self.config.compression, self.kv.layout.groups, staging=staging)
         if side is not None:
             self.data_path = side.placement.path.value
             self.data_path_reason = side.data_path

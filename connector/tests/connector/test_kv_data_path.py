@@ -20,7 +20,7 @@ from dllm_connector.kv_worker import DATA_PATH_ENV, ConnectorWorker, WorkerIdent
 from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan, PreparedChunk, PreparedPiece
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Scratch
 from dllm_connector.transport.base import Source, Span, Transport, TransportError
-from dllm_connector.transport.mooncake import cuda_build
+from dllm_connector.transport.mooncake import cuda_build, mooncake_traits
 from dllm_connector.transport.placement import (
     DataPath,
     DataPathError,
@@ -147,6 +147,26 @@ def test_unknown_settings_are_refused_with_the_choices(raw: str) -> None:
 )
 def test_mooncake_cuda_build_is_told_by_its_wheel(distributions: list[str], cuda: bool) -> None:
     assert cuda_build(distributions) is cuda
+
+
+@pytest.mark.parametrize(
+    ("protocol", "cuda", "device", "why"),
+    [
+        ("rdma", True, True, ""),
+        ("tcp", True, False, "over TCP Mooncake copies device memory through host buffers itself"),
+        ("rdma", False, False, "a build without CUDA"),
+        ("tcp", False, False, "a build without CUDA"),
+    ],
+)
+def test_mooncake_registers_device_memory_only_where_the_nic_reads_it(
+    protocol: str, cuda: bool, device: bool, why: str
+) -> None:
+    """The image's CUDA build over TCP stages in pinned host memory (review of issue 20, finding 1)."""
+    traits = mooncake_traits(protocol, cuda_build=cuda)
+    assert traits.registers_device_memory is device
+    assert why in traits.why_not_device
+    placed = choose_path("cuda", Compression.NONE, traits)
+    assert placed.path is (DataPath.DEVICE if device else DataPath.PINNED_HOST)
 
 
 def test_transports_describe_themselves() -> None:

@@ -20,7 +20,9 @@ from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import prompt_hash
 from dllm_connector.pipe.common import PipeConfig
 from dllm_connector.pipe.receiver import KVReceiver
+from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
+from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.placement import DataPath, PathSetting
 from dllm_contract.kvconfig import Compression
 
@@ -184,3 +186,33 @@ def test_a_peer_checksumming_with_another_algorithm_is_refused_by_name(
         assert receiver.staging.in_use == 0
     finally:
         receiver.close()
+
+
+def test_a_scratch_the_device_cannot_allocate_fails_the_send_and_releases_its_staging() -> None:
+    """Pinned-host: the send's device scratch cannot be allocated (the GPU is out of memory; here a
+    double of the allocator raises what torch raises): that send fails naming it, and its staging
+    reservation is released, so later sends are not starved."""
+    config = receiver_config(PathSetting.PINNED_HOST, compression=Compression.FP8, async_transfer=False)
+    decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
+    receiver = KVReceiver(decode_transport, PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config, HOST, 0)
+    sender = KVSender(prefill_transport, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config)
+    try:
+        assert sender.scratch is not None
+
+        def out_of_memory_double(nbytes: int) -> torch.Tensor:
+            raise torch.OutOfMemoryError(f"CUDA out of memory allocating {nbytes} bytes (test double)")
+
+        sender.scratch.take = out_of_memory_double  # type: ignore[method-assign]
+        hashed = prompt_hash([1, 2, 3])
+        receiver.expect("oom", tuple(range(100, 108)), prompt_hash=hashed)
+        sender.submit(SendJob("oom", tuple(range(10, 18)), HOST, receiver.port, hashed))
+        reason = sender.finished()["oom"]
+        assert reason is not None
+        assert "out of memory" in reason
+        assert sender.staging.in_use == 0
+        assert receiver.wait_for("oom", 20) != ""
+    finally:
+        sender.close(timeout=10)
+        receiver.close()
+        prefill_transport.close()
+        decode_transport.close()

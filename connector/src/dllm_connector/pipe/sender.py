@@ -371,7 +371,11 @@ class KVSender(PipeSide):
         nbytes = codec.payload_nbytes(self.codec, self.kv.dtype, shape, groups)
         remote = self._slot(sock, plan, index) if self.transport.one_sided else 0
         staged = self.staging.reserve(nbytes, self.config.transfer_timeout_s)
-        mirror = self._mirror(staged)
+        try:
+            mirror = self._mirror(staged)  # a device allocation: it may fail (out of memory)
+        except BaseException:
+            self.staging.release(staged)  # nothing reads or writes it yet
+            raise
         if not self.transport.one_sided:  # announced first, then sent whole: no pieces
             pieces = None
         else:

@@ -32,6 +32,9 @@ class SpanChecksum:
             self._host.add(addr, nbytes)
 
     def add_all(self, spans: Iterable[tuple[int, int]]) -> None:
+        if self._device is not None:  # gathered into long runs: one launch per span is launch-bound
+            self._device.add_all(self._kv.byte_region(addr, nbytes) for addr, nbytes in spans)
+            return
         for addr, nbytes in spans:
             self.add(addr, nbytes)
 

@@ -105,6 +105,20 @@ def installed_cuda_build() -> bool:
     return cuda_build(importlib.metadata.packages_distributions().get("mooncake", []))
 
 
+def mooncake_traits(protocol: str, *, cuda_build: bool) -> TransportTraits:
+    """Device memory is worth registering only where the NIC reads it (RDMA, GPUDirect). Over TCP,
+    Mooncake's CUDA build copies device memory through a host buffer of its own, 64 KiB at a time,
+    synchronously and on the default stream: pinned staging, its copies overlapped with the wire, is
+    faster there."""
+    kind = f"mooncake ({protocol})"
+    if not cuda_build:
+        return TransportTraits(kind, True, False, f"{_NON_CUDA_DIST} is installed, a build without CUDA")
+    if protocol != "rdma":
+        why = "over TCP Mooncake copies device memory through host buffers itself, unoverlapped"
+        return TransportTraits(kind, True, False, why)
+    return TransportTraits(kind, True, True)
+
+
 class MooncakeTransport(Transport):
     name: ClassVar[str] = "mooncake"
     one_sided: ClassVar[bool] = True
@@ -168,9 +182,7 @@ class MooncakeTransport(Transport):
         return {"session": self._session}
 
     def traits(self) -> TransportTraits:
-        kind = f"mooncake ({self._protocol})"
-        why = "" if self._cuda else f"{_NON_CUDA_DIST} is installed, a build without CUDA"
-        return TransportTraits(kind, True, self._cuda, why)
+        return mooncake_traits(self._protocol, cuda_build=self._cuda)
 
     def send(
         self,
