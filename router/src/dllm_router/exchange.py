@@ -35,6 +35,10 @@ class ExchangeHost(Protocol):
 
     def upstream_failure(self, ep: Endpoint, error: BaseException) -> Exception: ...
 
+    def end_transfer(self, ep: Endpoint, transfer_id: str, headers: bytes) -> None:
+        """In the background: tell decode pod `ep` to end `transfer_id` (M2, transfer_end.py)."""
+        ...
+
     def account(
         self, route: str, rid: str, status: int, prefill: str, decode: str, started: float, sent: bool = False
     ) -> None: ...

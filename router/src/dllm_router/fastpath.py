@@ -27,7 +27,7 @@ from dllm_router.errors import RouterError, Unreachable, pod_error, prefill_answ
 from dllm_router.exchange import ExchangeHost
 from dllm_router.http_messages import Request, Response
 from dllm_router.httpserver import Connection, Pending
-from dllm_router.upstream import Call
+from dllm_router.upstream import Call, ConnectFailed
 
 log = logging.getLogger(__name__)
 JsonObject = dict[str, Any]
@@ -41,11 +41,14 @@ class FastExchange(Pending):
         "_conn",
         "_d",
         "_dcall",
+        "_decode_ok",
         "_decoded",
+        "_end_id",
         "_p",
         "_pcall",
         "_prefill_at",
         "_prefill_done",
+        "_prefill_refused",
         "_replied",
         "_request",
         "_router",
@@ -81,6 +84,10 @@ class FastExchange(Pending):
         self._pcall: Call | None = None  # the calls in flight
         self._dcall: Call | None = None
         self._decoded: bytes | None = None  # decode's answer when it came before prefill's (dllm)
+        # dllm: this attempt's transfer id, ended on decode when decode fails after prefill may have
+        # run (M2): unless decode answered 200 or prefill answered an error or was never reached
+        self._end_id: str | None = None
+        self._decode_ok = self._prefill_refused = False
         self._prefill_at = self._prefill_done = started
         self._replied = False
         conn.pending = self
@@ -93,7 +100,8 @@ class FastExchange(Pending):
 
     def _send_first(self, _: None) -> None:
         router, body = self._router, self.body
-        self._decoded = None
+        self._decoded = self._end_id = None
+        self._decode_ok = self._prefill_refused = False
         p = router.pick(router.prefill, self._tried)
         if oa.asks_one_token(body):  # prefill alone answers; no KV moves
             router.metrics.prefill_answers += 1
@@ -102,7 +110,7 @@ class FastExchange(Pending):
             return
         d = router.pick(router.decode, self._tried)
         plan = router.plan(self.rid, 0, p, d)
-        self._p, self._d = p, d
+        self._p, self._d, self._end_id = p, d, plan.end_id
         self._prefill_done = self._prefill_at = perf_counter()
         prefill_body = oa.dumps(oa.prefill_request(body, plan.prefill_kv))
         self._pcall = self._call(p, self.headers + plan.prefill_headers, prefill_body, False)
@@ -124,6 +132,8 @@ class FastExchange(Pending):
         assert p is not None
         p.inflight -= 1
         self._pcall = None
+        error = call.error
+        self._prefill_refused = isinstance(error, ConnectFailed) or (error is None and call.status != 200)
         self._raise_unless_ok(call, p)
         now = perf_counter()
         router.metrics.prefill_seconds.observe(now - self._prefill_at)
@@ -152,6 +162,7 @@ class FastExchange(Pending):
         ep.inflight -= 1
         self._dcall = None
         self._raise_unless_ok(call, ep)
+        self._decode_ok = True
         router.metrics.decode_first_byte_seconds.observe(max(perf_counter() - self._prefill_done, 0.0))
         if self._pcall is not None:
             self._decoded = call.body  # prefill has not answered yet: its answer decides
@@ -217,6 +228,9 @@ class FastExchange(Pending):
         if call is not None and self._d is not None:
             call.close()
             self._d.inflight -= 1
+        tid, self._end_id = self._end_id, None
+        if tid is not None and self._d is not None and not (self._decode_ok or self._prefill_refused):
+            self._router.end_transfer(self._d, tid, self.headers)
 
     def cancel(self) -> None:
         """The client left: both calls are abandoned, as the coroutine path's cancellation does."""

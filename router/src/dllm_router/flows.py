@@ -29,6 +29,9 @@ class PairPlan:
     concurrent: bool
     prefill_headers: bytes
     transfer_id: str | None = None
+    # dllm (our connector) only: the id to end on decode when decode fails after prefill may have run
+    # (M2; transfer_end.py). vLLM's own connectors have no such call.
+    end_id: str | None = None
 
 
 def is_concurrent(flow: Flow) -> bool:
@@ -57,6 +60,7 @@ def dllm_plan(
         concurrent=True,
         prefill_headers=b"",
         transfer_id=tid,
+        end_id=tid,
     )
 
 
@@ -88,6 +92,7 @@ class DllmPlans:
             concurrent=True,
             prefill_headers=b"",
             transfer_id=tid,
+            end_id=tid,
         )
 
 

@@ -29,6 +29,9 @@ ERROR_KINDS = (
     "too_many_connections",  # refused over --max-connections (503)
 )
 
+# sent: decode answered 2xx; failed: an error status, no answer or a timeout; dropped: too many in flight
+TRANSFER_END_OUTCOMES = ("sent", "failed", "dropped")
+
 
 class Histogram:
     """Counts per bucket and a sum: one list increment per observation on the request path."""
@@ -61,6 +64,7 @@ class Metrics:
         self.retries = 0
         self.prefill_answers = 0  # answered by prefill alone (EOS at the first token, or max_tokens 1)
         self.fast_requests = 0  # generation requests taken by the fast path (callbacks, no task)
+        self.transfer_ends: Counter[str] = Counter()  # TRANSFER_END_OUTCOMES (M2, transfer_end.py)
         self.prefill_seconds = Histogram()
         self.decode_first_byte_seconds = Histogram()
         self.ttft_seconds = Histogram()
@@ -85,6 +89,14 @@ class Metrics:
             "Answers prefill finished alone (EOS at the first token, or max_tokens 1)",
             value=self.prefill_answers,
         )
+        ends = CounterMetricFamily(
+            "dllm_router_transfer_ends",
+            "Transfer ids the router told a decode pod to end after decode failed (dllm flow), by outcome",
+            labels=["outcome"],
+        )
+        for outcome in TRANSFER_END_OUTCOMES:
+            ends.add_metric([outcome], self.transfer_ends[outcome])
+        yield ends
         yield self.prefill_seconds.family("dllm_router_prefill_seconds", "Prefill call duration")
         yield self.decode_first_byte_seconds.family(
             "dllm_router_decode_first_byte_seconds", "From prefill's answer to decode's first byte"

@@ -19,8 +19,8 @@ from dllm_router.endpoints import Endpoint
 from dllm_router.errors import RouterError, Unreachable, header_value, pod_error, prefill_answer
 from dllm_router.exchange import ExchangeHost
 from dllm_router.metrics import Metrics
+from dllm_router.upstream import ConnectFailed, UpstreamError, UpstreamPool
 from dllm_router.upstream import Response as UpstreamResponse
-from dllm_router.upstream import UpstreamError, UpstreamPool
 
 JsonObject = dict[str, Any]
 
@@ -35,6 +35,8 @@ class Answer:
     body: bytes | None = None
     stream: UpstreamResponse | None = None
     prefill_done: float = field(default_factory=perf_counter)
+    decode_ok: bool = False  # decode answered 200: it took the transfer
+    prefill_refused: bool = False  # prefill answered an error or was never reached: it sends nothing
 
     def release(self) -> None:
         if self.stream is not None:
@@ -97,19 +99,26 @@ class PromptExchange:
             return answer
         d = host.pick(host.decode, tried)
         plan = host.plan(prompt.rid, prompt.index, p, d)
+        answer = Answer(prefill=p, decode=d)
         prefill_call = self._call_prefill(
             p,
             route,
             oa.dumps(oa.prefill_request(body, plan.prefill_kv)),
             up_headers + plan.prefill_headers,
+            answer,
         )
-        answer = Answer(prefill=p, decode=d)
         if plan.concurrent:
             assert plan.decode_kv is not None
             decode_call = self._open(
                 answer, d, route, oa.decode_payload(body, prompt.raw, plan.decode_kv), up_headers, read_all
             )
-            return await self._concurrently(answer, prefill_call, decode_call, body)
+            if plan.end_id is None:
+                return await self._concurrently(answer, prefill_call, decode_call, body)
+            try:
+                return await self._concurrently(answer, prefill_call, decode_call, body)
+            finally:  # also when the client left (cancelled): the end runs in the background
+                if not answer.decode_ok and not answer.prefill_refused:
+                    host.end_transfer(d, plan.end_id, up_headers)
         finished = await prefill_call
         answer.prefill_done = perf_counter()
         if oa.finished_at_prefill(finished, body):
@@ -153,7 +162,9 @@ class PromptExchange:
             answer.release()
             raise
 
-    async def _call_prefill(self, ep: Endpoint, route: str, payload: bytes, headers: bytes) -> JsonObject:
+    async def _call_prefill(
+        self, ep: Endpoint, route: str, payload: bytes, headers: bytes, answer: Answer
+    ) -> JsonObject:
         host = self._host
         started = perf_counter()
         ep.inflight += 1
@@ -164,10 +175,12 @@ class PromptExchange:
             finally:
                 response.close()
         except (UpstreamError, TimeoutError) as e:
+            answer.prefill_refused = isinstance(e, ConnectFailed)
             raise host.upstream_failure(ep, e) from e
         finally:
             ep.inflight -= 1
         if response.status != 200:
+            answer.prefill_refused = True
             raise pod_error(ep, response.status, data)
         host.metrics.prefill_seconds.observe(perf_counter() - started)
         return prefill_answer(data, ep)
@@ -193,6 +206,7 @@ class PromptExchange:
                     raise pod_error(ep, response.status, data)
                 answer.body = data
                 observe_first_byte(host.metrics, answer)
+            answer.decode_ok = True
         except BaseException as e:
             ep.inflight -= 1
             if response is not None:

@@ -28,6 +28,7 @@ from dllm_router.httpserver import Connection, FastHandler, Handler, HttpServer
 from dllm_router.metrics import Metrics
 from dllm_router.pairing import Pairing
 from dllm_router.pod_watch import PodWatch
+from dllm_router.transfer_end import TransferEnds
 from dllm_router.upstream import Deadlines
 
 FAST_FLOWS = ("nixl", "dllm")  # the flows the fast path serves (mooncake's needs DP ranks: coroutine path)
@@ -64,6 +65,8 @@ class Router:
         self.accounting = Accounting(self.metrics)
         self.account, self.error_response = self.accounting.account, self.accounting.error_response
         self.error_page = self.accounting.error_page
+        self.transfer_ends = TransferEnds(self.metrics)
+        self.end_transfer = self.transfer_ends.end
         self.coroutine_path = CoroutinePath(self, self.engine_auth, self.limits)
         admin = AdminRoutes(self, self.pods, self.engine_auth)
         generate = self.coroutine_path.generate
@@ -98,6 +101,7 @@ class Router:
         await self.pods.start(background=background)
 
     async def close(self) -> None:
+        await self.transfer_ends.close()
         await self.pods.close()
         self.deadlines.close()
 
