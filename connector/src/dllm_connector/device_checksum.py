@@ -7,12 +7,15 @@ CPU and CUDA alike (a test checks every step against Python integers):
 
 - the bytes are read as little-endian 64-bit words w_i, the last one zero-padded;
 - each word is mixed with a key of its position in its row of ROW_WORDS words, k_(i mod ROW_WORDS)
-  (splitmix64 of the position), the NH/XXH3 way: x = w ^ k, and term = lo(x) * hi(x) + w, where lo
-  and hi are the signed 32-bit halves (their product never overflows, and a half of 0 still leaves
-  w in the term);
-- a row's terms are summed (wrapping sums are associative: any reduction order, any device, the
-  same value), and each row's sum goes through murmur3's fmix64 with its row number, so that
-  swapping whole rows changes the value;
+  (splitmix64 of the position), the NH way: x = w ^ k, and p = lo(x) * hi(x), where lo and hi are
+  the signed 32-bit halves (their product never overflows);
+- per row, the products and the words themselves are summed apart (wrapping sums are associative:
+  any reduction order, any device, the same value). The words' sum is what a change of one word
+  always moves: a product alone misses some (where hi(x) is +-1, a flip in lo(x) can cancel a flip
+  of the word's own bits if both go into one sum, as an earlier definition did); the products' sum
+  is what sees words moved within a row;
+- each row's two sums go through murmur3's fmix64 apart, with its row number, so that swapping whole
+  rows changes the value;
 - the rows' mixes are summed and mixed once more with the byte count (zero padding and trailing
   zero bytes cannot collide).
 
@@ -39,6 +42,7 @@ _DEVICE_ROWS_PER_CALL = 512
 _MASK64 = (1 << 64) - 1
 _SEED = 0x9E3779B97F4A7C15  # the key table's
 _LENGTH_SEED = 0xD6E8FEB86659FD93
+_WORDS_SEED = 0x8CB92BA72F3D8DD7  # the row numbers' offset in the words' sums' mix
 _GOLDEN = 0x9E3779B97F4A7C15
 _SPLITMIX_1 = 0xBF58476D1CE4E5B9
 _SPLITMIX_2 = 0x94D049BB133111EB
@@ -96,11 +100,12 @@ def _keys(device: torch.device) -> torch.Tensor:
 
 
 def terms_sum(words: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Sum over the last axis of lo(w ^ k) * hi(w ^ k) + w, wrapping (words int64, keys broadcast)."""
+    """Over the last axis, wrapping: [sum of lo(w ^ k) * hi(w ^ k), sum of w] (a new last axis of 2;
+    words int64, keys broadcast)."""
     halves = (words ^ keys).view(torch.int32).view(*words.shape[:-1], -1, 2)  # little-endian: [lo, hi]
     products = halves[..., 0].to(torch.int64)
     products.mul_(halves[..., 1])  # |lo * hi| < 2^62: no overflow
-    return products.sum(-1) + words.sum(-1)
+    return torch.stack([products.sum(-1), words.sum(-1)], dim=-1)
 
 
 TermsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -175,7 +180,7 @@ class RunningTensorChecksum:
     def __init__(self) -> None:
         self._nbytes = 0
         self._device: torch.device | None = None
-        self._rows: torch.Tensor | None = None  # per row: the wrapping sum of its terms
+        self._rows: torch.Tensor | None = None  # per row: the wrapping sums [products, words]
         self._carry: torch.Tensor | None = None  # the bytes of a word not yet whole (< 8)
 
     @property
@@ -263,10 +268,10 @@ class RunningTensorChecksum:
             self._rows[row] += terms(words[done:], keys[:rest])
 
     def _reserve(self, rows: int) -> None:
-        have = 0 if self._rows is None else self._rows.numel()
+        have = 0 if self._rows is None else self._rows.shape[0]
         if rows <= have:
             return
-        grown = torch.zeros(max(rows, 2 * have, 16), dtype=torch.int64, device=self._device)
+        grown = torch.zeros(max(rows, 2 * have, 16), 2, dtype=torch.int64, device=self._device)
         if self._rows is not None:
             grown[:have] = self._rows
         self._rows = grown
@@ -278,9 +283,9 @@ class RunningTensorChecksum:
             return None
         assert self._device is not None
         rows = (self._nbytes + ROW_WORDS * 8 - 1) // (ROW_WORDS * 8)
-        sums = torch.zeros(rows, dtype=torch.int64, device=self._device)
+        sums = torch.zeros(rows, 2, dtype=torch.int64, device=self._device)
         if self._rows is not None:
-            have = min(rows, self._rows.numel())
+            have = min(rows, self._rows.shape[0])
             sums[:have] += self._rows[:have]
         if self._carry is not None:
             padded = torch.zeros(8, dtype=torch.uint8, device=self._device)
@@ -289,7 +294,9 @@ class RunningTensorChecksum:
             key = _keys(self._device)[position % ROW_WORDS]
             sums[position // ROW_WORDS] += terms_sum(padded.view(torch.int64), key.reshape(1))
         numbers = torch.arange(1, rows + 1, dtype=torch.int64, device=self._device)
-        return _fmix64(sums + numbers * _signed(_GOLDEN)).sum()
+        products = _fmix64(sums[:, 0] + numbers * _signed(_GOLDEN))
+        words = _fmix64(sums[:, 1] + numbers * _signed(_WORDS_SEED))
+        return (products + words).sum()
 
     def finish(self, total: int | None) -> int:
         """The value from `total()`'s number (read with `.item()`, maybe with others at once)."""

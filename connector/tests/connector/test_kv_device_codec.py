@@ -47,15 +47,18 @@ def _signed32(value: int) -> int:
 
 def reference_checksum(data: bytes, row_words: int) -> int:
     padded = data + bytes(-len(data) % 8)
-    rows: dict[int, int] = {}
+    products: dict[int, int] = {}
+    words: dict[int, int] = {}
     for i in range(len(padded) // 8):
         word = int.from_bytes(padded[8 * i : 8 * i + 8], "little")
         x = word ^ _splitmix64(0x9E3779B97F4A7C15 + i % row_words)
-        term = _signed32(x) * _signed32(x >> 32) + word
-        rows[i // row_words] = (rows.get(i // row_words, 0) + term) & M64
+        row = i // row_words
+        products[row] = (products.get(row, 0) + _signed32(x) * _signed32(x >> 32)) & M64
+        words[row] = (words.get(row, 0) + word) & M64
     total = 0
     for row in range(-(-len(data) // (8 * row_words))):
-        total += device_checksum.fmix64(rows.get(row, 0) + (row + 1) * 0x9E3779B97F4A7C15)
+        total += device_checksum.fmix64(products.get(row, 0) + (row + 1) * 0x9E3779B97F4A7C15)
+        total += device_checksum.fmix64(words.get(row, 0) + (row + 1) * 0x8CB92BA72F3D8DD7)
     return device_checksum.fmix64(total + device_checksum.fmix64(len(data) + 0xD6E8FEB86659FD93))
 
 
@@ -529,3 +532,28 @@ def test_forged_nan_codes_never_decode_to_nan(kernels: str) -> None:
         codec.use_kernels("native")
     assert torch.isfinite(values).all()
     assert (values[:4].sign() == torch.tensor([1.0, -1.0, 1.0, -1.0])).all()
+
+
+@pytest.mark.parametrize("hi_of_x", [1, -1])
+def test_a_flip_in_a_word_whose_mixed_high_half_is_one_changes_the_checksum(hi_of_x: int) -> None:
+    """Where hi(w ^ k) is +-1, a flip of the word's low bits moves lo(w ^ k) * hi(w ^ k) by exactly
+    minus what it moves the word: one sum of both would not see it (review of issue 20, finding 6).
+    The words' own sum, kept apart, does, for one bit and for every such bit at once."""
+    key = int(device_checksum._keys(torch.device("cpu"))[0]) & M64
+    key_lo, key_hi = key & 0xFFFFFFFF, key >> 32
+    rng = random.Random(hi_of_x)
+    tail = [rng.getrandbits(64) for _ in range(7)]
+    if hi_of_x == 1:  # x's low bits where the key has a 1 go 1 -> 0 as the word's go 0 -> 1
+        high, cancelling = key_hi ^ 1, key_lo & 0x7FFFFFFF
+        word = (high << 32) | (rng.getrandbits(32) & ~key_lo & 0x7FFFFFFF)
+    else:  # hi(x) = -1: the key's zero bits do the same with the opposite sign
+        high, cancelling = ~key_hi & 0xFFFFFFFF, ~key_lo & 0x7FFFFFFF
+        word = (high << 32) | (rng.getrandbits(32) & key_lo & 0x7FFFFFFF)
+
+    def checksum(words: list[int]) -> int:
+        signed = [w - (1 << 64) if w >> 63 else w for w in words]
+        return device_checksum.tensor_checksum(torch.tensor(signed, dtype=torch.int64).view(torch.uint8))
+
+    original = checksum([word, *tail])
+    assert checksum([word ^ (cancelling & -cancelling), *tail]) != original
+    assert checksum([word | cancelling, *tail]) != original
