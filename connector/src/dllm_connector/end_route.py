@@ -152,7 +152,8 @@ class EndTransferRoute:
         )
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
-        if scope["type"] != "http" or scope["path"] != END_PATH:
+        # behind vLLM's --root-path, Starlette's scope path may carry the prefix
+        if scope["type"] != "http" or scope["path"].removeprefix(scope.get("root_path", "")) != END_PATH:
             return self.app(scope, receive, send)
         return self._serve(scope, receive, send)
 

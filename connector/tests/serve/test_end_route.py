@@ -353,3 +353,19 @@ def test_vllm_builds_it_from_the_app_alone(monkeypatch: pytest.MonkeyPatch) -> N
         monkeypatch.setenv(name, value)
     route: Any = EndTransferRoute(FakeEngineApp())
     assert route.target.port == 50051
+
+
+async def test_behind_vllms_root_path_the_route_is_still_served(
+    receiver: KVReceiver, sender: KVSender
+) -> None:
+    inner = FakeEngineApp()
+    app = EndTransferRoute(inner, _target(receiver.port))
+    await _waiting(sender, receiver, TID)
+    transport = httpx.ASGITransport(app=app, root_path="/proxy")
+    async with httpx.AsyncClient(transport=transport, base_url="http://d") as client:
+        answer = await client.post("/proxy" + END_PATH, json={"transfer_id": TID}, headers=_authorized())
+        other = await client.get("/proxy/v1/models")
+    assert answer.status_code == 204
+    assert other.status_code == 200
+    assert [p for _, p, _ in inner.seen] == ["/proxy/v1/models"]
+    assert "not awaited any more" in str(await _outcome(sender, TID, 3 * TIMEOUT))
