@@ -43,6 +43,9 @@ END_PATH = "/v1/dllm/end_transfer"
 MIDDLEWARE = f"{__name__}.EndTransferRoute"  # what dllm-serve passes to vLLM's --middleware
 ENV_TP_SIZE = "DLLM_END_ROUTE_TP_SIZE"  # set by dllm-serve from the engine's --tensor-parallel-size
 ENV_API_KEY = "VLLM_API_KEY"  # vLLM's own key for /v1 (the operator sets it from the engine Secret)
+# vLLM's --api-key values when the engine args carry them (they win over VLLM_API_KEY, as in vLLM),
+# one per line; set by dllm-serve
+ENV_FLAG_API_KEY = "DLLM_END_ROUTE_API_KEY"
 MAX_BODY = 1024  # {"transfer_id": <at most 256 characters>} fits with room
 MAX_IN_FLIGHT = 64  # ends being sent at once; beyond: 503 (the router bounds its own too)
 MAX_TP_SIZE = 1024
@@ -64,7 +67,7 @@ class EndTarget:
     tp_size: int
     timeout_s: float
     auth: PeerAuth | None = None
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()  # any of them is accepted; none: no key needed (as vLLM)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> EndTarget:
@@ -81,8 +84,17 @@ class EndTarget:
             tp_size=int(raw_tp),
             timeout_s=settings.transfer_timeout_ms / 1000,
             auth=PeerAuth.from_token(token) if token is not None else None,
-            api_key=env.get(ENV_API_KEY) or None,
+            api_keys=_api_keys(env),
         )
+
+
+def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The keys vLLM itself accepts on /v1: its --api-key values, else VLLM_API_KEY."""
+    from_flag = tuple(k for k in env.get(ENV_FLAG_API_KEY, "").split("\n") if k)
+    if from_flag:
+        return from_flag
+    key = env.get(ENV_API_KEY)
+    return (key,) if key else ()
 
 
 class BadEnd(Exception):
@@ -114,15 +126,19 @@ def parse_body(body: bytes) -> str:
     return tid
 
 
-def key_matches(authorization: bytes | None, key: str) -> bool:
-    """`Authorization: Bearer <key>`, compared in constant time (digests: the length leaks nothing)."""
+def key_matches(authorization: bytes | None, keys: tuple[str, ...]) -> bool:
+    """`Authorization: Bearer <one of keys>`, compared in constant time (digests: the length leaks
+    nothing; every key is compared)."""
     if authorization is None:
         return False
     scheme, _, given = authorization.partition(b" ")
     if scheme.lower() != b"bearer":
         return False
-    expected = hashlib.sha256(key.encode()).digest()
-    return hmac.compare_digest(hashlib.sha256(given.strip()).digest(), expected)
+    digest = hashlib.sha256(given.strip()).digest()
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(digest, hashlib.sha256(key.encode()).digest())
+    return matched
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -177,8 +193,8 @@ class EndTransferRoute:
     async def _accept(self, scope: Scope, receive: Receive) -> str:
         if scope.get("method") != "POST":
             raise BadEnd(405, f"{END_PATH} takes POST")
-        key = self.target.api_key
-        if key is not None and not key_matches(_header(scope, b"authorization"), key):
+        keys = self.target.api_keys
+        if keys and not key_matches(_header(scope, b"authorization"), keys):
             raise BadEnd(401, "Unauthorized")
         length = _header(scope, b"content-length")
         if length is not None and (not length.isdigit() or int(length) > MAX_BODY):

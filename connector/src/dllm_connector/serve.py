@@ -21,6 +21,7 @@ Everything up to `main` is pure (env and args in, a command out); `main` does th
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
@@ -63,6 +64,7 @@ MIDDLEWARE_FLAG = "--middleware"
 # By name, not imported: end_route pulls in the pipe (torch), which dllm-serve itself never needs.
 END_ROUTE_MIDDLEWARE = "dllm_connector.end_route.EndTransferRoute"
 ENV_END_ROUTE_TP_SIZE = "DLLM_END_ROUTE_TP_SIZE"
+ENV_END_ROUTE_API_KEY = "DLLM_END_ROUTE_API_KEY"  # a secret name: describe() redacts its value
 _TP_FLAGS = ("--tensor-parallel-size", "-tp")
 # argparse accepts any unambiguous prefix of a flag; no other vLLM flag starts like this.
 _KV_TRANSFER_FLAG_SHORTEST_PREFIX = "--kv-t"
@@ -142,6 +144,20 @@ def tensor_parallel_size(engine_args: Sequence[str]) -> int:
     return int(size)
 
 
+def api_keys(engine_args: Sequence[str]) -> list[str]:
+    """vLLM's --api-key values (one or more after the flag; the last flag wins, as in argparse)."""
+    keys: list[str] = []
+    for i, arg in enumerate(engine_args):
+        name, eq, value = arg.partition("=")
+        if not name.startswith("--") or _flag_name(name) != "--api-key":
+            continue
+        if eq:
+            keys = [value]
+        else:
+            keys = list(itertools.takewhile(lambda a: not a.startswith("-"), engine_args[i + 1 :]))
+    return keys
+
+
 def end_route(
     settings: kvconfig.KVTransferSettings, engine_args: Sequence[str]
 ) -> tuple[list[str], dict[str, str]]:
@@ -149,8 +165,11 @@ def end_route(
     (prefill, or a user's own connector, which has no side channel to end ids on)."""
     if not settings.receives or settings.connector is kvconfig.Connector.CUSTOM:
         return [], {}
-    tp = tensor_parallel_size(engine_args)
-    return [MIDDLEWARE_FLAG, END_ROUTE_MIDDLEWARE], {ENV_END_ROUTE_TP_SIZE: str(tp)}
+    env = {ENV_END_ROUTE_TP_SIZE: str(tensor_parallel_size(engine_args))}
+    keys = api_keys(engine_args)
+    if keys:  # the route checks the key vLLM checks: these win over VLLM_API_KEY there too
+        env[ENV_END_ROUTE_API_KEY] = "\n".join(keys)
+    return [MIDDLEWARE_FLAG, END_ROUTE_MIDDLEWARE], env
 
 
 def engine_id(settings: kvconfig.KVTransferSettings, hostname: str, boot_id: str) -> str:
@@ -219,19 +238,21 @@ def redact(value: Any) -> Any:
 
 
 def redact_args(args: Sequence[str]) -> list[str]:
-    """Engine args with the values of secret-looking flags (`--api-key X`, `--hf-token=X`) hidden."""
+    """Engine args with the values of secret-looking flags (`--api-key X [Y ...]`, `--hf-token=X`)
+    hidden: every value up to the next flag (vLLM's --api-key takes several)."""
     shown: list[str] = []
-    hide_next = False
+    hiding = False
     for arg in args:
-        if hide_next:
+        if hiding and not arg.startswith("-"):
             shown.append(REDACTED)
-            hide_next = False
-        elif arg.startswith("--") and is_secret_name(_flag_name(arg)[2:]):
+            continue
+        hiding = False
+        if arg.startswith("--") and is_secret_name(_flag_name(arg)[2:]):
             if "=" in arg:
                 shown.append(arg.split("=", 1)[0] + "=" + REDACTED)
             else:
                 shown.append(arg)
-                hide_next = True
+                hiding = True
         else:
             shown.append(arg)
     return shown

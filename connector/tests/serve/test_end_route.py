@@ -119,8 +119,8 @@ class FakeEngineApp:
         await send({"type": "http.response.body", "body": payload})
 
 
-def _target(port: int, *, tp_size: int = 1, api_key: str | None = API_KEY) -> EndTarget:
-    return EndTarget(HOST, port, tp_size, TIMEOUT, auth=PeerAuth.from_token(TOKEN), api_key=api_key)
+def _target(port: int, *, tp_size: int = 1, api_keys: tuple[str, ...] = (API_KEY,)) -> EndTarget:
+    return EndTarget(HOST, port, tp_size, TIMEOUT, auth=PeerAuth.from_token(TOKEN), api_keys=api_keys)
 
 
 @pytest.fixture
@@ -255,7 +255,7 @@ async def test_bad_requests_get_a_clear_4xx_and_end_nothing(
 
 async def test_a_body_that_keeps_coming_is_cut_at_the_limit(receiver: KVReceiver) -> None:
     """No Content-Length, chunks without end: refused after MAX_BODY bytes, the rest never read."""
-    app = EndTransferRoute(FakeEngineApp(), _target(receiver.port, api_key=None))
+    app = EndTransferRoute(FakeEngineApp(), _target(receiver.port, api_keys=()))
     reads = 0
 
     async def receive() -> Message:
@@ -277,7 +277,7 @@ async def test_a_body_that_keeps_coming_is_cut_at_the_limit(receiver: KVReceiver
 async def test_without_an_engine_key_no_authorization_is_needed(
     receiver: KVReceiver, sender: KVSender
 ) -> None:
-    app = EndTransferRoute(FakeEngineApp(), _target(receiver.port, api_key=None))
+    app = EndTransferRoute(FakeEngineApp(), _target(receiver.port, api_keys=()))
     await _waiting(sender, receiver, TID)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as client:
         answer = await client.post(END_PATH, json={"transfer_id": TID})
@@ -335,10 +335,12 @@ def _env(**changes: str) -> dict[str, str]:
 def test_the_target_comes_from_the_engines_env() -> None:
     target = EndTarget.from_env(_env())
     assert (target.host, target.port, target.tp_size, target.timeout_s) == ("10.0.0.6", 50051, 4, 1.5)
-    assert target.api_key == API_KEY
+    assert target.api_keys == (API_KEY,)
     assert target.auth == PeerAuth.from_token(TOKEN)
     bare = EndTarget.from_env({k: v for k, v in _env().items() if k.startswith("VLLM_KV_")})
-    assert (bare.host, bare.tp_size, bare.api_key, bare.auth) == ("127.0.0.1", 1, None, None)
+    assert (bare.host, bare.tp_size, bare.api_keys, bare.auth) == ("127.0.0.1", 1, (), None)
+    flagged = EndTarget.from_env(_env(DLLM_END_ROUTE_API_KEY="flag-key-1\nflag-key-2"))
+    assert flagged.api_keys == ("flag-key-1", "flag-key-2")  # vLLM's --api-key wins over VLLM_API_KEY
 
 
 @pytest.mark.parametrize("size", ["0", "-1", "two", "100000"])
@@ -369,3 +371,17 @@ async def test_behind_vllms_root_path_the_route_is_still_served(
     assert other.status_code == 200
     assert [p for _, p, _ in inner.seen] == ["/proxy/v1/models"]
     assert "not awaited any more" in str(await _outcome(sender, TID, 3 * TIMEOUT))
+
+
+async def test_any_of_vllms_keys_is_accepted_and_nothing_else(receiver: KVReceiver) -> None:
+    app = EndTransferRoute(FakeEngineApp(), _target(receiver.port, api_keys=("first-key", "second-key")))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as client:
+        statuses = [
+            (
+                await client.post(
+                    END_PATH, json={"transfer_id": TID}, headers={"Authorization": f"Bearer {k}"}
+                )
+            ).status_code
+            for k in ("first-key", "second-key", "third-key", "first-keysecond-key")
+        ]
+    assert statuses == [204, 204, 401, 401]

@@ -257,3 +257,27 @@ def test_a_bad_tp_size_is_one_clear_line(seed_decode, run_serve, args):
     assert "--tensor-parallel-size" in result.stderr
     assert "must be a whole number" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "keys"),
+    [
+        (["--api-key", "k1"], "k1"),
+        (["--api-key=k1"], "k1"),
+        (["--api-key", "k1", "k2", "--port", "8001"], "k1\nk2"),
+        (["--api-key", "k0", "--api_key", "k1"], "k1"),  # the last wins, as in argparse
+    ],
+)
+def test_vllms_api_key_flag_reaches_the_end_route_and_no_log(seed_decode, run_serve, args, keys):
+    command = _build(seed_decode.env, ["--model", "m", *args])
+    assert command.added_env["DLLM_END_ROUTE_API_KEY"] == keys
+    result = run_serve(["--print", "--", "--model", "m", *args], seed_decode.env)
+    assert result.returncode == 0, result.stderr
+    assert '"DLLM_END_ROUTE_API_KEY":"<redacted>"' in result.stderr
+    assert "k1" not in result.stderr
+    assert "k2" not in result.stderr  # every value of the flag is hidden in the logged engine args
+
+
+def test_without_the_flag_the_route_reads_vllm_api_key_itself(seed_decode):
+    command = _build({**seed_decode.env, "VLLM_API_KEY": "from-the-secret"}, ["--model", "m"])
+    assert "DLLM_END_ROUTE_API_KEY" not in command.added_env
