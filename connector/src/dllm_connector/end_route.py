@@ -167,6 +167,11 @@ class EndTransferRoute:
             self.target.tp_size,
         )
 
+    @property
+    def in_flight(self) -> int:
+        """Ends being sent to the side channel now."""
+        return self._in_flight
+
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         # behind vLLM's --root-path, Starlette's scope path may carry the prefix
         if scope["type"] != "http" or scope["path"].removeprefix(scope.get("root_path", "")) != END_PATH:

@@ -385,3 +385,28 @@ async def test_any_of_vllms_keys_is_accepted_and_nothing_else(receiver: KVReceiv
             for k in ("first-key", "second-key", "third-key", "first-keysecond-key")
         ]
     assert statuses == [204, 204, 401, 401]
+
+
+async def test_ends_over_the_bound_get_503_while_a_side_channel_is_slow(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A side channel that accepts and never answers holds one end for the transfer timeout; the next
+    is refused at once rather than queued."""
+    monkeypatch.setattr("dllm_connector.end_route.MAX_IN_FLIGHT", 1)
+    with socket.socket() as silent:
+        silent.bind((HOST, 0))
+        silent.listen(8)  # connections complete in the backlog; nothing is ever read or answered
+        app = EndTransferRoute(FakeEngineApp(), _target(int(silent.getsockname()[1]), api_keys=()))
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://d", timeout=30
+        ) as client:
+            first = asyncio.create_task(client.post(END_PATH, json={"transfer_id": TID}))
+            while app.in_flight == 0:  # noqa: ASYNC110  # one loop turn per check, bounded by the test timeout
+                await asyncio.sleep(0)
+            second = await client.post(END_PATH, json={"transfer_id": TID})
+            assert second.status_code == 503
+            assert "ends in flight" in second.json()["error"]["message"]
+            started = time.monotonic()
+            assert (await first).status_code == 502
+            assert time.monotonic() - started < 3 * TIMEOUT
+    assert app.in_flight == 0
