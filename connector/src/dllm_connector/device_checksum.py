@@ -40,10 +40,9 @@ _CPU_ROWS_PER_CALL = 4
 GATHER_BYTES = 64 << 20  # add_all: small pieces are concatenated into runs of about this size
 _DEVICE_ROWS_PER_CALL = 512
 _MASK64 = (1 << 64) - 1
-_SEED = 0x9E3779B97F4A7C15  # the key table's
 _LENGTH_SEED = 0xD6E8FEB86659FD93
 _WORDS_SEED = 0x8CB92BA72F3D8DD7  # the row numbers' offset in the words' sums' mix
-_GOLDEN = 0x9E3779B97F4A7C15
+_GOLDEN = 0x9E3779B97F4A7C15  # the key table's seed and the row numbers' factor in the products' mix
 _SPLITMIX_1 = 0xBF58476D1CE4E5B9
 _SPLITMIX_2 = 0x94D049BB133111EB
 _FMIX_1 = 0xFF51AFD7ED558CCD
@@ -61,20 +60,23 @@ def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
     return (x >> bits) & ((1 << (64 - bits)) - 1)
 
 
+def _xorshift_multiply(
+    x: torch.Tensor, shifts: tuple[int, int, int], factors: tuple[int, int]
+) -> torch.Tensor:
+    """x ^= x >> s0; x *= f0; x ^= x >> s1; x *= f1; x ^= x >> s2: the shape of both mixers below."""
+    x = x ^ _shr(x, shifts[0])
+    x = x * _signed(factors[0])
+    x = x ^ _shr(x, shifts[1])
+    x = x * _signed(factors[1])
+    return x ^ _shr(x, shifts[2])
+
+
 def _fmix64(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ _shr(x, 33)
-    x = x * _signed(_FMIX_1)
-    x = x ^ _shr(x, 33)
-    x = x * _signed(_FMIX_2)
-    return x ^ _shr(x, 33)
+    return _xorshift_multiply(x, (33, 33, 33), (_FMIX_1, _FMIX_2))
 
 
 def _splitmix64(x: torch.Tensor) -> torch.Tensor:
-    x = x ^ _shr(x, 30)
-    x = x * _signed(_SPLITMIX_1)
-    x = x ^ _shr(x, 27)
-    x = x * _signed(_SPLITMIX_2)
-    return x ^ _shr(x, 31)
+    return _xorshift_multiply(x, (30, 27, 31), (_SPLITMIX_1, _SPLITMIX_2))
 
 
 def fmix64(value: int) -> int:
@@ -94,7 +96,7 @@ def _keys(device: torch.device) -> torch.Tensor:
     """The position keys, computed on the device itself (integer ops: the same bits everywhere)."""
     keys = _keys_by_device.get(device)
     if keys is None:
-        positions = torch.arange(ROW_WORDS, dtype=torch.int64, device=device) + _signed(_SEED)
+        positions = torch.arange(ROW_WORDS, dtype=torch.int64, device=device) + _signed(_GOLDEN)
         keys = _keys_by_device[device] = _splitmix64(positions)
     return keys
 

@@ -263,13 +263,26 @@ def test_header_round_trips_and_predicts_the_payload_size() -> None:
         ({"dtype": "float64"}, "unsupported KV dtype 'float64'"),
         ({"shape": [0, 4]}, "every size > 0"),
         ({"groups": 3}, "3 scale groups do not divide"),
-        ({"checksum": "x"}, "malformed KV header"),
+        ({"checksum": "x"}, "checksum must be an integer, not str"),
+        ({"checksum": "5"}, "checksum must be an integer, not str"),
+        ({"checksum": 5.9}, "checksum must be an integer, not float"),
+        ({"checksum": True}, "checksum must be an integer, not bool"),
+        ({"checksum": -1}, "checksum must be a 64-bit unsigned integer"),
+        ({"checksum": 2**70}, "checksum must be a 64-bit unsigned integer"),
+        ({"checksum": float("inf")}, "checksum must be an integer, not float"),
+        ({"shape": "24"}, "shape must be a list of at most 8 sizes"),
+        ({"shape": [1e400, 4]}, "shape must be an integer, not float"),
+        ({"shape": [1] * 9}, "shape must be a list of at most 8 sizes"),
+        ({"groups": 1e400}, "groups must be an integer, not float"),
+        ({"dtype": 7}, "dtype must be a string"),
     ],
 )
 def test_malformed_headers_are_refused(change: dict[str, object], message: str) -> None:
+    """Every field of its exact type (a peer's JSON: 1e400 parses as inf), with a short message."""
     raw = codec.encode(blocks(), Compression.INT8, GROUPS)[0].to_dict() | change
-    with pytest.raises(codec.CodecError, match=message):
+    with pytest.raises(codec.CodecError, match=message) as caught:
         codec.KVHeader.from_dict(raw)
+    assert len(str(caught.value)) < 400
 
 
 def test_missing_header_key_is_refused() -> None:

@@ -262,8 +262,28 @@ def test_received_scales_that_are_not_finite_are_refused() -> None:
             forged_header = codec.KVHeader(
                 header.codec, header.dtype, header.shape, header.groups, codec.checksum(header, forged)
             )
-            with pytest.raises(codec.CodecError, match="scales are not all finite and positive"):
+            with pytest.raises(codec.CodecError, match="scales are not all finite, positive"):
                 list(codec.decode_parts(forged_header, forged, 2))
+
+
+def test_an_int8_scale_past_the_cache_dtype_is_refused_not_decoded_to_inf() -> None:
+    """127 x a finite forged scale can exceed fp16's range (inf in the cache): int8 scales are bounded by
+    what encode can give, the dtype's largest value / 127, and the largest honest one still decodes."""
+    values = torch.randn(2, 4, 16, 64).to(torch.float16)
+    header, payload = codec.encode(values, Compression.INT8, groups=4)
+    largest = float(torch.tensor(torch.finfo(torch.float16).max, dtype=torch.float32) / 127.0)
+    for scale, refused in ((1e4, True), (largest * 1.001, True), (largest, False)):
+        forged = payload.clone()
+        forged[header.data_nbytes :].view(torch.float32)[1] = scale
+        forged_header = codec.KVHeader(
+            header.codec, header.dtype, header.shape, header.groups, codec.checksum(header, forged)
+        )
+        if refused:
+            with pytest.raises(codec.CodecError, match="within the KV dtype's range"):
+                list(codec.decode_parts(forged_header, forged, 2))
+        else:
+            parts = list(codec.decode_parts(forged_header, forged, 2))
+            assert all(bool(torch.isfinite(part).all()) for part in parts)
 
 
 # ---- L2: what a peer can make decode log or tell -----------------------------------------------------

@@ -152,21 +152,42 @@ class KVHeader:
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> KVHeader:
+        """A peer's header, every field of its exact type (a number written as a string, a float or a
+        bool is refused, not converted); CodecError, with at most a bounded excerpt of it, otherwise."""
         try:
+            shape = raw["shape"]
+            if not isinstance(shape, list) or len(shape) > _MAX_DIMS:
+                raise CodecError(f"KV header shape must be a list of at most {_MAX_DIMS} sizes")
+            checksum = _exact_int(raw["checksum"], "checksum")
+            if not 0 <= checksum < 1 << 64:
+                raise CodecError("KV header checksum must be a 64-bit unsigned integer")
+            dtype = raw["dtype"]
+            if not isinstance(dtype, str):
+                raise CodecError("KV header dtype must be a string")
             header = cls(
                 codec=Compression(raw["codec"]),
-                dtype=str(raw["dtype"]),
-                shape=tuple(int(size) for size in raw["shape"]),
-                groups=int(raw["groups"]),
-                checksum=int(raw["checksum"]),
+                dtype=dtype,
+                shape=tuple(_exact_int(size, "shape") for size in shape),
+                groups=_exact_int(raw["groups"], "groups"),
+                checksum=checksum,
                 checksum_algo=_checksum_algo(raw),
             )
         except (KeyError, TypeError, ValueError) as error:
             if isinstance(error, CodecError):
                 raise
-            raise CodecError(f"malformed KV header {dict(raw)!r}: {error}") from None
+            raise CodecError(f"malformed KV header {repr(dict(raw))[:200]}: {str(error)[:100]}") from None
         check_geometry(header.dtype, header.shape, header.groups)
         return header
+
+
+_MAX_DIMS = 8  # a payload's shape: [blocks, layers, K/V, ...]; far fewer in practice
+
+
+def _exact_int(value: Any, field: str) -> int:
+    """`value` if it is an int (not a bool, float or string), else CodecError naming the field."""
+    if type(value) is not int:
+        raise CodecError(f"KV header {field} must be an integer, not {type(value).__name__}")
+    return value
 
 
 def _checksum_algo(raw: Mapping[str, Any]) -> ChecksumAlgo:
@@ -181,6 +202,8 @@ def _checksum_algo(raw: Mapping[str, Any]) -> ChecksumAlgo:
         raise CodecError(
             f"KV header version {shown}, this connector reads {_XXH3_ONLY_VERSION} and {HEADER_VERSION}"
         )
+    if "checksum_algo" not in raw:
+        raise CodecError(f"a version {HEADER_VERSION} KV header must name its checksum_algo")
     name = raw["checksum_algo"]
     known = {algo.value: algo for algo in ChecksumAlgo}
     if not isinstance(name, str) or name not in known:

@@ -285,7 +285,9 @@ class StreamingDecode:
 class _PartReader(_PayloadViews):
     """Decodes any run of a verified payload's first-axis entries into a tensor.
 
-    L3: scales come from the peer; a NaN, inf or non-positive one is never decoded into the cache.
+    L3: scales come from the peer; a NaN, inf or non-positive one, or an int8 one above what any value
+    of the cache's dtype gives (127 x it would decode past the dtype's range: inf in an fp16 cache), is
+    never decoded into the cache.
     On the host a part's scales are checked before it is decoded; on the device path
     (`device_path`), where that check would stop the stream for a host sync per part, bad scales
     decode as zeros and are reported once, at `raise_for_deferred_scales` (`StreamingDecode.verify`),
@@ -299,7 +301,7 @@ class _PartReader(_PayloadViews):
 
     def check_all_scales(self) -> None:
         if self._header.codec is not Compression.NONE:
-            _require_valid_scales(self._scales)
+            _require_valid_scales(self._scales, self._header)
         self._all_checked = True
 
     def raise_for_deferred_scales(self) -> None:
@@ -320,9 +322,9 @@ class _PartReader(_PayloadViews):
         if self._all_checked:
             pass
         elif not self._on_device:
-            _require_valid_scales(scales)
+            _require_valid_scales(scales, header)
         else:
-            valid = (scales > 0) & torch.isfinite(scales)
+            valid = _valid_scales(scales, header)
             bad = ~valid.all()
             self._bad_scales = bad if self._bad_scales is None else self._bad_scales | bad
             scales = torch.where(valid, scales, 0.0)
@@ -333,9 +335,17 @@ class _PartReader(_PayloadViews):
             decode_into(codes[start:stop], scales[start:stop], limit, target[start:stop])
 
 
-_BAD_SCALES = "received KV scales are not all finite and positive"
+_BAD_SCALES = "received KV scales are not all finite, positive and within the KV dtype's range"
 
 
-def _require_valid_scales(scales: torch.Tensor) -> None:
-    if not bool(((scales > 0) & torch.isfinite(scales)).all()):
+def _valid_scales(scales: torch.Tensor, header: KVHeader) -> torch.Tensor:
+    valid = (scales > 0) & torch.isfinite(scales)
+    if header.codec is Compression.INT8:  # encode's largest: the dtype's largest value / 127
+        largest = torch.tensor(torch.finfo(header.torch_dtype).max, dtype=torch.float32) / 127.0
+        valid &= scales <= largest.to(scales.device)
+    return valid
+
+
+def _require_valid_scales(scales: torch.Tensor, header: KVHeader) -> None:
+    if not bool(_valid_scales(scales, header).all()):
         raise CodecError(_BAD_SCALES)
