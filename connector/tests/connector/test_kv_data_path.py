@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import socket
@@ -11,14 +12,16 @@ from typing import Any
 
 import pytest
 import torch
-from kv_peer import GEOMETRY, NUM_BLOCKS, make_caches
+from kv_peer import GEOMETRY, NUM_BLOCKS, make_caches, rank_kv
 from test_kv_vllm_plugin import settings, vllm_config
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import LayoutError, PagedKV
+from dllm_connector.device_checksum import tensor_checksum
+from dllm_connector.kv_layout import TPRank
 from dllm_connector.kv_worker import DATA_PATH_ENV, ConnectorWorker, WorkerIdentity, make_transport
 from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan, PreparedChunk, PreparedPiece
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Scratch
+from dllm_connector.pipe.span_checksum import chunk_checksum
 from dllm_connector.transport.base import Source, Span, Transport, TransportError
 from dllm_connector.transport.mooncake import cuda_build, mooncake_traits
 from dllm_connector.transport.placement import (
@@ -242,15 +245,37 @@ def test_each_thread_reuses_its_own_scratch() -> None:
     assert other[0] != scratch.take(1024).data_ptr()
 
 
-def test_a_span_of_the_cache_is_a_byte_view_in_place() -> None:
-    caches = make_caches(7)
-    kv = PagedKV(caches, NUM_BLOCKS, GEOMETRY)
-    (addr, nbytes), *_ = kv.spans([5])  # layer 0's block 5 first
-    region = kv.byte_region(addr, nbytes)
-    assert region.data_ptr() == addr
-    assert torch.equal(region, kv.gather([5])[0].reshape(-1).view(torch.uint8))
-    with pytest.raises(LayoutError, match="are not in this worker's KV caches"):
-        kv.byte_region(addr, 1 << 40)
+def _span_bytes(spans: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """The bytes at host addresses, in order (the test's own reading of a CPU cache)."""
+    return torch.frombuffer(bytearray(b"".join(ctypes.string_at(a, n) for a, n in spans)), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize(
+    ("layout", "heads"), [("cpu", None), ("cpu", (1, 3)), ("nhd", None), ("nhd", (2, 3))]
+)
+@pytest.mark.parametrize("max_bytes", [1, 5000, 1 << 30])
+def test_gathered_layers_are_the_spans_bytes_in_the_same_order(
+    layout: str, heads: tuple[int, int] | None, max_bytes: int
+) -> None:
+    """Gathered a layer at a time through a bounded buffer, a zero-copy chunk's blocks are the bytes
+    its spans list, in order: the device checksum's value is that of the spans, and of the codec-none
+    payload the same blocks gather into, whichever the bound."""
+    kv = rank_kv(7, layout, TPRank(0, 2))
+    blocks = [40, 3, 17, 95, 4, 5]
+    runs = [run.clone() for run in kv.gathered_bytes(blocks, heads, range(1, 3), max_bytes)]
+    per_block = kv.batch_nbytes(1, heads) // kv.num_layers
+    assert all(run.numel() <= max(max_bytes // per_block, 1) * per_block for run in runs)
+    assert torch.equal(torch.cat(runs), _span_bytes(kv.spans(blocks, heads, range(1, 3))))
+    running = chunk_checksum(kv, codec.ChecksumAlgo.NH64, blocks, heads)
+    running.add_layers(range(2))
+    running.add_layers(range(2, kv.num_layers))
+    whole = _span_bytes(kv.spans(blocks, heads))
+    assert running.value == tensor_checksum(whole)
+    payload = kv.gather(blocks, heads=heads).reshape(-1).view(torch.uint8)
+    header = codec.KVHeader(
+        Compression.NONE, kv.dtype_name, kv.batch_shape(len(blocks), heads), 1, 0, codec.ChecksumAlgo.NH64
+    )
+    assert running.value == codec.checksum(header, payload)
 
 
 @pytest.mark.parametrize("setting", ["device", "pinned-host"])

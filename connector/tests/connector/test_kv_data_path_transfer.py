@@ -14,11 +14,12 @@ from typing import Any
 
 import pytest
 import torch
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, make_transport
+from kv_peer import GEOMETRY, HOST, LAYERS, NUM_BLOCKS, CorruptingSender, Prefill, make_caches, make_transport
 
+from dllm_connector.device_checksum import RunningTensorChecksum
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import prompt_hash
-from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.common import PipeConfig, chunk_ranges
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
@@ -213,6 +214,55 @@ def test_a_scratch_the_device_cannot_allocate_fails_the_send_and_releases_its_st
         assert receiver.wait_for("oom", 20) != ""
     finally:
         sender.close(timeout=10)
+        receiver.close()
+        prefill_transport.close()
+        decode_transport.close()
+
+
+def test_the_zero_copy_device_checksum_hashes_a_layer_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Codec none, zero-copy, device path, over Mooncake TCP: each side hashes a chunk's blocks a
+    layer at a time (gathered on the cache's device), not span by span, and a flipped byte is still
+    caught. The spy below is a double: it counts RunningTensorChecksum.add and runs the real one."""
+    adds: list[int] = []
+    real_add = RunningTensorChecksum.add
+
+    def counting_add_spy(self: RunningTensorChecksum, data: torch.Tensor) -> None:
+        adds.append(data.numel())
+        real_add(self, data)
+
+    monkeypatch.setattr(RunningTensorChecksum, "add", counting_add_spy)
+    config = receiver_config(PathSetting.DEVICE, async_transfer=False)
+    decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
+    receiver, kv = decode(decode_transport, PathSetting.DEVICE, async_transfer=False)
+    try:
+        for sender_class, transfer in ((KVSender, "fine"), (CorruptingSender, "flipped")):
+            adds.clear()
+            sender = sender_class(prefill_transport, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config)
+            try:
+                assert sender.zero_copy
+                receiver.expect(transfer, DST_BLOCKS)
+                sender.submit(SendJob(transfer, tuple(SRC_BLOCKS), HOST, receiver.port))
+                outcome = receiver.wait_for(transfer, 30)
+                reason = sender.finished()[transfer]
+            finally:
+                sender.close(timeout=10)
+            chunks = len(chunk_ranges(len(SRC_BLOCKS), sender._chunk_blocks(len(SRC_BLOCKS))))
+            # a layer per add, not a span per add: the sender every chunk, decode those it loads (after
+            # a bad one it only consumes the rest)
+            hashed_by_decode = chunks if transfer == "fine" else 1
+            assert len(adds) == (chunks + hashed_by_decode) * LAYERS
+            assert len(adds) < len(SRC_BLOCKS)
+            if transfer == "fine":
+                assert (outcome, reason) == ("", None)
+                want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
+                assert torch.equal(kv.gather(DST_BLOCKS), want)
+            else:
+                assert outcome is not None
+                assert "checksum" in outcome
+                assert reason is not None
+                assert "checksum" in reason
+        assert receiver.stats.checksum_failures == 1
+    finally:
         receiver.close()
         prefill_transport.close()
         decode_transport.close()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -114,12 +113,6 @@ class PagedKV:
         self._check_rank_heads()
         # [blocks, segments, *segment] views; index along dim 0 selects blocks.
         self._views = [self._block_major(tensor) for tensor in self.caches]
-        # Each cache's storage as flat bytes, by address: `byte_region` turns a span into a tensor.
-        self._storages = sorted(
-            ((tensor.untyped_storage().data_ptr(), _storage_bytes(tensor)) for tensor in self.caches),
-            key=lambda entry: entry[0],
-        )
-        self._storage_bases = [base for base, _ in self._storages]
 
     def _check_rank_heads(self) -> None:
         total = self.geometry.total_kv_heads
@@ -265,6 +258,26 @@ class PagedKV:
             torch.index_select(view, 0, ids, out=part)
             yield part.view(rows)
 
+    def gathered_bytes(
+        self, block_ids: Sequence[int], heads: HeadRange | None, layers: range, max_bytes: int
+    ) -> Iterator[torch.Tensor]:
+        """The bytes `spans` lists for `layers`, in the same order, as flat uint8 runs on the cache's
+        device: each layer's blocks gathered (index_select) into one reused buffer of at most
+        `max_bytes` (but one block), so a device hashes them in a few launches per layer, not one
+        run per span. Each run is valid until the next is taken (on a device: until the next
+        gather, queued after what reads it on the same stream)."""
+        ids = self.check_ids(block_ids)
+        block = (self.layout.segments, *self.segment_shape(heads))
+        per_block = _product(block) * self.dtype.itemsize
+        step = max(1, min(len(block_ids), max_bytes // per_block))
+        buffer = torch.empty(step * _product(block), dtype=self.dtype, device=self.device)
+        for view in self._head_views(heads)[layers.start : layers.stop]:
+            for start in range(0, len(block_ids), step):
+                selected = ids[start : start + step]
+                out = buffer[: selected.numel() * _product(block)].view(selected.numel(), *block)
+                torch.index_select(view, 0, selected, out=out)
+                yield out.view(-1).view(torch.uint8)
+
     def scatter(self, block_ids: Sequence[int], batch: torch.Tensor, heads: HeadRange | None = None) -> None:
         layers = batch.view(self._layered_shape(len(block_ids), heads))
         self.scatter_layers(block_ids, layers.unbind(0), heads)
@@ -295,8 +308,11 @@ class PagedKV:
     def _layered_shape(self, count: int, heads: HeadRange | None) -> tuple[int, ...]:
         return (len(self.caches), count, self.layout.segments, *self.segment_shape(heads))
 
-    def spans(self, block_ids: Sequence[int], heads: HeadRange | None = None) -> list[tuple[int, int]]:
-        """(address, bytes) of every (layer, block, segment) in gather order, by stride arithmetic.
+    def spans(
+        self, block_ids: Sequence[int], heads: HeadRange | None = None, layers: range | None = None
+    ) -> list[tuple[int, int]]:
+        """(address, bytes) of every (layer, block, segment) in gather order, by stride arithmetic
+        (of `layers` only, where given).
 
         With `heads`, each segment contributes the runs that hold those heads: one run on the CPU
         and HND layouts, one per token on NHD (both sides then list runs of the same sizes).
@@ -305,7 +321,7 @@ class PagedKV:
         block_dim, segments = self.layout.block_dim, self.layout.segments
         runs = self._head_runs(heads)
         spans: list[tuple[int, int]] = []
-        for tensor in self.caches:
+        for tensor in self.caches if layers is None else self.caches[layers.start : layers.stop]:
             item = tensor.element_size()
             block_stride = tensor.stride(block_dim) * item
             segment_stride = tensor.stride(0) * item if block_dim == 1 else 0
@@ -339,26 +355,9 @@ class PagedKV:
             for row in range(_product(segment[:axis]))
         ]
 
-    def byte_region(self, addr: int, nbytes: int) -> torch.Tensor:
-        """A span `spans` listed, as a flat uint8 view of the cache holding it (on the cache's device):
-        what a device-side checksum reads in place."""
-        index = bisect.bisect_right(self._storage_bases, addr) - 1
-        if index >= 0:
-            base, flat = self._storages[index]
-            if addr + nbytes <= base + flat.numel():
-                return flat[addr - base : addr - base + nbytes]
-        raise LayoutError(f"{nbytes} bytes at {addr:#x} are not in this worker's KV caches")
-
     def register_with(self, register: Any) -> None:
         for tensor in self.caches:
             register(tensor)
-
-
-def _storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole storage under `tensor` as a flat uint8 tensor on its device (no copy)."""
-    storage = tensor.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    return flat.set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def _product(sizes: Sequence[int]) -> int:

@@ -12,7 +12,6 @@ import torch
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import HeadRange, PagedKV, plan_tp_mapping, signature_mismatches
-from dllm_connector.kv_layout.paged_kv import coalesce_runs
 from dllm_connector.pipe.common import (
     EXPECTED_ERRORS,
     POLL_S,
@@ -31,7 +30,7 @@ from dllm_connector.pipe.device_copy import HostMirror
 from dllm_connector.pipe.expectations import Expectation, Expectations, Part
 from dllm_connector.pipe.layer_stream import LayerStream, check_header
 from dllm_connector.pipe.messages import Accept, Ack, Chunk, EndTransfer, Nack, Offer, Piece, Slot, bounded
-from dllm_connector.pipe.span_checksum import SpanChecksum
+from dllm_connector.pipe.span_checksum import chunk_checksum
 from dllm_connector.pipe.staging_window import StagingWindow
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import TransferTimeout, Transport, TransportError
@@ -342,8 +341,8 @@ class KVReceiver(PipeSide):
         if not load:
             return
         if view is None:
-            running = SpanChecksum(self.kv, self.checksum_algo)
-            running.add_all(coalesce_runs(self.kv.spans(blocks, heads)))
+            running = chunk_checksum(self.kv, self.checksum_algo, blocks, heads)
+            running.add_layers(range(self.kv.num_layers))  # the last write landed: the chunk message
             actual = running.value
             if actual != header.checksum:
                 raise codec.ChecksumError(f"KV checksum {actual:#018x} != sender's {header.checksum:#018x}")

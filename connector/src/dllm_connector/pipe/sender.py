@@ -38,7 +38,7 @@ from dllm_connector.pipe.common import (
 )
 from dllm_connector.pipe.device_copy import HostMirror, Ready, ready_now
 from dllm_connector.pipe.messages import Abort, Accept, Done, Offer, Slot, TPPart, bounded
-from dllm_connector.pipe.span_checksum import SpanChecksum
+from dllm_connector.pipe.span_checksum import chunk_checksum
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Source, Span, TransferTimeout, Transport, TransportError
 from dllm_connector.transport.sidechannel import Message
@@ -451,7 +451,7 @@ class KVSender(PipeSide):
         if len(theirs) != len(src) or sizes_differ:
             raise TransferFailed(f"decode's block spans for chunk {index} do not match this cache's")
         dst = [(span.addr, span.nbytes) for span in theirs]
-        running = SpanChecksum(self.kv, self.checksum_algo)
+        running = chunk_checksum(self.kv, self.checksum_algo, blocks, plan.heads)
         # Spans are in layer order, the same bytes for every layer: a piece is whole layers, as
         # few as make zero_copy_piece_bytes (the last piece takes what is left).
         per_layer = len(src) // self.kv.num_layers
@@ -461,7 +461,7 @@ class KVSender(PipeSide):
             self._poll(sock, plan)
             stop = min(start + step, len(src))
             merged_src, merged_dst = coalesce(src[start:stop], dst[start:stop])
-            running.add_all(merged_src)  # the same bytes in the same order: the same value
+            running.add_layers(range(start // per_layer, stop // per_layer), merged_src)
             piece = PreparedPiece([Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], index)
             self._before_write(index, piece.src)
             writer.put(piece)
