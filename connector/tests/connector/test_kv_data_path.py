@@ -6,7 +6,6 @@ import ctypes
 import functools
 import logging
 import socket
-import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -233,16 +232,18 @@ def test_a_host_mirror_copies_ranges_each_way() -> None:
         HostMirror(work[:10], host, copies)
 
 
-def test_each_thread_reuses_its_own_scratch() -> None:
-    scratch = Scratch(torch.device("cpu"))
-    first = scratch.take(4096)
-    assert scratch.take(1024).data_ptr() == first.data_ptr()  # reused, no new allocation
-    assert scratch.take(8192).numel() == 8192  # grown
-    other: list[int] = []
-    thread = threading.Thread(target=lambda: other.append(scratch.take(1024).data_ptr()))
-    thread.start()
-    thread.join()
-    assert other[0] != scratch.take(1024).data_ptr()
+def test_a_reservation_s_scratch_is_the_slice_at_its_own_offset() -> None:
+    """One scratch as large as the staging, whatever the threads: a reservation's is at its offset."""
+    staging = StagingBuffer(1 << 16, pinned=True)
+    scratch = Scratch(staging, torch.device("cpu"))
+    assert scratch.buffer.numel() == staging.capacity
+    first, second = staging.reserve(4000, 1.0), staging.reserve(1000, 1.0)
+    for view in (first, second, second[10:20]):
+        work = scratch.take(view)
+        assert work.numel() == view.numel()
+        assert work.data_ptr() - scratch.buffer.data_ptr() == view.data_ptr() - staging.tensor.data_ptr()
+    with pytest.raises(TransportError, match="are not in the staging buffer"):
+        scratch.take(torch.empty(100, dtype=torch.uint8))
 
 
 def _span_bytes(spans: Sequence[tuple[int, int]]) -> torch.Tensor:

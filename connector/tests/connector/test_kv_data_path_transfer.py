@@ -19,7 +19,10 @@ from kv_peer import GEOMETRY, HOST, LAYERS, NUM_BLOCKS, CorruptingSender, Prefil
 from dllm_connector.device_checksum import RunningTensorChecksum
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import prompt_hash
+from dllm_connector.pipe import receiver as receiver_module
+from dllm_connector.pipe import sender as sender_module
 from dllm_connector.pipe.common import PipeConfig, chunk_ranges
+from dllm_connector.pipe.device_copy import Copies, HostMirror
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
@@ -189,10 +192,10 @@ def test_a_peer_checksumming_with_another_algorithm_is_refused_by_name(
         receiver.close()
 
 
-def test_a_scratch_the_device_cannot_allocate_fails_the_send_and_releases_its_staging() -> None:
-    """Pinned-host: the send's device scratch cannot be allocated (the GPU is out of memory; here a
-    double of the allocator raises what torch raises): that send fails naming it, and its staging
-    reservation is released, so later sends are not starved."""
+def test_a_scratch_the_device_cannot_give_fails_the_send_and_releases_its_staging() -> None:
+    """Pinned-host: the send's device scratch cannot be had (the GPU is out of memory; here a double
+    of the scratch raises what torch raises): that send fails naming it, and its staging reservation
+    is released, so later sends are not starved."""
     config = receiver_config(PathSetting.PINNED_HOST, compression=Compression.FP8, async_transfer=False)
     decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
     receiver = KVReceiver(decode_transport, PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config, HOST, 0)
@@ -200,8 +203,8 @@ def test_a_scratch_the_device_cannot_allocate_fails_the_send_and_releases_its_st
     try:
         assert sender.scratch is not None
 
-        def out_of_memory_double(nbytes: int) -> torch.Tensor:
-            raise torch.OutOfMemoryError(f"CUDA out of memory allocating {nbytes} bytes (test double)")
+        def out_of_memory_double(view: torch.Tensor) -> torch.Tensor:
+            raise torch.OutOfMemoryError(f"CUDA out of memory for {view.numel()} bytes (test double)")
 
         sender.scratch.take = out_of_memory_double  # type: ignore[method-assign]
         hashed = prompt_hash([1, 2, 3])
@@ -266,3 +269,56 @@ def test_the_zero_copy_device_checksum_hashes_a_layer_at_a_time(monkeypatch: pyt
         receiver.close()
         prefill_transport.close()
         decode_transport.close()
+
+
+def test_concurrent_pinned_host_transfers_share_one_scratch_bounded_by_the_staging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three sends at once from one prefill side, three loads at once on one decode side: every
+    device scratch either side works in is a slice of its one scratch, as large as its staging
+    (bufferSizeGB), at the slice's staging reservation's own offset; each transfer lands intact."""
+    mirrors: list[HostMirror] = []
+
+    class RecordingMirror(HostMirror):
+        """Spy double: the real HostMirror, remembered."""
+
+        def __init__(self, work: torch.Tensor, host: torch.Tensor, copies: Copies) -> None:
+            super().__init__(work, host, copies)
+            mirrors.append(self)
+
+    monkeypatch.setattr(sender_module, "HostMirror", RecordingMirror)
+    monkeypatch.setattr(receiver_module, "HostMirror", RecordingMirror)
+    config = receiver_config(PathSetting.PINNED_HOST, buffer_bytes=8 << 20)
+    decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
+    receiver, kv = decode(decode_transport, PathSetting.PINNED_HOST, buffer_bytes=8 << 20)
+    sender = KVSender(prefill_transport, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config)
+    sender.piece_bytes = 1  # a piece per layer: copies per piece on both sides
+    jobs = {f"t-{n}": (SRC_BLOCKS[n * 40 : n * 40 + 40], DST_BLOCKS[n * 40 : n * 40 + 40]) for n in range(3)}
+    try:
+        for transfer, (src, dst) in jobs.items():
+            receiver.expect(transfer, dst)
+            sender.submit(SendJob(transfer, tuple(src), HOST, receiver.port))
+        assert [receiver.wait_for(transfer, 60) for transfer in jobs] == ["", "", ""]
+        assert sender.wait_idle(30)
+        assert set(sender.finished().values()) == {None}
+        assert len(mirrors) == 6  # a chunk per transfer, on each side
+        for mirror in mirrors:
+            (side,) = [side for side in (sender, receiver) if within(mirror.host, side.staging.tensor)]
+            assert side.scratch is not None
+            assert side.scratch.buffer.numel() == side.staging.capacity == 8 << 20
+            offset = mirror.host.data_ptr() - side.staging.tensor.data_ptr()
+            assert mirror.work.data_ptr() == side.scratch.buffer.data_ptr() + offset
+        want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY)
+        for src, dst in jobs.values():
+            assert torch.equal(kv.gather(dst), want.gather(src))
+        assert sender.staging.in_use == receiver.staging.in_use == 0
+    finally:
+        sender.close(timeout=10)
+        receiver.close()
+        prefill_transport.close()
+        decode_transport.close()
+
+
+def within(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    start = view.data_ptr() - buffer.data_ptr()
+    return start >= 0 and start + view.numel() <= buffer.numel()

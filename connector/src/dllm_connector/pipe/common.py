@@ -138,7 +138,7 @@ class PipeSide:
         )
         self.data_path = self.placement.describe() + (f"; {self.staging.note}" if self.staging.note else "")
         self.copies = Copies(kv.device)
-        self.scratch = Scratch(kv.device) if path is DataPath.PINNED_HOST else None
+        self.scratch = Scratch(self.staging, kv.device) if path is DataPath.PINNED_HOST else None
         transport.register(self.staging.tensor)
         if self.placement.cache_registered:
             kv.register_with(transport.register)

@@ -11,10 +11,12 @@ behind the one check in `Copies`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
+
+from dllm_connector.transport.base import TransportError
+from dllm_connector.transport.staging import StagingBuffer
 
 # Called before the transport reads bytes written on the device: returns once they are written.
 Ready = Callable[[], None]
@@ -94,16 +96,22 @@ class HostMirror:
 
 
 class Scratch:
-    """A payload-sized scratch on the KV's device per thread (one send or load each), reused across
-    batches so that host memory is not faulted in again for every batch."""
+    """The pinned-host path's work space on the KV's device: one buffer as large as the host staging
+    it mirrors, allocated once at start. A reservation's scratch is the slice at the reservation's
+    own offset, so the scratch in use is bounded by the staging (bufferSizeGB) and held exactly as
+    long as the reservation, whatever the number of threads sending and receiving."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._local = threading.local()
+    def __init__(self, staging: StagingBuffer, device: torch.device) -> None:
+        self._staging = staging
+        try:
+            self.buffer = torch.empty(staging.capacity, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as error:
+            raise TransportError(
+                f"the pinned-host path's scratch on {device} ({staging.capacity} bytes, as large as the "
+                f"staging buffer: bufferSizeGB) does not fit in its memory: {error}"
+            ) from None
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        buffer: torch.Tensor | None = getattr(self._local, "buffer", None)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self._local.buffer = buffer
-        return buffer[:nbytes]
+    def take(self, view: torch.Tensor) -> torch.Tensor:
+        """The scratch mirroring `view`, a reservation of the staging (or part of one)."""
+        offset = self._staging.offset(view)
+        return self.buffer[offset : offset + view.numel()]

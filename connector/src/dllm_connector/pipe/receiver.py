@@ -359,10 +359,10 @@ class KVReceiver(PipeSide):
         stream.finish(header)
 
     def _mirror(self, view: torch.Tensor) -> HostMirror | None:
-        """Pinned-host path: this thread's scratch on the KV's device, where `view` is decoded from."""
+        """Pinned-host path: the scratch on the KV's device at `view`'s offset, where it is decoded from."""
         if self.scratch is None:
             return None
-        return HostMirror(self.scratch.take(view.numel()), view, self.copies)
+        return HostMirror(self.scratch.take(view), view, self.copies)
 
     def _draft_header(
         self, offer: Offer, blocks: Sequence[int], heads: HeadRange | None, *, staged: bool = True

@@ -427,12 +427,12 @@ class KVSender(PipeSide):
         return PreparedChunk(index, header, src, dst, staged, ready[0])
 
     def _mirror(self, staged: torch.Tensor) -> HostMirror | None:
-        """Pinned-host path: a scratch on the KV's device to encode in, copied to `staged` per part.
-        The scratch is this thread's, reused batch after batch once the last batch's copies ran."""
+        """Pinned-host path: the scratch on the KV's device at `staged`'s offset to encode in, copied
+        to `staged` per part; encoded once the copies issued so far (out of any scratch) ran."""
         if self.scratch is None:
             return None
         self.copies.join()
-        return HostMirror(self.scratch.take(staged.numel()), staged, self.copies)
+        return HostMirror(self.scratch.take(staged), staged, self.copies)
 
     def _prepare_in_place(
         self,

@@ -101,6 +101,13 @@ class StagingBuffer:
             cursor = offset + used
         return cursor if self.capacity - cursor >= length else None
 
+    def offset(self, view: torch.Tensor) -> int:
+        """Where a view of this buffer (a reservation, or part of one) starts in it."""
+        offset = view.data_ptr() - self.tensor.data_ptr()
+        if not 0 <= offset <= offset + view.numel() <= self.capacity:
+            raise TransportError(f"{view.numel()} bytes at offset {offset} are not in the staging buffer")
+        return offset
+
     def release(self, view: torch.Tensor) -> None:
         offset = view.data_ptr() - self.tensor.data_ptr()
         with self._cond:
