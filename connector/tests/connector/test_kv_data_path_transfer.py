@@ -22,7 +22,7 @@ from dllm_connector.kv_scheduler import prompt_hash
 from dllm_connector.pipe import receiver as receiver_module
 from dllm_connector.pipe import sender as sender_module
 from dllm_connector.pipe.common import PipeConfig, chunk_ranges
-from dllm_connector.pipe.device_copy import Copies, HostMirror
+from dllm_connector.pipe.device_copy import Copies, HostMirror, Ready
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
@@ -322,3 +322,66 @@ def test_concurrent_pinned_host_transfers_share_one_scratch_bounded_by_the_stagi
 def within(view: torch.Tensor, buffer: torch.Tensor) -> bool:
     start = view.data_ptr() - buffer.data_ptr()
     return start >= 0 and start + view.numel() <= buffer.numel()
+
+
+class CountingCopiesDouble(Copies):
+    """Test double for decode's Copies (a mark waits for anything only on a CUDA device, where it
+    syncs an event of the kernels queued): the real CPU copies, with each mark's wait recorded as
+    whether the load was still unreported when it ran."""
+
+    def __init__(self, receiver: KVReceiver, transfer_id: str) -> None:
+        super().__init__(torch.device("cpu"))
+        self._receiver, self._transfer_id = receiver, transfer_id
+        self.marks = 0
+        self.waits: list[bool] = []
+
+    def mark(self) -> Ready:
+        self.marks += 1
+        ready = super().mark()
+
+        def wait() -> None:
+            self.waits.append(self._transfer_id in self._receiver.pending)
+            ready()
+
+        return wait
+
+
+SYNC_CASES = [
+    pytest.param("mooncake", PathSetting.DEVICE, Compression.NONE, id="zero-copy"),
+    pytest.param("mooncake", PathSetting.DEVICE, Compression.FP8, id="one-sided staged"),
+    pytest.param("mooncake", PathSetting.PINNED_HOST, Compression.FP8, id="one-sided pinned-host"),
+    pytest.param("gloo", PathSetting.PINNED_HOST, Compression.FP8, id="two-sided"),
+]
+
+
+@pytest.mark.parametrize("double", [None, "corrupt"])
+@pytest.mark.parametrize(("kind", "path", "compression"), SYNC_CASES, indirect=["kind"], scope="module")
+def test_decode_waits_for_its_kernels_once_per_chunk_before_the_load_is_reported(
+    transport: Transport, prefill: Prefill, path: PathSetting, compression: Compression, double: str | None
+) -> None:
+    """Loaded or failed, every chunk's decode and scatter work is waited for before the outcome is
+    reported (one mark and one wait per chunk, all while the load is still pending)."""
+    receiver, _ = decode(transport, path)
+    copies = receiver.copies = CountingCopiesDouble(receiver, "t-sync")
+    try:
+        receiver.expect("t-sync", DST_BLOCKS)
+        prefill.send(
+            receiver.port,
+            [{"transfer_id": "t-sync", "block_ids": SRC_BLOCKS}],
+            compression=compression.value,
+            data_path=path.value,
+            threshold_tokens=16 * GEOMETRY.block_size,  # chunks of 16 blocks
+            **({"double": double} if double else {}),
+        )
+        outcome = receiver.wait_for("t-sync", timeout=60)
+        prefill.report()
+        assert copies.waits == [True] * copies.marks  # each wait before the load was reported
+        if double is None:
+            assert outcome == ""
+            assert copies.marks == len(chunk_ranges(len(SRC_BLOCKS), 16))  # one per chunk
+        else:  # the bad first chunk, and those read before the sender stopped
+            assert outcome is not None
+            assert "checksum" in outcome
+            assert copies.marks >= 1
+    finally:
+        receiver.close()

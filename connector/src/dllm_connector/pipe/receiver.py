@@ -188,8 +188,7 @@ class KVReceiver(PipeSide):
                     except Exception as error:  # noqa: BLE001 - any failure: the sender is told to stop
                         failure = failure or error  # and the rest is consumed, so nothing writes after
                     finally:
-                        if own is not None:
-                            self.staging.release(own)
+                        self._settle_chunk(own)
                     if failure is not None:
                         self._tell_to_stop(sock, part, f"KV load failed: {failure}")
                     for slot, addr in [] if window is None else window.decoded(index):
@@ -218,6 +217,17 @@ class KVReceiver(PipeSide):
         self.stats.raw_bytes += self.kv.batch_nbytes(count, heads)
         self._expectations.end(expectation.transfer_id, part, "")
         send(sock, Ack(type="ack"))
+
+    def _settle_chunk(self, own: torch.Tensor | None) -> None:
+        """After each chunk, loaded or not, before the load may be reported and before its staging
+        is reused: the decode and scatter kernels this thread queued have run (one event sync on a
+        device: vLLM's forward may run on another stream than this thread's; finding 11 of the
+        review of issue 20). Then the staging a two-sided chunk reserved (`own`) is free."""
+        try:
+            self.copies.mark()()
+        finally:
+            if own is not None:
+                self.staging.release(own)
 
     def _tell_to_stop(self, sock: socket.socket, part: Part, reason: str) -> None:
         """Mid-stream, once: nack now, so the sender stops writing and answers with abort (H5)."""
