@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
+    from kv_peer import Prefill
+
+    from dllm_connector.transport.base import Transport
     from dllm_connector.transport.mooncake import MooncakeTransport
 
 # Every test here drives torch (and most Mooncake or vLLM), which `make venv` installs: without them
@@ -46,3 +49,29 @@ def transports() -> Iterator[tuple[MooncakeTransport, MooncakeTransport]]:
     yield decode, prefill
     decode.close()
     prefill.close()
+
+
+@pytest.fixture(scope="module", params=["mooncake", "gloo"])
+def kind(request: pytest.FixtureRequest) -> str:
+    """The transport a two-process module runs over: the one-sided Mooncake engine (TCP), a gloo pair."""
+    return str(request.param)
+
+
+@pytest.fixture(scope="module")
+def transport(kind: str) -> Iterator[Transport]:
+    """Decode's transport of that kind, in this process."""
+    from kv_peer import make_transport
+
+    engine = make_transport(kind)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prefill(kind: str) -> Iterator[Prefill]:
+    """A prefill worker of that kind in its own process (kv_peer.py)."""
+    from kv_peer import Prefill
+
+    peer = Prefill(kind)
+    yield peer
+    peer.close()

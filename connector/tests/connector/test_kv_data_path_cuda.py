@@ -10,11 +10,9 @@ build, the device path (zero-copy for codec none). Each test asserts which it to
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, make_transport
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import PagedKV
@@ -59,25 +57,6 @@ def test_copies_on_the_side_stream_land_once_ready() -> None:
     host.fill_(3)
     mirror.to_device([(0, nbytes)])
     assert bool((work == 3).all())  # the current stream waited for the copy
-
-
-@pytest.fixture(scope="module", params=["mooncake", "gloo"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture(scope="module")
-def transport(kind: str) -> Iterator[Transport]:
-    engine = make_transport(kind)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def prefill(kind: str) -> Iterator[Prefill]:
-    peer = Prefill(kind)
-    yield peer
-    peer.close()
 
 
 @pytest.mark.parametrize("compression", [Compression.NONE, Compression.FP8])

@@ -9,12 +9,11 @@ Decode runs in this process, prefill in kv_peer.py's, over Mooncake (TCP) and a 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from kv_peer import GEOMETRY, HOST, LAYERS, NUM_BLOCKS, CorruptingSender, Prefill, make_caches, make_transport
+from kv_peer import GEOMETRY, HOST, LAYERS, NUM_BLOCKS, CorruptingSender, Prefill, make_caches
 
 from dllm_connector.device_checksum import RunningTensorChecksum
 from dllm_connector.kv_layout import PagedKV
@@ -47,25 +46,6 @@ def receiver_config(path: PathSetting, **changes: Any) -> PipeConfig:
         "data_path": path,
     }
     return PipeConfig(**(base | changes))
-
-
-@pytest.fixture(scope="module", params=["mooncake", "gloo"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture(scope="module")
-def transport(kind: str) -> Iterator[Transport]:
-    engine = make_transport(kind)
-    yield engine
-    engine.close()
-
-
-@pytest.fixture(scope="module")
-def prefill(kind: str) -> Iterator[Prefill]:
-    peer = Prefill(kind)
-    yield peer
-    peer.close()
 
 
 def decode(transport: Transport, path: PathSetting, **changes: Any) -> tuple[KVReceiver, PagedKV]:

@@ -39,7 +39,6 @@ from dllm_contract.pd_params import DecodeParams, PrefillParams
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(90)]
 
-TRANSPORTS = ["mooncake", "gloo"]
 MAX_DECODE_TP = 4
 SRC_BLOCKS = [int(b) for b in torch.randperm(TP_BLOCKS, generator=torch.Generator().manual_seed(3))[:40]]
 DST_BLOCKS = [int(b) for b in torch.randperm(TP_BLOCKS, generator=torch.Generator().manual_seed(4))[:40]]
@@ -52,11 +51,6 @@ def receiver_config(**changes: Any) -> PipeConfig:
     return PipeConfig(**(base | changes))
 
 
-@pytest.fixture(scope="module", params=TRANSPORTS)
-def kind(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 @pytest.fixture(scope="module")
 def transports(kind: str) -> Iterator[list[Transport]]:
     """One transport per decode TP rank, as each rank's worker has its own."""
@@ -64,13 +58,6 @@ def transports(kind: str) -> Iterator[list[Transport]]:
     yield engines
     for engine in engines:
         engine.close()
-
-
-@pytest.fixture(scope="module")
-def prefill(kind: str) -> Iterator[Prefill]:
-    peer = Prefill(kind)
-    yield peer
-    peer.close()
 
 
 @contextlib.contextmanager
