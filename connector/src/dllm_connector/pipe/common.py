@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import select
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from dllm_connector import codec
@@ -127,21 +128,40 @@ class PipeSide:
         self.config = config
         self.stats = PipeStats()
         effective = codec.effective_codec(config.compression, kv.dtype)
-        self.placement: Placement = choose_path(
-            kv.device.type, effective, transport.traits(), config.data_path
-        )
-        path = self.placement.path
+        traits = transport.traits()
+        self.placement: Placement = choose_path(kv.device.type, effective, traits, config.data_path)
+        try:
+            self._place()
+        except TransportError as error:
+            if self.placement.path is not DataPath.DEVICE or config.data_path is not PathSetting.AUTO:
+                raise  # an override the operator asked for fails loudly
+            # GPUDirect needs the NIC and its driver (peer memory, dma-buf) too, not only a CUDA
+            # build: where registering device memory fails, stage in pinned host memory instead.
+            fallback = choose_path(kv.device.type, effective, traits, PathSetting.PINNED_HOST)
+            why = f"registering {kv.device.type} memory with {traits.kind} failed ({error})"
+            self.placement = replace(fallback, reason=f"{why}: pinned host staging")
+            self._place()
+
+    def _place(self) -> None:
+        """The staging (and the cache where the path lets a peer write it) allocated and registered
+        as the placement says; on a failure, nothing stays registered."""
+        path, kv = self.placement.path, self.kv
         self.staging = StagingBuffer(
-            config.buffer_bytes,
+            self.config.buffer_bytes,
             device=kv.device if path is DataPath.DEVICE else None,
             pinned=path is DataPath.PINNED_HOST,
         )
         self.data_path = self.placement.describe() + (f"; {self.staging.note}" if self.staging.note else "")
         self.copies = Copies(kv.device)
         self.scratch = Scratch(self.staging, kv.device) if path is DataPath.PINNED_HOST else None
-        transport.register(self.staging.tensor)
-        if self.placement.cache_registered:
-            kv.register_with(transport.register)
+        try:
+            self.transport.register(self.staging.tensor)
+            if self.placement.cache_registered:
+                kv.register_with(self.transport.register)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self._unregister()
+            raise
 
     @property
     def checksum_algo(self) -> codec.ChecksumAlgo:
