@@ -14,6 +14,7 @@ ENGINE_ONLY = (
     "dllm_connector.checksum",
     "dllm_connector.codec",
     "dllm_connector.device_checksum",
+    "dllm_connector.end_route",
     "dllm_connector.kv_layout",
     "dllm_connector.kv_worker",
     "dllm_connector.pipe",

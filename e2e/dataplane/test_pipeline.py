@@ -184,6 +184,30 @@ def test_streaming_through_the_pipeline(pipeline: Pipeline) -> None:
     assert "".join(pieces) == whole["choices"][0]["text"]
 
 
+def test_a_prompt_decode_refuses_after_prefill_ran_frees_prefills_kv_at_once(pipeline: Pipeline) -> None:
+    """Security review M2: a body prefill takes and decode refuses (stream_options without stream: the
+    router leaves stream_options out of prefill's call, vLLM refuses it on decode's). The router ends
+    that transfer on decode, so prefill frees the prompt's blocks within seconds instead of holding them
+    for holdSeconds (480 s)."""
+    router, prefill = pipeline.processes["router"], pipeline.processes["prefill"]
+    ends_before = counter(metrics_text(router.url), "dllm_router_transfer_ends")
+    body = {"model": "tiny-llama", "prompt": PROMPTS[0] * 4, "max_tokens": 4, "temperature": 0.0,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    status, answer = post_json(f"{router.url}/v1/completions", body)
+    assert status == 400, answer
+    assert "stream" in json.dumps(answer), answer
+    wait_until(
+        lambda: counter(metrics_text(router.url), "dllm_router_transfer_ends") > ends_before,
+        15,
+        "the router's transfer end",
+    )
+    wait_until(
+        lambda: counter(metrics_text(prefill.url), "vllm:kv_cache_usage_perc") == 0.0,
+        60,
+        "prefill's KV blocks to be free again (held for the 480 s hold without the end)",
+    )
+
+
 def test_killed_prefill_gives_a_clear_error_then_recovers(pipeline: Pipeline) -> None:
     router, prefill = pipeline.processes["router"], pipeline.processes["prefill"]
     stop = threading.Event()
@@ -249,27 +273,3 @@ def test_compressed_kv_difference_is_measured(
         assert agree >= total // 3, f"{agree}/{total} tokens equal to one engine"
         assert len(first_diffs) >= len(PROMPTS) // 2, f"first token equal on {len(first_diffs)}"
         assert worst <= COMPRESSED_FIRST_LOGPROB_BOUND
-
-
-def test_a_prompt_decode_refuses_after_prefill_ran_frees_prefills_kv_at_once(pipeline: Pipeline) -> None:
-    """Security review M2: a body prefill takes and decode refuses (stream_options without stream: the
-    router leaves stream_options out of prefill's call, vLLM refuses it on decode's). The router ends
-    that transfer on decode, so prefill frees the prompt's blocks within seconds instead of holding them
-    for holdSeconds (480 s)."""
-    router, prefill = pipeline.processes["router"], pipeline.processes["prefill"]
-    ends_before = counter(metrics_text(router.url), "dllm_router_transfer_ends")
-    body = {"model": "tiny-llama", "prompt": PROMPTS[0] * 4, "max_tokens": 4, "temperature": 0.0,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    status, answer = post_json(f"{router.url}/v1/completions", body)
-    assert status == 400, answer
-    assert "stream" in json.dumps(answer), answer
-    wait_until(
-        lambda: counter(metrics_text(router.url), "dllm_router_transfer_ends") > ends_before,
-        15,
-        "the router's transfer end",
-    )
-    wait_until(
-        lambda: counter(metrics_text(prefill.url), "vllm:kv_cache_usage_perc") == 0.0,
-        60,
-        "prefill's KV blocks to be free again (held for the 480 s hold without the end)",
-    )

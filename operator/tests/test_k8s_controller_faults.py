@@ -96,14 +96,13 @@ def test_replacing_a_statefulset_for_an_immutable_field_keeps_its_pods(
     cluster.apply(impostor)
     operator.start()
 
-    wait_until(
-        lambda: (
-            cluster.get_json("statefulset", "tiny-prefill", "-n", namespace)["spec"]["serviceName"]
-            == "tiny-prefill"
-        ),
-        120,
-        "the operator's StatefulSet back in place",
-    )
+    def rendered_set_back() -> bool:
+        # The replace deletes the impostor before it creates the rendered one: absent for a moment.
+        found = cluster.run("get", "statefulset", "tiny-prefill", "-n", namespace, "--ignore-not-found",
+                            "-o", "jsonpath={.spec.serviceName}").stdout  # fmt: skip
+        return found == "tiny-prefill"
+
+    wait_until(rendered_set_back, 120, "the operator's StatefulSet back in place")
     wait_until(lambda: prefill_set(cluster, namespace, ready=2), 120, "the new StatefulSet counting its pods")
     assert prefill_pods(cluster, namespace) == pods, "no pod was deleted or recreated"
     reasons = {e["reason"] for e in cluster.get_json("events", "-n", namespace)["items"]}
