@@ -165,11 +165,15 @@ def test_a_timed_out_write_returns_only_after_mooncake_gave_up(local: MooncakeTr
     before = _write_threads()
     os.kill(peer.process.pid, signal.SIGSTOP)  # the peer stalls: Mooncake's write cannot complete
     started = time.monotonic()
+    # 64 MiB (its 1 MiB buffer, 64 times over): more than the kernel's socket buffers can take in
+    # (tcp_rmem/tcp_wmem autotune to MBs), so the write cannot end while the peer is stopped; 1 MiB once
+    # fitted in them now and then, and the write finished.
+    dst = [Span(peer.info["registered"], 1 << 20)] * 64
     with pytest.raises(TransferTimeout):
-        local.send({"session": session}, [src], [Span(peer.info["registered"], 1 << 20)], 0, 1.0)
+        local.send({"session": session}, [src] * len(dst), dst, 0, 1.0)
     elapsed = time.monotonic() - started
     assert _write_threads() == before  # nothing of this write still runs in our process
-    assert MC_MIN_TIMEOUT_S - 0.5 <= elapsed <= local.call_bound_s([Span(0, 1 << 20)]) + 5
+    assert MC_MIN_TIMEOUT_S - 0.5 <= elapsed <= local.call_bound_s(dst) + 5
     os.kill(peer.process.pid, signal.SIGCONT)
     # What remains (documented): bytes already in the kernel still land once the peer resumes.
     assert peer.landed()["registered"] > 16
