@@ -13,7 +13,7 @@ import json
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -135,24 +135,33 @@ def _authorized(**extra: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}", **extra}
 
 
+async def _until(condition: Callable[[], bool], within: float, what: str) -> None:
+    """Wait for `condition`, checked on every turn of the event loop (the app's tasks run meanwhile),
+    failing the test past `within` seconds."""
+    try:
+        async with asyncio.timeout(within):
+            while not condition():  # noqa: ASYNC110  # one loop turn per check, no fixed delay
+                await asyncio.sleep(0)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {within}s waiting for {what}") from None
+
+
 async def _outcome(sender: KVSender, tid: str, within: float) -> str | None:
     """The send's outcome once it has one (fails the test past `within` seconds)."""
     outcomes: dict[str, str | None] = {}
-    deadline = time.monotonic() + within
-    while tid not in outcomes:
-        assert time.monotonic() < deadline, f"the send of {tid} did not end within {within}s"
+
+    def ended() -> bool:
         outcomes.update(sender.finished())
-        await asyncio.sleep(0.02)  # polling the sender's outcomes, bounded by the deadline
+        return tid in outcomes
+
+    await _until(ended, within, f"the send of {tid} to end")
     return outcomes[tid]
 
 
 async def _waiting(sender: KVSender, receiver: KVReceiver, tid: str) -> float:
     started = time.monotonic()
     sender.submit(SendJob(tid, (1, 2), HOST, receiver.port, HASH))
-    deadline = started + 5
-    while tid not in sender.in_flight:
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.01)
+    await _until(lambda: tid in sender.in_flight, 5, f"the send of {tid} to wait for decode")
     return started
 
 
@@ -401,8 +410,7 @@ async def test_ends_over_the_bound_get_503_while_a_side_channel_is_slow(
             transport=httpx.ASGITransport(app=app), base_url="http://d", timeout=30
         ) as client:
             first = asyncio.create_task(client.post(END_PATH, json={"transfer_id": TID}))
-            while app.in_flight == 0:  # noqa: ASYNC110  # one loop turn per check, bounded by the test timeout
-                await asyncio.sleep(0)
+            await _until(lambda: app.in_flight > 0, 10, "the first end to be in flight")
             second = await client.post(END_PATH, json={"transfer_id": TID})
             assert second.status_code == 503
             assert "ends in flight" in second.json()["error"]["message"]
