@@ -9,11 +9,7 @@ itself. vLLM's routes keep their own key check. Slow: vLLM takes a minute or mor
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -23,6 +19,7 @@ from typing import Any
 import pytest
 from e2e.dataplane.tiny_model import build as build_tiny_llama
 from e2e.ports import free_port
+from real_engine import base_env, dllm_serve, engine_args, wait_healthy
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(600)]
 
@@ -52,13 +49,7 @@ def decode(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path,
     model, log = tmp_path / "model", tmp_path / "engine.log"
     build_tiny_llama(model)
     port = free_port()
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(tmp_path),
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "OMP_NUM_THREADS": "1",
+    env = base_env(tmp_path) | {
         "VLLM_KV_CONNECTOR": "mooncake",
         "VLLM_KV_ROLE": "decode",
         "VLLM_KV_LISTEN_PORT": str(free_port()),
@@ -71,51 +62,15 @@ def decode(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path,
         "VLLM_API_KEY": KEY,
         "DLLM_KV_AUTH_TOKEN": TOKEN,
     }
-    for name in ("PYTHONPATH", "DLLM_KV_CODEC_KERNELS"):
-        if name in os.environ:
-            env[name] = os.environ[name]
-    args = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
-            "--block-size", "32", "--enforce-eager", "--dtype", "bfloat16",
-            "--max-num-seqs", "4"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dllm_connector.serve", "--", *args],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
+    with dllm_serve(env, engine_args(model, port), log) as proc:
         yield proc, port, log, model
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if _call(port, "/health", key=None)[0] == 200:
-            return
-        try:
-            code = proc.wait(timeout=1.0)  # waits on the process, not a bare sleep
-        except subprocess.TimeoutExpired:
-            continue
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        pytest.fail(f"vLLM exited with {code} before it was healthy:\n{tail}")
-    pytest.fail(f"vLLM not healthy within {START_TIMEOUT_S} s")
 
 
 def test_a_real_decode_engine_serves_the_end_route_and_its_own_routes(
     decode: tuple[subprocess.Popen[bytes], int, Path, Path],
 ) -> None:
     proc, port, log, model = decode
-    _wait_healthy(proc, port, log)
+    wait_healthy(proc, lambda: _call(port, "/health", key=None)[0] == 200, log, START_TIMEOUT_S)
     cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
     assert b"dllm_connector.end_route.EndTransferRoute" in cmdline
 

@@ -11,8 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,6 +19,7 @@ from pathlib import Path
 import pytest
 from e2e.dataplane.tiny_model import build as build_tiny_llama
 from e2e.ports import free_port
+from real_engine import base_env, dllm_serve, engine_args, wait_healthy
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.slow, pytest.mark.engine, pytest.mark.timeout(300)]
 
@@ -36,37 +35,13 @@ def _get(url: str) -> int | None:
         return None
 
 
-def _tail(log: Path, lines: int = 15) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path) -> None:
-    """Until /health answers 200; fails at once if the process exits, or after START_TIMEOUT_S."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if _get(url) == 200:
-            return
-        try:
-            code = proc.wait(timeout=1.0)  # waits on the process, not a bare sleep
-        except subprocess.TimeoutExpired:
-            continue
-        pytest.fail(f"vLLM exited with {code} before it was healthy:\n{_tail(log)}")
-    pytest.fail(f"vLLM not healthy within {START_TIMEOUT_S} s:\n{_tail(log)}")
-
-
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path, Path, Path]]:
     model, store, log = tmp_path / "model", tmp_path / "kv", tmp_path / "engine.log"
     build_tiny_llama(model)
     store.mkdir()
     port = free_port()
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": str(tmp_path),
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "OMP_NUM_THREADS": "1",
+    env = base_env(tmp_path) | {
         "VLLM_KV_CONNECTOR": "custom",
         "VLLM_KV_CONNECTOR_CLASS": "ExampleConnector",
         "VLLM_KV_CONNECTOR_EXTRA_CONFIG": json.dumps({"shared_storage_path": str(store)}),
@@ -76,34 +51,13 @@ def engine(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path,
         "VLLM_HOST_IP": "127.0.0.1",
         "DLLM_ENGINE_ID": "serve-smoke-0",
     }
-    if "PYTHONPATH" in os.environ:
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    args = ["--model", str(model), "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
-            "--block-size", "32", "--enforce-eager", "--dtype", "bfloat16",
-            "--max-num-seqs", "4"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dllm_connector.serve", "--", *args],
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
+    with dllm_serve(env, engine_args(model, port), log) as proc:
         yield proc, port, store, log, model
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
 
 
 def test_dllm_serve_becomes_a_serving_vllm_with_the_kv_config(engine):
     proc, port, store, log, model = engine
-    _wait_healthy(proc, f"http://127.0.0.1:{port}/health", log)
+    wait_healthy(proc, lambda: _get(f"http://127.0.0.1:{port}/health") == 200, log, START_TIMEOUT_S)
 
     # exec: the process we started is vLLM's api_server itself, not a parent of it.
     cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
