@@ -27,6 +27,7 @@ import torch
 
 from dllm_connector.kv_layout import Geometry, PagedKV, TPRank, rank_heads
 from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Source, Span, Transport
 from dllm_connector.transport.mooncake import MooncakeTransport
@@ -263,6 +264,22 @@ class Prefill:
         if self.process.stdin is not None:
             self.process.stdin.close()
         self.process.wait(timeout=30)
+
+
+def assert_a_corrupted_payload_fails_on_both_sides(
+    receiver: KVReceiver, prefill: Prefill, dst: Sequence[int], src: Sequence[int], **spec: Any
+) -> None:
+    """Prefill's corrupting double sends `src` to decode's `dst`: decode refuses it by its checksum and
+    counts it, prefill hears why, and neither side keeps staging."""
+    receiver.expect("t-bad", list(dst))
+    prefill.send(receiver.port, [{"transfer_id": "t-bad", "block_ids": list(src)}], double="corrupt", **spec)
+    outcome = receiver.wait_for("t-bad", timeout=60)
+    assert outcome is not None
+    assert "checksum" in outcome
+    report = prefill.report()
+    assert "checksum" in report[0]["error"]
+    assert report[-1]["staging_in_use"] == 0
+    assert receiver.stats.checksum_failures == 1
 
 
 def consecutive_free_ports(count: int) -> int:

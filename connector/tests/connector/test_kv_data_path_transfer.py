@@ -14,7 +14,16 @@ from typing import Any
 
 import pytest
 import torch
-from kv_peer import GEOMETRY, HOST, LAYERS, NUM_BLOCKS, CorruptingSender, Prefill, make_caches
+from kv_peer import (
+    GEOMETRY,
+    HOST,
+    LAYERS,
+    NUM_BLOCKS,
+    CorruptingSender,
+    Prefill,
+    assert_a_corrupted_payload_fails_on_both_sides,
+    make_caches,
+)
 
 from dllm_connector.device_checksum import RunningTensorChecksum
 from dllm_connector.kv_layout import PagedKV
@@ -105,21 +114,14 @@ def test_a_corrupted_payload_fails_on_each_data_path(
     """Zero-copy on the device path: the device checksum over the blocks; staged: over the payload."""
     receiver, _ = decode(transport, path)
     try:
-        receiver.expect("t-bad", DST_BLOCKS[:40])
-        prefill.send(
-            receiver.port,
-            [{"transfer_id": "t-bad", "block_ids": SRC_BLOCKS[:40]}],
+        assert_a_corrupted_payload_fails_on_both_sides(
+            receiver,
+            prefill,
+            DST_BLOCKS[:40],
+            SRC_BLOCKS[:40],
             compression=compression.value,
             data_path=path.value,
-            double="corrupt",
         )
-        outcome = receiver.wait_for("t-bad", timeout=60)
-        assert outcome is not None
-        assert "checksum" in outcome
-        report = prefill.report()
-        assert "checksum" in report[0]["error"]
-        assert report[-1]["staging_in_use"] == 0
-        assert receiver.stats.checksum_failures == 1
         assert receiver.staging.in_use == 0
     finally:
         receiver.close()

@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, make_transport
+from kv_peer import (
+    GEOMETRY,
+    HOST,
+    NUM_BLOCKS,
+    Prefill,
+    assert_a_corrupted_payload_fails_on_both_sides,
+    make_caches,
+    make_transport,
+)
 
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import prompt_hash
@@ -132,21 +140,9 @@ def test_corrupted_payload_fails_on_both_sides(
     decode: tuple[KVReceiver, PagedKV], prefill: Prefill, compression: Compression, pieces: dict[str, int]
 ) -> None:
     receiver, _ = decode
-    receiver.expect("t-bad", DST_BLOCKS[:50])
-    prefill.send(
-        receiver.port,
-        [{"transfer_id": "t-bad", "block_ids": SRC_BLOCKS[:50]}],
-        compression=compression.value,
-        double="corrupt",
-        **pieces,
+    assert_a_corrupted_payload_fails_on_both_sides(
+        receiver, prefill, DST_BLOCKS[:50], SRC_BLOCKS[:50], compression=compression.value, **pieces
     )
-    outcome = receiver.wait_for("t-bad", timeout=60)
-    assert outcome is not None
-    assert "checksum" in outcome
-    report = prefill.report()
-    assert "checksum" in report[0]["error"]
-    assert report[-1]["staging_in_use"] == 0
-    assert receiver.stats.checksum_failures == 1
 
 
 def test_prefill_dying_mid_transfer_fails_within_the_timeout(transport: Transport) -> None:
