@@ -14,8 +14,7 @@ from raw_client import Answer, RawClient, completion, post
 from router_engine_double import expected_text
 from router_harness import EngineFactory, RouterFactory, RunningRouter, wait_event, wait_until
 
-from dllm_router import httpserver
-from dllm_router.httpserver import HttpServer, Request, Response, StreamWriter
+from dllm_router.httpserver import HttpServer, Request, Response, StreamWriter, limits
 from dllm_router.openai import COMPLETIONS
 
 pytestmark = pytest.mark.timeout(20)
@@ -236,7 +235,7 @@ async def test_stream_to_a_client_that_does_not_read_waits_then_delivers_everyth
 async def test_idle_and_stalled_connections_are_closed_after_the_keep_alive_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(httpserver, "KEEPALIVE_S", 0.2)
+    monkeypatch.setattr(limits, "KEEPALIVE_S", 0.2)
 
     async def small(_: Request) -> Response:
         return Response(b"{}")

@@ -14,7 +14,7 @@ from raw_client import RawClient
 from router_harness import WAIT_S, wait_event, wait_until
 
 from dllm_router import httpserver
-from dllm_router.httpserver import MAX_HEAD, HttpServer, Request, Response, StreamWriter
+from dllm_router.httpserver import MAX_HEAD, HttpServer, Request, Response, StreamWriter, limits
 
 pytestmark = pytest.mark.timeout(30)
 ANSWER = b"y" * 8192  # one answer of /big
@@ -161,7 +161,7 @@ async def test_a_client_that_stops_reading_mid_answer_is_aborted_after_the_write
 async def test_slowloris_head_is_408_after_the_head_deadline(
     server: ServerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(httpserver, "KEEPALIVE_S", 60.0)  # only the head deadline applies
+    monkeypatch.setattr(limits, "KEEPALIVE_S", 60.0)  # only the head deadline applies
     s = await server(head_timeout_s=0.6)
     c = await RawClient.to(port_of(s))
     started = time.monotonic()
@@ -179,7 +179,7 @@ async def test_slowloris_head_is_408_after_the_head_deadline(
 async def test_slow_body_is_408_after_the_body_deadline(
     server: ServerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(httpserver, "KEEPALIVE_S", 60.0)
+    monkeypatch.setattr(limits, "KEEPALIVE_S", 60.0)
 
     async def echo(request: Request) -> Response:
         return Response(request.body)

@@ -1,5 +1,6 @@
 """What a handler of the router's HTTP server gets and gives back: the parsed request, a whole answer,
-and a streamed answer's writer. How they are parsed and written is the connection's (httpserver.py).
+and a streamed answer's writer. How they are parsed and written is the connection's (the `httpserver`
+package: reading.py, writing.py).
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from dllm_router.httpserver import Connection
+    from dllm_router.httpserver.writing import WritingConnection
 
 
 class Request:
@@ -33,7 +34,7 @@ class Request:
         "started",
     )
 
-    def __init__(self, conn: Connection | None = None) -> None:
+    def __init__(self, conn: WritingConnection | None = None) -> None:
         self._conn = conn
         self._url = b""
         self._pieces: list[bytes] = []
@@ -91,7 +92,9 @@ class StreamWriter:
 
     __slots__ = ("_chunked", "_conn", "_head", "_request", "finished", "status")
 
-    def __init__(self, conn: Connection, request: Request, status: int, headers: Mapping[str, str]) -> None:
+    def __init__(
+        self, conn: WritingConnection, request: Request, status: int, headers: Mapping[str, str]
+    ) -> None:
         self._conn, self._request = conn, request
         self.status = status
         self._chunked = not request.http10

@@ -1,6 +1,6 @@
 """Both roles' pods kept current: discovered from their sources, probed for health, in the background.
 
-A new pod gets its keep-alive connection pool (`upstream.py`) and joins once its first health check
+A new pod gets its keep-alive connection pool (`upstream/`) and joins once its first health check
 passes; a gone pod's pool is closed (its in-flight requests finish on the connections they hold). The
 health checks, the mooncake bootstrap /query and /v1/models use one aiohttp session.
 """

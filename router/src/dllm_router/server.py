@@ -1,6 +1,6 @@
 """The router assembled: its parts, its routes, the front door of a generation request, and `serve`.
 
-Requests arrive through the router's own HTTP/1.1 server (`httpserver.py`). A generation request's
+Requests arrive through the router's own HTTP/1.1 server (`httpserver/`). A generation request's
 front door (`Router.fast_generate`) reads it and chooses its path: a non-streamed single prompt of the
 nixl or dllm flow takes the fast path (`fastpath.py`: callbacks, no task), everything else the
 coroutine path (`coroutine_path.py`). Both paths drive a request against the same `ExchangeHost`

@@ -1,0 +1,9 @@
+"""The HTTP server's limits: sizes, and the time limits' defaults (HttpServer takes its own values)."""
+
+MAX_HEAD = 64 * 1024  # request line and headers
+MAX_PIPELINE = 16  # requests queued on one connection before it stops reading
+KEEPALIVE_S = 75.0  # idle keep-alive connections are closed after this (aiohttp's default)
+LINGER_S = 2.0  # after a refusal, unread request bytes are drained this long so the client sees the answer
+HEAD_TIMEOUT_S = 10.0  # a request head, from its first byte
+BODY_TIMEOUT_S = 60.0  # a request body, from the end of its head
+WRITE_TIMEOUT_S = 60.0  # writes paused this long (the client reads nothing): the connection is aborted
