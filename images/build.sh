@@ -25,7 +25,8 @@ for name in "${names[@]}"; do
   esac
 done
 
-bash "$root/tools/system-deps.sh" images
+# compose too: the test that runs the seed's compose shape runs these images, and nothing else installs.
+bash "$root/tools/system-deps.sh" images compose
 base=$(bash "$here/base/build.sh")
 base_id=$(podman image inspect --format '{{.Id}}' "$base")
 # RUN steps trust the CAs this host trusts (a proxy that re-signs TLS, as on this project's

@@ -8,13 +8,16 @@ packages_for() {
   case $1 in
     # Mooncake's transfer engine links these (ImportError: libibverbs.so.1 without them).
     engine) echo libibverbs1 ibverbs-providers libnuma1 libcurl4 ;;
-    # Daemonless image builds and base images made from Debian's archive.
-    images) echo buildah podman runc mmdebstrap uidmap fuse-overlayfs ;;
+    # Daemonless image builds and base images made from Debian's archive; images/containers.conf
+    # names netavark as podman's network backend (with aardvark-dns for compose's service names),
+    # and podman refuses even an import without it.
+    images) echo buildah podman runc mmdebstrap uidmap fuse-overlayfs netavark aardvark-dns ;;
     # The real node: runc for containerd, kube-proxy's and the CNI's netfilter tools, ipset for
     # kube-router's NetworkPolicy firewall.
     node) echo runc iptables ipset conntrack iproute2 ethtool socat util-linux kmod ;;
-    # The seed's docker-compose shape, run over podman; netavark and aardvark-dns resolve service names.
-    compose) echo podman-compose netavark aardvark-dns ;;
+    # The seed's docker-compose shape, run over podman on the images built here (the images group brings
+    # netavark and aardvark-dns, which resolve the compose services' names).
+    compose) echo podman-compose ;;
     *) echo "system-deps: unknown group '$1' (engine, images, node, compose)" >&2; return 2 ;;
   esac
 }

@@ -58,3 +58,12 @@ def test_nothing_missing_does_nothing() -> None:
     )
     assert result.returncode == 0
     assert result.stderr == ""
+
+
+def test_the_images_group_brings_the_network_backend_that_containers_conf_names() -> None:
+    """images/containers.conf names netavark: without it podman refuses even to import the base image."""
+    conf = (ROOT / "images" / "containers.conf").read_text()
+    assert 'network_backend = "netavark"' in conf
+    result = _run_as_nobody("images")
+    assert result.returncode == 1
+    assert " netavark aardvark-dns" in result.stderr
