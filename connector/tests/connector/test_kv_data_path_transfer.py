@@ -28,9 +28,9 @@ from kv_peer import (
 from dllm_connector.device_checksum import RunningTensorChecksum
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import prompt_hash
+from dllm_connector.pipe import chunk_encoder as encoder_module
+from dllm_connector.pipe import chunk_reader as reader_module
 from dllm_connector.pipe import common as common_module
-from dllm_connector.pipe import receiver as receiver_module
-from dllm_connector.pipe import sender as sender_module
 from dllm_connector.pipe.common import PipeConfig, chunk_ranges
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Ready
 from dllm_connector.pipe.receiver import KVReceiver
@@ -270,8 +270,8 @@ def test_concurrent_pinned_host_transfers_share_one_scratch_bounded_by_the_stagi
             super().__init__(work, host, copies)
             mirrors.append(self)
 
-    monkeypatch.setattr(sender_module, "HostMirror", RecordingMirror)
-    monkeypatch.setattr(receiver_module, "HostMirror", RecordingMirror)
+    monkeypatch.setattr(encoder_module, "HostMirror", RecordingMirror)
+    monkeypatch.setattr(reader_module, "HostMirror", RecordingMirror)
     config = receiver_config(PathSetting.PINNED_HOST, buffer_bytes=8 << 20)
     decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
     receiver, kv = decode(decode_transport, PathSetting.PINNED_HOST, buffer_bytes=8 << 20)

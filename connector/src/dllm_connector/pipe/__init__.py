@@ -28,8 +28,11 @@ Codec none over a one-sided transport writes block to block with no staging copy
 (and any two-sided transport) goes through the registered staging buffers. Every expectation ends
 exactly once (loaded, failed, timed out or cancelled) and every staging reservation is released.
 
-The modules, one idea each: common (config, stats, errors, what both sides share), sender and
-chunk_writer (prefill), receiver, expectations, layer_stream and staging_window (decode), messages
-(the side channel's typed messages), end (ending an id), tensor_api (the seed's
+The modules, one idea each: common (config, stats, errors, what both sides share); for prefill,
+sender (jobs, threads, outcomes), rank_send (one decode rank's exchange), chunk_encoder (chunks made
+ready) and chunk_writer (chunks written); for decode, receiver (the side channel, a part's chunk
+loop), offer_check (an offer against the expectation), part_channel (nacks: telling a sender to
+stop), chunk_reader (a chunk taken in), expectations, layer_stream and staging_window; messages (the
+side channel's typed messages), end (ending an id), tensor_api (the seed's
 `KVPipe.send_kv_cache` / `receive_kv_cache` on the same machinery).
 """

@@ -1,9 +1,11 @@
-"""Prefill's side of a transfer: offer, then the KV in pipelined chunks, to each decode rank it feeds."""
+"""Prefill's side of a transfer: takes send jobs, offers each to every decode rank it feeds, keeps outcomes.
+
+KVSender runs the jobs on threads, picks each one's decode ranks, connects and makes the offers;
+rank_send carries one rank's exchange on from there, and chunk_encoder makes its chunks.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import itertools
 import logging
 import socket
@@ -12,36 +14,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
-
 from dllm_connector import codec
-from dllm_connector.kv_layout import HeadRange, PagedKV, coalesce, plan_tp_mapping
-from dllm_connector.pipe.chunk_writer import (
-    ChunkWriter,
-    PieceStream,
-    Plan,
-    PreparedChunk,
-    PreparedPiece,
-    StagingRelease,
-)
-from dllm_connector.pipe.common import (
-    EXPECTED_ERRORS,
-    POLL_S,
-    PipeConfig,
-    PipeSide,
-    TransferFailed,
-    chunk_ranges,
-    parse,
-    quoted,
-    readable,
-    send,
-)
-from dllm_connector.pipe.device_copy import HostMirror, Ready, ready_now
-from dllm_connector.pipe.messages import Abort, Accept, Done, Offer, Slot, TPPart, bounded
-from dllm_connector.pipe.span_checksum import chunk_checksum
+from dllm_connector.kv_layout import HeadRange, PagedKV, plan_tp_mapping
+from dllm_connector.pipe.chunk_encoder import Encoding
+from dllm_connector.pipe.common import EXPECTED_ERRORS, PipeConfig, PipeSide, TransferFailed
+from dllm_connector.pipe.messages import Offer, TPPart, bounded
+from dllm_connector.pipe.rank_send import RankSend
 from dllm_connector.transport import sidechannel
-from dllm_connector.transport.base import Source, Span, TransferTimeout, Transport, TransportError
-from dllm_connector.transport.sidechannel import Message
+from dllm_connector.transport.base import Source, TransferTimeout, Transport, TransportError
 from dllm_connector.transport.torchdist import TorchDistTransport
 from dllm_contract.kvconfig import Compression
 
@@ -215,30 +195,9 @@ class KVSender(PipeSide):
         heads = None if target.model_heads is None else self.kv.local_heads(target.model_heads)
         host = self._allowed_address(job)
         with self._connect(host, port) as sock:
-            plan = self._offer(sock, job, target, port, heads)
-            blocks = job.block_ids[plan.skip : plan.skip + plan.count]
-            writer = ChunkWriter(self.transport, self.config.transfer_timeout_s, self.staging, sock, plan)
-            wire = raw = 0
-            try:
-                for index, (start, stop) in enumerate(chunk_ranges(len(blocks), plan.chunk_blocks)):
-                    self._poll(sock, plan)
-                    chunk = self._prepare(index, blocks[start:stop], start, plan, writer, sock)
-                    if chunk.src:
-                        self._before_write(index, chunk.src)
-                    writer.put(chunk)
-                    wire, raw = wire + chunk.header.payload_nbytes, raw + chunk.header.raw_nbytes
-                writer.finish()
-            except Exception as error:
-                # Nothing more is written; once the write under way returned, decode is told we
-                # stopped, so it may hand the blocks on (H5).
-                writer.stop(error)
-                with contextlib.suppress(Exception):
-                    writer.finish()
-                with contextlib.suppress(TransportError):
-                    send(sock, Abort(type="abort", reason=bounded(str(error))))
-                raise
-            send(sock, Done(type="done"))
-            sidechannel.expect(sock, "ack", self.config.transfer_timeout_s)
+            offer = self._offer(job, target, port, heads)
+            encoding = Encoding(self.codec, self.piece_bytes, self.zero_copy_piece_bytes, self._before_write)
+            wire, raw = RankSend(self, sock, encoding, self._closing).run(offer, job.block_ids, heads)
         with self._lock:
             self.stats.sent += 1
             self.stats.bytes_on_wire += wire
@@ -274,9 +233,8 @@ class KVSender(PipeSide):
             per_chunk = self.config.chunk_bytes // max(1, block_bytes)
         return max(1, min(per_chunk, count))
 
-    def _offer(
-        self, sock: socket.socket, job: SendJob, target: _Target, port: int, heads: HeadRange | None
-    ) -> Plan:
+    def _offer(self, job: SendJob, target: _Target, port: int, heads: HeadRange | None) -> Offer:
+        """What this rank offers the decode rank `target` of the job (the first message on its connection)."""
         endpoint = self.transport.endpoint()
         if isinstance(self.transport, TorchDistTransport):
             endpoint["pair"] = self.transport.pair_key(job.host + f":{port}")
@@ -287,7 +245,7 @@ class KVSender(PipeSide):
             decode_rank=target.decode_rank,
             heads=target.model_heads,
         )
-        offer = Offer.model_construct(
+        return Offer.model_construct(
             type="offer",
             transfer_id=job.transfer_id,
             prompt_hash=job.prompt_hash,
@@ -302,174 +260,6 @@ class KVSender(PipeSide):
             tag=next(self._tags),
             tp=tp,
         )
-        send(sock, offer)
-        self._await(sock, self.config.hold_s)
-        reply = parse(Accept, sidechannel.expect(sock, "accept", self.config.transfer_timeout_s))
-        if reply.skip + reply.count > len(job.block_ids):
-            raise TransferFailed(
-                f"decode accepted blocks {reply.skip}..{reply.skip + reply.count - 1}, "
-                f"prefill offered {len(job.block_ids)}"
-            )
-        chunks = len(chunk_ranges(reply.count, offer.chunk_blocks))
-        if any(index >= chunks for index, _ in reply.slots):
-            raise TransferFailed(f"decode named a staging slot beyond chunk {chunks - 1}")
-        peer = dict(reply.endpoint) | {"pair": endpoint.get("pair")}
-        return Plan(
-            reply.skip,
-            reply.count,
-            offer.chunk_blocks,
-            [Span(addr, nbytes) for addr, nbytes in reply.dst],
-            offer.tag,
-            peer,
-            heads,
-            offer.zero_copy,
-            dict(reply.slots),
-        )
-
-    def _await(self, sock: socket.socket, timeout: float) -> None:
-        """Wait until the peer's next message is there; stops early when this sender closes."""
-        deadline = time.monotonic() + timeout
-        while not readable(sock, min(POLL_S * 10, max(0.0, deadline - time.monotonic()))):
-            if self._closing.is_set():
-                raise TransferFailed("the KV sender is closing")
-            if time.monotonic() >= deadline:
-                raise TransferTimeout(f"decode did not accept within {timeout:.1f}s")
-
-    def _poll(self, sock: socket.socket, plan: Plan) -> None:
-        """Between pieces: a slot decode named is kept; a nack or abort stops the send (H5)."""
-        while readable(sock, 0.0):
-            self._take_slot(sidechannel.recv_message(sock, self.config.transfer_timeout_s), plan)
-
-    def _take_slot(self, message: Message, plan: Plan) -> None:
-        if message["type"] != "slot":
-            raise sidechannel.unexpected(quoted(message), "slot")
-        slot = parse(Slot, message)
-        if slot.index >= len(chunk_ranges(plan.count, plan.chunk_blocks)) or len(plan.slots) > 1024:
-            raise TransferFailed(f"decode named a staging slot for chunk {slot.index}, which is not due")
-        plan.slots[slot.index] = slot.addr
-
-    def _slot(self, sock: socket.socket, plan: Plan, index: int) -> int:
-        """Where decode stages chunk `index`: named in the accept, or later, once decode has room."""
-        while index not in plan.slots:
-            self._take_slot(sidechannel.recv_message(sock, self.config.transfer_timeout_s), plan)
-        return plan.slots.pop(index)
-
-    def _prepare(
-        self,
-        index: int,
-        blocks: Sequence[int],
-        first: int,
-        plan: Plan,
-        writer: ChunkWriter,
-        sock: socket.socket,
-    ) -> PreparedChunk:
-        """Chunk `index` encoded; on a one-sided transport its finished pieces already went to `writer`."""
-        if plan.zero_copy:
-            return self._prepare_in_place(index, blocks, first, plan, writer, sock)
-        shape = self.kv.batch_shape(len(blocks), plan.heads)
-        groups = self.kv.groups(plan.heads)
-        nbytes = codec.payload_nbytes(self.codec, self.kv.dtype, shape, groups)
-        remote = self._slot(sock, plan, index) if self.transport.one_sided else 0
-        staged = self.staging.reserve(nbytes, self.config.transfer_timeout_s)
-        try:
-            mirror = self._mirror(staged)  # a device allocation: it may fail (out of memory)
-        except BaseException:
-            self.staging.release(staged)  # nothing reads or writes it yet
-            raise
-        if not self.transport.one_sided:  # announced first, then sent whole: no pieces
-            pieces = None
-        else:
-            poll = functools.partial(self._poll, sock, plan)
-            pieces = PieceStream(
-                writer,
-                index,
-                staged.data_ptr(),
-                remote,
-                poll,
-                piece_bytes=self.piece_bytes,
-                before_write=self._before_write,
-            )
-        ready: list[Ready] = [ready_now]
-
-        def on_part(ranges: list[tuple[int, int]]) -> None:
-            # the part's bytes go to host staging (pinned-host) or are marked once the device wrote them
-            ready[0] = mirror.to_host(ranges) if mirror is not None else self.copies.mark()
-            if pieces is not None:
-                pieces.add(ranges, ready[0])
-
-        try:
-            out = staged if mirror is None else mirror.work
-            # none: each layer is gathered straight into its place in a payload on the cache's device
-            none_in_place = self.codec is Compression.NONE and out.device == self.kv.device
-            parts = self.kv.gather_layers(blocks, plan.heads, out=out if none_in_place else None)
-            header, _ = codec.encode_parts(
-                parts,
-                shape,
-                self.kv.dtype,
-                self.codec,
-                groups,
-                out=out,
-                on_part=on_part,
-                checksum_algo=self.checksum_algo,
-            )
-        except BaseException:
-            with contextlib.suppress(Exception):
-                ready[0]()  # no copy still writes into the staging once it is handed on
-            if pieces is not None and pieces.sent:  # the writer may still be reading it
-                with contextlib.suppress(Exception):
-                    writer.put(StagingRelease(staged))
-            else:
-                self.staging.release(staged)
-            raise
-        if pieces is None:  # two-sided: only the size counts
-            return PreparedChunk(index, header, [staged[:nbytes]], [Span(0, nbytes)], staged, ready[0])
-        src, dst = pieces.rest()
-        return PreparedChunk(index, header, src, dst, staged, ready[0])
-
-    def _mirror(self, staged: torch.Tensor) -> HostMirror | None:
-        """Pinned-host path: the scratch on the KV's device at `staged`'s offset to encode in, copied
-        to `staged` per part; encoded once the copies issued so far (out of any scratch) ran."""
-        if self.scratch is None:
-            return None
-        self.copies.join()
-        return HostMirror(self.scratch.take(staged), staged, self.copies)
-
-    def _prepare_in_place(
-        self,
-        index: int,
-        blocks: Sequence[int],
-        first: int,
-        plan: Plan,
-        writer: ChunkWriter,
-        sock: socket.socket,
-    ) -> PreparedChunk:
-        """Codec none, zero-copy: hash and write the blocks' spans a few layers at a time."""
-        src = self.kv.spans(blocks, plan.heads)
-        per_block = len(src) // len(blocks)
-        theirs = plan.dst[first * per_block : (first + len(blocks)) * per_block]
-        sizes_differ = any(span.nbytes != n for span, (_, n) in zip(theirs, src, strict=False))
-        if len(theirs) != len(src) or sizes_differ:
-            raise TransferFailed(f"decode's block spans for chunk {index} do not match this cache's")
-        dst = [(span.addr, span.nbytes) for span in theirs]
-        running = chunk_checksum(self.kv, self.checksum_algo, blocks, plan.heads)
-        # Spans are in layer order, the same bytes for every layer: a piece is whole layers, as
-        # few as make zero_copy_piece_bytes (the last piece takes what is left).
-        per_layer = len(src) // self.kv.num_layers
-        layer_bytes = sum(nbytes for _, nbytes in src[:per_layer])
-        step = per_layer * max(1, -(-self.zero_copy_piece_bytes // layer_bytes))
-        for start in range(0, len(src), step):
-            self._poll(sock, plan)
-            stop = min(start + step, len(src))
-            merged_src, merged_dst = coalesce(src[start:stop], dst[start:stop])
-            running.add_layers(range(start // per_layer, stop // per_layer), merged_src)
-            piece = PreparedPiece([Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], index)
-            self._before_write(index, piece.src)
-            writer.put(piece)
-        shape = self.kv.batch_shape(len(blocks), plan.heads)
-        header = codec.KVHeader(
-            Compression.NONE, self.kv.dtype_name, shape, 1, running.value, self.checksum_algo
-        )
-        return PreparedChunk(index, header, [], [], None)
 
     def _before_write(self, index: int, src: Sequence[Source]) -> None:
         """Hook between checksum and write (tests corrupt the payload here)."""

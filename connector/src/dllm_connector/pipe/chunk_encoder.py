@@ -1,0 +1,161 @@
+"""Prefill's chunks made ready to write: encoded into staging, or (codec none, zero-copy) hashed in place."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dllm_connector import codec
+from dllm_connector.kv_layout import coalesce
+from dllm_connector.pipe.chunk_writer import (
+    ChunkWriter,
+    PieceStream,
+    Plan,
+    PreparedChunk,
+    PreparedPiece,
+    StagingRelease,
+)
+from dllm_connector.pipe.common import PipeSide, TransferFailed
+from dllm_connector.pipe.device_copy import HostMirror, Ready, ready_now
+from dllm_connector.pipe.span_checksum import chunk_checksum
+from dllm_connector.transport.base import Source, Span
+from dllm_contract.kvconfig import Compression
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How a sender makes its chunks: the codec, the piece sizes, and its hook before each write."""
+
+    codec: Compression
+    piece_bytes: int
+    zero_copy_piece_bytes: int
+    before_write: Callable[[int, Sequence[Source]], None]
+
+
+class ChunkEncoder:
+    """The chunks of one accepted plan, one at a time, from the sender's side (`side`).
+
+    `poll` hears decode between pieces (a stop ends the send); `slot(index)` waits until decode
+    names where it stages chunk `index` (one-sided transports).
+    """
+
+    def __init__(
+        self,
+        side: PipeSide,
+        encoding: Encoding,
+        plan: Plan,
+        writer: ChunkWriter,
+        *,
+        poll: Callable[[], None],
+        slot: Callable[[int], int],
+    ) -> None:
+        self._side = side
+        self._encoding = encoding
+        self._plan = plan
+        self._writer = writer
+        self._poll = poll
+        self._slot = slot
+
+    def prepare(self, index: int, blocks: Sequence[int], first: int) -> PreparedChunk:
+        """Chunk `index` encoded; on a one-sided transport its finished pieces already went to the writer."""
+        side, plan, writer, encoding = self._side, self._plan, self._writer, self._encoding
+        if plan.zero_copy:
+            return self._prepare_in_place(index, blocks, first)
+        shape = side.kv.batch_shape(len(blocks), plan.heads)
+        groups = side.kv.groups(plan.heads)
+        nbytes = codec.payload_nbytes(encoding.codec, side.kv.dtype, shape, groups)
+        remote = self._slot(index) if side.transport.one_sided else 0
+        staged = side.staging.reserve(nbytes, side.config.transfer_timeout_s)
+        try:
+            mirror = self._mirror(staged)  # a device allocation: it may fail (out of memory)
+        except BaseException:
+            side.staging.release(staged)  # nothing reads or writes it yet
+            raise
+        if not side.transport.one_sided:  # announced first, then sent whole: no pieces
+            pieces = None
+        else:
+            pieces = PieceStream(
+                writer,
+                index,
+                staged.data_ptr(),
+                remote,
+                self._poll,
+                piece_bytes=encoding.piece_bytes,
+                before_write=encoding.before_write,
+            )
+        ready: list[Ready] = [ready_now]
+
+        def on_part(ranges: list[tuple[int, int]]) -> None:
+            # the part's bytes go to host staging (pinned-host) or are marked once the device wrote them
+            ready[0] = mirror.to_host(ranges) if mirror is not None else side.copies.mark()
+            if pieces is not None:
+                pieces.add(ranges, ready[0])
+
+        try:
+            out = staged if mirror is None else mirror.work
+            # none: each layer is gathered straight into its place in a payload on the cache's device
+            none_in_place = encoding.codec is Compression.NONE and out.device == side.kv.device
+            parts = side.kv.gather_layers(blocks, plan.heads, out=out if none_in_place else None)
+            header, _ = codec.encode_parts(
+                parts,
+                shape,
+                side.kv.dtype,
+                encoding.codec,
+                groups,
+                out=out,
+                on_part=on_part,
+                checksum_algo=side.checksum_algo,
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                ready[0]()  # no copy still writes into the staging once it is handed on
+            if pieces is not None and pieces.sent:  # the writer may still be reading it
+                with contextlib.suppress(Exception):
+                    writer.put(StagingRelease(staged))
+            else:
+                side.staging.release(staged)
+            raise
+        if pieces is None:  # two-sided: only the size counts
+            return PreparedChunk(index, header, [staged[:nbytes]], [Span(0, nbytes)], staged, ready[0])
+        src, dst = pieces.rest()
+        return PreparedChunk(index, header, src, dst, staged, ready[0])
+
+    def _mirror(self, staged: torch.Tensor) -> HostMirror | None:
+        """Pinned-host path: the scratch on the KV's device at `staged`'s offset to encode in, copied
+        to `staged` per part; encoded once the copies issued so far (out of any scratch) ran."""
+        side = self._side
+        if side.scratch is None:
+            return None
+        side.copies.join()
+        return HostMirror(side.scratch.take(staged), staged, side.copies)
+
+    def _prepare_in_place(self, index: int, blocks: Sequence[int], first: int) -> PreparedChunk:
+        """Codec none, zero-copy: hash and write the blocks' spans a few layers at a time."""
+        kv, plan, algo = self._side.kv, self._plan, self._side.checksum_algo
+        src = kv.spans(blocks, plan.heads)
+        per_block = len(src) // len(blocks)
+        theirs = plan.dst[first * per_block : (first + len(blocks)) * per_block]
+        sizes_differ = any(span.nbytes != n for span, (_, n) in zip(theirs, src, strict=False))
+        if len(theirs) != len(src) or sizes_differ:
+            raise TransferFailed(f"decode's block spans for chunk {index} do not match this cache's")
+        dst = [(span.addr, span.nbytes) for span in theirs]
+        running = chunk_checksum(kv, algo, blocks, plan.heads)
+        # Spans are in layer order, the same bytes for every layer: a piece is whole layers, as
+        # few as make zero_copy_piece_bytes (the last piece takes what is left).
+        per_layer = len(src) // kv.num_layers
+        layer_bytes = sum(nbytes for _, nbytes in src[:per_layer])
+        step = per_layer * max(1, -(-self._encoding.zero_copy_piece_bytes // layer_bytes))
+        for start in range(0, len(src), step):
+            self._poll()
+            stop = min(start + step, len(src))
+            merged_src, merged_dst = coalesce(src[start:stop], dst[start:stop])
+            running.add_layers(range(start // per_layer, stop // per_layer), merged_src)
+            piece = PreparedPiece([Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], index)
+            self._encoding.before_write(index, piece.src)
+            self._writer.put(piece)
+        shape = kv.batch_shape(len(blocks), plan.heads)
+        header = codec.KVHeader(Compression.NONE, kv.dtype_name, shape, 1, running.value, algo)
+        return PreparedChunk(index, header, [], [], None)
