@@ -1,0 +1,1 @@
+"""The parts of bench/gpu_check.py: one check per module, and what they share."""

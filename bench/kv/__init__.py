@@ -1,0 +1,1 @@
+"""The parts of bench/kv_transfer.py, one idea per module."""

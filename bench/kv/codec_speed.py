@@ -1,0 +1,81 @@
+"""The codec by itself: GB/s per core on the host, per kernel set, and quantizing on a GPU where there
+is one."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kv.shape import BLOCK, HEAD_DIM, KV_HEADS, LAYERS
+
+CodecFigures = list[tuple[str, str, float, float]]  # (kernel set, codec, encode GB/s, decode GB/s)
+
+
+def codec_per_core(tokens: int, repeats: int, kernels: str) -> CodecFigures:
+    """(kernels, codec, encode GB/s, decode GB/s) on one thread, for `tokens` of the KV; nothing where
+    that kernel set is unavailable here. The worker's own kernels are in use again afterwards.
+
+    As in the pipe, encode writes into a staging buffer and decode into a KV batch that were
+    allocated (and touched) before, so page faults of fresh buffers are not counted.
+    """
+    import torch
+
+    from dllm_connector import codec
+    from dllm_contract.kvconfig import Compression
+
+    torch.set_num_threads(1)
+    own = codec.kernels().name
+    if codec.use_kernels(kernels) != kernels:
+        codec.use_kernels(own)
+        return []
+    blocks = -(-tokens // BLOCK)
+    batch = torch.randn(LAYERS * blocks, KV_HEADS, BLOCK, 2 * HEAD_DIM, dtype=torch.bfloat16)
+    staging = torch.zeros(batch.numel() * batch.element_size(), dtype=torch.uint8)
+    target = torch.zeros_like(batch)
+    groups = 2 * KV_HEADS
+    results = []
+    for name in ("fp8", "int8"):
+        compression = Compression(name)
+        header, payload = codec.encode(batch, compression, groups, out=staging)
+        codec.decode(header, payload, target)
+        encode = _best_of(repeats, lambda c=compression: codec.encode(batch, c, groups, out=staging))
+        decode = _best_of(repeats, lambda h=header, p=payload: codec.decode(h, p, target))
+        nbytes = batch.numel() * batch.element_size()
+        results.append((kernels, name, nbytes / encode / 1e9, nbytes / decode / 1e9))
+    codec.use_kernels(own)
+    return results
+
+
+def _best_of(count: int, run: Any) -> float:
+    best = float("inf")
+    for _ in range(count):
+        started = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def gpu_codec() -> None:
+    """fp8 and int8 quantize GB/s on the GPU, printed, where torch sees one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    from dllm_connector import codec
+    from dllm_contract.kvconfig import Compression
+
+    batch = torch.randn(LAYERS * 128, KV_HEADS, BLOCK, 2 * HEAD_DIM, device="cuda").to(torch.bfloat16)
+    rows = batch.reshape(-1, BLOCK * 2 * HEAD_DIM)
+    codes = torch.empty(rows.shape, dtype=torch.uint8, device="cuda")
+
+    scales = torch.empty(rows.shape[0], device="cuda")
+
+    def quantize(name: str) -> None:
+        functions = codec.kernels().by_codec[Compression(name)]
+        functions.encode_into(rows, codes if name == "fp8" else codes.view(torch.int8), scales)
+        torch.cuda.synchronize()
+
+    for name in ("fp8", "int8"):
+        quantize(name)
+        seconds = _best_of(5, lambda n=name: quantize(n))
+        print(f"  GPU {name} quantize: {batch.numel() * 2 / seconds / 1e9:.1f} GB/s")
