@@ -1,9 +1,9 @@
 """The KV checksum: XXH3-64 over host memory spans, read in place, in order.
 
-XXH3 hashes 10-14 GB/s per core on this project's machines, against 2-3.5 GB/s for zlib's CRC-32,
-which made the checksum the largest cost of an uncompressed transfer. It holds the GIL while it
-runs, so long spans are hashed in pieces that take under a millisecond, and other threads (the
-engine's) get their turns in between.
+XXH3 hashes several times faster per core than zlib's CRC-32, which made the checksum the largest
+cost of an uncompressed transfer (figures in docs/kv-connector.md, Codec). It holds the GIL while it
+runs, so long spans are hashed in short pieces, and other threads (the engine's) get their turns in
+between.
 """
 
 from __future__ import annotations

@@ -34,8 +34,8 @@ import torch
 _log = logging.getLogger(__name__)
 
 ROW_WORDS = 1 << 16  # 512 KiB rows: the key table stays in cache; a value costs one mix per row
-# Rows per kernel call. On a CPU, 2 MiB at a time keeps the temporaries in cache (1.7 GB/s per core
-# against 0.4 for 64 MiB at once); on a device, 256 MiB bound them while launches stay few.
+# Rows per kernel call. On a CPU, 2 MiB at a time keeps the temporaries in cache (far faster than
+# 64 MiB at once: docs/kv-connector.md); on a device, 256 MiB bound them while launches stay few.
 _CPU_ROWS_PER_CALL = 4
 GATHER_BYTES = 64 << 20  # add_all: small pieces are concatenated into runs of about this size
 _DEVICE_ROWS_PER_CALL = 512

@@ -140,14 +140,14 @@ static inline uint8_t fp8_code(float x, float inverse) {
  * as +-480, as there). */
 static inline float fp8_value(uint8_t code, float scale, float limit) {
     uint32_t magnitude = code & 0x7Fu;
-    /* (float) of the unsigned value: through int32 instead, fp8 decode ran 1.6x slower (gcc 12) */
+    /* (float) of the unsigned value: fp8 decode ran slower through int32 (docs/kv-connector.md) */
     float value = magnitude >= 8 ? f32_from_bits((magnitude << 20) + (120u << 23)) : (float)magnitude * 0x1p-9f;
     value = f32_from_bits(bits_of_f32(value) | ((uint32_t)(code & 0x80u) << 24)) * scale;
     return value < -limit ? -limit : (value > limit ? limit : value);
 }
 
 /* fp8 decode looks each code up in a table of the row's 256 decoded values (the same fp8_value,
- * so the same bits): 1.4x the per-element arithmetic on one core, in cache. */
+ * so the same bits): faster than the per-element arithmetic, in cache (docs/kv-connector.md). */
 #define FP8_KERNELS(NAME)                                                                           \
     static void fp8_encode_##NAME(const void *rows, int64_t nrows, int64_t n, uint8_t *codes,        \
                                   float *scales) {                                                  \

@@ -1,10 +1,11 @@
 """What a JSON body would cost to parse, measured on its bytes before `json.loads` runs (H2, L1).
 
 `json.loads` holds the GIL from start to end (a thread does not help) and objects cost far more than
-their bytes: 4 MB of `[1],` is 96 MB of lists and 2.4 s of parsing. So the router measures the shape
-first, with C-speed bytes operations only (count, replace, split, translate), and refuses a body with
-too many strings, arrays and objects, too many values, or too deep a nesting. Within these limits a
-parse takes tens of milliseconds at most (see `MAX_*`), and deep nesting never reaches a RecursionError.
+their bytes: a few MB of `[1],` parse into lists many times that size, for seconds (figures in
+docs/router.md, What a request may cost). So the router measures the shape first, with C-speed
+bytes operations only (count, replace, split, translate), and refuses a body with too many strings,
+arrays and objects, too many values, or too deep a nesting. Within these limits a parse takes tens
+of milliseconds at most (see `MAX_*`), and deep nesting never reaches a RecursionError.
 
 Exact for valid JSON: escaped backslashes and escaped quotes are removed first, so every quote left
 delimits a string, and the text between strings is what the counts see. Invalid JSON may be counted
@@ -13,9 +14,11 @@ wrongly; `json.loads` refuses it afterwards either way.
 
 from __future__ import annotations
 
-MAX_STRINGS = 200_000  # ~0.1 us each to parse: 20 ms
-MAX_CONTAINERS = 20_000  # arrays and objects: ~0.2-2 us each
-MAX_VALUES = 1_000_000  # commas outside strings bound the values: small ints ~60 ns each
+# Each limit keeps its kind's share of a parse within tens of milliseconds (per-item costs in
+# docs/router.md, What a request may cost).
+MAX_STRINGS = 200_000
+MAX_CONTAINERS = 20_000  # arrays and objects
+MAX_VALUES = 1_000_000  # commas outside strings bound the values
 MAX_DEPTH = 64  # vLLM's own schemas nest a few levels; Python's parser recurses per level
 
 _BRACKETS = b"[]{}"

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 class Pairing:
     def __init__(self, config: RouterConfig) -> None:
         # the settings read per prompt, as plain attributes: a pydantic model's attribute read costs
-        # some 40 ns more (its __getattr__ hook makes every read take the slow path)
+        # more (its __getattr__ hook makes every read take the slow path; docs/benchmarks.md)
         self._flow = config.flow
         self._bootstrap_port = config.mooncake_bootstrap_port
         self._timeout_s = config.request_timeout_s

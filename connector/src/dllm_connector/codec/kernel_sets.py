@@ -64,8 +64,9 @@ def _encoding_with(scales: ScalesFn, codes: CodesFn) -> EncodeFn:
 class _Kernels:
     by_codec: Mapping[Compression, _CodecKernels]
     name: str  # native, compiled or plain
-    # Rows per kernel call, in elements: compiled calls cost about 45 us each, so they take large
-    # chunks; plain torch ops make float32 temporaries, so their chunks stay small.
+    # Rows per kernel call, in elements: each compiled call has a fixed cost (docs/kv-connector.md,
+    # Codec), so they take large chunks; plain torch ops make float32 temporaries, so their chunks
+    # stay small.
     chunk_elements: int
 
 
