@@ -36,10 +36,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from dllm_contract.pd_params import DecodeParams, PrefillParams, new_transfer_id
-from dllm_router.flows import NIXL_PREFILL_KV
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# The engines and the router bind their ports after an interpreter start: e2e.ports draws them below
+# the ephemeral range, where no bind-to-0 socket can take one in between. Also used by http_abuse.py.
+from e2e.ports import free_port  # noqa: E402
+
+from dllm_contract.pd_params import DecodeParams, PrefillParams, new_transfer_id  # noqa: E402
+from dllm_router.flows import NIXL_PREFILL_KV  # noqa: E402
+
 DOUBLES = ROOT / "router" / "tests"
 ASGI_APP = ROOT / "bench" / "router_asgi.py"
 BENCH_REQUIREMENTS = ROOT / "requirements" / "bench.in"
@@ -162,12 +168,6 @@ async def run_load(
 
 
 # ---- processes ----
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def taskset(cpu: str | None) -> list[str]:

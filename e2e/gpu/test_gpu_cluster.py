@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from e2e.fixtures import Cluster, wait_until
+from e2e.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -34,12 +34,6 @@ pytestmark = [
 SAMPLE = Path(os.environ.get("DLLM_GPU_SAMPLE", ROOT / "crds" / "samples" / "seed-llama2-70b.yaml"))
 NAMESPACE = os.environ.get("DLLM_GPU_NAMESPACE", "dllm-gpu-e2e")
 TRANSPORT_LINE = re.compile(r"(?i)\b(rdma|tcp)\b.*transport|transport.*\b(rdma|tcp)\b")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +60,7 @@ def test_seed_topology_becomes_ready(cluster: Cluster, deployed: str) -> None:
 
 
 def test_completion_through_the_router_and_transport_used(cluster: Cluster, deployed: str) -> None:
-    port = _free_port()
+    port = free_port()  # kubectl port-forward binds it later
     forward = subprocess.Popen(
         [cluster.kubectl_path, "port-forward", "-n", NAMESPACE, f"svc/{deployed}-router", f"{port}:8000"],
         env=cluster.env(),

@@ -16,6 +16,8 @@ from e2e.fixtures import Cluster, holds_for, operator_writes, wait_until
 from e2e.operator_process import OperatorProcess
 from e2e.samples import on_kwok_nodes
 
+from dllm_operator.render.labels import INSTANCE
+
 pytestmark = pytest.mark.k8s
 CPU_SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
 
@@ -119,6 +121,9 @@ def test_scale_decode_leaves_prefill_alone(
     events = cluster.get_json("events", "-n", namespace, "--field-selector", "reason=Scaled")["items"]
     assert any("to 3" in e["message"] for e in events)
     assert any("to 1" in e["message"] for e in events)  # the way back is an Event too
+    # one child was scaled, and only it has Scaled Events (prefill's StatefulSet was left alone)
+    messages = [e["message"] for e in events]
+    assert all(m.startswith("scaled StatefulSet tiny-cpu-decode from ") for m in messages), messages
 
 
 def test_deleted_and_edited_children_are_restored(
@@ -205,6 +210,7 @@ def test_sigkill_during_20_reconciles_then_restart_converges(
         lambda: len(children(cluster, namespace)["statefulsets"]) >= 6, 60, "reconciles to be under way"
     )
     process.kill()
+    at_kill = children(cluster, namespace)  # the killed operator writes nothing more
     process = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "op2.log", namespace).start()
     try:
         for name in names:
@@ -213,8 +219,19 @@ def test_sigkill_during_20_reconciles_then_restart_converges(
         assert found["statefulsets"] == sorted(f"{n}-{r}" for n in names for r in ("decode", "prefill"))
         assert found["deployments"] == sorted(f"{n}-router" for n in names)
         assert len(found["services"]) == 60
+        # The kill came mid-reconcile: children that did not exist then were made by the restart.
+        made_after = {n for kind, items in found.items() for n in set(items) - set(at_kill[kind])}
+        assert made_after, f"every child existed at the kill: nothing was left mid-reconcile ({at_kill})"
         pods = cluster.get_json("pods", "-n", namespace)["items"]
         assert len(pods) == 60  # one per role and CR: no duplicate, no orphan
+        # No orphan by ownership either: each child's one owner is its own CR (by uid), as controller.
+        crs = cluster.get_json("dllm", "-n", namespace)["items"]
+        uids = {cr["metadata"]["name"]: cr["metadata"]["uid"] for cr in crs}
+        for kind in ("statefulsets", "deployments", "services"):
+            for item in cluster.get_json(kind, "-n", namespace)["items"]:
+                meta = item["metadata"]
+                owners = [(r["uid"], r.get("controller")) for r in meta.get("ownerReferences", [])]
+                assert owners == [(uids[meta["labels"][INSTANCE]], True)], (kind, meta["name"], owners)
     finally:
         process.stop()
 
@@ -291,9 +308,17 @@ def test_two_replicas_one_leader_and_handover(
 
 @pytest.mark.slow
 def test_idle_operator_makes_no_writes(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
+    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     cluster.apply(cpu_cr(), "-n", namespace)
     wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
     converged = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    # A positive control: the filter sees this operator's writes while it converges (the audit log is
+    # written in batches, so it is polled). Were it to match none, the empty list below would prove nothing.
+    wait_until(
+        lambda: operator_writes(cluster.audit_entries(), {namespace}, started),
+        30,
+        "the operator's writes of the convergence in the audit log",
+    )
     idle = float(os.environ.get("DLLM_IDLE_SECONDS", "120"))
     writes = holds_for(lambda: operator_writes(cluster.audit_entries(), {namespace}, converged), idle)
     assert writes == [], [(w["verb"], w["objectRef"]) for w in writes]

@@ -43,6 +43,7 @@ class Seen:
     body: JsonObject
     headers: CIMultiDict[str]
     at: float = field(default_factory=time.monotonic)
+    answered_at: float | None = None  # a prefill's: when its answer was made, before it is sent
 
     @property
     def kv(self) -> JsonObject:
@@ -146,7 +147,9 @@ class FakeVllmEngine:
                     {"error": {**error, "code": self.fail_status}}, status=self.fail_status
                 )
             if seen.is_prefill:
-                return web.json_response(self._prefill_answer(seen))
+                answer = web.json_response(self._prefill_answer(seen))
+                seen.answered_at = time.monotonic()
+                return answer
             if body.get("stream"):
                 return await self._stream(request, seen)
             return web.json_response(self._answer(seen))

@@ -131,7 +131,8 @@ async def test_unreachable_pod_is_retried_elsewhere_and_taken_out(
         expected_text(f"r{i}", 2) for i in range(4)
     ]
     assert len(p1.generations) == 4
-    assert r.router.metrics.retries <= 1
+    # p0 is picked first (a tie goes to the first pod), refuses, and is taken out: one retry, no more
+    assert r.router.metrics.retries == 1
     assert not r.router.prefill.endpoints[("127.0.0.1", p0.port)].healthy
 
 
@@ -156,13 +157,18 @@ async def test_no_retry_once_bytes_reached_the_client(
     assert r.router.metrics.errors["stream_broken"] == 1
 
 
-async def test_all_pods_unreachable_is_502(engines: EngineFactory, start_router: RouterFactory) -> None:
+async def test_all_pods_refusing_ends_in_503_no_ready_pod(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
     p, d = await engines("p0"), await engines("d0")
     r = await start_router("dllm", [p], [d], retries=2)
     await d.stop()
     status, text = await r.text_of(COMPLETIONS, {"prompt": "x"})
-    assert status in (502, 503)
+    # the refusing pod is taken out, so the retry finds no ready decode pod (502 is a pod that accepts
+    # and drops: test_router_fastpath's test_only_pod_dropping_connections_is_502_after_the_retry)
+    assert (status, error_of(text)["type"]) == (503, "no_decode")
     assert "decode" in str(error_of(text)["message"])
+    assert r.router.metrics.retries == 1
 
 
 async def test_upstream_timeout_is_504(engines: EngineFactory, start_router: RouterFactory) -> None:

@@ -136,7 +136,8 @@ async def test_nixl_forwards_what_prefill_returns(
     assert dec.body["min_tokens"] == 2
     assert dec.kv["remote_engine_id"] == "p0-engine"
     assert dec.kv["remote_block_ids"] == [[1, 2, 3]]
-    assert dec.at > pre.at  # sequential: decode only after prefill answered
+    assert pre.answered_at is not None
+    assert dec.at > pre.answered_at  # sequential: decode only after prefill answered
 
 
 async def test_multi_prompt_is_split_per_prompt_and_merged_in_order(
