@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from dllm_contract.logs import LOG_FORMAT, checked_level, configure_logging
+from dllm_contract.logs import LOG_FORMAT, checked_level, chosen_level, configure_logging
 
 
 @pytest.fixture(autouse=True)
@@ -51,3 +51,11 @@ def test_a_handler_with_its_own_format_keeps_it() -> None:
 def test_an_unknown_level_is_refused_naming_the_allowed_ones(bad: str) -> None:
     with pytest.raises(ValueError, match="is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL"):
         checked_level(bad)
+
+
+def test_the_flag_wins_then_the_variable_then_info() -> None:
+    assert chosen_level("warning", {"DLLM_LOG_LEVEL": "debug"}) == "WARNING"
+    assert chosen_level(None, {"DLLM_LOG_LEVEL": "debug"}) == "DEBUG"
+    assert chosen_level("", {"DLLM_LOG_LEVEL": ""}) == "INFO"
+    with pytest.raises(ValueError, match=r"^--log-level \(or DLLM_LOG_LEVEL\): 'loud' is not one of DEBUG"):
+        chosen_level(None, {"DLLM_LOG_LEVEL": "loud"})

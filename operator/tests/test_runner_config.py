@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from dllm_operator.config import ConfigInvalid, OperatorConfig
 from dllm_operator.runner import operator_config
 
 
@@ -45,3 +46,38 @@ def test_a_bad_log_level_stops_the_operator_with_exit_2_naming_flag_and_variable
     assert result.returncode == 2
     assert result.stderr.startswith("dllm-operator: --log-level (or DLLM_LOG_LEVEL): ")
     assert "DEBUG, INFO, WARNING, ERROR, CRITICAL" in result.stderr
+
+
+def test_the_command_line_wins_over_a_bad_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DLLM_LOG_LEVEL", "verbose")
+    monkeypatch.setenv("DLLM_WATCH_NAMESPACES", "a, b")
+    args = argparse.Namespace(all_namespaces=True, namespace=[], log_level="warning")
+    config = operator_config(args)
+    assert (config.namespaces, config.log_level) == ((), "WARNING")
+    args = argparse.Namespace(all_namespaces=False, namespace=[], log_level="")
+    with pytest.raises(ConfigInvalid, match=r"^--log-level \(or DLLM_LOG_LEVEL\): 'verbose' is not one of"):
+        operator_config(args)
+
+
+def test_every_setting_has_its_variable_and_a_blank_switch_is_its_default() -> None:
+    env = {
+        "DLLM_ENGINE_IMAGE": "e:1",
+        "DLLM_ROUTER_IMAGE": "r:1",
+        "DLLM_CLUSTER_DOMAIN": "example.internal",
+        "DLLM_WATCH_NAMESPACES": " a,, b ",
+        "DLLM_LOG_LEVEL": "error",
+        "DLLM_ALLOW_PRIVILEGED_ENGINES": " FALSE ",
+        "DLLM_ALLOWED_IMAGE_PREFIXES": "",
+    }
+    config = OperatorConfig.from_env(env)
+    assert (config.engine_image, config.router_image, config.cluster_domain) == (
+        "e:1",
+        "r:1",
+        env["DLLM_CLUSTER_DOMAIN"],
+    )
+    assert (config.namespaces, config.log_level) == (("a", "b"), "ERROR")
+    assert (config.allow_privileged_engines, config.allowed_image_prefixes) == (False, ())
+    assert OperatorConfig.from_env({"DLLM_ALLOW_PRIVILEGED_ENGINES": " "}).allow_privileged_engines is True
+    assert OperatorConfig.from_env({}) == OperatorConfig()
+    with pytest.raises(ValueError, match="frozen"):
+        config.log_level = "DEBUG"  # type: ignore[misc]

@@ -250,3 +250,60 @@ def test_a_config_built_in_code_is_validated_as_the_command_line_is() -> None:
         RouterConfig(flow="dllm", prefill=Upstreams(), decode=Upstreams(dns=("d", 1), urls=("http://d:1",)))
     with pytest.raises(ValueError, match="frozen"):
         parse_config(BASE, {}).port = 1  # type: ignore[misc]
+
+
+def test_help_shows_each_flag_with_the_model_s_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each default is written once, in RouterConfig: --help and the parsed config both take it."""
+    with pytest.raises(SystemExit):
+        parse_config(["--help"], {})
+    shown = " ".join(capsys.readouterr().out.split())
+    defaults = parse_config(BASE, {})
+    for key, field in RouterConfig.model_fields.items():
+        if field.is_required() or key == "engine_api_key":
+            continue
+        default = field.default
+        text = f"{default:g}" if isinstance(default, float) else str(default)
+        assert f"--{key.replace('_', '-')} " in shown
+        assert f"{field.description} (default {text})" in shown, key
+        assert getattr(defaults, key) == default, key
+    for flag in ("--flow", "--prefill-dns", "--prefill-url", "--decode-dns", "--decode-url"):
+        assert flag in shown
+    assert "--engine-api-key" not in shown
+
+
+def test_the_level_every_dllm_process_takes_is_the_last_resort() -> None:
+    """--log-level, else DLLM_ROUTER_LOG_LEVEL, else DLLM_LOG_LEVEL (the operator's and dllm-serve's)."""
+    assert parse_config(BASE, {"DLLM_LOG_LEVEL": "warning"}).log_level == "WARNING"
+    env = {"DLLM_LOG_LEVEL": "warning", "DLLM_ROUTER_LOG_LEVEL": "error"}
+    assert parse_config(BASE, env).log_level == "ERROR"
+    assert parse_config([*BASE, "--log-level", "debug"], env).log_level == "DEBUG"
+    with pytest.raises(ConfigError) as refused:
+        parse_config(BASE, {"DLLM_LOG_LEVEL": "loud"})
+    assert str(refused.value).startswith("--log-level (or DLLM_LOG_LEVEL): 'loud' is not one of DEBUG")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"DLLM_ROUTER_RETRIES": "1.5"}, "--retries (or DLLM_ROUTER_RETRIES): '1.5' is not an integer"),
+        ({"DLLM_ROUTER_PORT": "0x10"}, "--port (or DLLM_ROUTER_PORT): '0x10' is not an integer"),
+        ({"DLLM_ROUTER_CONNECT_TIMEOUT_S": "nan"}, "must be > 0 and finite, got nan"),
+        (
+            {"DLLM_ROUTER_HEAD_TIMEOUT_S": "inf"},
+            "--head-timeout-s (or DLLM_ROUTER_HEAD_TIMEOUT_S): must be > 0",
+        ),
+        (
+            {"DLLM_ROUTER_DRAIN_SECONDS": ""},
+            "--drain-seconds (or DLLM_ROUTER_DRAIN_SECONDS): '' is not a number",
+        ),
+    ],
+)
+def test_a_number_from_a_variable_is_refused_naming_it(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        parse_config(BASE, env)
+    assert message in str(refused.value)
+
+
+def test_numbers_take_blanks_around_them() -> None:
+    config = parse_config(BASE, {"DLLM_ROUTER_PORT": " 8001 ", "DLLM_ROUTER_BODY_TIMEOUT_S": " 2.5"})
+    assert (config.port, config.body_timeout_s) == (8001, 2.5)

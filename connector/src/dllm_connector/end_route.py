@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from dllm_connector.end_route_names import ENV_END_ROUTE_API_KEY, ENV_END_ROUTE_TP_SIZE
 from dllm_connector.pipe.end import EndRefused, end_transfer
 from dllm_connector.transport.sidechannel import PeerAuth
 from dllm_contract import kvconfig
@@ -40,12 +41,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 END_PATH = "/v1/dllm/end_transfer"
-MIDDLEWARE = f"{__name__}.EndTransferRoute"  # what dllm-serve passes to vLLM's --middleware
-ENV_TP_SIZE = "DLLM_END_ROUTE_TP_SIZE"  # set by dllm-serve from the engine's --tensor-parallel-size
 ENV_API_KEY = "VLLM_API_KEY"  # vLLM's own key for /v1 (the operator sets it from the engine Secret)
-# vLLM's --api-key values when the engine args carry them (they win over VLLM_API_KEY, as in vLLM),
-# one per line; set by dllm-serve
-ENV_FLAG_API_KEY = "DLLM_END_ROUTE_API_KEY"
 MAX_BODY = 1024  # {"transfer_id": <at most 256 characters>} fits with room
 MAX_IN_FLIGHT = 64  # ends being sent at once; beyond: 503 (the router bounds its own too)
 MAX_TP_SIZE = 1024
@@ -72,10 +68,10 @@ class EndTarget:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> EndTarget:
         settings = kvconfig.from_env(env)
-        raw_tp = env.get(ENV_TP_SIZE, "1").strip()
+        raw_tp = env.get(ENV_END_ROUTE_TP_SIZE, "1").strip()
         if not raw_tp.isdigit() or not 1 <= int(raw_tp) <= MAX_TP_SIZE:
             raise EndRouteConfigError(
-                f"{ENV_TP_SIZE}: {raw_tp[:20]!r} must be a whole number 1-{MAX_TP_SIZE}"
+                f"{ENV_END_ROUTE_TP_SIZE}: {raw_tp[:20]!r} must be a whole number 1-{MAX_TP_SIZE}"
             )
         token = kvconfig.side_channel_token(env)
         return cls(
@@ -90,7 +86,7 @@ class EndTarget:
 
 def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
     """The keys vLLM itself accepts on /v1: its --api-key values, else VLLM_API_KEY."""
-    from_flag = tuple(k for k in env.get(ENV_FLAG_API_KEY, "").split("\n") if k)
+    from_flag = tuple(k for k in env.get(ENV_END_ROUTE_API_KEY, "").split("\n") if k)
     if from_flag:
         return from_flag
     key = env.get(ENV_API_KEY)

@@ -1,6 +1,6 @@
 """`dllm-serve`: the engine image's entrypoint. The env contract in, one vLLM command line out.
 
-    dllm-serve [--print] [--launcher vllm-cli|api-server] -- <engine args>
+    dllm-serve [--print] [--launcher vllm-cli|api-server] [--log-level LEVEL] -- <engine args>
 
 The operator injects the KV-transfer settings as environment variables (shared/docs/api.md) and the
 engine flags as container args. This reads the env with the same model the operator writes it from
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, NoReturn
 
-from dllm_contract import kvconfig
-from dllm_contract.logs import configure_logging
+from dllm_connector.end_route_names import END_ROUTE_MIDDLEWARE, ENV_END_ROUTE_API_KEY, ENV_END_ROUTE_TP_SIZE
+from dllm_contract import kvconfig, logs
 
 log = logging.getLogger("dllm_connector.serve")  # by name: this module also runs as __main__
 
@@ -61,10 +61,6 @@ ENV_MC_TCP_BIND_ADDRESS = "MC_TCP_BIND_ADDRESS"
 
 KV_TRANSFER_FLAG = "--kv-transfer-config"
 MIDDLEWARE_FLAG = "--middleware"
-# By name, not imported: end_route pulls in the pipe (torch), which dllm-serve itself never needs.
-END_ROUTE_MIDDLEWARE = "dllm_connector.end_route.EndTransferRoute"
-ENV_END_ROUTE_TP_SIZE = "DLLM_END_ROUTE_TP_SIZE"
-ENV_END_ROUTE_API_KEY = "DLLM_END_ROUTE_API_KEY"  # a secret name: describe() redacts its value
 _TP_FLAGS = ("--tensor-parallel-size", "-tp")
 # argparse accepts any unambiguous prefix of a flag; no other vLLM flag starts like this.
 _KV_TRANSFER_FLAG_SHORTEST_PREFIX = "--kv-t"
@@ -282,7 +278,7 @@ class _ArgumentParser(argparse.ArgumentParser):
 def _own_parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(
         prog="dllm-serve",
-        usage="dllm-serve [--print] [--launcher vllm-cli|api-server] -- <engine args>",
+        usage="dllm-serve [--print] [--launcher vllm-cli|api-server] [--log-level LEVEL] -- <engine args>",
         description="Start vLLM with the --kv-transfer-config built from the VLLM_KV_* environment.",
     )
     parser.add_argument("--print", action="store_true", help="print the final command and exit")
@@ -291,6 +287,7 @@ def _own_parser() -> argparse.ArgumentParser:
         help=f"vllm-cli (`vllm serve`) or api-server (`python -m {API_SERVER_MODULE}`); "
         f"default from {ENV_LAUNCHER}, else {DEFAULT_LAUNCHER.value}",
     )
+    parser.add_argument(logs.LOG_LEVEL_FLAG, help=f"dllm-serve's own log line: {logs.LEVEL_HELP}")
     return parser
 
 
@@ -314,6 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     own_args, engine_args = split_argv(sys.argv[1:] if argv is None else argv)
     options = _own_parser().parse_args(own_args)
     try:
+        level = logs.chosen_level(options.log_level, os.environ)
+    except ValueError as bad:
+        return _fail(str(bad))
+    try:
         launcher = parse_launcher(options.launcher or os.environ.get(ENV_LAUNCHER))
         command = build_command(
             os.environ,
@@ -325,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except (kvconfig.EnvContractError, ServeError) as error:
         return _fail(str(error))
-    configure_logging("INFO")
+    logs.configure_logging(level)
     log.info("%s", describe(command, launcher, engine_args))
     if options.print:
         print(shell_line(command), flush=True)

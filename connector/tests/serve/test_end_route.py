@@ -31,6 +31,7 @@ from dllm_connector.end_route import (
     Scope,
     Send,
 )
+from dllm_connector.end_route_names import END_ROUTE_MIDDLEWARE
 from dllm_connector.kv_layout import Geometry, PagedKV
 from dllm_connector.kv_scheduler import prompt_hash
 from dllm_connector.pipe.common import PipeConfig
@@ -418,3 +419,8 @@ async def test_ends_over_the_bound_get_503_while_a_side_channel_is_slow(
             assert (await first).status_code == 502
             assert time.monotonic() - started < 3 * TIMEOUT
     assert app.in_flight == 0
+
+
+def test_the_path_dllm_serve_gives_vllm_names_this_route() -> None:
+    """dllm-serve passes the middleware by name (it never imports the route): the name is this class."""
+    assert f"{EndTransferRoute.__module__}.{EndTransferRoute.__qualname__}" == END_ROUTE_MIDDLEWARE

@@ -42,6 +42,8 @@ BAD_ENV = [
      ["VLLM_KV_ROLE", "prefill, decode, both"]),
     ("unknown launcher", DECODE, {"DLLM_SERVE_LAUNCHER": "ray"},
      ["DLLM_SERVE_LAUNCHER", "'ray'", "vllm-cli, api-server"]),
+    ("unknown log level", DECODE, {"DLLM_LOG_LEVEL": "loud"},
+     ["--log-level (or DLLM_LOG_LEVEL)", "'loud'", "DEBUG, INFO, WARNING, ERROR, CRITICAL"]),
 ]  # fmt: skip
 
 
@@ -126,3 +128,17 @@ def test_print_refuses_a_bad_env_the_same_way(seed_prefill, run_serve):
     assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr == "dllm-serve: VLLM_KV_COMPRESSION: 'int4' must be one of none, fp8, int8\n"
+
+
+def test_the_log_level_is_the_one_logging_scheme_s(seed_decode, run_serve):
+    """--log-level, else DLLM_LOG_LEVEL, else INFO (dllm_contract.logs), as for the operator and router."""
+    argv = ["--print", "--", *seed_decode.args]
+    assert " INFO dllm_connector.serve: " in run_serve(argv, seed_decode.env).stderr
+    quiet = run_serve(argv, {**seed_decode.env, "DLLM_LOG_LEVEL": "warning"})
+    assert (quiet.returncode, quiet.stderr) == (0, "")
+    assert "--kv-transfer-config" in quiet.stdout
+    flagged = run_serve(["--log-level", "Info", *argv], {**seed_decode.env, "DLLM_LOG_LEVEL": "warning"})
+    assert " INFO dllm_connector.serve: " in flagged.stderr
+    refused = run_serve(["--log-level", "loud", *argv], seed_decode.env)
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert refused.stderr.startswith("dllm-serve: --log-level (or DLLM_LOG_LEVEL): 'loud' is not one of")

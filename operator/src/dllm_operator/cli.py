@@ -10,6 +10,7 @@ from typing import Any, TextIO
 
 import yaml
 
+from dllm_contract import logs
 from dllm_operator.api import KIND, SpecInvalid, parse
 from dllm_operator.config import ConfigInvalid, OperatorConfig
 from dllm_operator.render import render_all
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then KUBECONFIG)"
     )
-    run.add_argument("--log-level", default="", help="DEBUG, INFO, WARNING, ERROR")
+    run.add_argument(logs.LOG_LEVEL_FLAG, default="", help=logs.LEVEL_HELP)
     return parser
 
 

@@ -1,10 +1,27 @@
-"""Operator configuration: defaults that come from the operator's deployment, not from a CR."""
+"""Operator configuration: defaults that come from the operator's deployment, not from a CR.
+
+One frozen model, filled from the DLLM_* variables (strings, pydantic's lax mode) and, for the settings
+`dllm-operator run` also takes as flags, from those; a bad value is a ConfigInvalid naming where it
+came from.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
+
+from dllm_contract import logs
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/dllm-operator/vllm:0.1.0"
 DEFAULT_ROUTER_IMAGE = "ghcr.io/dllm-operator/router:0.1.0"
@@ -14,42 +31,74 @@ class ConfigInvalid(ValueError):
     """An operator setting with a bad value; the message names the variable."""
 
 
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw not in ("true", "false"):
-        raise ConfigInvalid(f"{name}: {raw!r} is not true or false")
-    return raw == "true"
+def _comma_list(raw: Any) -> Any:
+    """ "a, b," as ("a", "b"): blanks and empty items dropped."""
+    if not isinstance(raw, str):
+        return raw
+    return tuple(item.strip() for item in raw.split(",") if item.strip())
 
 
-def _list(env: Mapping[str, str], name: str) -> tuple[str, ...]:
-    return tuple(item.strip() for item in env.get(name, "").split(",") if item.strip())
+CommaList = Annotated[tuple[str, ...], BeforeValidator(_comma_list)]
 
 
-@dataclass(frozen=True)
-class OperatorConfig:
+class OperatorConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
     engine_image: str = DEFAULT_ENGINE_IMAGE
     router_image: str = DEFAULT_ROUTER_IMAGE
     cluster_domain: str = "cluster.local"
     # Empty: every namespace (cluster mode).
-    namespaces: tuple[str, ...] = field(default_factory=tuple)
-    log_level: str = "INFO"
+    namespaces: CommaList = ()
+    # The one logging scheme's default and check (dllm_contract.logs), as for dllm-serve and the router.
+    log_level: Annotated[str, AfterValidator(logs.checked_level)] = logs.DEFAULT_LEVEL
     # H7: false refuses CRs asking for host network, host devices, other Secrets in env, network or
     # AppArmor annotations or tolerate-everything tolerations (render/policy.py), in every namespace.
     # The chart's admission policy does the same per namespace; this is for clusters without it.
     allow_privileged_engines: bool = True
     # Non-empty: every image a CR names must start with one of these (e.g. "registry.example.com/").
-    allowed_image_prefixes: tuple[str, ...] = field(default_factory=tuple)
+    allowed_image_prefixes: CommaList = ()
+
+    @field_validator("allow_privileged_engines", mode="before")
+    @classmethod
+    def _true_or_false(cls, raw: Any, info: ValidationInfo) -> Any:
+        """Only "true" or "false" (any case); blank is the default."""
+        if not isinstance(raw, str):
+            return raw
+        text = raw.strip().lower()
+        if not text:
+            return cls.model_fields[str(info.field_name)].default
+        if text not in ("true", "false"):
+            raise ValueError(f"{text!r} is not true or false")
+        return text == "true"
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> OperatorConfig:
-        return cls(
-            engine_image=env.get("DLLM_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
-            router_image=env.get("DLLM_ROUTER_IMAGE", DEFAULT_ROUTER_IMAGE),
-            cluster_domain=env.get("DLLM_CLUSTER_DOMAIN", "cluster.local"),
-            namespaces=_list(env, "DLLM_WATCH_NAMESPACES"),
-            log_level=env.get("DLLM_LOG_LEVEL", "INFO").upper(),
-            allow_privileged_engines=_flag(env, "DLLM_ALLOW_PRIVILEGED_ENGINES", True),
-            allowed_image_prefixes=_list(env, "DLLM_ALLOWED_IMAGE_PREFIXES"),
-        )
+    def from_env(cls, env: Mapping[str, str] = os.environ, **given: Any) -> OperatorConfig:
+        """The settings from their variables (ENV_NAMES); `given` ones (the command line's) win.
+        ConfigInvalid naming the first bad setting's flag and variable."""
+        values = {field: env[name] for field, name in ENV_NAMES.items() if name in env}
+        try:
+            return cls.model_validate({**values, **given})
+        except ValidationError as error:
+            problem = error.errors()[0]
+            field = str(problem["loc"][0]) if problem["loc"] else ""
+            message = problem["msg"].removeprefix("Value error, ")
+            raise ConfigInvalid(f"{_where(field)}: {message}") from None
+
+
+# field -> the variable that sets it (in the chart's deployment).
+ENV_NAMES: Mapping[str, str] = {
+    "engine_image": "DLLM_ENGINE_IMAGE",
+    "router_image": "DLLM_ROUTER_IMAGE",
+    "cluster_domain": "DLLM_CLUSTER_DOMAIN",
+    "namespaces": "DLLM_WATCH_NAMESPACES",
+    "log_level": logs.ENV_LOG_LEVEL,
+    "allow_privileged_engines": "DLLM_ALLOW_PRIVILEGED_ENGINES",
+    "allowed_image_prefixes": "DLLM_ALLOWED_IMAGE_PREFIXES",
+}
+# field -> the `dllm-operator run` flag that also sets it.
+FLAGS: Mapping[str, str] = {"log_level": logs.LOG_LEVEL_FLAG, "namespaces": "--namespace"}
+
+
+def _where(field: str) -> str:
+    variable = ENV_NAMES.get(field, field)
+    return f"{FLAGS[field]} (or {variable})" if field in FLAGS else variable

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import socket
@@ -18,7 +17,7 @@ import kopf
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dllm_contract.logs import checked_level, configure_logging
+from dllm_contract.logs import configure_logging
 from dllm_operator import metrics
 from dllm_operator.config import ConfigInvalid, OperatorConfig
 from dllm_operator.controller import Controller
@@ -44,13 +43,13 @@ def _stop_when_done(stop: asyncio.Event, ended: list[str], task: asyncio.Task[An
 
 
 def operator_config(args: argparse.Namespace) -> OperatorConfig:
-    config = OperatorConfig.from_env()
-    namespaces = () if args.all_namespaces else tuple(args.namespace) or config.namespaces
-    try:
-        level = checked_level(args.log_level or config.log_level)
-    except ValueError as bad:
-        raise ConfigInvalid(f"--log-level (or DLLM_LOG_LEVEL): {bad}") from None
-    return dataclasses.replace(config, namespaces=namespaces, log_level=level)
+    """The environment's settings, the command line's winning; ConfigInvalid naming a bad one."""
+    given: dict[str, Any] = {}
+    if args.all_namespaces or args.namespace:
+        given["namespaces"] = () if args.all_namespaces else tuple(args.namespace)
+    if args.log_level:
+        given["log_level"] = args.log_level
+    return OperatorConfig.from_env(os.environ, **given)
 
 
 def health_app(controller: Controller, ready: asyncio.Event) -> web.Application:

@@ -1,9 +1,10 @@
 """The router's settings: flags, their DLLM_ROUTER_* environment twins, and the one model they fill.
 
 `parse_config(argv, environ)` reads the flags (argparse: --help, unknown flags), takes each missing
-one from its variable (a flag given on the command line wins), and validates the strings once into the
-frozen `RouterConfig` (pydantic, lax mode). A bad value is a `ConfigError` naming the flag and its
-variable. Pure: no I/O.
+one from its variable (a flag given on the command line wins; the log level, given neither, from the
+DLLM_LOG_LEVEL every dllm process reads), and validates the strings once into the frozen `RouterConfig`
+(pydantic, lax mode), whose fields give each flag its help and default. A bad value is a `ConfigError`
+naming the flag and its variable. Pure: no I/O.
 
 The engines' API key is not a flag (a flag would show in the pod spec and in `ps`): it comes from
 DLLM_ENGINE_API_KEY only, which the operator fills from a per-CR Secret.
@@ -28,7 +29,15 @@ from pydantic import (
 )
 from pydantic_core import ErrorDetails
 
-from dllm_contract.logs import checked_level
+from dllm_contract.logs import (
+    DEFAULT_LEVEL,
+    ENV_LOG_LEVEL,
+    LEVELS,
+    LOG_LEVEL_FLAG,
+    checked_level,
+    chosen_level,
+)
+from dllm_contract.router_defaults import DEFAULT_MAX_BODY_MB, MOONCAKE_BOOTSTRAP_PORT
 from dllm_contract.settings import DEFAULT_KV_PORT
 
 Flow = Literal["dllm", "mooncake", "nixl"]
@@ -68,30 +77,34 @@ def _one_of(choices: Sequence[str]) -> BeforeValidator:
     return BeforeValidator(check)
 
 
-def _whole(lo: int, hi: int) -> BeforeValidator:
-    def check(raw: Any) -> int:
-        try:
-            n = int(str(raw))
-        except ValueError:
-            raise ValueError(f"{raw!r} is not an integer") from None
+# Numbers are parsed by pydantic (lax mode: the strings of flags and variables); these check the range in
+# the words the error shows, and _naming_the_setting words a number that does not parse.
+
+
+def _whole(lo: int, hi: int) -> AfterValidator:
+    def check(n: int) -> int:
         if not lo <= n <= hi:
             raise ValueError(f"{n} is outside {lo}..{hi}")
         return n
 
-    return BeforeValidator(check)
+    return AfterValidator(check)
 
 
-def _seconds(*, zero: bool = False) -> BeforeValidator:
-    def check(raw: Any) -> float:
-        try:
-            s = float(str(raw))
-        except ValueError:
-            raise ValueError(f"{raw!r} is not a number of seconds") from None
-        if not (s >= 0 if zero else s > 0) or s == float("inf"):
-            raise ValueError(f"must be {'>=' if zero else '>'} 0 and finite, got {raw!r}")
+def _seconds(*, zero: bool = False) -> AfterValidator:
+    def check(s: float) -> float:
+        if not (s >= 0 if zero else s > 0) or s == float("inf"):  # NaN fails the first test
+            raise ValueError(f"must be {'>=' if zero else '>'} 0 and finite, got {s:g}")
         return s
 
-    return BeforeValidator(check)
+    return AfterValidator(check)
+
+
+# What a value that does not parse is, by pydantic's error type (every float setting is in seconds).
+_NOT_PARSED = {
+    "int_parsing": "is not an integer",
+    "int_from_float": "is not an integer",
+    "float_parsing": "is not a number of seconds",
+}
 
 
 def _dns_target(raw: Any) -> Any:
@@ -143,33 +156,66 @@ class Upstreams(_Frozen):
 
 
 class RouterConfig(_Frozen):
-    """Every setting of one router process. A bad value is reported by field, in this order."""
+    """Every setting of one router process. A bad value is reported by field, in this order; each
+    field's description is its flag's help, which adds the default from here."""
 
-    flow: Annotated[Flow, _one_of(FLOWS)]
-    log_level: Annotated[str, AfterValidator(checked_level)] = "INFO"  # the one logging scheme's check
-    event_loop: Annotated[EventLoop, _one_of(EVENT_LOOPS)] = "auto"  # uvloop when installed, else asyncio
+    flow: Annotated[Flow, _one_of(FLOWS)] = Field(description="PD request protocol: " + " | ".join(FLOWS))
+    log_level: Annotated[str, AfterValidator(checked_level)] = Field(  # the one logging scheme's check
+        DEFAULT_LEVEL,
+        description=f"{' | '.join(LEVELS)}, in any case (unset: {env_name(LOG_LEVEL_FLAG)}, "
+        f"else {ENV_LOG_LEVEL})",
+    )
+    event_loop: Annotated[EventLoop, _one_of(EVENT_LOOPS)] = Field(
+        "auto", description=" | ".join(EVENT_LOOPS) + "; auto: uvloop when it is installed, else asyncio"
+    )
     prefill: Upstreams
     decode: Upstreams
-    host: str = "0.0.0.0"
-    port: Annotated[int, _whole(0, 65535)] = 8000  # 0: any free port (the start line names it)
-    decode_kv_port: Port = DEFAULT_KV_PORT
-    prefill_tp_size: Annotated[int, _whole(1, 1024)] = 1
-    decode_tp_size: Annotated[int, _whole(1, 1024)] = 1
-    mooncake_bootstrap_port: Port = 8998
-    resolve_interval_s: Annotated[float, _seconds()] = 5.0
-    health_interval_s: Annotated[float, _seconds()] = 5.0
-    connect_timeout_s: Annotated[float, _seconds()] = 5.0
-    request_timeout_s: Annotated[float, _seconds()] = 600.0
-    retries: Annotated[int, _whole(0, 10)] = 1
-    # H2: a body expands 5-25x when parsed; the pod's limit is 1 GiB
-    max_body_mb: Annotated[int, _whole(1, 4096)] = 8
-    max_prompts: Annotated[int, _whole(1, 4096)] = 64  # prompts per completions request (two calls each)
-    max_n: Annotated[int, _whole(1, 1024)] = 16  # choices per prompt (n, best_of)
-    max_connections: Annotated[int, _whole(1, 1_000_000)] = 1024  # client connections; above, 503
-    head_timeout_s: Annotated[float, _seconds()] = 10.0  # a request head, from its first byte
-    body_timeout_s: Annotated[float, _seconds()] = 60.0  # a request body, from the end of its head
-    # in-flight requests' time after SIGTERM (grace period minus preStop)
-    drain_seconds: Annotated[float, _seconds(zero=True)] = 25.0
+    host: str = Field("0.0.0.0", description="listen address")
+    port: Annotated[int, _whole(0, 65535)] = Field(
+        8000, description="listen port; 0: any free port, which the start line names"
+    )
+    decode_kv_port: Port = Field(DEFAULT_KV_PORT, description="decode engines' KV listen port, dllm flow")
+    prefill_tp_size: Annotated[int, _whole(1, 1024)] = Field(1, description="prefill tensor-parallel size")
+    decode_tp_size: Annotated[int, _whole(1, 1024)] = Field(1, description="decode tensor-parallel size")
+    mooncake_bootstrap_port: Port = Field(
+        MOONCAKE_BOOTSTRAP_PORT, description="prefill bootstrap server port, mooncake flow"
+    )
+    resolve_interval_s: Annotated[float, _seconds()] = Field(
+        5.0, description="seconds between DNS re-resolutions"
+    )
+    health_interval_s: Annotated[float, _seconds()] = Field(
+        5.0, description="seconds between health checks of each pod"
+    )
+    connect_timeout_s: Annotated[float, _seconds()] = Field(
+        5.0, description="upstream connect and health-check timeout"
+    )
+    request_timeout_s: Annotated[float, _seconds()] = Field(
+        600.0, description="whole upstream request timeout, streams included"
+    )
+    retries: Annotated[int, _whole(0, 10)] = Field(
+        1, description="extra attempts on another pod when no byte reached the client"
+    )
+    # H2: a body expands several times once parsed, against the pod's memory limit (the operator sizes it)
+    max_body_mb: Annotated[int, _whole(1, 4096)] = Field(
+        DEFAULT_MAX_BODY_MB, description="largest request body accepted, in MiB"
+    )
+    max_prompts: Annotated[int, _whole(1, 4096)] = Field(  # each is a prefill/decode pair of calls
+        64, description="most prompts in one completions request"
+    )
+    max_n: Annotated[int, _whole(1, 1024)] = Field(16, description="most choices per prompt, n and best_of")
+    max_connections: Annotated[int, _whole(1, 1_000_000)] = Field(
+        1024, description="most open client connections; more get 503"
+    )
+    head_timeout_s: Annotated[float, _seconds()] = Field(
+        10.0, description="seconds a request head may take from its first byte"
+    )
+    body_timeout_s: Annotated[float, _seconds()] = Field(
+        60.0, description="seconds a request body may take after its head"
+    )
+    # the operator derives it: the pod's grace period minus its preStop sleep
+    drain_seconds: Annotated[float, _seconds(zero=True)] = Field(
+        25.0, description="seconds in-flight requests get after SIGTERM"
+    )
     # sent as `Authorization: Bearer` on every engine call instead of the client's; never shown
     engine_api_key: Annotated[str | None, BeforeValidator(_api_key)] = Field(None, repr=False)
 
@@ -198,7 +244,27 @@ class RouterConfig(_Frozen):
 # ---- the command line ----
 
 
+# The flags that name a role's pods (RouterConfig.prefill and .decode); none has a default.
+_UPSTREAM_FLAGS: Mapping[str, tuple[tuple[str, dict[str, Any]], ...]] = {
+    role: (
+        (f"--{role}-dns", {"metavar": "HOST:PORT", "help": f"{role} headless Service and engine HTTP port"}),
+        (
+            f"--{role}-url",
+            {"metavar": "URL", "action": "append", "help": f"static {role} base URL (repeatable)"},
+        ),
+    )
+    for role in ("prefill", "decode")
+}
+_NOT_FLAGS = ("engine_api_key",)  # a variable only (see the module's docstring)
+
+
+def _shown(default: object) -> str:
+    return f"{default:g}" if isinstance(default, float) else str(default)
+
+
 def _parser() -> argparse.ArgumentParser:
+    """One flag per RouterConfig field, in the model's order: its help is the field's description and
+    the default the model's."""
     p = argparse.ArgumentParser(
         prog="dllm-router",
         allow_abbrev=False,
@@ -206,32 +272,13 @@ def _parser() -> argparse.ArgumentParser:
         epilog=f"Every flag can also be set by {ENV_PREFIX}<FLAG> (e.g. {env_name('--prefill-dns')}); "
         "repeatable flags take a comma-separated list there. Flags win.",
     )
-    add = p.add_argument
-    add("--host", help="listen address (default 0.0.0.0)")
-    add("--port", help="listen port (default 8000)")
-    add("--flow", help="PD request protocol: " + " | ".join(FLOWS))
-    add("--prefill-dns", metavar="HOST:PORT", help="prefill headless Service and engine HTTP port")
-    add("--prefill-url", action="append", metavar="URL", help="static prefill base URL (repeatable)")
-    add("--decode-dns", metavar="HOST:PORT", help="decode headless Service and engine HTTP port")
-    add("--decode-url", action="append", metavar="URL", help="static decode base URL (repeatable)")
-    add("--decode-kv-port", help=f"decode engines' KV listen port, dllm flow (default {DEFAULT_KV_PORT})")
-    add("--prefill-tp-size", help="prefill tensor-parallel size (default 1)")
-    add("--decode-tp-size", help="decode tensor-parallel size (default 1)")
-    add("--mooncake-bootstrap-port", help="prefill bootstrap server port, mooncake flow (default 8998)")
-    add("--resolve-interval-s", help="seconds between DNS re-resolutions (default 5)")
-    add("--health-interval-s", help="seconds between health checks of each pod (default 5)")
-    add("--connect-timeout-s", help="upstream connect and health-check timeout (default 5)")
-    add("--request-timeout-s", help="whole upstream request timeout, streams included (default 600)")
-    add("--retries", help="extra attempts on another pod when no byte reached the client (default 1)")
-    add("--max-body-mb", help="largest request body accepted, in MiB (default 8)")
-    add("--max-prompts", help="most prompts in one completions request (default 64)")
-    add("--max-n", help="most choices per prompt, n and best_of (default 16)")
-    add("--max-connections", help="most open client connections; more get 503 (default 1024)")
-    add("--head-timeout-s", help="seconds a request head may take from its first byte (default 10)")
-    add("--body-timeout-s", help="seconds a request body may take after its head (default 60)")
-    add("--drain-seconds", help="seconds in-flight requests get after SIGTERM (default 25)")
-    add("--log-level", help="debug | info | warning | error | critical (default info)")
-    add("--event-loop", help="auto | asyncio | uvloop (default auto: uvloop when it is installed)")
+    for key, field in RouterConfig.model_fields.items():
+        for flag, options in _UPSTREAM_FLAGS.get(key, ()):
+            p.add_argument(flag, **options)
+        if key in _UPSTREAM_FLAGS or key in _NOT_FLAGS:
+            continue
+        default = "" if field.is_required() else f" (default {_shown(field.default)})"
+        p.add_argument("--" + key.replace("_", "-"), help=f"{field.description}{default}")
     return p
 
 
@@ -252,6 +299,11 @@ def _raw_values(argv: Sequence[str], environ: Mapping[str, str]) -> dict[str, st
 def parse_config(argv: Sequence[str], environ: Mapping[str, str]) -> RouterConfig:
     """The flags, else their variables, as a RouterConfig; ConfigError naming the first bad one."""
     values: dict[str, Any] = _raw_values(argv, environ)
+    if "log_level" not in values:  # the level every dllm process takes, named as they name it
+        try:
+            values["log_level"] = chosen_level(None, environ)
+        except ValueError as bad:
+            raise ConfigError(str(bad)) from None
     values.setdefault("flow", "")  # missing: refused as a flow that is none of the three
     for role in ("prefill", "decode"):
         values[role] = {"dns": values.pop(f"{role}_dns", None), "urls": values.pop(f"{role}_url", ())}
@@ -275,4 +327,6 @@ def _naming_the_setting(problem: ErrorDetails) -> str:
     message = problem["msg"]
     if problem["type"] == "value_error":  # raised here, already in the words the user sees
         message = message.removeprefix("Value error, ")
+    elif problem["type"] in _NOT_PARSED:
+        message = f"{problem['input']!r} {_NOT_PARSED[problem['type']]}"
     return f"{where}: {message}"

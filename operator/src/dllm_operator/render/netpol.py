@@ -15,13 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dllm_contract.router_defaults import MOONCAKE_BOOTSTRAP_PORT
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.render import labels
 from dllm_operator.render.router import router_flow
 
-# vLLM's MooncakeConnector bootstrap server on prefill, which the router queries (dllm-router's
-# --mooncake-bootstrap-port default).
-MOONCAKE_BOOTSTRAP_PORT = 8998
 ENGINE_COMPONENTS = ("prefill", "decode")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_contract.kvconfig import Connector
+from dllm_contract.router_defaults import DEFAULT_MAX_BODY_MB  # when no memory limit is set
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import auth, labels
@@ -17,7 +18,6 @@ SHUTDOWN_MARGIN_S = 10  # after the drain: closing connections, flushing logs
 DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 # H2: a JSON body expands 20-25x once parsed, and several arrive at once: 1/128 of the memory limit.
 BODY_FRACTION = 128
-DEFAULT_MAX_BODY_MB = 8  # the router's own default, used when no memory limit is set
 MAX_BODY_MB_CAP = 64
 
 

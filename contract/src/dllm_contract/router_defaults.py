@@ -1,0 +1,10 @@
+"""What the operator renders for the router and the router assumes when it is not told: each once."""
+
+from __future__ import annotations
+
+# vLLM's MooncakeConnector bootstrap server on prefill, which the router queries in the mooncake flow
+# (the operator's NetworkPolicy opens it to the router).
+MOONCAKE_BOOTSTRAP_PORT = 8998
+# The largest request body the router accepts, in MiB, when nothing sizes it from a memory limit
+# (H2: a body expands several times once parsed; docs/router.md gives the figures).
+DEFAULT_MAX_BODY_MB = 8
