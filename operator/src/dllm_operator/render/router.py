@@ -16,7 +16,8 @@ _BUILTIN_FLOWS = {"NixlConnector": "nixl", "MooncakeConnector": "mooncake"}
 PRESTOP_SLEEP_S = 5  # endpoints drop a terminating pod a moment after SIGTERM
 SHUTDOWN_MARGIN_S = 10  # after the drain: closing connections, flushing logs
 DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
-# H2: a JSON body expands 20-25x once parsed, and several arrive at once: 1/128 of the memory limit.
+# H2: a JSON body expands many times once parsed (docs/router.md), and several arrive at once: 1/128 of
+# the memory limit.
 BODY_FRACTION = 128
 MAX_BODY_MB_CAP = 64
 
