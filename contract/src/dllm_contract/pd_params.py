@@ -16,9 +16,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from dllm_contract.types import Port
+
 PROTOCOL_VERSION = 1
 MAX_TRANSFER_ID = 256  # characters
-Port = Annotated[int, Field(ge=1, le=65535)]
 
 
 class _Params(BaseModel):

@@ -18,6 +18,8 @@ from pydantic import (
     model_validator,
 )
 
+from dllm_contract.types import Port
+
 
 class Connector(StrEnum):
     MOONCAKE = "mooncake"
@@ -47,7 +49,6 @@ class LoadFailurePolicy(StrEnum):
     RECOMPUTE = "recompute"
 
 
-Port = Annotated[int, Field(ge=1, le=65535)]
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonEmpty = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]

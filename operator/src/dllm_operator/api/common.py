@@ -61,7 +61,6 @@ def rules(*entries: JsonDict) -> JsonDict:
 
 # ---- shared field types ---------------------------------------------------------------------------
 
-Port = Annotated[int, Field(ge=1, le=65535)]
 PositiveInt = Annotated[int, Field(ge=1)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 Name = Annotated[str, Field(max_length=253)]

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from dllm_contract.types import Port
 from dllm_operator.api.common import (
     CONTROL_PLANE_NOTE,
     OPERATOR_ENV_NAMES,
@@ -13,7 +14,6 @@ from dllm_operator.api.common import (
     RESERVED_ENV_NAMES,
     FreeForm,
     Name,
-    Port,
     PositiveFloat,
     Quantity,
     TensorParallelSize,
