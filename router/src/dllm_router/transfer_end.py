@@ -15,8 +15,9 @@ dropped and counted), each bounded by END_TIMEOUT_S.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+
+import msgspec
 
 from dllm_router.endpoints import Endpoint
 from dllm_router.metrics import Metrics
@@ -51,7 +52,7 @@ class TransferEnds:
         task.add_done_callback(self._tasks.discard)
 
     async def _post(self, ep: Endpoint, transfer_id: str, headers: bytes) -> None:
-        body = json.dumps({"transfer_id": transfer_id}).encode()
+        body = msgspec.json.encode({"transfer_id": transfer_id})
         upstream = ep.upstream
         status: int | None = None
         reason = ""
