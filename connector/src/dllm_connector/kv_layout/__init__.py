@@ -10,17 +10,15 @@ Where prefill and decode run different TP sizes, `plan_tp_mapping` (pure) says w
 each prefill rank sends each decode rank, and PagedKV addresses a head range inside every segment:
 one run of memory on the CPU and HND layouts, one run per token on NHD.
 
-Two modules: `tp_mapping` (pure: the geometry, TP ranks, the head mapping) and `paged_kv` (torch:
-the caches' layout and block access).
+The modules: `tp_mapping` (pure: the geometry, TP ranks, the head mapping), `spans` and `signature`
+(pure: merging contiguous spans; comparing handshake signatures), `layer_layout` (a layer tensor's
+shape and strides read) and `paged_kv` (torch: the caches' block access).
 """
 
-from dllm_connector.kv_layout.paged_kv import (
-    LayerLayout,
-    PagedKV,
-    coalesce,
-    layer_layout,
-    signature_mismatches,
-)
+from dllm_connector.kv_layout.layer_layout import LayerLayout, layer_layout
+from dllm_connector.kv_layout.paged_kv import PagedKV
+from dllm_connector.kv_layout.signature import signature_mismatches
+from dllm_connector.kv_layout.spans import coalesce, coalesce_runs
 from dllm_connector.kv_layout.tp_mapping import (
     Geometry,
     HeadRange,
@@ -43,6 +41,7 @@ __all__ = [
     "TPMappingError",
     "TPRank",
     "coalesce",
+    "coalesce_runs",
     "head_split_problem",
     "layer_layout",
     "plan_tp_mapping",

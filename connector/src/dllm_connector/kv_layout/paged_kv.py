@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dllm_connector.kv_layout.layer_layout import layer_layout, segment_groups
 from dllm_connector.kv_layout.tp_mapping import (
     Geometry,
     HeadRange,
@@ -18,68 +18,6 @@ from dllm_connector.kv_layout.tp_mapping import (
     head_split_problem,
     rank_heads,
 )
-
-
-@dataclass(frozen=True)
-class LayerLayout:
-    block_dim: int
-    segments: int
-    segment_shape: tuple[int, ...]
-    groups: int
-    head_axis: int | None = None  # the KV-head axis inside a segment, where the shape shows it
-
-
-def _head_axes(segment: tuple[int, ...], heads: int, block_size: int) -> list[int]:
-    """Segment axes that may be the KV heads: [2, H, T, D] / [2, T, H, D], or [H, T, X] / [T, H, D].
-
-    The token axis must be the other candidate; when heads equal the block size both fit.
-    """
-    if heads <= 0:
-        return []
-    if len(segment) == 4 and segment[0] == 2:
-        choices = ((1, 2), (2, 1))
-    elif len(segment) == 3:
-        choices = ((0, 1), (1, 0))
-    else:
-        return []
-    return [
-        axis
-        for axis, tokens in choices
-        if segment[axis] == heads and (block_size <= 0 or segment[tokens] == block_size)
-    ]
-
-
-def _segment_groups(segment: tuple[int, ...], head_axis: int | None, heads: int, head_dim: int) -> int:
-    """Equal, contiguous scale groups of one segment: per (KV head, K or V) where the layout allows."""
-    if head_axis is None:
-        return 2 if segment and segment[0] == 2 else 1
-    if len(segment) == 4:
-        return 2 * heads if head_axis == 1 else 2  # [2, H, T, D]; [2, T, H, D] interleaves heads
-    if head_axis == 0:
-        return 2 * heads if segment[-1] == 2 * head_dim else heads  # CPU [H, T, 2D]; [H, T, D]
-    return 1  # [T, H, D]: heads interleaved per token
-
-
-def layer_layout(tensor: torch.Tensor, num_blocks: int, geometry: Geometry) -> LayerLayout:
-    shape = tuple(tensor.shape)
-    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks and num_blocks != 2:
-        block_dim = 1
-    elif shape and shape[0] == num_blocks:
-        block_dim = 0
-    else:
-        raise LayoutError(f"no block axis of size {num_blocks} in a KV cache of shape {list(shape)}")
-    segment = shape[block_dim + 1 :]
-    expected = 1
-    for dim in range(len(shape) - 1, block_dim, -1):
-        if tensor.stride(dim) != expected:
-            raise LayoutError(
-                f"KV cache shape {list(shape)} strides {tensor.stride()}: a block is not contiguous"
-            )
-        expected *= shape[dim]
-    axes = _head_axes(segment, geometry.num_kv_heads, geometry.block_size)
-    groups = _segment_groups(segment, axes[0] if axes else None, geometry.num_kv_heads, geometry.head_dim)
-    head_axis = axes[0] if len(axes) == 1 else None  # ambiguous: no head sub-ranges
-    return LayerLayout(block_dim, 2 if block_dim == 1 else 1, segment, groups, head_axis)
 
 
 class PagedKV:
@@ -205,7 +143,7 @@ class PagedKV:
         if heads is None:
             return self.layout.groups
         segment = self.segment_shape(heads)
-        return _segment_groups(segment, self._head_axis(), heads[1] - heads[0], self.geometry.head_dim)
+        return segment_groups(segment, self._head_axis(), heads[1] - heads[0], self.geometry.head_dim)
 
     def batch_shape(self, count: int, heads: HeadRange | None = None) -> tuple[int, ...]:
         """Shape of `count` blocks gathered over all layers: [layers * count * segments, *segment]."""
@@ -365,61 +303,6 @@ def _product(sizes: Sequence[int]) -> int:
     for size in sizes:
         count *= size
     return count
-
-
-def coalesce(
-    src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]
-) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """Merge neighbouring span pairs that are contiguous on both sides (fewer, larger writes)."""
-    merged_src: list[tuple[int, int]] = []
-    merged_dst: list[tuple[int, int]] = []
-    for (s_addr, length), (d_addr, d_length) in zip(src, dst, strict=True):
-        if length != d_length:
-            raise LayoutError(f"span of {length} bytes paired with one of {d_length}")
-        if (
-            merged_src
-            and merged_src[-1][0] + merged_src[-1][1] == s_addr
-            and merged_dst[-1][0] + merged_dst[-1][1] == d_addr
-        ):
-            merged_src[-1] = (merged_src[-1][0], merged_src[-1][1] + length)
-            merged_dst[-1] = (merged_dst[-1][0], merged_dst[-1][1] + length)
-        else:
-            merged_src.append((s_addr, length))
-            merged_dst.append((d_addr, length))
-    return merged_src, merged_dst
-
-
-def coalesce_runs(spans: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Merge neighbouring spans that are contiguous (the same bytes in the same order, fewer runs)."""
-    merged: list[tuple[int, int]] = []
-    for addr, length in spans:
-        if merged and merged[-1][0] + merged[-1][1] == addr:
-            merged[-1] = (merged[-1][0], merged[-1][1] + length)
-        else:
-            merged.append((addr, length))
-    return merged
-
-
-def signature_mismatches(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:
-    """Human-readable differences between two caches' signatures (empty when they match).
-
-    Each line starts with the field's name. The peer's values are cut to a few dozen characters
-    and its extra fields are only counted (L2: a peer's data never floods a log line).
-    """
-    lines = [
-        f"{key}: ours {_short(ours.get(key))}, peer {_short(theirs.get(key))}"
-        for key in sorted(ours)
-        if ours.get(key) != theirs.get(key)
-    ]
-    extra = len(set(theirs) - set(ours))
-    if extra:
-        lines.append(f"unknown fields: {extra} from the peer")
-    return lines
-
-
-def _short(value: object, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _copy_blocks(target: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor) -> None:

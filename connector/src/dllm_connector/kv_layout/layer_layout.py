@@ -1,0 +1,72 @@
+"""A layer's cache tensor read from its shape and strides: the block axis, the contiguous segments inside
+a block, their scale groups and, where the shape shows it, the KV-head axis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dllm_connector.kv_layout.tp_mapping import Geometry, LayoutError
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    block_dim: int
+    segments: int
+    segment_shape: tuple[int, ...]
+    groups: int
+    head_axis: int | None = None  # the KV-head axis inside a segment, where the shape shows it
+
+
+def _head_axes(segment: tuple[int, ...], heads: int, block_size: int) -> list[int]:
+    """Segment axes that may be the KV heads: [2, H, T, D] / [2, T, H, D], or [H, T, X] / [T, H, D].
+
+    The token axis must be the other candidate; when heads equal the block size both fit.
+    """
+    if heads <= 0:
+        return []
+    if len(segment) == 4 and segment[0] == 2:
+        choices = ((1, 2), (2, 1))
+    elif len(segment) == 3:
+        choices = ((0, 1), (1, 0))
+    else:
+        return []
+    return [
+        axis
+        for axis, tokens in choices
+        if segment[axis] == heads and (block_size <= 0 or segment[tokens] == block_size)
+    ]
+
+
+def segment_groups(segment: tuple[int, ...], head_axis: int | None, heads: int, head_dim: int) -> int:
+    """Equal, contiguous scale groups of one segment: per (KV head, K or V) where the layout allows."""
+    if head_axis is None:
+        return 2 if segment and segment[0] == 2 else 1
+    if len(segment) == 4:
+        return 2 * heads if head_axis == 1 else 2  # [2, H, T, D]; [2, T, H, D] interleaves heads
+    if head_axis == 0:
+        return 2 * heads if segment[-1] == 2 * head_dim else heads  # CPU [H, T, 2D]; [H, T, D]
+    return 1  # [T, H, D]: heads interleaved per token
+
+
+def layer_layout(tensor: torch.Tensor, num_blocks: int, geometry: Geometry) -> LayerLayout:
+    shape = tuple(tensor.shape)
+    if len(shape) >= 2 and shape[0] == 2 and shape[1] == num_blocks and num_blocks != 2:
+        block_dim = 1
+    elif shape and shape[0] == num_blocks:
+        block_dim = 0
+    else:
+        raise LayoutError(f"no block axis of size {num_blocks} in a KV cache of shape {list(shape)}")
+    segment = shape[block_dim + 1 :]
+    expected = 1
+    for dim in range(len(shape) - 1, block_dim, -1):
+        if tensor.stride(dim) != expected:
+            raise LayoutError(
+                f"KV cache shape {list(shape)} strides {tensor.stride()}: a block is not contiguous"
+            )
+        expected *= shape[dim]
+    axes = _head_axes(segment, geometry.num_kv_heads, geometry.block_size)
+    groups = segment_groups(segment, axes[0] if axes else None, geometry.num_kv_heads, geometry.head_dim)
+    head_axis = axes[0] if len(axes) == 1 else None  # ambiguous: no head sub-ranges
+    return LayerLayout(block_dim, 2 if block_dim == 1 else 1, segment, groups, head_axis)
