@@ -54,7 +54,6 @@ from dllm_contract.settings import (
     KVTransferSettings,
     LoadFailurePolicy,
     NonEmpty,
-    Port,
     PortRange,
     PositiveFloat,
     PositiveInt,
@@ -62,6 +61,7 @@ from dllm_contract.settings import (
     Role,
     transfer_ports_problem,
 )
+from dllm_contract.types import Port
 from dllm_contract.vllm_config import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,

@@ -18,7 +18,6 @@ from dllm_contract.settings import (
     Compression,
     Connector,
     KVTransferSettings,
-    Port,
     PositiveFloat,
     PositiveInt,
     Protocol,
@@ -26,6 +25,7 @@ from dllm_contract.settings import (
     _check_transfer_ports,
     _Frozen,
 )
+from dllm_contract.types import Port
 
 # vLLM's kv_role for each of our roles.
 VLLM_KV_ROLE: Mapping[Role, str] = {
