@@ -31,7 +31,8 @@ import yaml
 
 from dllm_operator.api import parse
 from dllm_operator.config import OperatorConfig
-from dllm_operator.render import engine as engine_render
+from dllm_operator.render.engine import statefulset
+from dllm_operator.render.engine_command import EngineRole
 from e2e.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,18 +40,14 @@ SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
 _PAUSE = threading.Event()
 
 
-def rendered_engine(
-    role: engine_render.EngineRole, compression: str = "none"
-) -> tuple[dict[str, str], list[str]]:
+def rendered_engine(role: EngineRole, compression: str = "none") -> tuple[dict[str, str], list[str]]:
     """The env (plain values) and vLLM args of a role, exactly as the operator renders them."""
     body = next(
         d for d in yaml.safe_load_all(SAMPLE.read_text()) if d and d.get("kind") == "DisaggregatedLLM"
     )
     body["spec"]["kvTransfer"]["compression"] = compression
     cr = parse(body)
-    container = engine_render.statefulset(cr, role, OperatorConfig())["spec"]["template"]["spec"][
-        "containers"
-    ][0]
+    container = statefulset(cr, role, OperatorConfig())["spec"]["template"]["spec"]["containers"][0]
     env = {var["name"]: var["value"] for var in container["env"] if "value" in var}
     args = list(container["args"])
     assert args[0] == "--", "the engine container runs dllm-serve -- <vLLM args>"
@@ -140,7 +137,7 @@ class Pipeline:
         for name in ("prefill", "decode", "prefill-kv", "decode-kv", "router"):
             self.ports.setdefault(name, free_port())
 
-    def engine_config(self, role: engine_render.EngineRole) -> tuple[dict[str, str], list[str]]:
+    def engine_config(self, role: EngineRole) -> tuple[dict[str, str], list[str]]:
         env, args = rendered_engine(role, self.compression)
         env |= {
             "VLLM_HOST_IP": "127.0.0.1",
@@ -155,7 +152,7 @@ class Pipeline:
         args = replace_flag(replace_flag(args, "--host", "127.0.0.1"), "--port", str(self.ports[role]))
         return env, args
 
-    def start_engine(self, role: engine_render.EngineRole) -> Process:
+    def start_engine(self, role: EngineRole) -> Process:
         env, args = self.engine_config(role)
         argv = [sys.executable, "-m", "dllm_connector.serve", "--", *args]
         process = spawn(role, argv, env, self.logs / f"{role}.log", self.ports[role])

@@ -13,9 +13,10 @@ from typing import Any
 from dllm_operator.api import DisaggregatedLLM, SpecInvalid
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import engine, netpol, policy, router
+from dllm_operator.render.engine_command import EngineRole
 
 HASH_ANNOTATION = "disagg.dev/desired-hash"
-ROLES: tuple[engine.EngineRole, ...] = ("prefill", "decode")
+ROLES: tuple[EngineRole, ...] = ("prefill", "decode")
 
 
 def desired_hash(manifest: dict[str, Any]) -> str:

@@ -10,7 +10,9 @@ import jinja2
 from dllm_contract.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, to_env
 from dllm_operator.api import DisaggregatedLLM, RDMAMode
 from dllm_operator.config import OperatorConfig
-from dllm_operator.render import auth, engine
+from dllm_operator.render import auth
+from dllm_operator.render.engine_command import EngineRole, engine_args, kv_settings, role_spec
+from dllm_operator.render.engine_container import GPU_RESOURCE, engine_resources
 from dllm_operator.render.router import router_command_args
 
 # The compose file holds no secret: with authentication on, the engines take DLLM_KV_AUTH_TOKEN and
@@ -24,10 +26,10 @@ HOST_PORT = {"prefill": 8000, "decode": 8001}
 
 
 def _engine_service(
-    cr: DisaggregatedLLM, role: engine.EngineRole, first_gpu: int, config: OperatorConfig
+    cr: DisaggregatedLLM, role: EngineRole, first_gpu: int, config: OperatorConfig
 ) -> dict[str, Any]:
-    spec = engine.role_spec(cr, role)
-    env: dict[str, str | None] = dict(to_env(engine.kv_settings(cr, role)))
+    spec = role_spec(cr, role)
+    env: dict[str, str | None] = dict(to_env(kv_settings(cr, role)))
     if ENV_DECODE_IP in env:
         env[ENV_DECODE_IP] = SERVICE["decode"]
     env[ENV_HOST_IP] = SERVICE[role]
@@ -40,7 +42,7 @@ def _engine_service(
         "service": SERVICE[role],
         "image": spec.image or cr.spec.image or config.engine_image,
         "entrypoint": ["dllm-serve"],
-        "command": ["--", *engine.engine_args(cr, role)],
+        "command": ["--", *engine_args(cr, role)],
         "env": env,
         "gpus": [str(i) for i in range(first_gpu, first_gpu + gpus)],
         "rdma": cr.spec.rdma.enabled,
@@ -51,9 +53,9 @@ def _engine_service(
     }
 
 
-def gpu_count(cr: DisaggregatedLLM, role: engine.EngineRole) -> int:
+def gpu_count(cr: DisaggregatedLLM, role: EngineRole) -> int:
     """The GPUs the role's pods would request: its tensor-parallel size, or the user's count (0: CPU)."""
-    return int(engine.engine_resources(cr, role)["limits"].get(engine.GPU_RESOURCE, 0))
+    return int(engine_resources(cr, role)["limits"].get(GPU_RESOURCE, 0))
 
 
 def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any] | None:
