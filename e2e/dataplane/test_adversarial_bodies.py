@@ -28,11 +28,14 @@ PROMPT = "Disaggregated prefill sends the KV cache from one engine to another; "
 NORMAL = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
 
+# Where an SSRF body points: a port bound for the whole module and never listening, so connections to
+# it are refused and no other test's server can take it meanwhile (a port released at once could be).
+_NOBODY = socket.socket()
+_NOBODY.bind(("127.0.0.1", 0))
+
+
 def closed_port() -> int:
-    """A port nobody listens on (bound for a moment, then released): where an SSRF body points."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return int(_NOBODY.getsockname()[1])
 
 
 def body(**extra: Any) -> dict[str, Any]:
