@@ -11,7 +11,9 @@ from typing import Any
 
 from e2e.dataplane.tiny_model import build
 
-CACHE = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm"))
+# As tools/venv.sh places its cache: DLLM_CACHE, else $XDG_CACHE_HOME/dllm, else ~/.cache/dllm.
+_HOME_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+CACHE = Path(os.environ.get("DLLM_CACHE", _HOME_CACHE / "dllm"))
 MODELS = CACHE / "models"
 CLAIM = "models"
 
