@@ -50,7 +50,7 @@ class Worker:
         import torch
 
         from dllm_connector.kv_layout import Geometry, PagedKV
-        from dllm_connector.pipe.common import PipeConfig
+        from dllm_connector.pipe.common import PipeConfig, gb
         from dllm_connector.pipe.receiver import KVReceiver
         from dllm_connector.pipe.sender import KVSender
         from dllm_connector.transport.mooncake import MooncakeTransport
@@ -64,19 +64,19 @@ class Worker:
         geometry = Geometry(block_size=BLOCK, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, model="bench")
         self.kv = PagedKV(_caches(num_blocks, 1 if role == "prefill" else None), num_blocks, geometry)
         self.transports = {"mooncake": MooncakeTransport(host), "gloo": TorchDistTransport(host)}
-        self.config = PipeConfig(
-            buffer_bytes=buffer_bytes,
-            transfer_timeout_s=60,
-            prefill_wait_s=120,
-            hold_s=60,
-            threshold_tokens=batch_tokens,
+        self.config = PipeConfig().with_extra(
+            buffer_size_gb=gb(buffer_bytes),
+            transfer_timeout_ms=60_000,
+            prefill_wait_ms=120_000,
+            hold_seconds=60,
+            transfer_threshold_tokens=batch_tokens,
         )
         self.receivers: dict[str, Any] = {}
         self.senders: dict[tuple[str, str], Any] = {}
         if role == "decode":
             for name, transport in self.transports.items():
                 self.receivers[name] = KVReceiver(transport, self.kv, self.config, host, 0)
-        self._sender_class, self._config_class = KVSender, PipeConfig
+        self._sender_class = KVSender
         self._raw: socket.socket | None = None
         self._contiguous: Any = None
         self._raw_buffer: Any = None
@@ -212,7 +212,7 @@ class Worker:
 
         key = (transport, codec)
         if key not in self.senders:
-            config = self._config_class(**(vars(self.config) | {"compression": Compression(codec)}))
+            config = self.config.with_extra(compression=Compression(codec))
             self.senders[key] = self._sender_class(self.transports[transport], self.kv, config)
         sender = self.senders[key]
         wire_before = sender.stats.bytes_on_wire

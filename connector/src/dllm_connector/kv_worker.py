@@ -93,7 +93,7 @@ class ConnectorWorker:
         if extra.protocol is Protocol.RDMA and transport_kind != "mooncake":
             raise ValueError("protocol rdma needs the Mooncake connector")
         self.extra = extra
-        self.config = PipeConfig.from_extra(extra)
+        self.config = PipeConfig(extra=extra)
         self.geometry = geometry
         self.identity = identity
         self.transport_kind = transport_kind

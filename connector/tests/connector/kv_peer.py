@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from dllm_connector.kv_layout import Geometry, PagedKV, TPRank, rank_heads
-from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Source, Span, Transport
@@ -139,14 +139,20 @@ class NaNKV:
         kv.caches[0].view(-1)[:: 1 << 14] = float("nan")
 
 
+def pipe_config(data_path: PathSetting = PathSetting.AUTO, **changes: Any) -> PipeConfig:
+    """The pipe's config with these extra config fields changed, in the contract's units and bounds
+    (`gb` gives a size in bytes as buffer_size_gb); every other value is the contract's default."""
+    return PipeConfig(data_path=data_path).with_extra(**changes)
+
+
 def _config(spec: dict[str, Any]) -> PipeConfig:
-    return PipeConfig(
+    return pipe_config(
         compression=Compression(spec.get("compression", "none")),
-        buffer_bytes=64 << 20,
-        transfer_timeout_s=spec.get("timeout_s", 10.0),
-        hold_s=spec.get("hold_s", 10.0),
+        buffer_size_gb=gb(64 << 20),
+        transfer_timeout_ms=spec.get("transfer_timeout_ms", 10_000),
+        hold_seconds=spec.get("hold_seconds", 10),
         async_transfer=False,
-        threshold_tokens=spec.get("threshold_tokens", 256),  # 16-block batches: the pipeline runs
+        transfer_threshold_tokens=spec.get("threshold_tokens", 256),  # 16-block batches: the pipeline runs
         data_path=PathSetting(spec.get("data_path", "auto")),
     )
 

@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches, pipe_config
 from peer_doubles import FakeDecode, GatedTransportDouble, read_until_closed, wait_until
 
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import SchedulerState, prompt_hash
 from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
-from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.mooncake import MooncakeTransport
@@ -30,8 +30,10 @@ from dllm_contract.pd_params import DecodeParams
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
-TIMEOUT = 1.0
-HOLD = 60.0
+TIMEOUT_MS = 1000
+TIMEOUT = TIMEOUT_MS / 1000
+HOLD_SECONDS = 60
+HOLD = float(HOLD_SECONDS)
 HASH = prompt_hash([4, 5, 6])
 SRC = tuple(range(10, 18))
 DST = (100, 3, 250, 41, 7, 300, 12, 99)
@@ -39,13 +41,13 @@ DST = (100, 3, 250, 41, 7, 300, 12, 99)
 
 def config(**changes: Any) -> PipeConfig:
     base = {
-        "buffer_bytes": 16 << 20,
-        "transfer_timeout_s": TIMEOUT,
-        "prefill_wait_s": HOLD,
-        "hold_s": HOLD,
-        "threshold_tokens": GEOMETRY.block_size,  # one block per chunk: many chunks
+        "buffer_size_gb": gb(16 << 20),
+        "transfer_timeout_ms": TIMEOUT_MS,
+        "prefill_wait_ms": HOLD_SECONDS * 1000,
+        "hold_seconds": HOLD_SECONDS,
+        "transfer_threshold_tokens": GEOMETRY.block_size,  # one block per chunk: many chunks
     }
-    return PipeConfig(**(base | changes))
+    return pipe_config(**(base | changes))
 
 
 @pytest.fixture
@@ -170,9 +172,9 @@ def test_a_cancelled_load_reports_no_load_error_blocks() -> None:
 def test_close_waits_for_a_running_send_before_unregistering(
     transports: tuple[MooncakeTransport, MooncakeTransport], gated: GatedTransportDouble
 ) -> None:
-    patient = config(transfer_timeout_s=30.0)  # the write is held longer than TIMEOUT here
+    patient = config(transfer_timeout_ms=30_000)  # the write is held longer than TIMEOUT here
     receiver = KVReceiver(transports[0], PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), patient, HOST, 0)
-    sender = gated_sender(gated, transfer_timeout_s=30.0)
+    sender = gated_sender(gated, transfer_timeout_ms=30_000)
     try:
         receiver.expect("m4-run", DST, prompt_hash=HASH)
         sender.submit(SendJob("m4-run", SRC, HOST, receiver.port, HASH))

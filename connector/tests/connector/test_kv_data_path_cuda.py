@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, pipe_config
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import PagedKV
-from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.common import gb
 from dllm_connector.pipe.device_copy import Copies, HostMirror
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.transport.base import Transport
@@ -65,8 +65,11 @@ def test_gpu_kv_moves_between_two_processes(
 ) -> None:
     caches = {name: cache.to(CUDA) for name, cache in make_caches(None).items()}
     kv = PagedKV(caches, NUM_BLOCKS, GEOMETRY)
-    config = PipeConfig(
-        compression=compression, buffer_bytes=64 << 20, transfer_timeout_s=20.0, prefill_wait_s=60.0
+    config = pipe_config(
+        compression=compression,
+        buffer_size_gb=gb(64 << 20),
+        transfer_timeout_ms=20_000,
+        prefill_wait_ms=60_000,
     )
     receiver = KVReceiver(transport, kv, config, HOST, 0)
     try:

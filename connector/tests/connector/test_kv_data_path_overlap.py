@@ -12,13 +12,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches, pipe_config
 from peer_doubles import GatedTransportDouble, wait_until
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import prompt_hash
-from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Source
@@ -34,12 +34,12 @@ DST = tuple(range(300, 316))
 
 
 def config() -> PipeConfig:
-    return PipeConfig(
+    return pipe_config(
         compression=Compression.FP8,
-        buffer_bytes=16 << 20,
-        transfer_timeout_s=10.0,
-        prefill_wait_s=30.0,
-        hold_s=30.0,
+        buffer_size_gb=gb(16 << 20),
+        transfer_timeout_ms=10_000,
+        prefill_wait_ms=30_000,
+        hold_seconds=30,
         data_path=PathSetting.PINNED_HOST,
     )
 

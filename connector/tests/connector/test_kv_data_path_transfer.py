@@ -23,6 +23,7 @@ from kv_peer import (
     Prefill,
     assert_a_corrupted_payload_fails_on_both_sides,
     make_caches,
+    pipe_config,
 )
 
 from dllm_connector.device_checksum import RunningTensorChecksum
@@ -31,7 +32,7 @@ from dllm_connector.kv_scheduler import prompt_hash
 from dllm_connector.pipe import chunk_encoder as encoder_module
 from dllm_connector.pipe import chunk_reader as reader_module
 from dllm_connector.pipe import common as common_module
-from dllm_connector.pipe.common import PipeConfig, chunk_ranges
+from dllm_connector.pipe.common import PipeConfig, chunk_ranges, gb
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Ready
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
@@ -50,13 +51,12 @@ PATHS = [PathSetting.DEVICE, PathSetting.PINNED_HOST]
 
 def receiver_config(path: PathSetting, **changes: Any) -> PipeConfig:
     base: dict[str, Any] = {
-        "buffer_bytes": 64 << 20,
-        "transfer_timeout_s": 10.0,
-        "prefill_wait_s": 30.0,
-        "hold_s": 10.0,
-        "data_path": path,
+        "buffer_size_gb": gb(64 << 20),
+        "transfer_timeout_ms": 10_000,
+        "prefill_wait_ms": 30_000,
+        "hold_seconds": 10,
     }
-    return PipeConfig(**(base | changes))
+    return pipe_config(path, **(base | changes))
 
 
 def decode(transport: Transport, path: PathSetting, **changes: Any) -> tuple[KVReceiver, PagedKV]:
@@ -272,9 +272,9 @@ def test_concurrent_pinned_host_transfers_share_one_scratch_bounded_by_the_stagi
 
     monkeypatch.setattr(encoder_module, "HostMirror", RecordingMirror)
     monkeypatch.setattr(reader_module, "HostMirror", RecordingMirror)
-    config = receiver_config(PathSetting.PINNED_HOST, buffer_bytes=8 << 20)
+    config = receiver_config(PathSetting.PINNED_HOST, buffer_size_gb=gb(8 << 20))
     decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
-    receiver, kv = decode(decode_transport, PathSetting.PINNED_HOST, buffer_bytes=8 << 20)
+    receiver, kv = decode(decode_transport, PathSetting.PINNED_HOST, buffer_size_gb=gb(8 << 20))
     sender = KVSender(prefill_transport, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config)
     sender.piece_bytes = 1  # a piece per layer: copies per piece on both sides
     jobs = {f"t-{n}": (SRC_BLOCKS[n * 40 : n * 40 + 40], DST_BLOCKS[n * 40 : n * 40 + 40]) for n in range(3)}

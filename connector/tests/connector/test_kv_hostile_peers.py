@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches, pipe_config
 from peer_doubles import FakeDecode, fake_prefill, offer_for, read_until_closed, wait_until
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import prompt_hash
-from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.end import EndRefused, end_transfer
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
@@ -33,14 +33,21 @@ from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
-TIMEOUT = 2.0  # transfer_timeout_s of both sides
-HOLD = 30.0  # hold_s: every bound below is far under it
+TIMEOUT_MS = 2000  # transfer_timeout_ms of both sides
+TIMEOUT = TIMEOUT_MS / 1000
+HOLD_SECONDS = 30  # hold_seconds: every bound below is far under it
+HOLD = float(HOLD_SECONDS)
 HASH = prompt_hash([1, 2, 3])
 
 
 def config(**changes: Any) -> PipeConfig:
-    base = {"buffer_bytes": 16 << 20, "transfer_timeout_s": TIMEOUT, "prefill_wait_s": HOLD, "hold_s": HOLD}
-    return PipeConfig(**(base | changes))
+    base = {
+        "buffer_size_gb": gb(16 << 20),
+        "transfer_timeout_ms": TIMEOUT_MS,
+        "prefill_wait_ms": HOLD_SECONDS * 1000,
+        "hold_seconds": HOLD_SECONDS,
+    }
+    return pipe_config(**(base | changes))
 
 
 @pytest.fixture
@@ -377,7 +384,7 @@ def test_the_peers_hold_is_clamped_to_decodes(
     transports: tuple[MooncakeTransport, MooncakeTransport],
 ) -> None:
     receiver = KVReceiver(
-        transports[0], PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config(hold_s=1.0), HOST, 0
+        transports[0], PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config(hold_seconds=1), HOST, 0
     )
     try:
         with fake_prefill(receiver.port) as sock:

@@ -9,18 +9,20 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kv_peer import HOST
+from kv_peer import HOST, pipe_config
+from pydantic import ValidationError
 
 from dllm_connector.checksum import spans_checksum
 from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, coalesce, layer_layout
 from dllm_connector.kv_scheduler import prompt_hash
-from dllm_connector.pipe.common import PipeConfig, chunk_ranges
+from dllm_connector.pipe.common import PipeConfig, chunk_ranges, gb
 from dllm_connector.pipe.sender import KVSender
 from dllm_connector.pipe.staging_window import StagingWindow
 from dllm_connector.pipe.tensor_api import KVPipe
 from dllm_connector.transport.base import TransferTimeout, TransportError
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.staging import StagingBuffer
+from dllm_contract import kvconfig
 from dllm_contract.kvconfig import Compression, ConnectorExtraConfig, Protocol
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(60)]
@@ -202,8 +204,29 @@ def test_pipe_config_honours_the_connector_extra_config() -> None:
         async_transfer=False,
         protocol=Protocol.TCP,
     )
-    config = PipeConfig.from_extra(extra)
-    assert config == PipeConfig(Compression.INT8, 1 << 29, 2.5, 30.0, 120.0, False, 256, config.chunk_bytes)
+    config = PipeConfig(extra=extra)
+    in_pipe_units = (
+        config.compression,
+        config.buffer_bytes,
+        config.transfer_timeout_s,
+        config.prefill_wait_s,
+        config.hold_s,
+        config.async_transfer,
+        config.threshold_tokens,
+    )
+    assert in_pipe_units == (Compression.INT8, 1 << 29, 2.5, 30.0, 120.0, False, 256)
+
+
+def test_pipe_config_defaults_and_bounds_are_the_contracts() -> None:
+    config = PipeConfig()
+    assert config.buffer_bytes == int(kvconfig.DEFAULT_BUFFER_SIZE_GB * (1 << 30))
+    assert config.transfer_timeout_s == kvconfig.DEFAULT_TRANSFER_TIMEOUT_MS / 1000
+    assert config.prefill_wait_s == kvconfig.DEFAULT_PREFILL_WAIT_MS / 1000
+    assert config.hold_s == kvconfig.DEFAULT_HOLD_SECONDS
+    assert config.threshold_tokens == kvconfig.DEFAULT_TRANSFER_THRESHOLD_TOKENS
+    assert config.with_extra(buffer_size_gb=gb(1024)).buffer_bytes == 1024  # any whole size, exactly
+    with pytest.raises(ValidationError, match="hold_seconds"):
+        config.with_extra(hold_seconds=0.5)
 
 
 def test_prompt_hash_tells_token_sequences_apart() -> None:
@@ -223,7 +246,7 @@ def test_transfers_move_in_batches_of_the_threshold(
     mooncake: MooncakeTransport, threshold: int, blocks: int
 ) -> None:
     kv = PagedKV({"a": torch.zeros(NUM_BLOCKS, 4, 16, 64)}, NUM_BLOCKS, GEOMETRY)
-    sender = KVSender(mooncake, kv, PipeConfig(buffer_bytes=1024, threshold_tokens=threshold))
+    sender = KVSender(mooncake, kv, pipe_config(buffer_size_gb=gb(1024), transfer_threshold_tokens=threshold))
     try:
         assert sender._chunk_blocks(1000) == blocks
         assert sender._chunk_blocks(3) == min(blocks, 3)  # never more than the transfer (L3)
@@ -235,8 +258,8 @@ def test_transfers_move_in_batches_of_the_threshold(
 @pytest.mark.parametrize("compression", list(Compression))
 def test_seed_api_moves_a_tensor(mooncake: MooncakeTransport, compression: Compression) -> None:
     kv = torch.randn(32, 2, 16, 64, dtype=torch.bfloat16)
-    config = PipeConfig(
-        compression=compression, buffer_bytes=8 << 20, transfer_timeout_s=5, prefill_wait_s=10
+    config = pipe_config(
+        compression=compression, buffer_size_gb=gb(8 << 20), transfer_timeout_ms=5000, prefill_wait_ms=10_000
     )
     decode = KVPipe(mooncake, config, host=HOST, port=0).receiver_for(kv)
     try:
@@ -259,7 +282,8 @@ def test_seed_api_moves_a_tensor(mooncake: MooncakeTransport, compression: Compr
 
 def test_seed_api_receive_times_out_with_none(mooncake: MooncakeTransport) -> None:
     like = torch.zeros(4, 2, 16, 64, dtype=torch.bfloat16)
-    decode = KVPipe(mooncake, PipeConfig(prefill_wait_s=30), host=HOST, port=0).receiver_for(like)
+    config = pipe_config(buffer_size_gb=gb(1 << 28), prefill_wait_ms=30_000)
+    decode = KVPipe(mooncake, config, host=HOST, port=0).receiver_for(like)
     try:
         started = time.monotonic()
         assert decode.receive_kv_cache("r-late", timeout=0.3) is None

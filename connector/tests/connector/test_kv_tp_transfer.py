@@ -24,13 +24,14 @@ from kv_peer import (
     Prefill,
     consecutive_free_ports,
     make_transport,
+    pipe_config,
     rank_kv,
 )
 
 from dllm_connector.kv_layout import PagedKV, TPMappingError, TPRank, plan_tp_mapping, rank_heads
 from dllm_connector.kv_scheduler import SchedulerState, StepPlan, prompt_hash
 from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
-from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender
 from dllm_connector.transport.base import Transport
@@ -47,8 +48,13 @@ HASH = prompt_hash([5, 6, 7])
 
 
 def receiver_config(**changes: Any) -> PipeConfig:
-    base = {"buffer_bytes": 16 << 20, "transfer_timeout_s": 10.0, "prefill_wait_s": 30.0, "hold_s": 10.0}
-    return PipeConfig(**(base | changes))
+    base = {
+        "buffer_size_gb": gb(16 << 20),
+        "transfer_timeout_ms": 10_000,
+        "prefill_wait_ms": 30_000,
+        "hold_seconds": 10,
+    }
+    return pipe_config(**(base | changes))
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +142,7 @@ def test_every_head_arrives_from_its_prefill_rank(
 def test_a_prefill_rank_that_never_sends_fails_the_load_within_the_wait(
     transports: list[Transport], prefill: Prefill
 ) -> None:
-    config = receiver_config(prefill_wait_s=1.0)
+    config = receiver_config(prefill_wait_ms=1000)
     with decode_ranks(transports, 1, "cpu", config) as (port, (receiver,)):
         started = time.monotonic()
         receiver.expect("tp-half", DST_BLOCKS, prefill_tp_size=2)

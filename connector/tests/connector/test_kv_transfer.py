@@ -21,11 +21,12 @@ from kv_peer import (
     assert_a_corrupted_payload_fails_on_both_sides,
     make_caches,
     make_transport,
+    pipe_config,
 )
 
 from dllm_connector.kv_layout import PagedKV
 from dllm_connector.kv_scheduler import prompt_hash
-from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
@@ -40,8 +41,13 @@ RELATIVE_ERROR = {Compression.NONE: 0.0, Compression.FP8: 0.04, Compression.INT8
 
 
 def receiver_config(**changes: Any) -> PipeConfig:
-    base = {"buffer_bytes": 64 << 20, "transfer_timeout_s": 10.0, "prefill_wait_s": 30.0, "hold_s": 10.0}
-    return PipeConfig(**(base | changes))
+    base = {
+        "buffer_size_gb": gb(64 << 20),
+        "transfer_timeout_ms": 10_000,
+        "prefill_wait_ms": 30_000,
+        "hold_seconds": 10,
+    }
+    return pipe_config(**(base | changes))
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
@@ -65,7 +71,7 @@ def decode(transport: Transport) -> Iterator[tuple[KVReceiver, PagedKV]]:
 def decode_with_staging(transport: Transport, buffer_bytes: int) -> Iterator[tuple[KVReceiver, PagedKV]]:
     """A receiver with a small staging buffer, which no transfer may leave in use."""
     kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
-    receiver = KVReceiver(transport, kv, receiver_config(buffer_bytes=buffer_bytes), HOST, 0)
+    receiver = KVReceiver(transport, kv, receiver_config(buffer_size_gb=gb(buffer_bytes)), HOST, 0)
     try:
         yield receiver, kv
         assert receiver.staging.in_use == 0
@@ -147,7 +153,7 @@ def test_corrupted_payload_fails_on_both_sides(
 
 def test_prefill_dying_mid_transfer_fails_within_the_timeout(transport: Transport) -> None:
     kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
-    receiver = KVReceiver(transport, kv, receiver_config(transfer_timeout_s=1.5), HOST, 0)
+    receiver = KVReceiver(transport, kv, receiver_config(transfer_timeout_ms=1500), HOST, 0)
     try:
         receiver.expect("t-die", DST_BLOCKS[:20])
         dying = Prefill(transport_kind(transport))
@@ -170,7 +176,7 @@ def test_prefill_dying_mid_transfer_fails_within_the_timeout(transport: Transpor
 
 def test_prefill_that_never_sends_times_out(transport: Transport) -> None:
     kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
-    receiver = KVReceiver(transport, kv, receiver_config(prefill_wait_s=0.3), HOST, 0)
+    receiver = KVReceiver(transport, kv, receiver_config(prefill_wait_ms=300), HOST, 0)
     try:
         started = time.monotonic()
         receiver.expect("t-never", DST_BLOCKS[:5])
@@ -186,7 +192,7 @@ def test_prefill_that_never_sends_times_out(transport: Transport) -> None:
 def test_unreachable_decode_fails_the_send_within_the_timeout(transport: Transport) -> None:
     kv = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY)
     sender = KVSender(
-        transport, kv, PipeConfig(buffer_bytes=1 << 20, transfer_timeout_s=0.5, async_transfer=True)
+        transport, kv, pipe_config(buffer_size_gb=gb(1 << 20), transfer_timeout_ms=500, async_transfer=True)
     )
     with socket_port() as port:
         started = time.monotonic()

@@ -34,7 +34,7 @@ from dllm_connector.end_route import (
 from dllm_connector.end_route_names import END_ROUTE_MIDDLEWARE
 from dllm_connector.kv_layout import Geometry, PagedKV
 from dllm_connector.kv_scheduler import prompt_hash
-from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.mooncake import MooncakeTransport
@@ -43,8 +43,10 @@ from dllm_connector.transport.sidechannel import PeerAuth
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
 HOST = "127.0.0.1"
-TIMEOUT = 2.0  # transfer_timeout_s of both sides and of the route
-HOLD = 60.0  # hold_s: every bound below is far under it
+TIMEOUT_MS = 2000  # transfer_timeout_ms of both sides and of the route
+TIMEOUT = TIMEOUT_MS / 1000
+HOLD_SECONDS = 60  # hold_seconds: every bound below is far under it
+HOLD = float(HOLD_SECONDS)
 HASH = prompt_hash([1, 2, 3])
 API_KEY = "engine-key-0123456789abcdef"
 TOKEN = "side-channel-token-0123456789abcdef"
@@ -59,7 +61,12 @@ def _caches() -> dict[str, torch.Tensor]:
 
 
 def _config() -> PipeConfig:
-    return PipeConfig(buffer_bytes=8 << 20, transfer_timeout_s=TIMEOUT, prefill_wait_s=HOLD, hold_s=HOLD)
+    return PipeConfig().with_extra(
+        buffer_size_gb=gb(8 << 20),
+        transfer_timeout_ms=TIMEOUT_MS,
+        prefill_wait_ms=HOLD_SECONDS * 1000,
+        hold_seconds=HOLD_SECONDS,
+    )
 
 
 @pytest.fixture(scope="module")

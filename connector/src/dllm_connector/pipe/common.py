@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import select
 import socket
-from dataclasses import dataclass, replace
-from typing import TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import LayoutError, PagedKV
@@ -32,12 +32,12 @@ from dllm_connector.transport.placement import DataPath, PathSetting, Placement,
 from dllm_connector.transport.sidechannel import Message
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_contract.kvconfig import (
-    DEFAULT_HOLD_SECONDS,
-    DEFAULT_PREFILL_WAIT_MS,
-    DEFAULT_TRANSFER_THRESHOLD_TOKENS,
-    DEFAULT_TRANSFER_TIMEOUT_MS,
     Compression,
+    Connector,
     ConnectorExtraConfig,
+    KVTransferSettings,
+    Role,
+    extra_config,
 )
 
 _GB = 1 << 30
@@ -53,31 +53,60 @@ POLL_S = 0.05
 EXPECTED_ERRORS = (TransportError, codec.CodecError, LayoutError)
 
 
+def contract_defaults() -> ConnectorExtraConfig:
+    """The extra config of an engine whose CR sets no KV setting: each value the contract's default.
+
+    The settings require a connector and a role; no field of the extra config depends on either.
+    """
+    return extra_config(KVTransferSettings(connector=Connector.MOONCAKE, role=Role.DECODE))
+
+
+def gb(nbytes: int) -> float:
+    """`nbytes` in the contract's unit, GB: exact both ways, as GB is a power of two."""
+    return nbytes / _GB
+
+
 @dataclass(frozen=True)
 class PipeConfig:
-    """The connector's extra config in the pipe's units (bytes, seconds); its defaults are the contract's."""
+    """The connector's extra config (the contract's model, so its defaults and bounds), read in the
+    pipe's units (bytes, seconds), and the two settings only the pipe has."""
 
-    compression: Compression = Compression.NONE
-    buffer_bytes: int = 1 << 28
-    transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_MS / 1000
-    prefill_wait_s: float = DEFAULT_PREFILL_WAIT_MS / 1000
-    hold_s: float = float(DEFAULT_HOLD_SECONDS)
-    async_transfer: bool = True
-    threshold_tokens: int = DEFAULT_TRANSFER_THRESHOLD_TOKENS  # KV moves in batches of this many tokens
+    extra: ConnectorExtraConfig = field(default_factory=contract_defaults)
     chunk_bytes: int = CHUNK_BYTES  # the batch size where the block size is unknown (tensor API)
     data_path: PathSetting = PathSetting.AUTO  # the operator's override of transport.placement's choice
 
-    @classmethod
-    def from_extra(cls, extra: ConnectorExtraConfig) -> PipeConfig:
-        return cls(
-            compression=extra.compression,
-            buffer_bytes=int(extra.buffer_size_gb * _GB),
-            transfer_timeout_s=extra.transfer_timeout_ms / 1000,
-            prefill_wait_s=extra.prefill_wait_ms / 1000,
-            hold_s=float(extra.hold_seconds),
-            async_transfer=extra.async_transfer,
-            threshold_tokens=extra.transfer_threshold_tokens,
-        )
+    def with_extra(self, **changes: Any) -> PipeConfig:
+        """This config with these extra config fields changed, validated as the contract validates them."""
+        return replace(self, extra=ConnectorExtraConfig.model_validate(self.extra.model_dump() | changes))
+
+    @property
+    def compression(self) -> Compression:
+        return self.extra.compression
+
+    @property
+    def buffer_bytes(self) -> int:
+        return int(self.extra.buffer_size_gb * _GB)
+
+    @property
+    def transfer_timeout_s(self) -> float:
+        return self.extra.transfer_timeout_ms / 1000
+
+    @property
+    def prefill_wait_s(self) -> float:
+        return self.extra.prefill_wait_ms / 1000
+
+    @property
+    def hold_s(self) -> float:
+        return float(self.extra.hold_seconds)
+
+    @property
+    def async_transfer(self) -> bool:
+        return self.extra.async_transfer
+
+    @property
+    def threshold_tokens(self) -> int:
+        """KV moves in batches of this many tokens."""
+        return self.extra.transfer_threshold_tokens
 
 
 @dataclass

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from dllm_connector import codec
 from dllm_connector.kv_layout import Geometry, PagedKV
-from dllm_connector.pipe.common import PipeConfig
+from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
@@ -34,7 +33,7 @@ class KVPipe:
         paged = _single_tensor_kv(kv)
         shape = paged.batch_shape(kv.shape[0])
         staging = codec.payload_nbytes(self.config.compression, kv.dtype, shape, paged.layout.groups)
-        config = replace(self.config, async_transfer=False, buffer_bytes=staging + 64)
+        config = self.config.with_extra(async_transfer=False, buffer_size_gb=gb(staging + 64))
         sender = KVSender(self.transport, paged, config)
         job = SendJob(request_id, tuple(range(kv.shape[0])), str(metadata["host"]), int(metadata["port"]))
         try:
