@@ -9,6 +9,7 @@ is a real KVReceiver and prefill a real KVSender over real Mooncake transports o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -302,18 +303,38 @@ async def test_without_an_engine_key_no_authorization_is_needed(
     assert "not awaited any more" in str(await _outcome(sender, TID, 3 * TIMEOUT))
 
 
-def _free_port() -> int:
-    with socket.socket() as unused:
-        unused.bind((HOST, 0))
-        return int(unused.getsockname()[1])
+@contextlib.contextmanager
+def _bound_not_listening(port: int) -> Iterator[bool]:
+    """Holds `port` bound without listening, so a connection to it is refused and no other server can
+    take it meanwhile; yields False where it is already taken."""
+    with socket.socket() as holder:
+        try:
+            holder.bind((HOST, port))
+        except OSError:
+            yield False
+            return
+        yield True
+
+
+@contextlib.contextmanager
+def _two_refusing_ports() -> Iterator[int]:
+    """The first of two consecutive ports held bound and not listening (TP ranks 0 and 1)."""
+    while True:
+        with socket.socket() as first:
+            first.bind((HOST, 0))
+            port = int(first.getsockname()[1])
+            with _bound_not_listening(port + 1) as held:
+                if held:
+                    yield port
+                    return
 
 
 async def test_a_side_channel_that_does_not_answer_is_a_502_naming_the_rank() -> None:
-    port = _free_port()
-    app = EndTransferRoute(FakeEngineApp(), _target(port, tp_size=2))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as client:
-        started = time.monotonic()
-        answer = await client.post(END_PATH, json={"transfer_id": TID}, headers=_authorized())
+    with _two_refusing_ports() as port:
+        app = EndTransferRoute(FakeEngineApp(), _target(port, tp_size=2))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as client:
+            started = time.monotonic()
+            answer = await client.post(END_PATH, json={"transfer_id": TID}, headers=_authorized())
     assert answer.status_code == 502
     message = answer.json()["error"]["message"]
     assert "rank 0: cannot end transfer" in message
@@ -324,11 +345,12 @@ async def test_a_side_channel_that_does_not_answer_is_a_502_naming_the_rank() ->
 async def test_every_tp_rank_is_told(receiver: KVReceiver, sender: KVSender) -> None:
     """TP 2 where only rank 0 listens: rank 0's send ends, and the 502 names rank 1 alone."""
     app = EndTransferRoute(FakeEngineApp(), _target(receiver.port, tp_size=2))
-    await _waiting(sender, receiver, TID)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as client:
-        answer = await client.post(END_PATH, json={"transfer_id": TID}, headers=_authorized())
-    if answer.status_code == 204:  # port + 1 happened to be another side channel: nothing to say
-        pytest.skip(f"port {receiver.port + 1} is in use by another listener")
+    with _bound_not_listening(receiver.port + 1) as held:
+        if not held:  # another listener has it: rank 1 might answer
+            pytest.skip(f"port {receiver.port + 1} is in use by another listener")
+        await _waiting(sender, receiver, TID)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as client:
+            answer = await client.post(END_PATH, json={"transfer_id": TID}, headers=_authorized())
     message = answer.json()["error"]["message"]
     assert "rank 1: cannot end transfer" in message
     assert "rank 0" not in message
