@@ -49,7 +49,7 @@ class Worker:
     ) -> None:
         import torch
 
-        from dllm_connector.kv_layout import Geometry, PagedKV
+        from dllm_connector.layout import Geometry, PagedKV
         from dllm_connector.pipe.common import PipeConfig, gb
         from dllm_connector.pipe.receiver import KVReceiver
         from dllm_connector.pipe.sender import KVSender
@@ -184,7 +184,7 @@ class Worker:
         KV is larger)."""
         import torch
 
-        from dllm_connector.kv_layout import coalesce
+        from dllm_connector.layout import coalesce
         from dllm_connector.transport.base import Span
 
         transport = self.transports["mooncake"]

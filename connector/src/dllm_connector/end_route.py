@@ -75,7 +75,7 @@ class EndTarget:
             )
         token = kvconfig.side_channel_token(env)
         return cls(
-            host=settings.host_ip or "127.0.0.1",  # where kv_worker binds the side channel
+            host=settings.host_ip or "127.0.0.1",  # where worker binds the side channel
             port=settings.listen_port,
             tp_size=int(raw_tp),
             timeout_s=settings.transfer_timeout_ms / 1000,

@@ -9,7 +9,7 @@ args, logs the resolved configuration once and replaces itself with vLLM. A bad 
 exit code 2 and one line on stderr naming the variable and what it allows.
 
 DLLM_KV_AUTH_TOKEN (the KV side channel's key) is checked here but never put on vLLM's command line
-or in the log: vLLM's workers inherit it from the environment (kv_worker reads it).
+or in the log: vLLM's workers inherit it from the environment (worker reads it).
 
 A decode engine of our connector also gets `--middleware dllm_connector.end_route.EndTransferRoute`
 (the router's `POST /v1/dllm/end_transfer`, security review M2) and the TP size that route ends ids on

@@ -4,10 +4,10 @@ Loaded by vLLM through `kv_connector_module_path="dllm_connector.vllm"` (kvconfi
 renders it). This module imports without vLLM (the classes then refuse to construct), so the rest
 of the package and its tests do not need vLLM.
 
-Scheduler side (kv_scheduler.SchedulerState, pure): decode loads asynchronously
+Scheduler side (scheduler.SchedulerState, pure): decode loads asynchronously
 (get_num_new_matched_tokens -> (N, True)), at most once per request and never for a one-token
 prompt; prefill sends at request_finished from the request's block ids (not for a one-token
-prompt) and keeps them until the send ends. Worker side (kv_worker.ConnectorWorker): starts the
+prompt) and keeps them until the send ends. Worker side (worker.ConnectorWorker): starts the
 step's loads and sends, reports loaded and failed receives (failed blocks through
 get_block_ids_with_load_errors, so vLLM's kv_load_failure_policy applies).
 
@@ -25,9 +25,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dllm_connector.kv_layout import Geometry
-from dllm_connector.kv_scheduler import SchedulerState, StepPlan, parse_extra_config, prompt_hash
-from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
+from dllm_connector.layout import Geometry
+from dllm_connector.scheduler import SchedulerState, StepPlan, parse_extra_config, prompt_hash
+from dllm_connector.worker import ConnectorWorker, WorkerIdentity
 
 if TYPE_CHECKING:
     import torch

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dllm_connector.kv_layout import Geometry, PagedKV, TPRank, rank_heads
+from dllm_connector.layout import Geometry, PagedKV, TPRank, rank_heads
 from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from kv_peer import HOST
 
-from dllm_connector.kv_layout import PagedKV
+from dllm_connector.layout import PagedKV
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Source, Span, Transport, TransportError
 

@@ -18,13 +18,13 @@ import pytest
 from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches, pipe_config
 from peer_doubles import FakeDecode, GatedTransportDouble, read_until_closed, wait_until
 
-from dllm_connector.kv_layout import PagedKV
-from dllm_connector.kv_scheduler import SchedulerState, prompt_hash
-from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
+from dllm_connector.layout import PagedKV
 from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
+from dllm_connector.scheduler import SchedulerState, prompt_hash
 from dllm_connector.transport.mooncake import MooncakeTransport
+from dllm_connector.worker import ConnectorWorker, WorkerIdentity
 from dllm_contract.kvconfig import Compression, ConnectorExtraConfig
 from dllm_contract.pd_params import DecodeParams
 

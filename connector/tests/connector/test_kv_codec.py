@@ -16,7 +16,7 @@ import xxhash
 from dllm_connector import codec, native_codec
 from dllm_connector.codec import quant
 from dllm_connector.codec.kernel_sets import native_kernels
-from dllm_connector.kv_layout import Geometry, PagedKV
+from dllm_connector.layout import Geometry, PagedKV
 from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(60)]

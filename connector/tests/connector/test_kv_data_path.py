@@ -16,8 +16,7 @@ from test_kv_vllm_plugin import settings, vllm_config
 
 from dllm_connector import codec
 from dllm_connector.device_checksum import tensor_checksum
-from dllm_connector.kv_layout import TPRank
-from dllm_connector.kv_worker import DATA_PATH_ENV, ConnectorWorker, WorkerIdentity, make_transport
+from dllm_connector.layout import TPRank
 from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan, PreparedChunk, PreparedPiece
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Scratch
 from dllm_connector.pipe.span_checksum import chunk_checksum
@@ -34,6 +33,7 @@ from dllm_connector.transport.placement import (
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_connector.transport.torchdist import TorchDistTransport
 from dllm_connector.vllm import DATA_PATH_METRIC, DllmConnectorStats, DllmMooncakeConnector
+from dllm_connector.worker import DATA_PATH_ENV, ConnectorWorker, WorkerIdentity, make_transport
 from dllm_contract.kvconfig import Compression, Connector, ConnectorExtraConfig, Role, kv_transfer_config
 
 MOONCAKE_CUDA = TransportTraits("mooncake (rdma)", one_sided=True, registers_device_memory=True)
@@ -118,7 +118,7 @@ def test_device_override_a_transport_cannot_honour_is_refused_by_name() -> None:
 
 @pytest.mark.parametrize(("device", "setting"), [("cuda", HOST), ("cuda", PINNED), ("cpu", AUTO)])
 def test_host_staging_over_nccl_is_refused(device: str, setting: PathSetting) -> None:
-    """NCCL moves device tensors only: host staging needs gloo (the worker picks it, kv_worker)."""
+    """NCCL moves device tensors only: host staging needs gloo (the worker picks it, worker)."""
     with pytest.raises(DataPathError, match=r"host memory, which torch.distributed \(nccl\) cannot move"):
         choose_path(device, NONE, NCCL, setting)
 
@@ -285,7 +285,7 @@ def test_the_worker_logs_its_data_path_once_and_reports_it(
 ) -> None:
     monkeypatch.setenv(DATA_PATH_ENV, setting)
     worker = ConnectorWorker(worker_extra(), GEOMETRY, WorkerIdentity(0, receives=False), "nccl")
-    with caplog.at_level(logging.INFO, logger="dllm_connector.kv_worker"):
+    with caplog.at_level(logging.INFO, logger="dllm_connector.worker"):
         worker.register_kv_caches(make_caches(None), NUM_BLOCKS)
     try:
         lines = [record.getMessage() for record in caplog.records if "KV data path" in record.getMessage()]

@@ -15,7 +15,7 @@ import torch
 from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, pipe_config
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import PagedKV
+from dllm_connector.layout import PagedKV
 from dllm_connector.pipe.common import gb
 from dllm_connector.pipe.device_copy import Copies, HostMirror
 from dllm_connector.pipe.receiver import KVReceiver

@@ -27,8 +27,7 @@ from kv_peer import (
 )
 
 from dllm_connector.device_checksum import RunningTensorChecksum
-from dllm_connector.kv_layout import PagedKV
-from dllm_connector.kv_scheduler import prompt_hash
+from dllm_connector.layout import PagedKV
 from dllm_connector.pipe import chunk_encoder as encoder_module
 from dllm_connector.pipe import chunk_reader as reader_module
 from dllm_connector.pipe import common as common_module
@@ -36,6 +35,7 @@ from dllm_connector.pipe.common import PipeConfig, chunk_ranges, gb
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Ready
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
+from dllm_connector.scheduler import prompt_hash
 from dllm_connector.transport.base import Transport, TransportError
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.placement import DataPath, PathSetting, Placement, TransportTraits

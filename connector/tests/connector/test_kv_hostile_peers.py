@@ -21,12 +21,12 @@ from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches, pipe_config
 from peer_doubles import FakeDecode, fake_prefill, offer_for, read_until_closed, wait_until
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import PagedKV
-from dllm_connector.kv_scheduler import prompt_hash
+from dllm_connector.layout import PagedKV
 from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.end import EndRefused, end_transfer
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
+from dllm_connector.scheduler import prompt_hash
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_contract.kvconfig import Compression

@@ -13,12 +13,12 @@ from kv_peer import HOST, pipe_config
 from pydantic import ValidationError
 
 from dllm_connector.checksum import spans_checksum
-from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, coalesce, layer_layout
-from dllm_connector.kv_scheduler import prompt_hash
+from dllm_connector.layout import Geometry, LayoutError, PagedKV, coalesce, layer_layout
 from dllm_connector.pipe.common import PipeConfig, chunk_ranges, gb
 from dllm_connector.pipe.sender import KVSender
 from dllm_connector.pipe.staging_window import StagingWindow
 from dllm_connector.pipe.tensor_api import KVPipe
+from dllm_connector.scheduler import prompt_hash
 from dllm_connector.transport.base import TransferTimeout, TransportError
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.staging import StagingBuffer

@@ -1,4 +1,4 @@
-"""The scheduler-side rules of the dllm connector (kv_scheduler.SchedulerState): pure, no vLLM or I/O.
+"""The scheduler-side rules of the dllm connector (scheduler.SchedulerState): pure, no vLLM or I/O.
 
 vLLM recomputes a prompt's last token after a full external hit; for a one-token prompt that leaves
 0 computed tokens, and vLLM asks the connector again as if the request were new.
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from dllm_connector.kv_scheduler import SchedulerState
+from dllm_connector.scheduler import SchedulerState
 from dllm_contract.kvconfig import (
     Connector,
     ConnectorExtraConfig,

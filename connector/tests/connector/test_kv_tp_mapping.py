@@ -1,6 +1,6 @@
 """Different TP sizes on prefill and decode: which rank sends which KV heads, and head addressing.
 
-The mapping is pure (kv_layout.plan_tp_mapping); the head sub-ranges of the paged caches are
+The mapping is pure (layout.plan_tp_mapping); the head sub-ranges of the paged caches are
 checked against plain tensor slicing of the full model's KV, on the CPU and GPU NHD layouts.
 """
 
@@ -14,7 +14,7 @@ import torch
 from kv_peer import LAYOUTS, TP_BLOCKS, TP_GEOMETRY, full_model_kv, heads_of, rank_kv
 
 from dllm_connector.checksum import spans_checksum
-from dllm_connector.kv_layout import (
+from dllm_connector.layout import (
     Geometry,
     LayoutError,
     PagedKV,

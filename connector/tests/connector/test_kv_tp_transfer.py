@@ -28,13 +28,13 @@ from kv_peer import (
     rank_kv,
 )
 
-from dllm_connector.kv_layout import PagedKV, TPMappingError, TPRank, plan_tp_mapping, rank_heads
-from dllm_connector.kv_scheduler import SchedulerState, StepPlan, prompt_hash
-from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
+from dllm_connector.layout import PagedKV, TPMappingError, TPRank, plan_tp_mapping, rank_heads
 from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender
+from dllm_connector.scheduler import SchedulerState, StepPlan, prompt_hash
 from dllm_connector.transport.base import Transport
+from dllm_connector.worker import ConnectorWorker, WorkerIdentity
 from dllm_contract.kvconfig import Compression, ConnectorExtraConfig, Protocol
 from dllm_contract.pd_params import DecodeParams, PrefillParams
 

@@ -24,11 +24,11 @@ from kv_peer import (
     pipe_config,
 )
 
-from dllm_connector.kv_layout import PagedKV
-from dllm_connector.kv_scheduler import prompt_hash
+from dllm_connector.layout import PagedKV
 from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
+from dllm_connector.scheduler import prompt_hash
 from dllm_connector.transport.base import Transport
 from dllm_contract.kvconfig import Compression
 

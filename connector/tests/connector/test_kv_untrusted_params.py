@@ -16,9 +16,9 @@ import pytest
 from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, consecutive_free_ports, make_caches
 from peer_doubles import wait_until
 
-from dllm_connector.kv_scheduler import LoadSpec, SchedulerState, SendSpec, StepPlan
-from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
 from dllm_connector.peers import DecodePeers, PeerNotAllowed
+from dllm_connector.scheduler import LoadSpec, SchedulerState, SendSpec, StepPlan
+from dllm_connector.worker import ConnectorWorker, WorkerIdentity
 from dllm_contract.kvconfig import ConnectorExtraConfig
 from dllm_contract.pd_params import DecodeParams, PrefillParams
 
@@ -105,7 +105,7 @@ def test_ignored_params_are_logged_once_per_request_in_one_short_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     engine = state(receives=False)
-    caplog.set_level(logging.WARNING, logger="dllm_connector.kv_scheduler")
+    caplog.set_level(logging.WARNING, logger="dllm_connector.scheduler")
     huge = {"dllm": 1, "do_remote_decode": True, "transfer_id": "t" * 1_000_000}
     for _ in range(5):  # vLLM asks again every step a request waits
         engine.matched_tokens(LOAD_ON_PREFILL, 40, 0, "r-1")

@@ -27,10 +27,10 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
-from dllm_connector.kv_layout import PagedKV
-from dllm_connector.kv_scheduler import ConnectorConfigError, SchedulerState, StepPlan, parse_extra_config
-from dllm_connector.kv_worker import ConnectorWorker, WorkerIdentity
+from dllm_connector.layout import PagedKV
+from dllm_connector.scheduler import ConnectorConfigError, SchedulerState, StepPlan, parse_extra_config
 from dllm_connector.vllm import DllmConnectorStats, DllmMooncakeConnector
+from dllm_connector.worker import ConnectorWorker, WorkerIdentity
 from dllm_contract.kvconfig import (
     CONNECTOR_CLASS,
     Connector,

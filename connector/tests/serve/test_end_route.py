@@ -33,11 +33,11 @@ from dllm_connector.end_route import (
     Send,
 )
 from dllm_connector.end_route_names import END_ROUTE_MIDDLEWARE
-from dllm_connector.kv_layout import Geometry, PagedKV
-from dllm_connector.kv_scheduler import prompt_hash
+from dllm_connector.layout import Geometry, PagedKV
 from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
+from dllm_connector.scheduler import prompt_hash
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.sidechannel import PeerAuth
 

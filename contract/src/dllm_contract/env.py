@@ -54,7 +54,7 @@ ENV_GID_INDEX = "MC_GID_INDEX"
 ENV_HOST_IP = "VLLM_HOST_IP"
 ENV_ENGINE_ID = "DLLM_ENGINE_ID"
 # The side channel's shared key. Never part of the settings, the kv-transfer-config JSON (which is on
-# vLLM's command line) or any log: the worker reads it from its own environment (kv_worker).
+# vLLM's command line) or any log: the worker reads it from its own environment (worker).
 ENV_KV_AUTH_TOKEN = "DLLM_KV_AUTH_TOKEN"  # noqa: S105 - an env name
 # "LOW-HIGH": the ports Mooncake listens on, for NetworkPolicies and hostNetwork users.
 ENV_TRANSFER_PORTS = "DLLM_KV_TRANSFER_PORTS"

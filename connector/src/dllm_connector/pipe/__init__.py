@@ -23,7 +23,7 @@ the transfer with a recorded, bounded reason, and decode tells a peer which fiel
 its own values (H6, L2, L3).
 
 Where the TP sizes differ, a prefill rank opens one such transfer per decode rank it sends heads
-to (kv_layout.plan_tp_mapping), and decode's expectation ends when every sender's part did.
+to (layout.plan_tp_mapping), and decode's expectation ends when every sender's part did.
 Codec none over a one-sided transport writes block to block with no staging copy; compressed KV
 (and any two-sided transport) goes through the registered staging buffers. Every expectation ends
 exactly once (loaded, failed, timed out or cancelled) and every staging reservation is released.

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import coalesce
+from dllm_connector.layout import coalesce
 from dllm_connector.pipe.chunk_writer import (
     ChunkWriter,
     PieceStream,

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import HeadRange
+from dllm_connector.layout import HeadRange
 from dllm_connector.pipe.common import PipeSide, TransferFailed, parse, quoted
 from dllm_connector.pipe.device_copy import HostMirror
 from dllm_connector.pipe.layer_stream import LayerStream, check_header

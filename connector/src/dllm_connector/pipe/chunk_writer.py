@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import HeadRange
+from dllm_connector.layout import HeadRange
 from dllm_connector.pipe.common import send
 from dllm_connector.pipe.device_copy import Ready
 from dllm_connector.pipe.messages import Chunk, Piece

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import LayoutError, PagedKV
+from dllm_connector.layout import LayoutError, PagedKV
 from dllm_connector.pipe.device_copy import Copies, Scratch
 from dllm_connector.pipe.messages import (
     Accept,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from dllm_connector.kv_layout import HeadRange
+from dllm_connector.layout import HeadRange
 from dllm_connector.pipe.common import POLL_S, PipeStats, TransferFailed
 from dllm_connector.transport.base import TransferTimeout
 

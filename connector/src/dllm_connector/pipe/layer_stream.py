@@ -8,7 +8,7 @@ from dataclasses import replace
 import torch
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import HeadRange, LayoutError, PagedKV
+from dllm_connector.layout import HeadRange, LayoutError, PagedKV
 from dllm_connector.pipe.common import TransferFailed
 from dllm_connector.pipe.device_copy import HostMirror
 from dllm_connector.pipe.messages import bounded

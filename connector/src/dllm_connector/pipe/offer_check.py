@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dllm_connector.kv_layout import HeadRange, PagedKV, signature_mismatches
+from dllm_connector.layout import HeadRange, PagedKV, signature_mismatches
 from dllm_connector.pipe.common import RefusedWithDetail, TransferFailed
 from dllm_connector.pipe.expectations import Expectation, Part
 from dllm_connector.pipe.messages import Offer, bounded

@@ -8,7 +8,7 @@ import socket
 import threading
 import time
 
-from dllm_connector.kv_layout import HeadRange
+from dllm_connector.layout import HeadRange
 from dllm_connector.pipe.chunk_encoder import ChunkEncoder, Encoding
 from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan
 from dllm_connector.pipe.common import (

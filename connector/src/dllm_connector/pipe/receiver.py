@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import HeadRange, PagedKV, plan_tp_mapping
+from dllm_connector.layout import HeadRange, PagedKV, plan_tp_mapping
 from dllm_connector.pipe.chunk_reader import ChunkReader
 from dllm_connector.pipe.common import (
     EXPECTED_ERRORS,

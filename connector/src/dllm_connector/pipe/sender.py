@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import HeadRange, PagedKV, plan_tp_mapping
+from dllm_connector.layout import HeadRange, PagedKV, plan_tp_mapping
 from dllm_connector.pipe.chunk_encoder import Encoding
 from dllm_connector.pipe.common import EXPECTED_ERRORS, PipeConfig, PipeSide, TransferFailed
 from dllm_connector.pipe.messages import Offer, TPPart, bounded

@@ -22,7 +22,7 @@ from typing import Protocol
 from dllm_connector.checksum import RunningChecksum
 from dllm_connector.codec import ChecksumAlgo
 from dllm_connector.device_checksum import GATHER_BYTES, RunningTensorChecksum
-from dllm_connector.kv_layout import HeadRange, PagedKV, coalesce_runs
+from dllm_connector.layout import HeadRange, PagedKV, coalesce_runs
 
 Spans = Sequence[tuple[int, int]]
 

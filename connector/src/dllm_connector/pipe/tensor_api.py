@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import Geometry, PagedKV
+from dllm_connector.layout import Geometry, PagedKV
 from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from dllm_connector.kv_layout.tp_mapping import LayoutError
+from dllm_connector.layout.tp_mapping import LayoutError
 
 
 def coalesce(

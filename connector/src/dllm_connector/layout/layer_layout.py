@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dllm_connector.kv_layout.tp_mapping import Geometry, LayoutError
+from dllm_connector.layout.tp_mapping import Geometry, LayoutError
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Owns the paged caches, one transport, a KVReceiver (decode, side channel on kv_port + TP rank)
 and a KVSender (prefill). Where the two engines' TP sizes differ, each prefill rank sends the KV
-heads it holds to every decode rank that needs them (kv_layout.plan_tp_mapping). Each step it
+heads it holds to every decode rank that needs them (layout.plan_tp_mapping). Each step it
 starts the scheduler's plan and reports what ended; every receive is reported exactly once, as
 loaded or failed, with the failed blocks listed. Decode always loads asynchronously;
 async_transfer false makes prefill sends run inline in the engine step.
@@ -18,12 +18,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from dllm_connector import codec
-from dllm_connector.kv_layout import Geometry, LayoutError, PagedKV, TPRank
-from dllm_connector.kv_scheduler import StepPlan
+from dllm_connector.layout import Geometry, LayoutError, PagedKV, TPRank
 from dllm_connector.peers import DecodePeers
 from dllm_connector.pipe.common import PipeConfig, TransferFailed
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
+from dllm_connector.scheduler import StepPlan
 from dllm_connector.transport.base import Transport
 from dllm_connector.transport.placement import DataPath, DataPathError, PathSetting, parse_setting
 from dllm_connector.transport.sidechannel import PeerAuth

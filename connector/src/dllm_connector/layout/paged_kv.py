@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from dllm_connector.kv_layout.layer_layout import layer_layout, segment_groups
-from dllm_connector.kv_layout.tp_mapping import (
+from dllm_connector.layout.layer_layout import layer_layout, segment_groups
+from dllm_connector.layout.tp_mapping import (
     Geometry,
     HeadRange,
     LayoutError,

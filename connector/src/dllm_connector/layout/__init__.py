@@ -15,11 +15,11 @@ The modules: `tp_mapping` (pure: the geometry, TP ranks, the head mapping), `spa
 shape and strides read) and `paged_kv` (torch: the caches' block access).
 """
 
-from dllm_connector.kv_layout.layer_layout import LayerLayout, layer_layout
-from dllm_connector.kv_layout.paged_kv import PagedKV
-from dllm_connector.kv_layout.signature import signature_mismatches
-from dllm_connector.kv_layout.spans import coalesce, coalesce_runs
-from dllm_connector.kv_layout.tp_mapping import (
+from dllm_connector.layout.layer_layout import LayerLayout, layer_layout
+from dllm_connector.layout.paged_kv import PagedKV
+from dllm_connector.layout.signature import signature_mismatches
+from dllm_connector.layout.spans import coalesce, coalesce_runs
+from dllm_connector.layout.tp_mapping import (
     Geometry,
     HeadRange,
     LayoutError,
