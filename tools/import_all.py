@@ -11,9 +11,7 @@ import pkgutil
 import sys
 
 ENGINE_ONLY = (
-    "dllm_connector.checksum",
     "dllm_connector.codec",
-    "dllm_connector.device_checksum",
     "dllm_connector.end_route",
     "dllm_connector.layout",
     "dllm_connector.worker",

@@ -15,7 +15,7 @@ SPAN_SAMPLE = 512
 def checksum_rows(kv: Any, device: Any, name: str, repeats: int) -> list[dict[str, Any]]:
     """nh64 over the KV as one run, and over its 32 KiB block spans in scattered order (a zero-copy
     transfer's checksum): through add_all, and one add per span (on the first SPAN_SAMPLE spans)."""
-    from dllm_connector import device_checksum
+    from dllm_connector.codec import device_checksum
 
     data = kv.view(-1).view(__import__("torch").uint8)
     spans = list(data.view(-1, SPAN_BYTES).unbind(0))[::-1]

@@ -52,7 +52,7 @@ def codec_row(kv: Any, device: Any, compression: Any, repeats: int) -> dict[str,
             target[index * part.shape[0] : (index + 1) * part.shape[0]].copy_(part)
         stream.verify(header.checksum, header.checksum_algo)
 
-    from dllm_connector import device_checksum
+    from dllm_connector.codec import device_checksum
 
     checksum_kernel = "eager" if device_checksum.kernel(device) is device_checksum.terms_sum else "compiled"
     return {

@@ -12,7 +12,8 @@ def equality_rows(kv: Any, device: Any, name: str) -> list[dict[str, Any]]:
     """Device kernels against the host's on one sample of the KV (the first two layers' worth)."""
     import torch
 
-    from dllm_connector import codec, device_checksum
+    from dllm_connector import codec
+    from dllm_connector.codec import device_checksum
     from dllm_contract.kvconfig import Compression
 
     sample = with_edge_groups(kv[: max(4, kv.shape[0] * 2 // LAYERS)])

@@ -32,7 +32,7 @@ def mooncake_receiver(device_name: str, nbytes: int) -> None:
     """The other process: registers a buffer on the device, names it, and hashes it when told."""
     import torch
 
-    from dllm_connector import device_checksum
+    from dllm_connector.codec import device_checksum
 
     engine = _engine("127.0.0.1")
     buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device_name)
@@ -83,7 +83,7 @@ def _line(receiver: subprocess.Popen[str], timeout_s: float = MOONCAKE_TIMEOUT_S
 def _send_to(receiver: subprocess.Popen[str], device: Any, nbytes: int, repeats: int) -> dict[str, Any]:
     import torch
 
-    from dllm_connector import device_checksum
+    from dllm_connector.codec import device_checksum
 
     assert receiver.stdin is not None
     peer = _line(receiver)

@@ -134,7 +134,7 @@ class Worker:
         return {}
 
     def _spans_recv(self, spans: list[tuple[int, int]], checksum: bool) -> None:
-        from dllm_connector.checksum import RunningChecksum
+        from dllm_connector.codec.checksum import RunningChecksum
 
         assert self._raw is not None
         running = RunningChecksum()
@@ -147,7 +147,7 @@ class Worker:
 
     def cmd_spans_send(self, host: str, port: int, blocks: list[int], checksum: bool) -> dict[str, Any]:
         """The KV's spans as one socket stream, in sendmsg calls of IOV spans each."""
-        from dllm_connector.checksum import RunningChecksum
+        from dllm_connector.codec.checksum import RunningChecksum
 
         spans = self.kv.spans(blocks)
         running = RunningChecksum()

@@ -15,7 +15,7 @@ from kv_peer import GEOMETRY, NUM_BLOCKS, make_caches, rank_kv
 from test_kv_vllm_plugin import settings, vllm_config
 
 from dllm_connector import codec
-from dllm_connector.device_checksum import tensor_checksum
+from dllm_connector.codec.device_checksum import tensor_checksum
 from dllm_connector.layout import TPRank
 from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan, PreparedChunk, PreparedPiece
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Scratch

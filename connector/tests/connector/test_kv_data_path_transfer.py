@@ -26,7 +26,7 @@ from kv_peer import (
     pipe_config,
 )
 
-from dllm_connector.device_checksum import RunningTensorChecksum
+from dllm_connector.codec.device_checksum import RunningTensorChecksum
 from dllm_connector.layout import PagedKV
 from dllm_connector.pipe import chunk_encoder as encoder_module
 from dllm_connector.pipe import chunk_reader as reader_module

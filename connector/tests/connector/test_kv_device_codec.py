@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_connector import codec, device_checksum
-from dllm_connector.checksum import combine_checksums
-from dllm_connector.codec import kernel_sets
+from dllm_connector import codec
+from dllm_connector.codec import device_checksum, kernel_sets
+from dllm_connector.codec.checksum import combine_checksums
 from dllm_connector.codec.stream import device_path
 from dllm_contract.kvconfig import Compression
 

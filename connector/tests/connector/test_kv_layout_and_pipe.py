@@ -12,7 +12,7 @@ import torch
 from kv_peer import HOST, pipe_config
 from pydantic import ValidationError
 
-from dllm_connector.checksum import spans_checksum
+from dllm_connector.codec.checksum import spans_checksum
 from dllm_connector.layout import Geometry, LayoutError, PagedKV, coalesce, layer_layout
 from dllm_connector.pipe.common import PipeConfig, chunk_ranges, gb
 from dllm_connector.pipe.sender import KVSender

@@ -13,7 +13,7 @@ import pytest
 import torch
 from kv_peer import LAYOUTS, TP_BLOCKS, TP_GEOMETRY, full_model_kv, heads_of, rank_kv
 
-from dllm_connector.checksum import spans_checksum
+from dllm_connector.codec.checksum import spans_checksum
 from dllm_connector.layout import (
     Geometry,
     LayoutError,

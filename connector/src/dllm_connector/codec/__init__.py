@@ -23,7 +23,8 @@ the same payload bytes (tests compare them), chosen by DLLM_KV_CODEC_KERNELS:
 
 The package, one idea per module: `header` (the wire header, errors, dtype tables, checksum), `quant`
 (the fp8/int8 maths in torch), `kernel_sets` (the kernel sets and the choice among them), `stream` (encode and
-decode, whole or in parts). The C kernels' build and load stay in `dllm_connector.native_codec`, which
+decode, whole or in parts), `checksum` (XXH3-64 over host memory) and `device_checksum` (nh64 in torch
+ops, where the payload is). The C kernels' build and load stay in `dllm_connector.native_codec`, which
 runs without torch (the image builds the library with it). Callers use the names below.
 """
 

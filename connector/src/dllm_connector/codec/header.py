@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from dllm_connector import device_checksum
-from dllm_connector.checksum import RunningChecksum, combine_checksums
+from dllm_connector.codec import device_checksum
+from dllm_connector.codec.checksum import RunningChecksum, combine_checksums
 from dllm_contract.kvconfig import Compression
 
 _log = logging.getLogger(__name__)

@@ -13,7 +13,8 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from dllm_connector import device_checksum, native_codec
+from dllm_connector import native_codec
+from dllm_connector.codec import device_checksum
 from dllm_connector.codec.header import (
     CODE_DTYPE,
     SCALE_BYTES,

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from dllm_connector.checksum import RunningChecksum
 from dllm_connector.codec import ChecksumAlgo
-from dllm_connector.device_checksum import GATHER_BYTES, RunningTensorChecksum
+from dllm_connector.codec.checksum import RunningChecksum
+from dllm_connector.codec.device_checksum import GATHER_BYTES, RunningTensorChecksum
 from dllm_connector.layout import HeadRange, PagedKV, coalesce_runs
 
 Spans = Sequence[tuple[int, int]]
