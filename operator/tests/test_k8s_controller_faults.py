@@ -126,9 +126,14 @@ def test_pods_the_statefulset_cannot_create_show_in_the_status(
         found = [c for c in cr.get("status", {}).get("conditions", []) if c["type"] == "Degraded"]
         return found[0] if found and found[0]["status"] == "True" else None
 
-    condition = wait_until(degraded, 90, "Degraded")
+    # Each workload's refusal reaches the status as its own Event or condition appears: the first
+    # Degraded may name another workload than prefill's StatefulSet, so wait until it names that one.
+    def prefill_refused() -> dict[str, Any] | None:
+        condition = degraded()
+        return condition if condition and "StatefulSet tiny-prefill" in condition["message"] else None
+
+    condition = wait_until(prefill_refused, 90, "Degraded naming the prefill StatefulSet")
     assert condition["reason"] == "FailedCreate"
-    assert "StatefulSet tiny-prefill" in condition["message"]
     assert "exceeded quota" in condition["message"]
     cluster.run("delete", "resourcequota", "no-pods", "-n", namespace)
     wait_until(lambda: degraded() is None, 120, "Degraded=False once pods can be created")
