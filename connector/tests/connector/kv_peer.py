@@ -145,6 +145,20 @@ def pipe_config(data_path: PathSetting = PathSetting.AUTO, **changes: Any) -> Pi
     return PipeConfig(data_path=data_path).with_extra(**changes)
 
 
+def receiver_config(
+    buffer_bytes: int = 64 << 20, data_path: PathSetting = PathSetting.AUTO, **changes: Any
+) -> PipeConfig:
+    """A decode side for these tests: `buffer_bytes` of staging, time limits far above what a transfer
+    here takes (10 s per transfer, 30 s of waiting for prefill, 10 s of hold); `changes` over those."""
+    base: dict[str, Any] = {
+        "buffer_size_gb": gb(buffer_bytes),
+        "transfer_timeout_ms": 10_000,
+        "prefill_wait_ms": 30_000,
+        "hold_seconds": 10,
+    }
+    return pipe_config(data_path, **(base | changes))
+
+
 def _config(spec: dict[str, Any]) -> PipeConfig:
     return pipe_config(
         compression=Compression(spec.get("compression", "none")),

@@ -23,7 +23,7 @@ from kv_peer import (
     Prefill,
     assert_a_corrupted_payload_fails_on_both_sides,
     make_caches,
-    pipe_config,
+    receiver_config,
 )
 
 from dllm_connector.codec.device_checksum import RunningTensorChecksum
@@ -31,7 +31,7 @@ from dllm_connector.layout import PagedKV
 from dllm_connector.pipe import chunk_encoder as encoder_module
 from dllm_connector.pipe import chunk_reader as reader_module
 from dllm_connector.pipe import common as common_module
-from dllm_connector.pipe.common import PipeConfig, chunk_ranges, gb
+from dllm_connector.pipe.common import chunk_ranges, gb
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Ready
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
@@ -49,19 +49,9 @@ RELATIVE_ERROR = {Compression.NONE: 0.0, Compression.FP8: 0.04, Compression.INT8
 PATHS = [PathSetting.DEVICE, PathSetting.PINNED_HOST]
 
 
-def receiver_config(path: PathSetting, **changes: Any) -> PipeConfig:
-    base: dict[str, Any] = {
-        "buffer_size_gb": gb(64 << 20),
-        "transfer_timeout_ms": 10_000,
-        "prefill_wait_ms": 30_000,
-        "hold_seconds": 10,
-    }
-    return pipe_config(path, **(base | changes))
-
-
 def decode(transport: Transport, path: PathSetting, **changes: Any) -> tuple[KVReceiver, PagedKV]:
     kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
-    return KVReceiver(transport, kv, receiver_config(path, **changes), HOST, 0), kv
+    return KVReceiver(transport, kv, receiver_config(data_path=path, **changes), HOST, 0), kv
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -180,7 +170,9 @@ def test_a_scratch_the_device_cannot_give_fails_the_send_and_releases_its_stagin
     """Pinned-host: the send's device scratch cannot be had (the GPU is out of memory; here a double
     of the scratch raises what torch raises): that send fails naming it, and its staging reservation
     is released, so later sends are not starved."""
-    config = receiver_config(PathSetting.PINNED_HOST, compression=Compression.FP8, async_transfer=False)
+    config = receiver_config(
+        data_path=PathSetting.PINNED_HOST, compression=Compression.FP8, async_transfer=False
+    )
     decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
     receiver = KVReceiver(decode_transport, PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config, HOST, 0)
     sender = KVSender(prefill_transport, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config)
@@ -218,7 +210,7 @@ def test_the_zero_copy_device_checksum_hashes_a_layer_at_a_time(monkeypatch: pyt
         real_add(self, data)
 
     monkeypatch.setattr(RunningTensorChecksum, "add", counting_add_spy)
-    config = receiver_config(PathSetting.DEVICE, async_transfer=False)
+    config = receiver_config(data_path=PathSetting.DEVICE, async_transfer=False)
     decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
     receiver, kv = decode(decode_transport, PathSetting.DEVICE, async_transfer=False)
     try:
@@ -272,7 +264,7 @@ def test_concurrent_pinned_host_transfers_share_one_scratch_bounded_by_the_stagi
 
     monkeypatch.setattr(encoder_module, "HostMirror", RecordingMirror)
     monkeypatch.setattr(reader_module, "HostMirror", RecordingMirror)
-    config = receiver_config(PathSetting.PINNED_HOST, buffer_size_gb=gb(8 << 20))
+    config = receiver_config(data_path=PathSetting.PINNED_HOST, buffer_size_gb=gb(8 << 20))
     decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
     receiver, kv = decode(decode_transport, PathSetting.PINNED_HOST, buffer_size_gb=gb(8 << 20))
     sender = KVSender(prefill_transport, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config)
@@ -400,7 +392,7 @@ def test_where_device_memory_cannot_be_registered_auto_stages_in_pinned_host_mem
         return real_choose(kv_device, codec, traits, setting)
 
     monkeypatch.setattr(common_module, "choose_path", as_for_a_gpu_cache_double)
-    config = receiver_config(PathSetting.AUTO, compression=Compression.FP8, async_transfer=False)
+    config = receiver_config(data_path=PathSetting.AUTO, compression=Compression.FP8, async_transfer=False)
     decode_transport, prefill_transport = MooncakeTransport(HOST), RefusesDeviceMemoryDouble(HOST)
     receiver = KVReceiver(
         decode_transport,
@@ -434,6 +426,6 @@ def test_a_device_override_whose_memory_cannot_be_registered_stops_the_side() ->
     kv = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY)
     try:
         with pytest.raises(TransportError, match="register_memory returned -1"):
-            KVSender(transport, kv, receiver_config(PathSetting.DEVICE))
+            KVSender(transport, kv, receiver_config(data_path=PathSetting.DEVICE))
     finally:
         transport.close()

@@ -24,12 +24,12 @@ from kv_peer import (
     Prefill,
     consecutive_free_ports,
     make_transport,
-    pipe_config,
     rank_kv,
+    receiver_config,
 )
 
 from dllm_connector.layout import PagedKV, TPMappingError, TPRank, plan_tp_mapping, rank_heads
-from dllm_connector.pipe.common import PipeConfig, gb
+from dllm_connector.pipe.common import PipeConfig
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender
 from dllm_connector.scheduler import SchedulerState, StepPlan, prompt_hash
@@ -45,16 +45,7 @@ SRC_BLOCKS = [int(b) for b in torch.randperm(TP_BLOCKS, generator=torch.Generato
 DST_BLOCKS = [int(b) for b in torch.randperm(TP_BLOCKS, generator=torch.Generator().manual_seed(4))[:40]]
 RELATIVE_ERROR = {Compression.NONE: 0.0, Compression.FP8: 0.04, Compression.INT8: 0.01}
 HASH = prompt_hash([5, 6, 7])
-
-
-def receiver_config(**changes: Any) -> PipeConfig:
-    base = {
-        "buffer_size_gb": gb(16 << 20),
-        "transfer_timeout_ms": 10_000,
-        "prefill_wait_ms": 30_000,
-        "hold_seconds": 10,
-    }
-    return pipe_config(**(base | changes))
+STAGING_BYTES = 16 << 20  # each decode rank's
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +104,7 @@ def test_every_head_arrives_from_its_prefill_rank(
     compression: Compression,
 ) -> None:
     transfer_id = f"tp-{prefill_tp}-{decode_tp}-{layout}-{compression.value}"
-    with decode_ranks(transports, decode_tp, layout, receiver_config()) as (port, receivers):
+    with decode_ranks(transports, decode_tp, layout, receiver_config(STAGING_BYTES)) as (port, receivers):
         for receiver in receivers:
             receiver.expect(transfer_id, DST_BLOCKS, prompt_hash=HASH, prefill_tp_size=prefill_tp)
         jobs = [{"transfer_id": transfer_id, "block_ids": SRC_BLOCKS, "hash": HASH}]
@@ -142,7 +133,7 @@ def test_every_head_arrives_from_its_prefill_rank(
 def test_a_prefill_rank_that_never_sends_fails_the_load_within_the_wait(
     transports: list[Transport], prefill: Prefill
 ) -> None:
-    config = receiver_config(prefill_wait_ms=1000)
+    config = receiver_config(STAGING_BYTES, prefill_wait_ms=1000)
     with decode_ranks(transports, 1, "cpu", config) as (port, (receiver,)):
         started = time.monotonic()
         receiver.expect("tp-half", DST_BLOCKS, prefill_tp_size=2)
@@ -158,7 +149,7 @@ def test_a_prefill_rank_that_never_sends_fails_the_load_within_the_wait(
 
 
 def test_a_failing_prefill_rank_fails_the_load(transports: list[Transport], prefill: Prefill) -> None:
-    with decode_ranks(transports, 1, "cpu", receiver_config()) as (port, (receiver,)):
+    with decode_ranks(transports, 1, "cpu", receiver_config(STAGING_BYTES)) as (port, (receiver,)):
         receiver.expect("tp-bad", DST_BLOCKS, prefill_tp_size=2)
         jobs = [{"transfer_id": "tp-bad", "block_ids": SRC_BLOCKS}]
         spec = tp_spec(2, 1, "cpu", doubles={"1": "corrupt"})
@@ -173,7 +164,7 @@ def test_a_failing_prefill_rank_fails_the_load(transports: list[Transport], pref
 
 
 def test_unmappable_tp_sizes_are_refused_on_both_sides(transports: list[Transport], prefill: Prefill) -> None:
-    with decode_ranks(transports, 2, "cpu", receiver_config()) as (port, receivers):
+    with decode_ranks(transports, 2, "cpu", receiver_config(STAGING_BYTES)) as (port, receivers):
         with pytest.raises(TPMappingError, match="cannot map 8 KV heads from prefill TP 3 to decode TP 2"):
             receivers[0].expect("tp-3", DST_BLOCKS, prefill_tp_size=3)
         prefill.send(port, [{"transfer_id": "tp-3", "block_ids": SRC_BLOCKS}], tp=tp_spec(2, 3, "cpu"))
@@ -185,7 +176,7 @@ def test_unmappable_tp_sizes_are_refused_on_both_sides(transports: list[Transpor
 def test_the_request_must_name_the_prefill_tp_size_that_sends(
     transports: list[Transport], prefill: Prefill
 ) -> None:
-    with decode_ranks(transports, 1, "cpu", receiver_config()) as (port, (receiver,)):
+    with decode_ranks(transports, 1, "cpu", receiver_config(STAGING_BYTES)) as (port, (receiver,)):
         receiver.expect("tp-wrong", DST_BLOCKS, prefill_tp_size=1)
         prefill.send(port, [{"transfer_id": "tp-wrong", "block_ids": SRC_BLOCKS}], tp=tp_spec(2, 1, "cpu"))
         outcome = receiver.wait_for("tp-wrong", timeout=30)
@@ -300,7 +291,7 @@ def test_equal_tp_sizes_keep_the_one_to_one_path(
     transports: list[Transport], prefill: Prefill, layout: str
 ) -> None:
     """TP 2 to TP 2: rank r sends all its heads to rank r, with no head ranges in the offer."""
-    with decode_ranks(transports, 2, layout, receiver_config()) as (port, receivers):
+    with decode_ranks(transports, 2, layout, receiver_config(STAGING_BYTES)) as (port, receivers):
         for receiver in receivers:
             receiver.expect("tp-same", DST_BLOCKS, prefill_tp_size=2)
         prefill.send(port, [{"transfer_id": "tp-same", "block_ids": SRC_BLOCKS}], tp=tp_spec(2, 2, layout))
@@ -315,7 +306,7 @@ def test_equal_tp_sizes_keep_the_one_to_one_path(
 def test_a_cancelled_load_ends_once_and_late_parts_are_refused_at_once(
     transports: list[Transport], prefill: Prefill
 ) -> None:
-    with decode_ranks(transports, 1, "cpu", receiver_config()) as (port, (receiver,)):
+    with decode_ranks(transports, 1, "cpu", receiver_config(STAGING_BYTES)) as (port, (receiver,)):
         receiver.expect("tp-gone", DST_BLOCKS, prefill_tp_size=2)
         receiver.cancel("tp-gone")  # decode aborted the request before any KV came
         assert receiver.results() == {"tp-gone": "cancelled by decode"}
@@ -332,7 +323,7 @@ def test_a_cancelled_load_ends_once_and_late_parts_are_refused_at_once(
 def test_short_head_runs_travel_through_staging(transports: list[Transport], prefill: Prefill) -> None:
     """NHD head ranges are one short run per token: codec none gathers them instead of writing each."""
     sender_kv = rank_kv(7, "nhd", TPRank(0, 2))
-    sender = KVSender(transports[0], sender_kv, receiver_config())
+    sender = KVSender(transports[0], sender_kv, receiver_config(STAGING_BYTES))
     try:
         assert sender.zero_copy == transports[0].one_sided
         assert sender.kv.run_nbytes((0, 2)) == 2 * 32 * 2  # two heads of one token
@@ -340,7 +331,7 @@ def test_short_head_runs_travel_through_staging(transports: list[Transport], pre
         assert sender._zero_copy_for(None) == sender.zero_copy  # equal TP sizes: as before
     finally:
         sender.close()
-    with decode_ranks(transports, 1, "nhd", receiver_config()) as (port, (receiver,)):
+    with decode_ranks(transports, 1, "nhd", receiver_config(STAGING_BYTES)) as (port, (receiver,)):
         receiver.expect("tp-staged", DST_BLOCKS, prefill_tp_size=2)
         prefill.send(port, [{"transfer_id": "tp-staged", "block_ids": SRC_BLOCKS}], tp=tp_spec(2, 1, "nhd"))
         assert receiver.wait_for("tp-staged", timeout=60) == ""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -22,10 +21,11 @@ from kv_peer import (
     make_caches,
     make_transport,
     pipe_config,
+    receiver_config,
 )
 
 from dllm_connector.layout import PagedKV
-from dllm_connector.pipe.common import PipeConfig, gb
+from dllm_connector.pipe.common import gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.scheduler import prompt_hash
@@ -38,16 +38,6 @@ TRANSPORTS = ["mooncake", "gloo"]
 SRC_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(1))[:300]]
 DST_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(2))[:300]]
 RELATIVE_ERROR = {Compression.NONE: 0.0, Compression.FP8: 0.04, Compression.INT8: 0.01}
-
-
-def receiver_config(**changes: Any) -> PipeConfig:
-    base = {
-        "buffer_size_gb": gb(64 << 20),
-        "transfer_timeout_ms": 10_000,
-        "prefill_wait_ms": 30_000,
-        "hold_seconds": 10,
-    }
-    return pipe_config(**(base | changes))
 
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
