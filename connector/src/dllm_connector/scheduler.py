@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -139,9 +139,20 @@ def prefill_params(params: object) -> PrefillParams | None:
     return None if asked is None else _validated(PrefillParams, asked)
 
 
-def _named_tp_size(params: PrefillParams | DecodeParams, name: str) -> int | None:
+# The field in which each side's params name the other side's TP size.
+_PEER_TP_FIELD: Mapping[type[DecodeParams | PrefillParams], str] = {
+    DecodeParams: "prefill_tp_size",
+    PrefillParams: "decode_tp_size",
+}
+
+
+def _peer_tp_size(params: DecodeParams | PrefillParams) -> int:
+    return int(getattr(params, _PEER_TP_FIELD[type(params)]))
+
+
+def _named_peer_tp_size(params: DecodeParams | PrefillParams) -> int | None:
     """The other side's TP size where the request names it; None (assume our own) where it does not."""
-    return int(getattr(params, name)) if name in params.model_fields_set else None
+    return _peer_tp_size(params) if _PEER_TP_FIELD[type(params)] in params.model_fields_set else None
 
 
 class SchedulerState:
@@ -205,7 +216,7 @@ class SchedulerState:
         skip = (prompt_len - num_external_tokens) // self.block_size
         wanted = tuple(block_ids[skip : blocks_for(prompt_len, self.block_size)])
         self._loading[request_id] = decode.transfer_id
-        prefill_tp = _named_tp_size(decode, "prefill_tp_size")
+        prefill_tp = _named_peer_tp_size(decode)
         spec = LoadSpec(request_id, decode.transfer_id, wanted, skip, prompt_hash, prefill_tp)
         self._plan.loads.append(spec)
 
@@ -247,7 +258,7 @@ class SchedulerState:
             port,
             prompt_hash,
             prefill.decode_engine_id,
-            _named_tp_size(prefill, "decode_tp_size"),
+            _named_peer_tp_size(prefill),
         )
         self._plan.sends.append(spec)
         self._sending.add(request_id)
@@ -256,28 +267,33 @@ class SchedulerState:
     # params from the network -------------------------------------------------------------------
 
     def _decode(self, request_id: str | None, params: object) -> DecodeParams | None:
-        try:
-            decode = decode_params(params)
-            if decode is not None and not self.receives:
-                raise IgnoredParams("DecodeParams sent to an engine that does not receive KV")
-            if decode is not None and decode.prefill_tp_size > MAX_TP_SIZE:
-                raise IgnoredParams(f"prefill_tp_size {decode.prefill_tp_size} above {MAX_TP_SIZE}")
-        except IgnoredParams as error:
-            self._ignored(request_id, error)
-            return None
-        return decode
+        return self._usable(request_id, decode_params, params, serves=self.receives, verb="receive")
 
     def _prefill(self, request_id: str | None, params: object) -> PrefillParams | None:
+        return self._usable(request_id, prefill_params, params, serves=self.sends, verb="send")
+
+    def _usable(
+        self,
+        request_id: str | None,
+        parse: Callable[[object], _P | None],
+        params: object,
+        *,
+        serves: bool,
+        verb: str,
+    ) -> _P | None:
+        """The params `parse` finds when this engine can act on them; None (logged once) when it cannot."""
         try:
-            prefill = prefill_params(params)
-            if prefill is not None and not self.sends:
-                raise IgnoredParams("PrefillParams sent to an engine that does not send KV")
-            if prefill is not None and prefill.decode_tp_size > MAX_TP_SIZE:
-                raise IgnoredParams(f"decode_tp_size {prefill.decode_tp_size} above {MAX_TP_SIZE}")
+            asked = parse(params)
+            if asked is not None and not serves:
+                raise IgnoredParams(f"{type(asked).__name__} sent to an engine that does not {verb} KV")
+            if asked is not None and _peer_tp_size(asked) > MAX_TP_SIZE:
+                raise IgnoredParams(
+                    f"{_PEER_TP_FIELD[type(asked)]} {_peer_tp_size(asked)} above {MAX_TP_SIZE}"
+                )
         except IgnoredParams as error:
             self._ignored(request_id, error)
             return None
-        return prefill
+        return asked
 
     def _ignored(self, request_id: str | None, error: IgnoredParams) -> None:
         """One bounded line per request, however often vLLM asks about it."""

@@ -163,3 +163,12 @@ def test_connector_extra_config_rejects_what_vllm_lets_through(change, field):
 
 def test_connector_extra_config_accepts_what_dllm_serve_builds():
     assert kvconfig.ConnectorExtraConfig.model_validate(_extra()).model_dump(mode="json") == _extra()
+
+
+@pytest.mark.parametrize("role", [kvconfig.Role.PREFILL, kvconfig.Role.DECODE])
+def test_an_empty_extra_config_means_what_a_cr_setting_nothing_means(role):
+    # A hand-written --kv-transfer-config may leave keys out: each takes the contract's default,
+    # the value the operator renders for a CR that sets no KV field.
+    peer = {"decode_host": "decode-0.decode", "decode_port": 50051} if role is kvconfig.Role.PREFILL else {}
+    settings = kvconfig.KVTransferSettings(connector=kvconfig.Connector.MOONCAKE, role=role, **peer)
+    assert kvconfig.ConnectorExtraConfig.model_validate(peer) == kvconfig.extra_config(settings)

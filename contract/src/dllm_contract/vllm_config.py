@@ -13,8 +13,11 @@ from pydantic import (
 )
 
 from dllm_contract.settings import (
+    DEFAULT_BUFFER_SIZE_GB,
     DEFAULT_HOLD_SECONDS,
     DEFAULT_PREFILL_WAIT_MS,
+    DEFAULT_TRANSFER_THRESHOLD_TOKENS,
+    DEFAULT_TRANSFER_TIMEOUT_MS,
     Compression,
     Connector,
     KVTransferSettings,
@@ -46,17 +49,18 @@ class ConnectorExtraConfig(_Frozen):
     """kv_connector_extra_config of this project's connectors: the settings vLLM has no field for.
 
     Strict (unknown keys and bad values are refused at engine start), because vLLM itself accepts any
-    extra config.
+    extra config. Each default is the contract's, so a bare instance is an engine whose CR sets no KV
+    setting.
     """
 
-    compression: Compression
-    buffer_size_gb: PositiveFloat
-    transfer_threshold_tokens: PositiveInt
-    transfer_timeout_ms: PositiveInt
-    prefill_wait_ms: PositiveInt
-    hold_seconds: PositiveInt
-    async_transfer: bool
-    protocol: Protocol
+    compression: Compression = Compression.NONE
+    buffer_size_gb: PositiveFloat = DEFAULT_BUFFER_SIZE_GB
+    transfer_threshold_tokens: PositiveInt = DEFAULT_TRANSFER_THRESHOLD_TOKENS
+    transfer_timeout_ms: PositiveInt = DEFAULT_TRANSFER_TIMEOUT_MS
+    prefill_wait_ms: PositiveInt = DEFAULT_PREFILL_WAIT_MS
+    hold_seconds: PositiveInt = DEFAULT_HOLD_SECONDS
+    async_transfer: bool = True
+    protocol: Protocol = Protocol.TCP
     decode_host: Annotated[str, Field(min_length=1)] | None = None
     decode_port: Port | None = None
     rdma_devices: tuple[str, ...] = ()

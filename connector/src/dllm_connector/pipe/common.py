@@ -31,14 +31,7 @@ from dllm_connector.transport.base import Transport, TransportError
 from dllm_connector.transport.placement import DataPath, PathSetting, Placement, choose_path
 from dllm_connector.transport.sidechannel import Message
 from dllm_connector.transport.staging import StagingBuffer
-from dllm_contract.kvconfig import (
-    Compression,
-    Connector,
-    ConnectorExtraConfig,
-    KVTransferSettings,
-    Role,
-    extra_config,
-)
+from dllm_contract.kvconfig import Compression, ConnectorExtraConfig
 
 _GB = 1 << 30
 # A transfer is pipelined in chunks (transferThresholdTokens of KV each): chunk k+1 is encoded
@@ -53,14 +46,6 @@ POLL_S = 0.05
 EXPECTED_ERRORS = (TransportError, codec.CodecError, LayoutError)
 
 
-def contract_defaults() -> ConnectorExtraConfig:
-    """The extra config of an engine whose CR sets no KV setting: each value the contract's default.
-
-    The settings require a connector and a role; no field of the extra config depends on either.
-    """
-    return extra_config(KVTransferSettings(connector=Connector.MOONCAKE, role=Role.DECODE))
-
-
 def gb(nbytes: int) -> float:
     """`nbytes` in the contract's unit, GB: exact both ways, as GB is a power of two."""
     return nbytes / _GB
@@ -71,7 +56,7 @@ class PipeConfig:
     """The connector's extra config (the contract's model, so its defaults and bounds), read in the
     pipe's units (bytes, seconds), and the two settings only the pipe has."""
 
-    extra: ConnectorExtraConfig = field(default_factory=contract_defaults)
+    extra: ConnectorExtraConfig = field(default_factory=ConnectorExtraConfig)
     chunk_bytes: int = CHUNK_BYTES  # the batch size where the block size is unknown (tensor API)
     data_path: PathSetting = PathSetting.AUTO  # the operator's override of transport.placement's choice
 
