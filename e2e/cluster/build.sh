@@ -45,21 +45,31 @@ k8s_ldflags() {
   printf '%s' "$flags"
 }
 
-k8s_built() {
+# Kubernetes, kwok, etcd and CoreDNS are built in one Go module: they share most of their packages
+# (client-go, the API types, grpc, otel), which then compile once, not four times. Go's version selection
+# raises a shared dependency to the highest any of them asks for. CoreDNS is our own main package with
+# only the plugins the node's Corefile uses. The recipe is kept beside the binaries: a change rebuilds.
+COREDNS_PKGS="coremain plugin/cache plugin/errors plugin/health plugin/kubernetes plugin/ready"
+SUITE_RECIPE="one module: kubernetes v$K8S_VERSION ($K8S_CMDS), kwok v$KWOK_VERSION, etcd v$ETCD_VERSION, coredns v$COREDNS_VERSION ($COREDNS_PKGS)"
+
+suite_built() {
   local c
+  [ "$(cat "$K8S_BIN/recipe" 2>/dev/null)" = "$SUITE_RECIPE" ] || return 1
   for c in $K8S_CMDS; do
     "$K8S_BIN/$c" --version 2>/dev/null | grep -q "v$K8S_VERSION\$" || return 1
   done
+  [ -x "$ETCD_BIN/etcd" ] && [ -x "$KWOK_BIN/kwok" ] && [ -x "$COREDNS_BIN/coredns" ] &&
+    [ -d "$GOMODCACHE/sigs.k8s.io/kwok@v$KWOK_VERSION/kustomize/stage" ]
 }
 
-build_k8s() {
-  if k8s_built; then log "kubernetes v$K8S_VERSION: cached"; return; fi
-  log "kubernetes v$K8S_VERSION: resolving modules"
-  local mod=$CACHE/src/k8s-v$K8S_VERSION minor=${K8S_VERSION#1.}
-  mkdir -p "$mod" "$K8S_BIN"
+build_suite() {
+  if suite_built; then log "kubernetes v$K8S_VERSION, kwok, etcd, coredns: cached"; return; fi
+  log "kubernetes v$K8S_VERSION, kwok v$KWOK_VERSION, etcd v$ETCD_VERSION, coredns v$COREDNS_VERSION: resolving modules"
+  local mod=$CACHE/src/suite-k8s-v$K8S_VERSION minor=${K8S_VERSION#1.}
+  rm -rf "$mod" && mkdir -p "$mod/coredns" "$K8S_BIN" "$ETCD_BIN" "$KWOK_BIN" "$COREDNS_BIN"
   cd "$mod"
-  printf 'module local/k8sbin\n\ngo 1.26.0\n' > go.mod
-  rm -f go.sum
+  printf 'module local/suite\n\ngo 1.26.0\n' > go.mod
+  cp "$here/coredns/main.go" coredns/main.go
   # k8s.io/kubernetes requires its staging modules at v0.0.0 and replaces them with ./staging;
   # a consumer module must replace each with its published v0.<minor>.<patch>.
   local upstream_gomod staging
@@ -68,40 +78,23 @@ build_k8s() {
   for staging in $(sed -n 's#^[[:space:]]*\(k8s\.io/[^ ]*\) => \./staging/.*#\1#p' "$upstream_gomod"); do
     go mod edit -replace="$staging=$staging@v0.$minor"
   done
-  local c pkgs=""
-  for c in $K8S_CMDS; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c@v$K8S_VERSION"; done
+  local c p tools="sigs.k8s.io/kwok/cmd/kwok@v$KWOK_VERSION go.etcd.io/etcd/server/v3@v$ETCD_VERSION" coredns=""
+  for c in $K8S_CMDS; do tools="$tools k8s.io/kubernetes/cmd/$c@v$K8S_VERSION"; done
+  for p in $COREDNS_PKGS; do coredns="$coredns github.com/coredns/coredns/$p@v$COREDNS_VERSION"; done
   # shellcheck disable=SC2086
-  with_heartbeat "module download" go get -tool $pkgs
-  for c in $K8S_CMDS; do
-    if "$K8S_BIN/$c" --version 2>/dev/null | grep -q "v$K8S_VERSION\$"; then continue; fi
-    log "kubernetes v$K8S_VERSION: building $c"
-    with_heartbeat "$c" go build -trimpath -ldflags "$(k8s_ldflags)" -o "$K8S_BIN/$c.tmp" "k8s.io/kubernetes/cmd/$c"
-    mv "$K8S_BIN/$c.tmp" "$K8S_BIN/$c"
-  done
-}
-
-build_etcd() {
-  if [ -x "$ETCD_BIN/etcd" ]; then log "etcd v$ETCD_VERSION: cached"; return; fi
-  log "etcd v$ETCD_VERSION: building"
-  local mod=$CACHE/src/etcd-v$ETCD_VERSION
-  mkdir -p "$mod" "$ETCD_BIN"
-  cd "$mod"
-  printf 'module local/etcdbin\n\ngo 1.26.0\n' > go.mod
-  rm -f go.sum
-  with_heartbeat "etcd modules" go get -tool "go.etcd.io/etcd/server/v3@v$ETCD_VERSION"
-  with_heartbeat "etcd" go build -trimpath -ldflags "-s -w" -o "$ETCD_BIN/etcd.tmp" go.etcd.io/etcd/server/v3
-  mv "$ETCD_BIN/etcd.tmp" "$ETCD_BIN/etcd"
-}
-
-build_kwok() {
-  if [ -x "$KWOK_BIN/kwok" ] && [ -d "$GOMODCACHE/sigs.k8s.io/kwok@v$KWOK_VERSION/kustomize/stage" ]; then
-    log "kwok v$KWOK_VERSION: cached"; return
-  fi
-  log "kwok v$KWOK_VERSION: building"
-  mkdir -p "$KWOK_BIN"
-  GOBIN=$KWOK_BIN with_heartbeat "kwok" go install -trimpath -ldflags "-s -w" "sigs.k8s.io/kwok/cmd/kwok@v$KWOK_VERSION"
-  # The stage manifests (Pod/Node lifecycles) live in the module source; the module is in GOMODCACHE now.
-  go mod download "sigs.k8s.io/kwok@v$KWOK_VERSION"
+  with_heartbeat "module download" go get -tool $tools
+  # shellcheck disable=SC2086
+  with_heartbeat "coredns modules" go get $coredns
+  local out=$mod/out pkgs="sigs.k8s.io/kwok/cmd/kwok go.etcd.io/etcd/server/v3 ./coredns"
+  for c in $K8S_CMDS; do pkgs="$pkgs k8s.io/kubernetes/cmd/$c"; done
+  log "kubernetes v$K8S_VERSION, kwok, etcd, coredns: building (the longest step on a cold machine)"
+  # shellcheck disable=SC2086
+  with_heartbeat "kubernetes, kwok, etcd, coredns" go build -trimpath -ldflags "$(k8s_ldflags)" -o "$out/" $pkgs
+  for c in $K8S_CMDS; do mv "$out/$c" "$K8S_BIN/$c"; done
+  mv "$out/server" "$ETCD_BIN/etcd"  # go names a /vN module's binary after the element before it
+  mv "$out/kwok" "$KWOK_BIN/kwok"
+  mv "$out/coredns" "$COREDNS_BIN/coredns"
+  printf '%s' "$SUITE_RECIPE" > "$K8S_BIN/recipe"
 }
 
 fetch_kubectl_helm() {
@@ -154,20 +147,6 @@ build_cni() {
     plugins/ipam/host-local plugins/main/loopback plugins/main/bridge plugins/meta/portmap
 }
 
-build_coredns() {
-  if [ -x "$COREDNS_BIN/coredns" ]; then log "coredns v$COREDNS_VERSION: cached"; return; fi
-  local mod=$CACHE/src/coredns-v$COREDNS_VERSION
-  # Its main package is the module root, so tool_build's per-package loop would name it after the module.
-  mkdir -p "$mod" "$COREDNS_BIN"
-  cd "$mod"
-  printf 'module local/corednsbin\n\ngo 1.26.0\n' > go.mod
-  rm -f go.sum
-  with_heartbeat "coredns modules" go get -tool "github.com/coredns/coredns@v$COREDNS_VERSION"
-  log "coredns v$COREDNS_VERSION: building"
-  with_heartbeat "coredns" go build -trimpath -ldflags "-s -w" -o "$COREDNS_BIN/coredns.tmp" github.com/coredns/coredns
-  mv "$COREDNS_BIN/coredns.tmp" "$COREDNS_BIN/coredns"
-}
-
 # The binary's folder holds the KUBE_ROUTER_REQUIRES it was built with: a change of them rebuilds it.
 kube_router_built() {
   [ -x "$KUBE_ROUTER_BIN/kube-router" ] && [ "$(cat "$KUBE_ROUTER_BIN/requires" 2>/dev/null)" = "$KUBE_ROUTER_REQUIRES" ]
@@ -184,7 +163,9 @@ build_kube_router() {
 
 # The pause (C, static) and probe (Go) programs and CoreDNS, each as an OCI archive for `ctr images import`.
 build_node_images() {
-  if [ -f "$IMAGES/coredns.tar" ]; then log "node images v$NODE_IMAGES_VERSION: cached"; return; fi
+  if [ -f "$IMAGES/coredns.tar" ] && [ "$IMAGES/coredns.tar" -nt "$COREDNS_BIN/coredns" ]; then
+    log "node images v$NODE_IMAGES_VERSION: cached"; return
+  fi
   log "node images v$NODE_IMAGES_VERSION: building pause, probe, coredns"
   local work=$CACHE/src/node-images-v$NODE_IMAGES_VERSION
   rm -rf "$work" && mkdir -p "$work/probe" "$IMAGES"
@@ -207,12 +188,9 @@ main() {
   # runc, iptables, conntrack, socat... for the real node; without root this prints the apt command.
   bash "$here/../../tools/system-deps.sh" node || log "real node: Debian packages missing (above); the cluster runs without it"
   fetch_kubectl_helm
-  build_kwok
-  build_etcd
-  build_k8s
+  build_suite
   build_containerd
   build_cni
-  build_coredns
   build_kube_router
   build_node_images
   log "done: binaries under $CACHE/bin"
