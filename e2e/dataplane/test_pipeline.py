@@ -191,7 +191,9 @@ def test_a_prompt_decode_refuses_after_prefill_ran_frees_prefills_kv_at_once(pip
     for holdSeconds (480 s)."""
     router, prefill = pipeline.processes["router"], pipeline.processes["prefill"]
     ends_before = counter(metrics_text(router.url), "dllm_router_transfer_ends")
-    body = {"model": "tiny-llama", "prompt": PROMPTS[0] * 4, "max_tokens": 4, "temperature": 0.0,
+    # Several KV blocks, and within maxModelLen (one token per byte): a longer prompt is refused by
+    # prefill for its length, before any KV exists.
+    body = {"model": "tiny-llama", "prompt": PROMPTS[0] * 3, "max_tokens": 4, "temperature": 0.0,
             "stream_options": {"include_usage": True}}  # fmt: skip
     status, answer = post_json(f"{router.url}/v1/completions", body)
     assert status == 400, answer
