@@ -17,7 +17,7 @@ ENGINE_ONLY = (
     "dllm_connector.worker",
     "dllm_connector.pipe",
     "dllm_connector.transport",
-    "dllm_connector.vllm",
+    "dllm_connector.connector",
 )
 
 

@@ -3,7 +3,7 @@
 Usage (rendered by the operator): python3 -m dllm_connector.drain --port 8000 --timeout 110
 Reads vLLM's Prometheus gauges on /metrics: vllm:num_requests_running and vllm:num_requests_waiting,
 plus, on a prefill engine, vllm:dllm_kv_sends_in_flight (finished requests whose KV push still runs:
-vLLM would otherwise stop under them, M4; the connector exports it, dllm_connector.vllm).
+vLLM would otherwise stop under them, M4; the connector exports it, dllm_connector.connector).
 
 One reading of 0 is not enough (security review M4): the router keeps sending new requests to this pod
 until its DNS refresh drops it (a 5 s resolve interval plus DNS caching), so the engine counts as

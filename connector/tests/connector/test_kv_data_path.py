@@ -16,6 +16,7 @@ from test_kv_vllm_plugin import settings, vllm_config
 
 from dllm_connector import codec
 from dllm_connector.codec.device_checksum import tensor_checksum
+from dllm_connector.connector import DATA_PATH_METRIC, DllmConnectorStats, DllmMooncakeConnector
 from dllm_connector.layout import TPRank
 from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan, PreparedChunk, PreparedPiece
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Scratch
@@ -32,7 +33,6 @@ from dllm_connector.transport.placement import (
 )
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_connector.transport.torchdist import TorchDistTransport
-from dllm_connector.vllm import DATA_PATH_METRIC, DllmConnectorStats, DllmMooncakeConnector
 from dllm_connector.worker import DATA_PATH_ENV, ConnectorWorker, WorkerIdentity, make_transport
 from dllm_contract.kvconfig import Compression, Connector, ConnectorExtraConfig, Role, kv_transfer_config
 

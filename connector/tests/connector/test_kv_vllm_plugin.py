@@ -27,9 +27,9 @@ from vllm.v1.kv_cache_interface import KVCacheConfig
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request, RequestStatus
 
+from dllm_connector.connector import DllmConnectorStats, DllmMooncakeConnector
 from dllm_connector.layout import PagedKV
 from dllm_connector.scheduler import ConnectorConfigError, SchedulerState, StepPlan, parse_extra_config
-from dllm_connector.vllm import DllmConnectorStats, DllmMooncakeConnector
 from dllm_connector.worker import ConnectorWorker, WorkerIdentity
 from dllm_contract.kvconfig import (
     CONNECTOR_CLASS,
@@ -122,7 +122,7 @@ def test_bad_extra_config_value_is_named() -> None:
 def test_module_imports_and_refuses_to_construct_without_vllm() -> None:
     script = (
         "import sys; sys.modules['vllm'] = None\n"
-        "import dllm_connector.vllm as plugin\n"
+        "import dllm_connector.connector as plugin\n"
         "try:\n    plugin.DllmMooncakeConnector(None, None, None)\n"
         "except RuntimeError as error:\n    print(error)\n"
     )
@@ -230,7 +230,7 @@ def test_the_scheduler_reports_its_sends_in_flight_as_a_level() -> None:
 def test_the_sends_in_flight_gauge_is_on_vllms_metrics() -> None:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-    from dllm_connector.vllm import SENDS_IN_FLIGHT_METRIC
+    from dllm_connector.connector import SENDS_IN_FLIGHT_METRIC
 
     registry = CollectorRegistry()
 

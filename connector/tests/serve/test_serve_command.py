@@ -20,7 +20,7 @@ API_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
 PREFILL_JSON = (
     '{"kv_role":"kv_producer","kv_port":50051,"engine_id":"llama2-70b-prefill-0-BOOT",'
     '"kv_load_failure_policy":"fail","kv_connector":"DllmMooncakeConnector",'
-    '"kv_connector_module_path":"dllm_connector.vllm","kv_connector_extra_config":{"compression":"fp8",'
+    '"kv_connector_module_path":"dllm_connector.connector","kv_connector_extra_config":{"compression":"fp8",'
     '"buffer_size_gb":4.0,"transfer_threshold_tokens":1024,"transfer_timeout_ms":5000,'
     '"prefill_wait_ms":60000,"hold_seconds":480,"async_transfer":true,"protocol":"tcp",'
     '"decode_host":"llama2-70b-decode","decode_port":50051,"rdma_devices":[],"gid_index":null,'
@@ -29,7 +29,7 @@ PREFILL_JSON = (
 DECODE_JSON = (
     '{"kv_role":"kv_consumer","kv_port":50051,"engine_id":"llama2-70b-decode-0-BOOT",'
     '"kv_load_failure_policy":"fail","kv_connector":"DllmMooncakeConnector",'
-    '"kv_connector_module_path":"dllm_connector.vllm","kv_connector_extra_config":{"compression":"fp8",'
+    '"kv_connector_module_path":"dllm_connector.connector","kv_connector_extra_config":{"compression":"fp8",'
     '"buffer_size_gb":8.0,"transfer_threshold_tokens":1024,"transfer_timeout_ms":5000,'
     '"prefill_wait_ms":60000,"hold_seconds":480,"async_transfer":true,"protocol":"tcp",'
     '"decode_host":null,"decode_port":null,"rdma_devices":[],"gid_index":null,"host_ip":"10.0.0.6"}}'

@@ -74,7 +74,7 @@ def test_every_combination_is_accepted_by_vllm(connector, compression, role):
     assert parsed.kv_connector_module_path == sent.get("kv_connector_module_path")
     assert parsed.kv_connector_extra_config == sent["kv_connector_extra_config"]
     if connector in ("mooncake", "pynccl"):
-        assert parsed.kv_connector_module_path == "dllm_connector.vllm"
+        assert parsed.kv_connector_module_path == "dllm_connector.connector"
         extra = kvconfig.ConnectorExtraConfig.model_validate(parsed.kv_connector_extra_config)
         assert extra.compression.value == compression
     elif connector == "custom-builtin":

@@ -37,8 +37,8 @@ VLLM_KV_ROLE: Mapping[Role, str] = {
     Role.BOTH: "kv_both",
 }
 
-# This project's vLLM connector classes (dllm_connector.vllm), one per transport.
-CONNECTOR_MODULE = "dllm_connector.vllm"
+# This project's vLLM connector classes (dllm_connector.connector), one per transport.
+CONNECTOR_MODULE = "dllm_connector.connector"
 CONNECTOR_CLASS: Mapping[Connector, str] = {
     Connector.MOONCAKE: "DllmMooncakeConnector",
     Connector.PYNCCL: "DllmNcclConnector",

@@ -1,6 +1,6 @@
 """The dllm KV connectors as vLLM V1 plugins: DllmMooncakeConnector and DllmNcclConnector.
 
-Loaded by vLLM through `kv_connector_module_path="dllm_connector.vllm"` (kvconfig.kv_transfer_config
+Loaded by vLLM through `kv_connector_module_path="dllm_connector.connector"` (kvconfig.kv_transfer_config
 renders it). This module imports without vLLM (the classes then refuse to construct), so the rest
 of the package and its tests do not need vLLM.
 
