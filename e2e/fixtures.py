@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from e2e import node_images
 from e2e.cluster import controlplane as cp
 from e2e.cluster import node, probepod
 
@@ -199,6 +201,8 @@ def cluster() -> Iterator[Cluster]:
         pytest.fail(f"local control plane: {error}")
     if _current_context(str(layout.kubeconfig)) != LOCAL_CONTEXT:
         pytest.fail(f"{layout.kubeconfig} is not the local control plane's kubeconfig")
+    # The node tier comes last: its images load meanwhile (minutes for a fresh build, nothing when warm).
+    node_images.preload(layout, log=lambda line: print(line, file=sys.__stderr__))
     yield Cluster(layout.kubeconfig, layout)
     if started and not os.environ.get("DLLM_E2E_KEEP_CLUSTER"):
         cp.down()
