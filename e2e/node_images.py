@@ -91,26 +91,25 @@ def _load_locked(layout: cp.Layout, reference: str, image_id: str) -> bool:
     return True
 
 
-def load_all(layout: cp.Layout, log: object = print) -> None:
+def load_all(layout: cp.Layout, log: Callable[[str], None] = print) -> None:
     for name in IMAGES:
         reference = ref(name)
         loaded = load(layout, reference)
-        log(f"    {reference}: {'loaded into the node' if loaded else 'already on the node'}")  # type: ignore[operator]
+        log(f"    {reference}: {'loaded into the node' if loaded else 'already on the node'}")
 
 
-def preload(layout: cp.Layout, log: Callable[[str], None]) -> threading.Thread | None:
-    """Load every image in a background thread when the node runs and all are built; None otherwise.
+def preload(layout: cp.Layout, log: Callable[[str], None]) -> None:
+    """Load every image in a background thread when the node runs and all are built.
 
     Best effort: a failure is logged, and the loader that needs the images (the demo's) meets it again
     and reports it."""
-    containerd = cp.read_pid(layout, "containerd")
-    if containerd is None or not cp.pid_alive(containerd):
-        return None
+    if not node.running(layout):
+        return
     try:
         for name in IMAGES:
             podman_id(ref(name))
     except cp.ClusterError:
-        return None  # `make test-k8s` builds no image; the node tier says so itself
+        return  # `make test-k8s` builds no image; the node tier says so itself
 
     def load_quietly() -> None:
         try:
@@ -118,6 +117,4 @@ def preload(layout: cp.Layout, log: Callable[[str], None]) -> threading.Thread |
         except (cp.ClusterError, OSError, subprocess.SubprocessError) as error:
             log(f"preloading the images into the node failed (the demo loads them again): {error}")
 
-    thread = threading.Thread(target=load_quietly, name="node-images-preload", daemon=True)
-    thread.start()
-    return thread
+    threading.Thread(target=load_quietly, name="node-images-preload", daemon=True).start()
