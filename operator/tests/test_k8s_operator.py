@@ -4,7 +4,6 @@ crash and API-server restarts, deletion, leader election and quiet idling."""
 from __future__ import annotations
 
 import datetime as dt
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -292,19 +291,52 @@ def test_two_replicas_one_leader_and_handover(
         second.stop()
 
 
-@pytest.mark.slow
-def test_idle_operator_makes_no_writes(cluster: Cluster, namespace: str, operator: OperatorProcess) -> None:
-    started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    cluster.apply(cpu_cr(), "-n", namespace)
-    wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
-    converged = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-    # A positive control: the filter sees this operator's writes while it converges (the audit log is
-    # written in batches, so it is polled). Were it to match none, the empty list below would prove nothing.
-    wait_until(
-        lambda: operator_writes(cluster.audit_entries(), {namespace}, started),
-        30,
-        "the operator's writes of the convergence in the audit log",
-    )
-    idle = float(os.environ.get("DLLM_IDLE_SECONDS", "120"))
-    writes = holds_for(lambda: operator_writes(cluster.audit_entries(), {namespace}, converged), idle)
-    assert writes == [], [(w["verb"], w["objectRef"]) for w in writes]
+# Short, so that the quiet window holds several full resyncs, each reconciling the CR again.
+RESYNC_SECONDS = 3
+
+
+def test_idle_operator_makes_no_writes(cluster: Cluster, crd: str, namespace: str, tmp_path: Path) -> None:
+    operator = OperatorProcess(
+        cluster.kubeconfig, [namespace], tmp_path / "operator.log", namespace,
+        env={"DLLM_RESYNC_SECONDS": str(RESYNC_SECONDS)},
+    ).start()  # fmt: skip
+    try:
+        started = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        cluster.apply(cpu_cr(), "-n", namespace)
+        wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
+        converged = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        # A positive control: the filter sees this operator's writes while it converges (the audit log
+        # is written in batches, so it is polled). Were it to match none, no write below would prove
+        # nothing.
+        wait_until(
+            lambda: operator_writes(cluster.audit_entries(), {namespace}, started),
+            30,
+            "the operator's writes of the convergence in the audit log",
+        )
+
+        # Create-only RBAC on Secrets: each resync tries the CR's auth Secret once, which is how a
+        # deleted one comes back; refused with 409 while it exists, that attempt changes nothing.
+        secret_retry = ("create", "secrets", "tiny-cpu-auth", 409)
+
+        def writes_since_converged() -> list[tuple[str, str, str, int]]:
+            writes = [
+                (w["verb"], w["objectRef"].get("resource", ""), w["objectRef"].get("name", ""),
+                 w.get("responseStatus", {}).get("code", 0))
+                for w in operator_writes(cluster.audit_entries(), {namespace}, converged)
+            ]  # fmt: skip
+            return [w for w in writes if w != secret_retry]
+
+        resyncs, reconciles = (
+            operator.metric(f"dllm_operator_{name}_total") for name in ("resyncs", "reconciles")
+        )
+
+        def three_quiet_resyncs() -> bool:
+            assert writes_since_converged() == []
+            return operator.metric("dllm_operator_resyncs_total") >= resyncs + 3
+
+        wait_until(three_quiet_resyncs, RESYNC_SECONDS * 3 + 60, "three resyncs")
+        assert operator.metric("dllm_operator_reconciles_total") >= reconciles + 3  # each resync reconciled
+        # Entries of the last resync may still be on their way to the audit log.
+        assert holds_for(writes_since_converged, RESYNC_SECONDS) == []
+    finally:
+        operator.stop()

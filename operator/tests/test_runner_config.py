@@ -68,6 +68,7 @@ def test_every_setting_has_its_variable_and_a_blank_switch_is_its_default() -> N
         "DLLM_LOG_LEVEL": "error",
         "DLLM_ALLOW_PRIVILEGED_ENGINES": " FALSE ",
         "DLLM_ALLOWED_IMAGE_PREFIXES": "",
+        "DLLM_RESYNC_SECONDS": "30",
     }
     config = OperatorConfig.from_env(env)
     assert (config.engine_image, config.router_image, config.cluster_domain) == (
@@ -77,7 +78,14 @@ def test_every_setting_has_its_variable_and_a_blank_switch_is_its_default() -> N
     )
     assert (config.namespaces, config.log_level) == (("a", "b"), "ERROR")
     assert (config.allow_privileged_engines, config.allowed_image_prefixes) == (False, ())
+    assert config.resync_seconds == 30
     assert OperatorConfig.from_env({"DLLM_ALLOW_PRIVILEGED_ENGINES": " "}).allow_privileged_engines is True
     assert OperatorConfig.from_env({}) == OperatorConfig()
     with pytest.raises(ValueError, match="frozen"):
         config.log_level = "DEBUG"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "soon", "inf", "nan"])
+def test_a_resync_period_that_is_not_a_positive_number_is_refused_naming_its_variable(raw: str) -> None:
+    with pytest.raises(ConfigInvalid, match=r"^DLLM_RESYNC_SECONDS: "):
+        OperatorConfig.from_env({"DLLM_RESYNC_SECONDS": raw})

@@ -1,10 +1,14 @@
-"""What the CR's status says of a pod: broken (named, with the reason) or merely starting."""
+"""What the CR's status says of a pod (broken, named with the reason, or merely starting), and of a
+role whose workload has not yet counted a pod's change."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dllm_operator.status import pod_problem
+from dllm_cases import minimal
+
+from dllm_operator.api import parse
+from dllm_operator.status import Observed, compute_status, pod_problem
 
 
 def pod(*container_statuses: dict[str, Any], ready: bool = False) -> dict[str, Any]:
@@ -38,3 +42,42 @@ def test_a_crash_loop_is_named_with_its_reason() -> None:
     looping = {"name": "engine", "ready": False, "restartCount": 3,
                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}}}  # fmt: skip
     assert pod_problem(pod(looping)) == "tiny-cpu-decode-0 CrashLoopBackOff: back-off 40s"
+
+
+def workload(ready: int) -> dict[str, Any]:
+    counts = {"observedGeneration": 1, "replicas": 1, "readyReplicas": ready, "updatedReplicas": 1}
+    return {"metadata": {"generation": 1}, "spec": {"replicas": 1}, "status": counts}
+
+
+def role_pod(name: str, ready: bool) -> dict[str, Any]:
+    running = {"name": "engine", "ready": ready, "started": True, "restartCount": 0}
+    return {**pod(running, ready=ready), "metadata": {"name": name}}
+
+
+def status_of(decode_pod_ready: bool) -> dict[str, Any]:
+    observed = Observed(
+        workloads={"prefill": workload(1), "decode": workload(1), "router": workload(1)},
+        pods={
+            "prefill": [role_pod("tiny-cpu-prefill-0", True)],
+            "decode": [role_pod("tiny-cpu-decode-0", decode_pod_ready)],
+            "router": [role_pod("tiny-cpu-router-x", True)],
+        },
+    )
+    return compute_status(parse(minimal("tiny-cpu")), observed, None, "2026-12-03T00:00:00Z")
+
+
+def test_a_pod_not_ready_before_its_statefulset_counted_it_makes_its_role_not_ready() -> None:
+    """The StatefulSet still says 1/1 ready; the pod says it is not: the status believes the pod, so
+    Ready never stands beside a Degraded naming that pod."""
+    status = status_of(decode_pod_ready=False)
+    found = {c["type"]: c for c in status["conditions"]}
+    assert found["Degraded"]["status"] == "True"
+    assert "tiny-cpu-decode-0 not ready" in found["Degraded"]["message"]
+    assert (found["DecodeReady"]["status"], found["Ready"]["status"], found["PrefillReady"]["status"]) == (
+        "False",
+        "False",
+        "True",
+    )
+    assert status["decode"]["ready"] == "0/1"
+    ready = {c["type"]: c["status"] for c in status_of(decode_pod_ready=True)["conditions"]}
+    assert (ready["Ready"], ready["Degraded"], status_of(True)["decode"]["ready"]) == ("True", "False", "1/1")

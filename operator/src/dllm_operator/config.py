@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Field,
     ValidationError,
     ValidationInfo,
     field_validator,
@@ -57,6 +58,9 @@ class OperatorConfig(BaseModel):
     allow_privileged_engines: bool = True
     # Non-empty: every image a CR names must start with one of these (e.g. "registry.example.com/").
     allowed_image_prefixes: CommaList = ()
+    # How often a full listing is merged into the caches: the safety net for events a watch missed
+    # (there is no polling otherwise). Tests shorten it to see that a resync writes nothing.
+    resync_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
 
     @field_validator("allow_privileged_engines", mode="before")
     @classmethod
@@ -94,6 +98,7 @@ ENV_NAMES: Mapping[str, str] = {
     "log_level": logs.ENV_LOG_LEVEL,
     "allow_privileged_engines": "DLLM_ALLOW_PRIVILEGED_ENGINES",
     "allowed_image_prefixes": "DLLM_ALLOWED_IMAGE_PREFIXES",
+    "resync_seconds": "DLLM_RESYNC_SECONDS",
 }
 # field -> the `dllm-operator run` flag that also sets it.
 FLAGS: Mapping[str, str] = {"log_level": logs.LOG_LEVEL_FLAG, "namespaces": "--namespace"}

@@ -50,7 +50,6 @@ class Controller:
     store: Store = field(default_factory=Store)
     queue: WorkQueue = field(default_factory=WorkQueue)
     is_leader: Callable[[], bool] = lambda: True
-    resync_seconds: float = 600.0
     _apply_errors: dict[CRKey, tuple[str, ...]] = field(default_factory=dict)
     _rendered: dict[CRKey, tuple[tuple[str, int], DisaggregatedLLM, list[dict[str, Any]]]] = field(
         default_factory=dict
@@ -96,6 +95,7 @@ class Controller:
             self._forget(key)
         self._secrets_made.clear()  # one create each (409 if still there): a deleted Secret comes back
         metrics.MANAGED.set(len(self.store.resources))
+        metrics.RESYNCS.inc()
         self.requeue_all()
 
     async def _listing(self, namespaces: tuple[str, ...]) -> tuple[Store, int]:
@@ -122,7 +122,7 @@ class Controller:
 
     async def _resync(self) -> None:
         while True:
-            await asyncio.sleep(self.resync_seconds)
+            await asyncio.sleep(self.config.resync_seconds)
             try:
                 await self.relist()
             except Exception as error:  # noqa: BLE001 (the next resync tries again; watches go on)

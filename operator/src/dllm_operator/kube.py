@@ -181,8 +181,9 @@ class KubeClient:
         path = f"{prefix}/namespaces/{namespace}/{plural}" if namespace else f"{prefix}/{plural}"
         result = await self.request("GET", path, params={"labelSelector": label_selector})
         items: list[dict[str, Any]] = result.get("items", [])
-        for item in items:  # list items carry no kind
+        for item in items:  # list items carry no kind or apiVersion; the plan compares both
             item.setdefault("kind", kind)
+            item.setdefault("apiVersion", result.get("apiVersion", ""))
         return items, str(result.get("metadata", {}).get("resourceVersion", ""))
 
     async def list(

@@ -15,5 +15,8 @@ DURATION = Histogram(
     registry=REGISTRY,
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+RESYNCS = Counter(
+    "dllm_operator_resyncs", "Full listings merged into the caches (the periodic resync)", registry=REGISTRY
+)
 MANAGED = Gauge("dllm_operator_managed_resources", "DisaggregatedLLM resources watched", registry=REGISTRY)
 LEADER = Gauge("dllm_operator_leader", "1 while this replica holds the leader lease", registry=REGISTRY)

@@ -94,44 +94,47 @@ def pod_problem(pod: dict[str, Any]) -> str | None:
     return None
 
 
-def _counts(workload: dict[str, Any] | None) -> tuple[int, int, int, int, bool]:
-    """desired, existing, ready, updated, and whether the controller has seen the latest spec."""
+def _ready_pods(pods: list[dict[str, Any]]) -> int:
+    return sum(1 for pod in pods if (ready := _pod_condition(pod, "Ready")) and ready.get("status") == "True")
+
+
+def _counts(workload: dict[str, Any] | None, pods: list[dict[str, Any]]) -> tuple[int, int, int, int, bool]:
+    """desired, existing, ready, updated, and whether the controller has seen the latest spec.
+
+    Ready counts no more pods than the pods themselves say are ready: the workload's own count comes
+    later (its controller writes it after the pod changed), and the status must not call a role ready
+    beside a Degraded that names its pod not ready."""
     if workload is None:
         return 0, 0, 0, 0, False
     spec, status = workload.get("spec", {}), workload.get("status", {})
     desired = int(spec.get("replicas", 1))
     current = status.get("observedGeneration", 0) >= workload.get("metadata", {}).get("generation", 0)
-    return (
-        desired,
-        int(status.get("replicas", 0)),
-        int(status.get("readyReplicas", 0)),
-        int(status.get("updatedReplicas", 0)),
-        current,
+    ready = int(status.get("readyReplicas", 0))
+    if pods:
+        ready = min(ready, _ready_pods(pods))
+    return desired, int(status.get("replicas", 0)), ready, int(status.get("updatedReplicas", 0)), current
+
+
+def role_status(cr: DisaggregatedLLM, component: labels.Component, observed: Observed) -> dict[str, Any]:
+    desired, existing, ready, updated, _ = _counts(
+        observed.workloads.get(component), observed.pods.get(component, [])
     )
-
-
-def role_status(
-    cr: DisaggregatedLLM,
-    component: labels.Component,
-    workload: dict[str, Any] | None,
-    with_selector: bool = True,
-) -> dict[str, Any]:
-    desired, existing, ready, updated, _ = _counts(workload)
     status: dict[str, Any] = {
         "replicas": existing,
         "readyReplicas": ready,
         "updatedReplicas": updated,
         "ready": f"{ready}/{desired}",
     }
-    if with_selector:
+    if component != "router":  # the scale subresources' selectors
         status["selector"] = labels.selector_string(cr, component)
     return status
 
 
-def role_condition(kind: str, component: str, workload: dict[str, Any] | None) -> Condition:
+def role_condition(kind: str, component: str, observed: Observed) -> Condition:
+    workload = observed.workloads.get(component)
     if workload is None:
         return Condition(kind, False, "NotCreated", f"the {component} workload does not exist yet")
-    desired, existing, ready, updated, current = _counts(workload)
+    desired, existing, ready, updated, current = _counts(workload, observed.pods.get(component, []))
     if desired == 0:
         return Condition(kind, False, "ScaledToZero", f"{component} has 0 replicas")
     if not current:
@@ -159,10 +162,10 @@ def _degraded(observed: Observed) -> Condition:
 
 
 def conditions(cr: DisaggregatedLLM, observed: Observed) -> list[Condition]:
-    prefill = role_condition("PrefillReady", "prefill", observed.workloads.get("prefill"))
-    decode = role_condition("DecodeReady", "decode", observed.workloads.get("decode"))
+    prefill = role_condition("PrefillReady", "prefill", observed)
+    decode = role_condition("DecodeReady", "decode", observed)
     if cr.spec.router.enabled:
-        router = role_condition("RouterReady", "router", observed.workloads.get("router"))
+        router = role_condition("RouterReady", "router", observed)
     else:
         router = Condition("RouterReady", True, "Disabled", "router.enabled is false")
     degraded = _degraded(observed)
@@ -204,9 +207,9 @@ def compute_status(
     generation = cr.metadata.generation
     status: dict[str, Any] = {
         "observedGeneration": generation,
-        "prefill": role_status(cr, "prefill", observed.workloads.get("prefill")),
-        "decode": role_status(cr, "decode", observed.workloads.get("decode")),
-        "router": role_status(cr, "router", observed.workloads.get("router"), with_selector=False),
+        "prefill": role_status(cr, "prefill", observed),
+        "decode": role_status(cr, "decode", observed),
+        "router": role_status(cr, "router", observed),
         "endpoint": endpoint(cr) if cr.spec.router.enabled else "",
         "conditions": [_as_dict(c, generation, before, now) for c in conditions(cr, observed)],
     }
