@@ -1,10 +1,11 @@
 """The images `make images` built, loaded into the real node's containerd (nothing can be pulled here).
 
-An image is streamed from podman (`podman save --format docker-archive`, which carries its name) into
-`ctr images import` once per build: containerd's store outlives `down`, and a stamp in it records the
-podman image id loaded, so a warm run (a later `up` included) loads nothing.
+An image goes from podman through a local registry (e2e/cluster/registry.py) into containerd once per
+build, only the layers the other side lacks: after a code change, the engine image's top layers, not
+its gigabytes of torch. containerd's store outlives `down`, and a stamp in it records the podman image
+id loaded, so a warm run (a later `up` included) loads nothing.
 
-A fresh build takes minutes to load (the vllm-cpu image is several GB): the test session starts it in
+A first load takes minutes (the vllm-cpu image is several GB): the test session starts it in
 the background as soon as the node is up (`preload`), while the tiers that need no image run. A lock in
 the store makes a second loader (`make demo`'s, in another process) wait for it and then find the stamp.
 """
@@ -20,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from e2e.cluster import controlplane as cp
-from e2e.cluster import node
+from e2e.cluster import node, registry
 
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = os.environ.get("DLLM_IMAGE_PREFIX", "localhost/dllm")
@@ -60,42 +61,51 @@ def _only_loader(layout: cp.Layout) -> Iterator[None]:
         yield
 
 
-def load(layout: cp.Layout, reference: str) -> bool:
-    """Load `reference` unless containerd holds the same build already; True when it loaded."""
-    image_id = podman_id(reference)
-    with _only_loader(layout):
-        return _load_locked(layout, reference, image_id)
-
-
-def _load_locked(layout: cp.Layout, reference: str, image_id: str) -> bool:
+def _loaded(layout: cp.Layout, reference: str, image_id: str) -> bool:
     stamp = _stamp(layout, reference)
-    if stamp.exists() and stamp.read_text() == image_id and _in_containerd(layout, reference):
-        return False
-    save = subprocess.Popen(
-        ["podman", "save", "--format", "docker-archive", reference],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=PODMAN_ENV,
+    return stamp.exists() and stamp.read_text() == image_id and _in_containerd(layout, reference)
+
+
+def _push_and_pull(layout: cp.Layout, reference: str, image_id: str, registry_address: str) -> None:
+    """Through the registry: podman pushes only the layers it lacks, ctr fetches only the blobs
+    containerd lacks. zstd, as it compresses several times faster than gzip (containerd reads it)."""
+    pushed = f"{registry_address}/{reference.split('/', 1)[1]}"
+    push = subprocess.run(
+        ["podman", "push", "--quiet", "--tls-verify=false", "--format=oci", "--compression-format=zstd",
+         reference, pushed],
+        capture_output=True, text=True, env=PODMAN_ENV, check=False, timeout=1800,
     )  # fmt: skip
-    assert save.stdout is not None
-    try:
-        node.ctr(layout, "images", "import", "--snapshotter=overlayfs", "--platform=linux/amd64",
-                 "-", stdin=save.stdout)  # fmt: skip
-    finally:
-        save.stdout.close()
-        _, errors = save.communicate(timeout=1800)
-    if save.returncode != 0:
-        raise cp.ClusterError(f"podman save {reference} failed: {errors.decode(errors='replace').strip()}")
+    if push.returncode != 0:
+        raise cp.ClusterError(f"podman push {reference} to the local registry failed: {push.stderr.strip()}")
+    # --local: ctr fetches, as containerd lives in the node's network namespace, away from 127.0.0.1.
+    node.ctr(layout, "images", "pull", "--local", "--plain-http", "--snapshotter=overlayfs",
+             "--platform=linux/amd64", pushed)  # fmt: skip
+    node.ctr(layout, "images", "tag", "--force", pushed, reference)
+    node.ctr(layout, "images", "rm", pushed)  # the content stays, under the name pods use
     if not _in_containerd(layout, reference):
-        raise cp.ClusterError(f"containerd did not list {reference} after the import")
+        raise cp.ClusterError(f"containerd did not list {reference} after the pull")
+    stamp = _stamp(layout, reference)
     stamp.parent.mkdir(parents=True, exist_ok=True)
     stamp.write_text(image_id)
-    return True
 
 
 def load_all(layout: cp.Layout, log: Callable[[str], None] = print) -> None:
-    for name in IMAGES:
-        reference = ref(name)
-        loaded = load(layout, reference)
-        log(f"    {reference}: {'loaded into the node' if loaded else 'already on the node'}")
+    load(layout, [ref(name) for name in IMAGES], log)
+
+
+def load(layout: cp.Layout, references: list[str], log: Callable[[str], None] = print) -> None:
+    """Each image into the node unless containerd holds the same build already."""
+    builds = {reference: podman_id(reference) for reference in references}
+    with _only_loader(layout):
+        missing = [
+            reference for reference, image_id in builds.items() if not _loaded(layout, reference, image_id)
+        ]
+        if missing:
+            with registry.running(layout) as address:
+                for reference in missing:
+                    _push_and_pull(layout, reference, builds[reference], address)
+    for reference in builds:
+        log(f"    {reference}: {'loaded into the node' if reference in missing else 'already on the node'}")
 
 
 def preload(layout: cp.Layout, log: Callable[[str], None]) -> None:

@@ -18,6 +18,7 @@ CONTAINERD_BIN=$CACHE/bin/containerd-v$CONTAINERD_VERSION
 CNI_BIN=$CACHE/bin/cni-plugins-v$CNI_PLUGINS_VERSION
 COREDNS_BIN=$CACHE/bin/coredns-v$COREDNS_VERSION
 KUBE_ROUTER_BIN=$CACHE/bin/kube-router-v$KUBE_ROUTER_VERSION
+REGISTRY_BIN=$CACHE/bin/docker-registry-v$DOCKER_REGISTRY_VERSION
 IMAGES=$CACHE/images/node-v$NODE_IMAGES_VERSION-coredns-v$COREDNS_VERSION
 K8S_CMDS="kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy"
 start=$SECONDS
@@ -162,6 +163,22 @@ build_kube_router() {
 }
 
 # The pause (C, static) and probe (Go) programs and CoreDNS, each as an OCI archive for `ctr images import`.
+fetch_registry() {
+  if [ -x "$REGISTRY_BIN/docker-registry" ]; then log "docker-registry $DOCKER_REGISTRY_VERSION: cached"; return; fi
+  log "docker-registry $DOCKER_REGISTRY_VERSION: unpacking Debian's package"
+  local tmp; tmp=$(mktemp -d)
+  chmod 755 "$tmp"  # apt's unprivileged downloader writes there
+  if ! (cd "$tmp" && apt-get download -q "docker-registry=$DOCKER_REGISTRY_VERSION" 2>&1); then
+    rm -rf "$tmp"
+    log "docker-registry: apt-get download failed (run \`apt-get update\` first?); the real node cannot load images"
+    return 0
+  fi
+  dpkg-deb -x "$tmp"/docker-registry_*.deb "$tmp/root"
+  mkdir -p "$REGISTRY_BIN"
+  mv "$tmp/root/usr/bin/docker-registry" "$REGISTRY_BIN/docker-registry"
+  rm -rf "$tmp"
+}
+
 build_node_images() {
   if [ -f "$IMAGES/coredns.tar" ] && [ "$IMAGES/coredns.tar" -nt "$COREDNS_BIN/coredns" ]; then
     log "node images v$NODE_IMAGES_VERSION: cached"; return
@@ -192,6 +209,7 @@ main() {
   build_containerd
   build_cni
   build_kube_router
+  fetch_registry
   build_node_images
   log "done: binaries under $CACHE/bin"
 }

@@ -24,6 +24,7 @@ from typing import IO
 from e2e.cluster import controlplane as cp
 from e2e.cluster import nodeconfig as nc
 from e2e.cluster import nodehost as host
+from e2e.cluster import registry
 
 OWNER = Path("/run/dllm-node.json")
 COMPONENTS = ("node-apiforward", "containerd", "kubelet", "kube-proxy", "kube-router")
@@ -39,6 +40,7 @@ class Binaries:
         self.cni = b / f"cni-plugins-v{v['CNI_PLUGINS_VERSION']}"
         self.kubelet, self.kube_proxy = layout.k8s_bin / "kubelet", layout.k8s_bin / "kube-proxy"
         self.kube_router = b / f"kube-router-v{v['KUBE_ROUTER_VERSION']}" / "kube-router"
+        self.registry = registry.binary(layout)
         self.images = (
             layout.cache / "images" / f"node-v{v['NODE_IMAGES_VERSION']}-coredns-v{v['COREDNS_VERSION']}"
         )
@@ -55,7 +57,7 @@ class Binaries:
     def missing(self) -> list[Path]:
         wanted = [self.containerd / "containerd", self.containerd / "containerd-shim-runc-v2", self.ctr,
                   self.cni / "bridge", self.cni / "host-local", self.cni / "loopback", self.cni / "portmap",
-                  self.kubelet, self.kube_proxy, self.kube_router, Path(nc.RUNC)]  # fmt: skip
+                  self.kubelet, self.kube_proxy, self.kube_router, self.registry, Path(nc.RUNC)]  # fmt: skip
         wanted += [self.images / f"{name}.tar" for name in self.image_names]
         return [p for p in wanted if not p.exists()] + [
             Path(t) for t in ("socat", "iptables", "ipset") if not shutil.which(t)
@@ -346,8 +348,9 @@ def down(layout: cp.Layout, quiet: bool = False) -> None:
             host.unmount_below(Path("/run/netns"))
     with _step("cgroups", errors):
         host.remove_cgroups()
-    with _step("API forwarder", errors):
+    with _step("API forwarder and image registry", errors):
         cp.stop_component(layout, "node-apiforward")
+        cp.stop_component(layout, registry.COMPONENT)
     with _step("sysctls", errors):
         sysctls = owner.get("sysctls")
         for key, value in (sysctls if isinstance(sysctls, dict) else {}).items():
