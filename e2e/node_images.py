@@ -68,7 +68,7 @@ def _loaded(layout: cp.Layout, reference: str, image_id: str) -> bool:
 
 def _push_and_pull(layout: cp.Layout, reference: str, image_id: str, registry_address: str) -> None:
     """Through the registry: podman pushes only the layers it lacks, ctr fetches only the blobs
-    containerd lacks. zstd, as it compresses several times faster than gzip (containerd reads it)."""
+    containerd lacks. Layers as zstd, which containerd unpacks natively and with less CPU than gzip."""
     pushed = f"{registry_address}/{reference.split('/', 1)[1]}"
     push = subprocess.run(
         ["podman", "push", "--quiet", "--tls-verify=false", "--format=oci", "--compression-format=zstd",

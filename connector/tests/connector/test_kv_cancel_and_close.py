@@ -18,6 +18,7 @@ import pytest
 from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches, pipe_config
 from peer_doubles import FakeDecode, GatedTransportDouble, read_until_closed, wait_until
 
+from dllm_connector import codec
 from dllm_connector.layout import PagedKV
 from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver
@@ -66,7 +67,11 @@ def gated(transports: tuple[MooncakeTransport, MooncakeTransport]) -> Iterator[G
 
 
 def gated_sender(gated: GatedTransportDouble, **changes: Any) -> KVSender:
-    sender = KVSender(gated, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config(**changes))
+    kv, settings = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config(**changes)
+    # As the worker does at engine start: a first build of the codec's kernels (a cold cache) would
+    # otherwise delay the first send past decode's one-second wait, which is not the fault under test.
+    codec.warm_up(kv.gather([0]), settings.compression, kv.layout.groups)
+    sender = KVSender(gated, kv, settings)
     sender.zero_copy_piece_bytes = 1  # one write per layer
     return sender
 

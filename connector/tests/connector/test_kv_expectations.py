@@ -70,8 +70,8 @@ def test_offers_waiting_for_unknown_ids_are_not_woken_by_a_real_transfer() -> No
 def test_an_expectation_expires_on_time_for_its_waiter() -> None:
     wait = 0.3
     expectations = Expectations(PipeStats(), prefill_wait_s=wait)
+    started = time.monotonic()  # before add(), where the wait's deadline is set
     add(expectations, "late")
-    started = time.monotonic()
     assert expectations.wait_for("late", 30) == f"prefill sent nothing within {wait:.1f}s"
     took = time.monotonic() - started
     assert wait <= took < 10  # woke for its own deadline, not at the end of the 30 s
