@@ -152,6 +152,14 @@ class Cluster:
 OPERATOR_AGENTS = ("dllm-operator/", "kopf/")
 
 
+@pytest.fixture
+def real_node(cluster: Cluster) -> cp.Layout:
+    """The local cluster's layout, its real node running; the test is skipped where there is none."""
+    if cluster.layout is None or not node.running(cluster.layout):
+        pytest.skip("the real node is not running (needs root and `make cluster-build`; DLLM_CP_REAL_NODE)")
+    return cluster.layout
+
+
 def operator_writes(entries: list[dict[str, Any]], namespaces: set[str], since: str) -> list[dict[str, Any]]:
     """Audit-log writes of the operator (its client or kopf) in `namespaces` after `since`, no leases."""
     return [

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 from e2e.cluster import controlplane as cp
-from e2e.cluster import node, nodehost, probepod
 from e2e.cluster import nodeconfig as nc
+from e2e.cluster import nodehost, probepod
 from e2e.fixtures import (
     BLOCKED,
     DIAL_SECONDS,
@@ -29,13 +29,6 @@ from e2e.fixtures import (
 pytestmark = [pytest.mark.k8s, pytest.mark.node]
 
 TEAM = {"team": "a"}
-
-
-@pytest.fixture
-def layout(cluster: Cluster) -> cp.Layout:
-    if cluster.layout is None or not node.running(cluster.layout):
-        pytest.skip("the real node is not running (needs root and `make cluster-build`; DLLM_CP_REAL_NODE)")
-    return cluster.layout
 
 
 def pod_ip(cluster: Cluster, pod: str, namespace: str) -> str:
@@ -94,9 +87,9 @@ class Watch:
 
 
 def test_default_deny_then_allow_same_label_refuses_another_namespace_until_the_policy_goes(
-    cluster: Cluster, namespace: str, other_namespace: str, layout: cp.Layout
+    cluster: Cluster, namespace: str, other_namespace: str, real_node: cp.Layout
 ) -> None:
-    start_probe_servers(cluster, layout, [("server", namespace, TEAM), ("friend", namespace, TEAM),
+    start_probe_servers(cluster, real_node, [("server", namespace, TEAM), ("friend", namespace, TEAM),
                                  ("loner", namespace, {}), ("stranger", other_namespace, TEAM)])  # fmt: skip
     target = f"{pod_ip(cluster, 'server', namespace)}:{probepod.PORT}"
     # Without a policy every pod reaches the server: what follows is the policy's doing.
@@ -149,7 +142,7 @@ WRITES_AND_SECRETS = (
 
 
 def test_the_firewall_reads_only_what_it_watches_and_listens_nowhere(
-    cluster: Cluster, layout: cp.Layout
+    cluster: Cluster, real_node: cp.Layout
 ) -> None:
     """Its certificate's user may list and watch what its informers need, and write nothing; with its
     health and metrics ports off (its health server would also serve Go's pprof), it has no socket."""
@@ -164,4 +157,4 @@ def test_the_firewall_reads_only_what_it_watches_and_listens_nowhere(
         assert (denied.returncode, denied.stdout.strip()) == (1, "no"), (verb, resource)
     sockets = nodehost.in_netns("ss", "-ltunp").stdout
     assert "kube-router" not in sockets, sockets
-    assert f"pid={cp.read_pid(layout, 'kube-router')}," not in sockets, sockets
+    assert f"pid={cp.read_pid(real_node, 'kube-router')}," not in sockets, sockets
