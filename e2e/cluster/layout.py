@@ -110,6 +110,9 @@ class Layout:
             "kube-controller-manager": b + 4,
             "kube-scheduler": b + 5,
             "kwok": b + 6,
+            # Stable, as podman's blob cache is keyed by the registry's address: a new one pushes
+            # every layer again.
+            "image-registry": b + 7,
         }
 
     @property

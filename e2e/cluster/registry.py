@@ -6,15 +6,13 @@ of which only the top layers change with the code. Through a registry, podman pu
 the registry lacks (its blob cache remembers which compressed blob holds which layer, and where it
 went), and containerd fetches only the blobs it lacks. This is the local registry kind's users run.
 
-It runs only while images load, on 127.0.0.1, its storage in the cache beside the node's store (both
-outlive `down`). Its port is chosen once and remembered there: podman's blob cache is keyed by the
-registry's address, so a new port means pushing every layer again (done when the old one is taken).
+It runs only while images load, on 127.0.0.1 at a port of the cluster's own block (layout.ports), its
+storage in the cache beside the node's store (both outlive `down`).
 """
 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -39,32 +37,6 @@ def storage(layout: cp.Layout) -> Path:
 
 def config_path(layout: cp.Layout) -> Path:
     return layout.state / "registry.yml"
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as probe:
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def _port(layout: cp.Layout) -> int:
-    """The remembered port when it is free, else a fresh one (remembered from now on)."""
-    remembered = storage(layout) / "port"
-    try:
-        port = int(remembered.read_text())
-    except (OSError, ValueError):
-        port = 0
-    if port and _port_is_free(port):
-        return port
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = int(probe.getsockname()[1])
-    remembered.parent.mkdir(parents=True, exist_ok=True)
-    remembered.write_text(str(port))
-    return port
 
 
 def _config(layout: cp.Layout, address: str) -> Path:
@@ -99,7 +71,7 @@ def running(layout: cp.Layout) -> Iterator[str]:
     executable = binary(layout)
     if not executable.exists():
         raise cp.ClusterError(f"{executable} is missing: run `make cluster-build`")
-    address = f"127.0.0.1:{_port(layout)}"
+    address = f"127.0.0.1:{layout.ports['image-registry']}"
     config = _config(layout, address)
     cp.spawn(layout, COMPONENT, [str(executable), "serve", str(config)])
     try:

@@ -13,17 +13,9 @@ import pytest
 from e2e import node_images
 from e2e.cluster import controlplane as cp
 from e2e.cluster import node, registry
-from e2e.fixtures import Cluster
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node]
 LAYERED = "localhost/dllm-test/layered:latest"  # one tag, so each run's build supersedes the last
-
-
-@pytest.fixture
-def layout(cluster: Cluster) -> cp.Layout:
-    if cluster.layout is None or not node.running(cluster.layout):
-        pytest.skip("the real node is not running (needs root and `make cluster-build`; DLLM_CP_REAL_NODE)")
-    return cluster.layout
 
 
 def build_layered(context: Path) -> None:
@@ -38,33 +30,33 @@ def build_layered(context: Path) -> None:
 
 
 @pytest.fixture
-def layered(layout: cp.Layout, tmp_path: Path) -> Iterator[Path]:
+def layered(real_node: cp.Layout, tmp_path: Path) -> Iterator[Path]:
     """A first build loaded, so the router's layers under it came through the registry (on a machine
     that loaded the router by archive before, containerd held them in another form)."""
     build_layered(tmp_path)
-    node_images.load(layout, [LAYERED], log=lambda line: None)
+    node_images.load(real_node, [LAYERED], log=lambda line: None)
     yield tmp_path
-    node.ctr(layout, "images", "rm", LAYERED)
+    node.ctr(real_node, "images", "rm", LAYERED)
     subprocess.run(["podman", "rmi", LAYERED], capture_output=True, env=node_images.PODMAN_ENV, check=False)
 
 
-def blobs(layout: cp.Layout) -> set[str]:
-    return set(node.ctr(layout, "content", "ls", "--quiet").split())
+def blobs(real_node: cp.Layout) -> set[str]:
+    return set(node.ctr(real_node, "content", "ls", "--quiet").split())
 
 
-def test_a_rebuilt_image_moves_only_its_new_layer_into_the_node(layout: cp.Layout, layered: Path) -> None:
+def test_a_rebuilt_image_moves_only_its_new_layer_into_the_node(real_node: cp.Layout, layered: Path) -> None:
     build_layered(layered)  # the same name, a new top layer: what a code change does to the engine image
-    before = blobs(layout)
+    before = blobs(real_node)
     lines: list[str] = []
-    node_images.load(layout, [LAYERED], log=lines.append)
+    node_images.load(real_node, [LAYERED], log=lines.append)
     assert lines == [f"    {LAYERED}: loaded into the node"]
-    assert LAYERED in node.ctr(layout, "images", "ls", "--quiet").split()
+    assert LAYERED in node.ctr(real_node, "images", "ls", "--quiet").split()
     # The manifest, the config and the one new layer; the layers under it were there already.
-    assert len(blobs(layout) - before) == 3
+    assert len(blobs(real_node) - before) == 3
     # A second load finds the same build on the node and moves nothing.
-    node_images.load(layout, [LAYERED], log=lines.append)
+    node_images.load(real_node, [LAYERED], log=lines.append)
     assert lines[-1] == f"    {LAYERED}: already on the node"
     # The registry ran only for the load, and only on 127.0.0.1.
-    assert cp.read_pid(layout, registry.COMPONENT) is None
-    config = json.loads(registry.config_path(layout).read_text())
-    assert config["http"]["addr"] == f"127.0.0.1:{(registry.storage(layout) / 'port').read_text()}"
+    assert cp.read_pid(real_node, registry.COMPONENT) is None
+    config = json.loads(registry.config_path(real_node).read_text())
+    assert config["http"]["addr"] == f"127.0.0.1:{real_node.ports['image-registry']}"
