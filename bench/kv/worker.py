@@ -223,6 +223,10 @@ class Worker:
 
 
 def serve(args: argparse.Namespace) -> None:
+    from dllm_connector import codec, tuning
+
+    # The kernels the driver names (DLLM_KV_CODEC_KERNELS), taken as an engine takes them.
+    codec.configure(codec.KernelRequest.of(tuning.from_env(os.environ)))
     worker = Worker(
         args.serve,
         args.host,

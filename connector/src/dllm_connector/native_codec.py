@@ -4,7 +4,8 @@ codec.py runs them on host tensors; they write the same bytes as its torch kerne
 fast on one core as torch.compile's (docs/kv-connector.md). No torch here: images build the library
 in a stage without it. The library is built once per source, compiler and CPU into a private cache
 directory (DLLM_KV_CODEC_CACHE, else ~/.cache/dllm-connector), or taken ready-made from
-DLLM_KV_CODEC_LIBRARY (images build one for the architecture's baseline CPU). Without a C compiler,
+DLLM_KV_CODEC_LIBRARY (images build one for the architecture's baseline CPU); dllm_connector.tuning
+reads both variables, the caller passes the paths. Without a C compiler,
 `load` returns None and the torch kernels stay in use.
 
     python -m dllm_connector.native_codec OUT.so [--march baseline]   # build one ahead of time
@@ -153,12 +154,12 @@ def _untrusted_part(directory: Path) -> Path | None:
     return None
 
 
-def _private_cache() -> Path:
-    """The cache directory, if only this user can change it or its path; else a fresh private
-    temporary one (a library someone else could replace must never be loaded)."""
-    configured = os.environ.get("DLLM_KV_CODEC_CACHE")
-    base = Path(configured) if configured else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    directory = base if configured else base / "dllm-connector"
+def _private_cache(configured: Path | None) -> Path:
+    """The cache directory (`configured`, else the XDG cache's dllm-connector), if only this user can
+    change it or its path; else a fresh private temporary one (a library someone else could replace
+    must never be loaded)."""
+    xdg_cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    directory = configured or xdg_cache / "dllm-connector"
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         untrusted = _untrusted_part(directory)
@@ -203,7 +204,7 @@ def _open(path: Path, owners: frozenset[int] | None = None) -> NativeCodec:
     return NativeCodec(library, path)
 
 
-def _from_cache() -> NativeCodec:
+def _from_cache(cache: Path | None) -> NativeCodec:
     """Built once per source, compiler and CPU; a cached library that does not load is built again."""
     compiler = _compiler()
     key = hashlib.sha256()
@@ -215,7 +216,7 @@ def _from_cache() -> NativeCodec:
     ):
         key.update(part)
     key.update(" ".join(sorted(_cpu_flags())).encode())
-    path = _private_cache() / f"kvcodec-{key.hexdigest()[:16]}.so"
+    path = _private_cache(cache) / f"kvcodec-{key.hexdigest()[:16]}.so"
     if path.exists():
         try:
             return _open(path)
@@ -224,26 +225,24 @@ def _from_cache() -> NativeCodec:
     return _open(build(path, compiler=compiler))
 
 
-def _ready_made() -> NativeCodec | None:
-    """DLLM_KV_CODEC_LIBRARY (what images ship), where it exists, matches this package's source and
-    this CPU can run it (an x86-64-v3 build needs AVX2 and the rest); else None, with a warning."""
-    configured = os.environ.get("DLLM_KV_CODEC_LIBRARY")
-    if not configured:
-        return None
+def _ready_made(configured: Path) -> NativeCodec | None:
+    """The library at `configured` (what images ship), where it exists, matches this package's source
+    and this CPU can run it (an x86-64-v3 build needs AVX2 and the rest); else None, with a warning."""
     if platform.machine() in ("x86_64", "AMD64") and not _cpu_flags() >= _X86_64_V3_FLAGS:
         _log.warning("this CPU lacks x86-64-v3 (AVX2); not loading %s", configured)
         return None
     try:  # images install it as root; the engine runs as another user
-        return _open(Path(configured), owners=frozenset({0, os.getuid()}))
+        return _open(configured, owners=frozenset({0, os.getuid()}))
     except OSError as error:
-        _log.warning("not using DLLM_KV_CODEC_LIBRARY: %s", error)
+        _log.warning("not using DLLM_KV_CODEC_LIBRARY: %s", error)  # where images and users name it
         return None
 
 
-def load() -> NativeCodec | None:
-    """The kernels, ready-made or built here; None (and a warning saying why) where neither works."""
+def load(library: Path | None = None, cache: Path | None = None) -> NativeCodec | None:
+    """The kernels: the ready-made `library` where given and usable, else built here into `cache`
+    (see _private_cache); None (and a warning saying why) where neither works."""
     try:
-        return _ready_made() or _from_cache()
+        return (library and _ready_made(library)) or _from_cache(cache)
     except subprocess.CalledProcessError as error:
         _log.warning("building the KV codec kernels failed: %s", error.stderr.strip()[-2000:])
     except (OSError, subprocess.SubprocessError, AttributeError) as error:

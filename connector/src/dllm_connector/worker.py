@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dllm_connector import codec
+from dllm_connector import codec, tuning
 from dllm_connector.layout import Geometry, LayoutError, PagedKV, TPRank
 from dllm_connector.peers import DecodePeers
 from dllm_connector.pipe.common import PipeConfig, TransferFailed
@@ -25,16 +25,12 @@ from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.scheduler import StepPlan
 from dllm_connector.transport.base import Transport
-from dllm_connector.transport.placement import DataPath, DataPathError, PathSetting, parse_setting
+from dllm_connector.transport.placement import DataPath, PathSetting
 from dllm_connector.transport.sidechannel import PeerAuth
 from dllm_contract import kvconfig
 from dllm_contract.kvconfig import ConnectorExtraConfig, Protocol
 
 _log = logging.getLogger(__name__)
-
-# The operator's override of the KV data path (transport.placement): auto (unset), device,
-# pinned-host or host. Read from the worker's environment, like the side channel's key.
-DATA_PATH_ENV = "DLLM_KV_DATA_PATH"
 
 
 @dataclass(frozen=True)
@@ -119,10 +115,10 @@ class ConnectorWorker:
         # config (that JSON is on vLLM's command line and in its logs).
         token = kvconfig.side_channel_token(os.environ)
         auth = PeerAuth.from_token(token) if token is not None else None
-        try:
-            setting = parse_setting(os.environ.get(DATA_PATH_ENV))
-        except DataPathError as error:
-            raise DataPathError(f"{DATA_PATH_ENV}: {error}") from None
+        # The engine's tuning (the operator's data path override, the codec kernels) likewise.
+        chosen = tuning.from_env(os.environ)
+        codec.configure(codec.KernelRequest.of(chosen))
+        setting = chosen.data_path
         self.config = replace(self.config, data_path=setting)
         self.transport = make_transport(self.transport_kind, self.extra, self.host, self.kv.device, setting)
         if self.identity.sends:

@@ -33,9 +33,11 @@ from dllm_connector.transport.placement import (
 )
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_connector.transport.torchdist import TorchDistTransport
-from dllm_connector.worker import DATA_PATH_ENV, ConnectorWorker, WorkerIdentity, make_transport
+from dllm_connector.tuning import ENV_NAMES, TuningInvalid
+from dllm_connector.worker import ConnectorWorker, WorkerIdentity, make_transport
 from dllm_contract.kvconfig import Compression, Connector, ConnectorExtraConfig, Role, kv_transfer_config
 
+DATA_PATH_ENV = ENV_NAMES["data_path"]
 MOONCAKE_CUDA = TransportTraits("mooncake (rdma)", one_sided=True, registers_device_memory=True)
 MOONCAKE_TCP_NO_CUDA = TransportTraits(
     "mooncake (tcp)", one_sided=True, registers_device_memory=False, why_not_device="built without CUDA"
@@ -302,9 +304,22 @@ def test_the_worker_logs_its_data_path_once_and_reports_it(
 def test_a_bad_data_path_setting_stops_the_worker_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(DATA_PATH_ENV, "gpu")
     worker = ConnectorWorker(worker_extra(), GEOMETRY, WorkerIdentity(0, receives=False), "mooncake")
-    with pytest.raises(DataPathError, match=f"{DATA_PATH_ENV}: KV data path 'gpu': expected one of"):
+    with pytest.raises(TuningInvalid, match=f"{DATA_PATH_ENV}: KV data path 'gpu': expected one of"):
         worker.register_kv_caches(make_caches(None), NUM_BLOCKS)
     assert worker.transport is None  # nothing was started, so nothing is left running
+    assert worker.sender is None
+
+
+def test_an_unknown_codec_kernel_set_stops_the_worker_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, an unknown name warned and native served; a typo now stops the engine as other
+    settings do."""
+    monkeypatch.setenv(ENV_NAMES["codec_kernels"], "fast")
+    worker = ConnectorWorker(worker_extra(), GEOMETRY, WorkerIdentity(0, receives=False), "mooncake")
+    with pytest.raises(
+        TuningInvalid, match="DLLM_KV_CODEC_KERNELS: 'fast' is none of native, compiled, plain"
+    ):
+        worker.register_kv_caches(make_caches(None), NUM_BLOCKS)
+    assert worker.transport is None
     assert worker.sender is None
 
 

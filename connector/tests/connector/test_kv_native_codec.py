@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_connector import codec, native_codec
+from dllm_connector import codec, native_codec, tuning
 from dllm_connector.codec import kernel_sets as codec_kernels
 from dllm_connector.codec.kernel_sets import native_kernels
 from dllm_contract.kvconfig import Compression
@@ -30,14 +30,15 @@ needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler here
 @pytest.fixture(autouse=True)
 def _default_kernels_afterwards() -> Iterator[None]:
     yield
-    codec.use_kernels(os.environ.get("DLLM_KV_CODEC_KERNELS", "native"))
+    codec.configure(codec.KernelRequest())
+    codec.use_kernels("native")
 
 
 @pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def cache(tmp_path: Path) -> Path:
+    """A cache of this test's own (DLLM_KV_CODEC_CACHE), for the kernels chosen here too."""
     directory = tmp_path / "cache"
-    monkeypatch.setenv("DLLM_KV_CODEC_CACHE", str(directory))
-    monkeypatch.delenv("DLLM_KV_CODEC_LIBRARY", raising=False)
+    codec.configure(codec.KernelRequest(cache=directory))
     return directory
 
 
@@ -77,8 +78,8 @@ def test_the_library_is_built_once_and_then_reused(
 ) -> None:
     wrapper, log = counting_compiler(tmp_path)
     monkeypatch.setenv("CC", str(wrapper))
-    first = native_codec.load()
-    second = native_codec.load()
+    first = native_codec.load(cache=cache)
+    second = native_codec.load(cache=cache)
     assert first is not None
     assert second is not None
     assert first.path == second.path
@@ -112,7 +113,7 @@ def test_a_failing_compiler_is_reported_with_its_message(
     broken.chmod(0o755)
     monkeypatch.setenv("CC", str(broken))
     with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
-        assert native_codec.load() is None
+        assert native_codec.load(cache=cache) is None
     assert "building the KV codec kernels failed: kvcodec.c:1: error: this compiler is broken" in caplog.text
     assert not list(cache.glob("*.so")), "no partial library is left to be loaded later"
 
@@ -124,7 +125,7 @@ def test_a_cache_that_others_can_write_to_is_never_used(
     cache.mkdir()
     cache.chmod(0o777)
     with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
-        library = native_codec.load()
+        library = native_codec.load(cache=cache)
     assert library is not None
     assert library.path.parent != cache
     assert not list(cache.iterdir())
@@ -134,18 +135,16 @@ def test_a_cache_that_others_can_write_to_is_never_used(
 @pytest.mark.skipif(os.getuid() != 0, reason="making a file another user's takes root")
 def test_a_cached_library_another_user_owns_is_built_again_not_loaded(cache: Path) -> None:
     """Review L4: only a file this user owns is loaded from the cache."""
-    first = native_codec.load()
+    first = native_codec.load(cache=cache)
     assert first is not None
     os.chown(first.path, 65534, 65534)
-    again = native_codec.load()
+    again = native_codec.load(cache=cache)
     assert again is not None
     assert again.path == first.path
     assert first.path.stat().st_uid == os.getuid(), "rebuilt in place by this user"
 
 
-def test_a_symlinked_cache_or_one_under_a_directory_others_can_write_is_not_used(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_symlinked_cache_or_one_under_a_directory_others_can_write_is_not_used(tmp_path: Path) -> None:
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
     link = tmp_path / "link"
@@ -154,8 +153,7 @@ def test_a_symlinked_cache_or_one_under_a_directory_others_can_write_is_not_used
     open_parent.mkdir()
     open_parent.chmod(0o777)  # not sticky: anyone could rename the cache inside it
     for directory in (link, open_parent / "cache"):
-        monkeypatch.setenv("DLLM_KV_CODEC_CACHE", str(directory))
-        assert native_codec._private_cache() != directory
+        assert native_codec._private_cache(directory) != directory
 
 
 def build_with_the_cli(out: Path, march: str) -> subprocess.CompletedProcess[str]:
@@ -165,15 +163,16 @@ def build_with_the_cli(out: Path, march: str) -> subprocess.CompletedProcess[str
 
 @needs_compiler
 def test_a_library_built_ahead_of_time_is_loaded_from_dllm_kv_codec_library(
-    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    cache: Path, tmp_path: Path
 ) -> None:
     """What images do: build for the architecture's baseline CPU at image build time, name it in
-    the environment."""
+    the environment (which the engine's tuning reads)."""
     out = tmp_path / "kvcodec-baseline.so"
     built = build_with_the_cli(out, "baseline")
     assert built.returncode == 0, built.stderr
-    monkeypatch.setenv("DLLM_KV_CODEC_LIBRARY", str(out))
-    library = native_codec.load()
+    chosen = tuning.from_env({"DLLM_KV_CODEC_LIBRARY": str(out), "DLLM_KV_CODEC_CACHE": str(cache)})
+    codec.configure(codec.KernelRequest.of(chosen))
+    library = native_codec.load(chosen.codec_library, chosen.codec_cache)
     assert library is not None
     assert library.path == out
     assert codec.use_kernels("native") == "native"
@@ -228,10 +227,10 @@ def test_an_unknown_kernel_set_name_warns_and_the_default_serves(caplog: pytest.
     ],
 )
 def test_tensors_the_c_kernels_cannot_take_as_they_are_go_to_torch(
-    odd_rows: Callable[[torch.Tensor], torch.Tensor],
+    odd_rows: Callable[[torch.Tensor], torch.Tensor], cache: Path
 ) -> None:
     """A view whose memory is not the values in row order must not be read as if it were."""
-    library = native_codec.load()
+    library = native_codec.load(cache=cache)
     assert library is not None
     native = native_kernels(library)[Compression.FP8]
     rows = torch.randn(16, 64).to(torch.bfloat16)
@@ -245,23 +244,26 @@ def test_tensors_the_c_kernels_cannot_take_as_they_are_go_to_torch(
     assert torch.equal(scales, expected_scales)
 
 
-def load_in_a_new_process() -> tuple[Path, str]:
+def load_in_a_new_process(cache: Path) -> tuple[Path, str]:
     """native_codec.load() in a fresh interpreter (one that has loaded no library from that path yet):
     the library's path, and what it logged."""
     script = (
-        "import logging; logging.basicConfig(level=logging.WARNING)\n"
+        "import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
+        "from pathlib import Path\n"
         "from dllm_connector import native_codec\n"
-        "print(native_codec.load().path)\n"
+        "print(native_codec.load(cache=Path(sys.argv[1])).path)\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(cache)], capture_output=True, text=True, check=True
+    )
     return Path(done.stdout.strip()), done.stderr
 
 
 @needs_compiler
 def test_a_cached_library_that_does_not_load_is_built_again(cache: Path) -> None:
-    path, _ = load_in_a_new_process()
+    path, _ = load_in_a_new_process(cache)
     path.write_bytes(b"not a shared library")
-    again, logged = load_in_a_new_process()
+    again, logged = load_in_a_new_process(cache)
     assert again == path
     assert "rebuilding the KV codec kernels" in logged
     assert path.read_bytes().startswith(b"\x7fELF")
@@ -269,7 +271,7 @@ def test_a_cached_library_that_does_not_load_is_built_again(cache: Path) -> None
 
 @needs_compiler
 def test_a_ready_made_library_of_other_source_is_not_used(
-    cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A library left from another version of the connector (e.g. a stale mount) is refused, and the
     kernels are built from this version's source instead."""
@@ -286,9 +288,8 @@ def test_a_ready_made_library_of_other_source_is_not_used(
         str(stale),
     ]
     subprocess.run([*command, str(source), "-lm"], check=True)
-    monkeypatch.setenv("DLLM_KV_CODEC_LIBRARY", str(stale))
     with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
-        library = native_codec.load()
+        library = native_codec.load(stale, cache)
     assert library is not None
     assert library.path.parent == cache
     assert "built from another kvcodec.c than this package's" in caplog.text
@@ -313,9 +314,8 @@ def test_an_unusable_ready_made_library_is_passed_over_with_a_warning(
         monkeypatch.setattr(native_codec, "_cpu_flags", lambda: frozenset({"sse2"}))
         monkeypatch.setattr(native_codec.platform, "machine", lambda: "x86_64")
         expected = "lacks x86-64-v3"
-    monkeypatch.setenv("DLLM_KV_CODEC_LIBRARY", str(ready))
     with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
-        library = native_codec.load()
+        library = native_codec.load(ready, cache)
     assert library is not None
     assert library.path.parent == cache
     assert expected in caplog.text

@@ -15,7 +15,8 @@ Defined edge cases:
 - a KV cache that is already fp8 (--kv-cache-dtype fp8) passes through unchanged as codec none.
 
 fp8 scales are powers of two (exact scaling, integer rounding to e4m3). Three sets of kernels write
-the same payload bytes (tests compare them), chosen by DLLM_KV_CODEC_KERNELS:
+the same payload bytes (tests compare them), chosen by DLLM_KV_CODEC_KERNELS (dllm_connector.tuning;
+the engine passes it to `configure` at start):
 - native (the default): C loops (native_codec, kvcodec.c) on host tensors, built for this CPU at first
   use, plain torch ops on other devices; where they cannot be built, compiled, else plain;
 - compiled: fused by torch.compile (which also needs a C++ compiler);
@@ -45,7 +46,7 @@ from dllm_connector.codec.header import (
     effective_codec,
     payload_nbytes,
 )
-from dllm_connector.codec.kernel_sets import kernels, use_kernels, warm_up
+from dllm_connector.codec.kernel_sets import KernelRequest, configure, kernels, use_kernels, warm_up
 from dllm_connector.codec.quant import DecodeFn
 from dllm_connector.codec.stream import StreamingDecode, decode, decode_parts, encode, encode_parts, verify
 
@@ -60,10 +61,12 @@ __all__ = [
     "CodecError",
     "DecodeFn",
     "KVHeader",
+    "KernelRequest",
     "NonFiniteKVError",
     "StreamingDecode",
     "as_bytes",
     "checksum",
+    "configure",
     "decode",
     "decode_parts",
     "default_checksum_algo",

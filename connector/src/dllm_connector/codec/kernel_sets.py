@@ -8,7 +8,8 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import torch
@@ -39,6 +40,7 @@ from dllm_connector.codec.quant import (
     int8_decode_into,
     int8_scales,
 )
+from dllm_connector.tuning import EngineTuning
 from dllm_contract.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
@@ -83,6 +85,23 @@ _NATIVE_CHUNK_ELEMENTS = 1 << 22  # no temporaries: chunks only bound one call
 # Decode's temporaries per chunk (fp8: float16 bits; int8: float32 values) stay in cache at these sizes.
 DECODE_CHUNK_ELEMENTS: Mapping[Compression, int] = {Compression.FP8: 1 << 21, Compression.INT8: 1 << 20}
 
+
+@dataclass(frozen=True)
+class KernelRequest:
+    """The set the first use chooses (native, compiled or plain) and where native's library comes
+    from: ready-made at `library`, else built into `cache` (native_codec). The engine sets it at start
+    from its tuning variables (dllm_connector.tuning)."""
+
+    name: str = "native"
+    library: Path | None = None
+    cache: Path | None = None
+
+    @classmethod
+    def of(cls, tuning: EngineTuning) -> KernelRequest:
+        return cls(tuning.codec_kernels.value, tuning.codec_library, tuning.codec_cache)
+
+
+_request = KernelRequest()
 _kernels: _Kernels | None = None
 
 
@@ -270,8 +289,8 @@ def _checked(candidate: _Kernels, dtypes: Iterable[torch.dtype]) -> _Kernels | N
     return candidate
 
 
-def _native_set() -> _Kernels | None:
-    library = native_codec.load()
+def _native_set(request: KernelRequest) -> _Kernels | None:
+    library = native_codec.load(library=request.library, cache=request.cache)
     if library is None:
         return None
     return _checked(_Kernels(native_kernels(library), "native", _NATIVE_CHUNK_ELEMENTS), _NATIVE_DTYPES)
@@ -286,10 +305,12 @@ def _compiled_set() -> _Kernels | None:
         return None
 
 
-def _choose_kernels(name: str) -> _Kernels:
-    """The named kernel set, checked against the plain one; where it is unavailable, the next of
+def _choose_kernels(request: KernelRequest) -> _Kernels:
+    """The requested kernel set, checked against the plain one; where it is unavailable, the next of
     native -> compiled -> plain (each step says why in a warning)."""
-    order = {"native": (_native_set, _compiled_set), "compiled": (_compiled_set,), "plain": ()}
+    native = functools.partial(_native_set, request)
+    order = {"native": (native, _compiled_set), "compiled": (_compiled_set,), "plain": ()}
+    name = request.name
     if name not in order:
         _log.warning("DLLM_KV_CODEC_KERNELS=%s is none of native, compiled, plain; using native", name)
         name = "native"
@@ -329,11 +350,19 @@ _kernels_lock = threading.Lock()
 
 
 def kernels() -> _Kernels:
+    global _kernels
     with _kernels_lock:  # senders on several threads must not compile twice
         if _kernels is None:
-            use_kernels(os.environ.get("DLLM_KV_CODEC_KERNELS", "native"))
-        assert _kernels is not None
+            _kernels = _choose_kernels(_request)
         return _kernels
+
+
+def configure(request: KernelRequest) -> None:
+    """What the next first use chooses; a set chosen for another request is dropped."""
+    global _request, _kernels
+    with _kernels_lock:
+        if request != _request:
+            _request, _kernels = request, None
 
 
 def warm_up(
@@ -378,6 +407,7 @@ def _check_on(
 def use_kernels(name: str) -> str:
     """Choose the kernels explicitly (tests, benchmarks): native, compiled or plain; returns the name
     of the set in use (the next available one where the one asked for is not)."""
-    global _kernels
-    _kernels = _choose_kernels(name)
+    global _request, _kernels
+    _request = replace(_request, name=name)
+    _kernels = _choose_kernels(_request)
     return _kernels.name
