@@ -83,23 +83,10 @@ class ConnectorExtraConfig(_Frozen):
 
 
 def extra_config(settings: KVTransferSettings) -> ConnectorExtraConfig:
-    """The kv_connector_extra_config of this project's connectors for these settings."""
-    return ConnectorExtraConfig(
-        compression=settings.compression,
-        buffer_size_gb=settings.buffer_size_gb,
-        transfer_threshold_tokens=settings.transfer_threshold_tokens,
-        transfer_timeout_ms=settings.transfer_timeout_ms,
-        prefill_wait_ms=settings.prefill_wait_ms or DEFAULT_PREFILL_WAIT_MS,
-        hold_seconds=settings.hold_seconds or DEFAULT_HOLD_SECONDS,
-        async_transfer=settings.async_transfer,
-        protocol=settings.protocol,
-        decode_host=settings.decode_host,
-        decode_port=settings.decode_port,
-        rdma_devices=settings.rdma_devices,
-        gid_index=settings.gid_index,
-        host_ip=settings.host_ip,
-        transfer_ports=settings.transfer_ports,
-    )
+    """The kv_connector_extra_config of this project's connectors for these settings: the fields both
+    models have, where the settings set them (an unset one takes the extra config's default)."""
+    shared = set(ConnectorExtraConfig.model_fields) & set(KVTransferSettings.model_fields)
+    return ConnectorExtraConfig.model_validate(settings.model_dump(include=shared, exclude_none=True))
 
 
 def kv_transfer_config(settings: KVTransferSettings, engine_id: str) -> dict[str, Any]:
