@@ -13,7 +13,8 @@ import pytest
 import torch
 import xxhash
 
-from dllm_connector import codec, native_codec
+from dllm_connector import codec
+from dllm_connector.codec import native as native_codec
 from dllm_connector.codec import quant
 from dllm_connector.codec.kernel_sets import native_kernels
 from dllm_connector.layout import Geometry, PagedKV

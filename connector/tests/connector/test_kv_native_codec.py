@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dllm_connector import codec, native_codec, tuning
+from dllm_connector import codec, tuning
 from dllm_connector.codec import kernel_sets as codec_kernels
+from dllm_connector.codec import native as native_codec
 from dllm_connector.codec.kernel_sets import native_kernels
 from dllm_contract.kvconfig import Compression
 
@@ -95,7 +96,7 @@ def test_without_a_compiler_plain_torch_serves_and_a_warning_says_why(
     torch.compile its absence is simulated (the compiled set reported unavailable)."""
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(codec_kernels, "_compiled_set", lambda: None)
-    with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
+    with caplog.at_level(logging.WARNING, logger="dllm_connector.codec.native"):
         assert codec.use_kernels("native") == "plain"
     assert "native KV codec kernels are unavailable" in caplog.text
     assert "/nonexistent/cc" in caplog.text
@@ -112,7 +113,7 @@ def test_a_failing_compiler_is_reported_with_its_message(
     broken.write_text("#!/bin/sh\necho 'kvcodec.c:1: error: this compiler is broken' >&2\nexit 1\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CC", str(broken))
-    with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
+    with caplog.at_level(logging.WARNING, logger="dllm_connector.codec.native"):
         assert native_codec.load(cache=cache) is None
     assert "building the KV codec kernels failed: kvcodec.c:1: error: this compiler is broken" in caplog.text
     assert not list(cache.glob("*.so")), "no partial library is left to be loaded later"
@@ -124,7 +125,7 @@ def test_a_cache_that_others_can_write_to_is_never_used(
 ) -> None:
     cache.mkdir()
     cache.chmod(0o777)
-    with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
+    with caplog.at_level(logging.WARNING, logger="dllm_connector.codec.native"):
         library = native_codec.load(cache=cache)
     assert library is not None
     assert library.path.parent != cache
@@ -156,8 +157,17 @@ def test_a_symlinked_cache_or_one_under_a_directory_others_can_write_is_not_used
         assert native_codec._private_cache(directory) != directory
 
 
+# What the images' build stage runs: native.py as a file, in an interpreter where torch cannot be
+# imported (that stage has none).
+_RUN_WITHOUT_TORCH = (
+    "import runpy, sys; sys.modules['torch'] = None; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
 def build_with_the_cli(out: Path, march: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "dllm_connector.native_codec", str(out), "--march", march]
+    script = str(Path(native_codec.__file__))
+    command = [sys.executable, "-c", _RUN_WITHOUT_TORCH, script, str(out), "--march", march]
     return subprocess.run(command, capture_output=True, text=True, check=False)
 
 
@@ -250,7 +260,7 @@ def load_in_a_new_process(cache: Path) -> tuple[Path, str]:
     script = (
         "import logging, sys; logging.basicConfig(level=logging.WARNING)\n"
         "from pathlib import Path\n"
-        "from dllm_connector import native_codec\n"
+        "from dllm_connector.codec import native as native_codec\n"
         "print(native_codec.load(cache=Path(sys.argv[1])).path)\n"
     )
     done = subprocess.run(
@@ -288,7 +298,7 @@ def test_a_ready_made_library_of_other_source_is_not_used(
         str(stale),
     ]
     subprocess.run([*command, str(source), "-lm"], check=True)
-    with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
+    with caplog.at_level(logging.WARNING, logger="dllm_connector.codec.native"):
         library = native_codec.load(stale, cache)
     assert library is not None
     assert library.path.parent == cache
@@ -314,7 +324,7 @@ def test_an_unusable_ready_made_library_is_passed_over_with_a_warning(
         monkeypatch.setattr(native_codec, "_cpu_flags", lambda: frozenset({"sse2"}))
         monkeypatch.setattr(native_codec.platform, "machine", lambda: "x86_64")
         expected = "lacks x86-64-v3"
-    with caplog.at_level(logging.WARNING, logger="dllm_connector.native_codec"):
+    with caplog.at_level(logging.WARNING, logger="dllm_connector.codec.native"):
         library = native_codec.load(ready, cache)
     assert library is not None
     assert library.path.parent == cache

@@ -1,6 +1,6 @@
 """KV-cache codecs: none, fp8 (e4m3) and int8, with one scale per (block, KV head, K or V).
 
-Tensor code: the one I/O is choosing the kernels once (native_codec builds or loads the C library;
+Tensor code: the one I/O is choosing the kernels once (`native` builds or loads the C library;
 torch.compile compiles). A payload is the quantized data followed by its float32 scales,
 described by a KVHeader (codec, source dtype, shape, scale groups, checksum of the payload and its
 algorithm: XXH3-64 on the host, `device_checksum`'s nh64 where the payload is on a device).
@@ -17,7 +17,7 @@ Defined edge cases:
 fp8 scales are powers of two (exact scaling, integer rounding to e4m3). Three sets of kernels write
 the same payload bytes (tests compare them), chosen by DLLM_KV_CODEC_KERNELS (dllm_connector.tuning;
 the engine passes it to `configure` at start):
-- native (the default): C loops (native_codec, kvcodec.c) on host tensors, built for this CPU at first
+- native (the default): C loops (`native`, kvcodec.c) on host tensors, built for this CPU at first
   use, plain torch ops on other devices; where they cannot be built, compiled, else plain;
 - compiled: fused by torch.compile (which also needs a C++ compiler);
 - plain: torch ops, no compiler.
@@ -25,8 +25,8 @@ the engine passes it to `configure` at start):
 The package, one idea per module: `header` (the wire header, errors, dtype tables, checksum), `quant`
 (the fp8/int8 maths in torch), `kernel_sets` (the kernel sets and the choice among them), `stream` (encode and
 decode, whole or in parts), `checksum` (XXH3-64 over host memory) and `device_checksum` (nh64 in torch
-ops, where the payload is). The C kernels' build and load stay in `dllm_connector.native_codec`, which
-runs without torch (the image builds the library with it). Callers use the names below.
+ops, where the payload is), and `native` (the C kernels' build and load: stdlib only, so that the
+images build the library with it in a stage without torch). Callers use the names below.
 """
 
 from dllm_connector.codec.header import (

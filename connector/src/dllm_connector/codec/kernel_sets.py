@@ -14,8 +14,7 @@ from typing import Any, TypeVar, cast
 
 import torch
 
-from dllm_connector import native_codec
-from dllm_connector.codec import device_checksum
+from dllm_connector.codec import device_checksum, native
 from dllm_connector.codec.header import (
     CODE_DTYPE,
     SCALE_BYTES,
@@ -89,7 +88,7 @@ DECODE_CHUNK_ELEMENTS: Mapping[Compression, int] = {Compression.FP8: 1 << 21, Co
 @dataclass(frozen=True)
 class KernelRequest:
     """The set the first use chooses (native, compiled or plain) and where native's library comes
-    from: ready-made at `library`, else built into `cache` (native_codec). The engine sets it at start
+    from: ready-made at `library`, else built into `cache` (codec.native). The engine sets it at start
     from its tuning variables (dllm_connector.tuning)."""
 
     name: str = "native"
@@ -202,7 +201,7 @@ def _over_rows(run: Callable[[int, int], None], nrows: int, length: int) -> None
             future.result()
 
 
-def native_kernels(library: native_codec.NativeCodec) -> Mapping[Compression, _CodecKernels]:
+def native_kernels(library: native.NativeCodec) -> Mapping[Compression, _CodecKernels]:
     """The C kernels where they take the tensors, plain torch ops elsewhere (e.g. on a GPU)."""
 
     def for_codec(codec: Compression) -> _CodecKernels:
@@ -290,7 +289,7 @@ def _checked(candidate: _Kernels, dtypes: Iterable[torch.dtype]) -> _Kernels | N
 
 
 def _native_set(request: KernelRequest) -> _Kernels | None:
-    library = native_codec.load(library=request.library, cache=request.cache)
+    library = native.load(library=request.library, cache=request.cache)
     if library is None:
         return None
     return _checked(_Kernels(native_kernels(library), "native", _NATIVE_CHUNK_ELEMENTS), _NATIVE_DTYPES)

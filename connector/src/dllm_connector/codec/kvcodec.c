@@ -2,7 +2,7 @@
  *
  * The same payload bytes and decoded values as codec.py's torch kernels, bit for bit (the tests
  * compare them on every finite 16-bit value): each loop is the torch kernel's arithmetic, element
- * by element, written so that the compiler vectorizes it. native_codec.py compiles this file for
+ * by element, written so that the compiler vectorizes it. native.py compiles this file for
  * the CPU it runs on (-O3 -march=native -ffp-contract=off: no fused multiply-add, whose single
  * rounding would differ from torch's two) and calls it through ctypes, which releases the GIL.
  *
@@ -221,7 +221,7 @@ INT8_KERNELS(f32)
 
 /* ---- entry points: 0 on success, -1 for an unknown dtype ---- */
 
-/* The SHA-256 of the source this library was built from (native_codec passes it at build time), so
+/* The SHA-256 of the source this library was built from (native.py passes it at build time), so
  * that a library built from other source is never used. */
 const char *dllm_kvcodec_source(void) { return KVCODEC_SOURCE_SHA256; }
 

@@ -1,6 +1,6 @@
 """The host KV codec kernels in C (kvcodec.c): compiled for this CPU at first use, loaded by ctypes.
 
-codec.py runs them on host tensors; they write the same bytes as its torch kernels, about twice as
+kernel_sets runs them on host tensors; they write the same bytes as its torch kernels, about twice as
 fast on one core as torch.compile's (docs/kv-connector.md). No torch here: images build the library
 in a stage without it. The library is built once per source, compiler and CPU into a private cache
 directory (DLLM_KV_CODEC_CACHE, else ~/.cache/dllm-connector), or taken ready-made from
@@ -8,7 +8,10 @@ DLLM_KV_CODEC_LIBRARY (images build one for the architecture's baseline CPU); dl
 reads both variables, the caller passes the paths. Without a C compiler,
 `load` returns None and the torch kernels stay in use.
 
-    python -m dllm_connector.native_codec OUT.so [--march baseline]   # build one ahead of time
+    python .../dllm_connector/codec/native.py OUT.so [--march baseline]   # build one ahead of time
+
+Run as a file, not with -m: importing the codec package would import torch, which the images' build
+stage does not have.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-from importlib import resources
 from pathlib import Path
 
 __all__ = ["NativeCodec", "build", "load"]
@@ -43,7 +45,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 class NativeCodec:
-    """The four entry points of a loaded kvcodec library, on raw addresses (codec.py passes tensors'):
+    """The four entry points of a loaded kvcodec library, on raw addresses (kernel_sets passes tensors'):
     rows and codes of `nrows` x `length` elements, one float32 scale per row; `dtype` numbers the
     KV dtype as kvcodec.c does (0 bfloat16, 1 float16, 2 float32)."""
 
@@ -81,7 +83,7 @@ class NativeCodec:
 
 
 def _source() -> bytes:
-    return resources.files("dllm_connector").joinpath("kvcodec.c").read_bytes()
+    return Path(__file__).with_name("kvcodec.c").read_bytes()
 
 
 def source_sha256() -> str:
