@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from kv_peer import GEOMETRY, NUM_BLOCKS, make_caches, rank_kv
-from test_kv_vllm_plugin import settings, vllm_config
+from vllm_plugin_cases import settings, vllm_config
 
 from dllm_connector import codec
 from dllm_connector.codec.device_checksum import tensor_checksum
