@@ -1,6 +1,6 @@
 """The C codec kernels: built once per CPU into a private cache, or taken ready-made; where they
 cannot be built the torch kernels serve, with a warning that says why. (That they write the torch
-kernels' bytes is test_kv_codec's test_kernels_match_plain_ones_bit_for_bit.)"""
+kernels' bytes is test_kv_codec_kernels's test_kernels_match_plain_ones_bit_for_bit.)"""
 
 from __future__ import annotations
 
