@@ -1,8 +1,10 @@
-"""A broken or hostile peer on the KV side channel ends the transfer with a reason, in bounded time,
-and learns and floods nothing (security review H6, M2, L2, L3, H4's hold).
+"""A broken or hostile peer's malformed messages on the KV side channel end the transfer with a
+short reason, in bounded time (security review H6, L3, L2, M7): a malformed accept, slot or chunk,
+an offer with bad fields or another prompt, a store off the peer, and what a peer can make decode
+log or tell.
 
-Real KVSender and KVReceiver over real Mooncake transports and sockets on 127.0.0.1; the other end
-is a scripted double (peer_doubles.py) where the test needs a peer that misbehaves.
+Real KVSender and KVReceiver over real Mooncake transports and sockets on 127.0.0.1
+(hostile_peer_cases.py); the other end is a scripted double (peer_doubles.py).
 """
 
 from __future__ import annotations
@@ -12,18 +14,15 @@ import logging
 import socket
 import struct
 import time
-from collections.abc import Iterator
 from typing import Any
 
+import hostile_peer_cases
 import pytest
-import torch
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches, pipe_config
-from peer_doubles import FakeDecode, fake_prefill, offer_for, read_until_closed, wait_until
+from hostile_peer_cases import HASH, HOLD, TIMEOUT, config, send_and_wait
+from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches
+from peer_doubles import FakeDecode, fake_prefill, offer_for, read_until_closed
 
-from dllm_connector import codec
 from dllm_connector.layout import PagedKV
-from dllm_connector.pipe.common import PipeConfig, gb
-from dllm_connector.pipe.end import EndRefused, end_transfer
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.scheduler import prompt_hash
@@ -33,48 +32,8 @@ from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
-TIMEOUT_MS = 2000  # transfer_timeout_ms of both sides
-TIMEOUT = TIMEOUT_MS / 1000
-HOLD_SECONDS = 30  # hold_seconds: every bound below is far under it
-HOLD = float(HOLD_SECONDS)
-HASH = prompt_hash([1, 2, 3])
-
-
-def config(**changes: Any) -> PipeConfig:
-    base = {
-        "buffer_size_gb": gb(16 << 20),
-        "transfer_timeout_ms": TIMEOUT_MS,
-        "prefill_wait_ms": HOLD_SECONDS * 1000,
-        "hold_seconds": HOLD_SECONDS,
-    }
-    return pipe_config(**(base | changes))
-
-
-@pytest.fixture
-def receiver(transports: tuple[MooncakeTransport, MooncakeTransport]) -> Iterator[KVReceiver]:
-    kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
-    receiver = KVReceiver(transports[0], kv, config(), HOST, 0)
-    yield receiver
-    receiver.close()
-    assert receiver.staging.in_use == 0
-
-
-@pytest.fixture
-def sender(transports: tuple[MooncakeTransport, MooncakeTransport]) -> Iterator[KVSender]:
-    kv = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY)
-    sender = KVSender(transports[1], kv, config())
-    yield sender
-    assert sender.close(timeout=30)
-    assert sender.staging.in_use == 0
-
-
-def send_and_wait(sender: KVSender, job: SendJob, within: float) -> tuple[str | None, float]:
-    """Submit `job`; its outcome and how long it took (fails the test past `within` seconds)."""
-    started = time.monotonic()
-    sender.submit(job)
-    outcomes: dict[str, str | None] = {}
-    assert wait_until(lambda: outcomes.update(sender.finished()) or job.transfer_id in outcomes, within)
-    return outcomes[job.transfer_id], time.monotonic() - started
+receiver = hostile_peer_cases.receiver  # the shared fixtures, collected from this module's names
+sender = hostile_peer_cases.sender
 
 
 # ---- H6: prefill facing a fake decode -------------------------------------------------------------
@@ -257,42 +216,6 @@ def test_a_prompt_hash_that_differs_or_is_empty_is_refused(receiver: KVReceiver)
         assert "prompt token ids differ" in outcome
 
 
-def test_received_scales_that_are_not_finite_are_refused() -> None:
-    """A forger can compute the checksum: a NaN or inf scale is still never decoded into the cache."""
-    values = torch.randn(2, 4, 16, 64).to(torch.bfloat16)
-    for codec_used in (Compression.FP8, Compression.INT8):
-        header, payload = codec.encode(values, codec_used, groups=4)
-        for bad in (float("nan"), float("inf"), 0.0, -1.0):
-            forged = payload.clone()
-            scales = forged[header.data_nbytes :].view(torch.float32)
-            scales[1] = bad
-            forged_header = codec.KVHeader(
-                header.codec, header.dtype, header.shape, header.groups, codec.checksum(header, forged)
-            )
-            with pytest.raises(codec.CodecError, match="scales are not all finite, positive"):
-                list(codec.decode_parts(forged_header, forged, 2))
-
-
-def test_an_int8_scale_past_the_cache_dtype_is_refused_not_decoded_to_inf() -> None:
-    """127 x a finite forged scale can exceed fp16's range (inf in the cache): int8 scales are bounded by
-    what encode can give, the dtype's largest value / 127, and the largest honest one still decodes."""
-    values = torch.randn(2, 4, 16, 64).to(torch.float16)
-    header, payload = codec.encode(values, Compression.INT8, groups=4)
-    largest = float(torch.tensor(torch.finfo(torch.float16).max, dtype=torch.float32) / 127.0)
-    for scale, refused in ((1e4, True), (largest * 1.001, True), (largest, False)):
-        forged = payload.clone()
-        forged[header.data_nbytes :].view(torch.float32)[1] = scale
-        forged_header = codec.KVHeader(
-            header.codec, header.dtype, header.shape, header.groups, codec.checksum(header, forged)
-        )
-        if refused:
-            with pytest.raises(codec.CodecError, match="within the KV dtype's range"):
-                list(codec.decode_parts(forged_header, forged, 2))
-        else:
-            parts = list(codec.decode_parts(forged_header, forged, 2))
-            assert all(bool(torch.isfinite(part).all()) for part in parts)
-
-
 # ---- L2: what a peer can make decode log or tell -----------------------------------------------------
 
 
@@ -332,152 +255,3 @@ def test_a_peer_that_is_not_json_is_dropped(receiver: KVReceiver) -> None:
         messages = read_until_closed(sock, 10)
     assert all(m["type"] == "nack" for m in messages)
     assert not receiver.pending
-
-
-# ---- M2 and H4's hold: prefill's blocks are not held when decode will never claim ---------------------
-
-
-def test_an_ended_id_ends_the_waiting_send_within_the_transfer_timeout(
-    receiver: KVReceiver, sender: KVSender
-) -> None:
-    """Decode refused the request (say, a 400): the router ends its id, and prefill's send, which
-    waits for decode to claim it, fails at once instead of holding its blocks for the hold."""
-    started = time.monotonic()
-    sender.submit(SendJob("m2-wait", (1, 2), HOST, receiver.port, HASH))
-    assert wait_until(lambda: sender.in_flight == {"m2-wait"}, 5)
-    end_transfer(HOST, receiver.port, "m2-wait", TIMEOUT)
-    outcomes: dict[str, str | None] = {}
-    assert wait_until(lambda: outcomes.update(sender.finished()) or "m2-wait" in outcomes, 3 * TIMEOUT)
-    assert time.monotonic() - started < 3 * TIMEOUT  # not HOLD
-    outcome = outcomes["m2-wait"]
-    assert outcome is not None
-    assert "not awaited any more" in outcome
-    assert sender.in_flight == set()
-
-
-def test_an_id_ended_before_the_offer_is_refused_at_once(receiver: KVReceiver, sender: KVSender) -> None:
-    end_transfer(HOST, receiver.port, "m2-early", TIMEOUT)
-    outcome, took = send_and_wait(sender, SendJob("m2-early", (1, 2), HOST, receiver.port, HASH), HOLD)
-    assert outcome is not None
-    assert "not awaited any more" in outcome
-    assert took < 3 * TIMEOUT
-
-
-def test_ending_an_id_decode_expects_changes_nothing(receiver: KVReceiver, sender: KVSender) -> None:
-    receiver.expect("m2-mine", [5, 6], prompt_hash=HASH)
-    end_transfer(HOST, receiver.port, "m2-mine", TIMEOUT)
-    assert receiver.pending == {"m2-mine"}
-    outcome, _ = send_and_wait(sender, SendJob("m2-mine", (1, 2), HOST, receiver.port, HASH), HOLD)
-    assert outcome is None
-    assert receiver.wait_for("m2-mine", 10) == ""
-
-
-def test_ending_an_id_where_no_decode_listens_says_so() -> None:
-    with socket.socket() as unused:
-        unused.bind((HOST, 0))
-        port = int(unused.getsockname()[1])
-    with pytest.raises(EndRefused, match="cannot end transfer"):
-        end_transfer(HOST, port, "m2-nobody", TIMEOUT)
-
-
-def test_the_peers_hold_is_clamped_to_decodes(
-    transports: tuple[MooncakeTransport, MooncakeTransport],
-) -> None:
-    receiver = KVReceiver(
-        transports[0], PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config(hold_seconds=1), HOST, 0
-    )
-    try:
-        with fake_prefill(receiver.port) as sock:
-            started = time.monotonic()
-            sidechannel.send_message(sock, offer_for(receiver.kv, "h4-hold", HASH, 2, hold_s=1e9))
-            reply = sidechannel.recv_message(sock, 10)
-            took = time.monotonic() - started
-        assert reply["type"] == "nack"
-        assert "within 1.0s" in reply["reason"]
-        assert took < 5
-    finally:
-        receiver.close()
-
-
-# ---- issue 19: engines of different protocol versions refuse each other, naming both ---------------
-
-OTHER_VERSION = sidechannel.PROTOCOL_VERSION + 1
-
-
-def test_a_decode_of_another_version_fails_the_send_at_once_naming_both(sender: KVSender) -> None:
-    decode = FakeDecode(lambda sock: None, version=OTHER_VERSION)
-    try:
-        outcome, took = send_and_wait(sender, SendJob("v-decode", (1, 2), HOST, decode.port, HASH), HOLD)
-    finally:
-        decode.close()
-    assert outcome == (
-        f"the KV side channel at {HOST}:{decode.port} speaks protocol version {OTHER_VERSION}, "
-        f"this engine {sidechannel.PROTOCOL_VERSION}"
-    )
-    assert decode.connections == 1  # not retried: the answer would not change
-    assert took < 3 * TIMEOUT
-    assert sender.in_flight == set()
-    assert sender.staging.in_use == 0
-
-
-def test_a_prefill_of_another_version_is_refused_and_the_expectation_left_alone(
-    receiver: KVReceiver, sender: KVSender, caplog: pytest.LogCaptureFixture
-) -> None:
-    receiver.expect("v-prefill", [5, 6], prompt_hash=HASH)
-    hello = sidechannel.HELLO.pack(sidechannel.MAGIC, OTHER_VERSION, 0, bytes(32))
-    with caplog.at_level(logging.WARNING, logger="dllm_connector.transport.sidechannel"):
-        with socket.create_connection((HOST, receiver.port), timeout=10) as sock:
-            sock.sendall(hello)
-            answer = sidechannel.read_exactly(sock, sidechannel.CHALLENGE.size, time.monotonic() + 10)
-            _, version, status, _, _ = sidechannel.CHALLENGE.unpack(answer)
-            assert sock.recv(1) == b""  # and closed
-        assert wait_until(lambda: "speaks protocol version" in caplog.text, 10)
-    assert (version, status) == (sidechannel.PROTOCOL_VERSION, sidechannel.STATUS_BAD_VERSION)
-    assert (
-        f"it speaks protocol version {OTHER_VERSION}, this engine {sidechannel.PROTOCOL_VERSION}"
-        in caplog.text
-    )
-    assert receiver.pending == {"v-prefill"}  # the refused peer claimed nothing
-    assert receiver.staging.in_use == 0
-    outcome, _ = send_and_wait(sender, SendJob("v-prefill", (1, 2), HOST, receiver.port, HASH), HOLD)
-    assert outcome is None  # a peer of the same version still loads it
-    assert receiver.wait_for("v-prefill", 10) == ""
-
-
-def test_a_prefill_that_sends_no_hello_is_told_both_versions(receiver: KVReceiver) -> None:
-    """An engine of protocol version 1 without a key starts with its offer, not a hello."""
-    with socket.create_connection((HOST, receiver.port), timeout=10) as sock:
-        sidechannel.send_message(sock, offer_for(receiver.kv, "v1-offer", HASH, 2))
-        messages = read_until_closed(sock, 10)
-    assert [m["type"] for m in messages] == ["nack"]
-    reason = messages[0]["reason"]
-    assert f"speaks protocol version {sidechannel.PROTOCOL_VERSION}" in reason
-    assert "protocol version 1" in reason
-    assert not receiver.pending
-
-
-# ---- H4: offers waiting for ids decode never expects do not slow a real transfer --------------------
-
-
-def test_offers_waiting_for_unknown_ids_are_not_woken_by_a_real_transfer(
-    receiver: KVReceiver, sender: KVSender
-) -> None:
-    waiting = 40  # under the side channel's connection cap, with room for the real transfer
-    socks = [sidechannel.connect(HOST, receiver.port, 10) for _ in range(waiting)]
-    try:
-        for i, sock in enumerate(socks):
-            sidechannel.send_message(sock, offer_for(receiver.kv, f"unknown-{i}", HASH, 2))
-        receiver.expect("real", [5, 6], prompt_hash=HASH)
-        outcome, _ = send_and_wait(sender, SendJob("real", (1, 2), HOST, receiver.port, HASH), HOLD)
-        assert outcome is None
-        assert receiver.wait_for("real", 10) == ""
-        assert receiver.waiter_wakeups <= 2  # the real offer's claim and its outcome's waiter at most
-        for i in range(waiting):
-            end_transfer(HOST, receiver.port, f"unknown-{i}", TIMEOUT)
-        replies = [sidechannel.recv_message(sock, 10) for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
-    assert all(reply["type"] == "nack" and "not awaited any more" in reply["reason"] for reply in replies)
-    assert receiver.waiter_wakeups <= 2 + waiting  # each ended id woke its own waiter only
-    assert receiver.pending == set()
