@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import pytest
 
@@ -50,8 +51,21 @@ class Echo:
             self.errors.append(str(error))
 
 
+class Serve(Protocol):
+    """What the `serve` fixture yields: starts a Server on HOST that answers with an Echo; the
+    keywords are Server's own."""
+
+    def __call__(
+        self,
+        *,
+        auth: PeerAuth | None = ...,
+        max_connections: int = ...,
+        handshake_timeout: float = ...,
+    ) -> tuple[Server, Echo]: ...
+
+
 @pytest.fixture
-def serve() -> Iterator[Callable[..., tuple[Server, Echo]]]:
+def serve() -> Iterator[Serve]:
     servers: list[Server] = []
 
     def start(**kwargs: object) -> tuple[Server, Echo]:
@@ -84,16 +98,16 @@ def closed_within(socks: list[socket.socket], timeout: float) -> int:
     closed, deadline = 0, time.monotonic() + timeout
     while closed < len(socks) and (left := deadline - time.monotonic()) > 0:
         for key, _ in selector.select(left):
-            sock = key.fileobj
-            assert isinstance(sock, socket.socket)
+            ready = key.fileobj
+            assert isinstance(ready, socket.socket)
             try:
-                data = sock.recv(4096)
+                data = ready.recv(4096)
             except BlockingIOError:
                 continue
             except OSError:
                 data = b""
             if not data:
-                selector.unregister(sock)
+                selector.unregister(ready)
                 closed += 1
     selector.close()
     return closed

@@ -18,7 +18,13 @@ from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.scheduler import prompt_hash
 from dllm_connector.transport.base import TransportError
 from dllm_connector.transport.mooncake import MooncakeTransport
-from dllm_connector.transport.placement import DataPath, PathSetting, Placement, TransportTraits
+from dllm_connector.transport.placement import (
+    DataPath,
+    PathSetting,
+    Placement,
+    TransportTraits,
+    choose_path,
+)
 from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
@@ -43,14 +49,13 @@ def test_where_device_memory_cannot_be_registered_auto_stages_in_pinned_host_mem
     """A GPU cache on auto takes the device path; when the transport then refuses device memory, the
     side comes up on pinned-host instead, saying why, and moves KV. The GPU cache is what cannot be
     had here: a double of the decision answers auto as it would for one."""
-    real_choose = common_module.choose_path
 
     def as_for_a_gpu_cache_double(
         kv_device: str, codec: Compression, traits: TransportTraits, setting: PathSetting = PathSetting.AUTO
     ) -> Placement:
         if setting is PathSetting.AUTO:
-            return real_choose("cuda", codec, TransportTraits(traits.kind, True, True), setting)
-        return real_choose(kv_device, codec, traits, setting)
+            return choose_path("cuda", codec, TransportTraits(traits.kind, True, True), setting)
+        return choose_path(kv_device, codec, traits, setting)
 
     monkeypatch.setattr(common_module, "choose_path", as_for_a_gpu_cache_double)
     config = receiver_config(data_path=PathSetting.AUTO, compression=Compression.FP8, async_transfer=False)

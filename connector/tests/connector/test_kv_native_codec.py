@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -193,7 +194,7 @@ def test_a_library_built_ahead_of_time_is_loaded_from_dllm_kv_codec_library(
 def test_an_architecture_without_a_baseline_cpu_is_refused_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(native_codec.platform, "machine", lambda: "riscv64")
+    monkeypatch.setattr(platform, "machine", lambda: "riscv64")
     out = tmp_path / "kvcodec.so"
     with pytest.raises(ValueError, match="no baseline CPU for riscv64: name one with --march"):
         native_codec.build(out, "baseline", compiler=["/nonexistent/cc"])
@@ -322,7 +323,7 @@ def test_an_unusable_ready_made_library_is_passed_over_with_a_warning(
     else:
         native_codec.build(ready)
         monkeypatch.setattr(native_codec, "_cpu_flags", lambda: frozenset({"sse2"}))
-        monkeypatch.setattr(native_codec.platform, "machine", lambda: "x86_64")
+        monkeypatch.setattr(platform, "machine", lambda: "x86_64")
         expected = "lacks x86-64-v3"
     with caplog.at_level(logging.WARNING, logger="dllm_connector.codec.native"):
         library = native_codec.load(ready, cache)

@@ -207,10 +207,10 @@ def test_signatures_match_across_tp_sizes_and_name_the_model_heads() -> None:
     fewer = PagedKV({"a": torch.zeros(TP_BLOCKS, 4, 16, 64, dtype=torch.bfloat16)}, TP_BLOCKS, other)
     assert fewer.signature()["num_kv_heads"] == 4
     # a rank of TP 2 with 4 of 8 heads against a model with 4 heads in all: the totals differ
-    half = rank_kv(None, "cpu", TPRank(0, 2)).signature() | {"layers": 1}
-    assert signature_mismatches(half, fewer.signature()) == ["num_kv_heads: ours 8, peer 4"]
+    half_signature = rank_kv(None, "cpu", TPRank(0, 2)).signature() | {"layers": 1}
+    assert signature_mismatches(half_signature, fewer.signature()) == ["num_kv_heads: ours 8, peer 4"]
     wider = Geometry(block_size=16, num_kv_heads=4, head_dim=64, model="tiny-tp-test", total_kv_heads=8)
     other_dim = PagedKV(
         {"a": torch.zeros(TP_BLOCKS, 4, 16, 128, dtype=torch.bfloat16)}, TP_BLOCKS, wider, tp=TPRank(1, 2)
     )
-    assert "head_dim: ours 32, peer 64" in signature_mismatches(half, other_dim.signature())
+    assert "head_dim: ours 32, peer 64" in signature_mismatches(half_signature, other_dim.signature())

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import sidechannel_cases
-from sidechannel_cases import HOST, KEY, exchange, wait_until
+from sidechannel_cases import HOST, KEY, Serve, exchange, wait_until
 
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.sidechannel import AuthenticationFailed, PeerAuth, PeerRefused
@@ -24,7 +24,7 @@ OTHER_KEY = PeerAuth.from_token("b" * 64)
 serve = sidechannel_cases.serve  # the shared fixture, collected from this module's names
 
 
-def test_the_same_key_on_both_ends_authenticates_and_exchanges(serve) -> None:
+def test_the_same_key_on_both_ends_authenticates_and_exchanges(serve: Serve) -> None:
     server, handle = serve(auth=KEY)
     assert exchange(server, KEY) == "t1"
     assert handle.calls == 1
@@ -33,7 +33,7 @@ def test_the_same_key_on_both_ends_authenticates_and_exchanges(serve) -> None:
 
 
 @pytest.mark.parametrize("auth", [KEY, None], ids=["with-key", "without-key"])
-def test_after_the_handshake_sockets_have_the_usual_timeouts(serve, auth) -> None:
+def test_after_the_handshake_sockets_have_the_usual_timeouts(serve: Serve, auth: PeerAuth | None) -> None:
     """Not what was left of the handshake's deadline: the client's connect timeout, none on the server."""
     server, handle = serve(auth=auth)
     with sidechannel.connect(HOST, server.port, 7.5, auth=auth) as sock:
@@ -43,14 +43,16 @@ def test_after_the_handshake_sockets_have_the_usual_timeouts(serve, auth) -> Non
     assert handle.timeouts == [None]
 
 
-def test_no_key_on_either_end_keeps_todays_behaviour(serve) -> None:
+def test_no_key_on_either_end_keeps_todays_behaviour(serve: Serve) -> None:
     server, handle = serve()
     assert exchange(server, None) == "t1"
     assert handle.calls == 1
 
 
 @pytest.mark.parametrize(("client", "server_key"), [(KEY, OTHER_KEY), (OTHER_KEY, KEY)])
-def test_a_different_key_is_refused_and_the_handler_never_runs(serve, client, server_key) -> None:
+def test_a_different_key_is_refused_and_the_handler_never_runs(
+    serve: Serve, client: PeerAuth, server_key: PeerAuth
+) -> None:
     server, handle = serve(auth=server_key)
     with pytest.raises(AuthenticationFailed, match="DLLM_KV_AUTH_TOKEN differs"):
         sidechannel.connect(HOST, server.port, 5, auth=client)
@@ -59,7 +61,7 @@ def test_a_different_key_is_refused_and_the_handler_never_runs(serve, client, se
     assert exchange(server, server_key) == "t1"  # the server is still fine
 
 
-def test_a_client_that_cannot_answer_the_challenge_is_refused_before_any_json(serve) -> None:
+def test_a_client_that_cannot_answer_the_challenge_is_refused_before_any_json(serve: Serve) -> None:
     """A peer without the key: a well-formed hello, then a guessed MAC and an offer."""
     server, handle = serve(auth=KEY)
     with socket.create_connection((HOST, server.port), timeout=5) as sock:
@@ -78,7 +80,7 @@ def test_a_client_that_cannot_answer_the_challenge_is_refused_before_any_json(se
     assert handle.calls == 0
 
 
-def test_a_client_without_a_key_is_told_that_the_server_requires_one(serve) -> None:
+def test_a_client_without_a_key_is_told_that_the_server_requires_one(serve: Serve) -> None:
     server, handle = serve(auth=KEY)
     with pytest.raises(PeerRefused, match=r"requires authentication.*DLLM_KV_AUTH_TOKEN"):
         exchange(server, None)
@@ -86,7 +88,7 @@ def test_a_client_without_a_key_is_told_that_the_server_requires_one(serve) -> N
     assert server.stats.refused == 1
 
 
-def test_a_client_with_a_key_is_told_that_the_server_has_none(serve) -> None:
+def test_a_client_with_a_key_is_told_that_the_server_has_none(serve: Serve) -> None:
     server, handle = serve()
     with pytest.raises(AuthenticationFailed, match=r"does not authenticate peers.*DLLM_KV_AUTH_TOKEN"):
         sidechannel.connect(HOST, server.port, 5, auth=KEY)

@@ -18,9 +18,9 @@ import time
 
 import pytest
 import sidechannel_cases
-from sidechannel_cases import HOST, KEY, closed_within, connection_threads, exchange, wait_until
+from sidechannel_cases import HOST, KEY, Serve, closed_within, connection_threads, exchange, wait_until
 
-from dllm_connector.transport.sidechannel import PeerRefused, Server
+from dllm_connector.transport.sidechannel import PeerAuth, PeerRefused, Server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +28,9 @@ serve = sidechannel_cases.serve  # the shared fixture, collected from this modul
 
 
 @pytest.mark.parametrize("auth", [KEY, None], ids=["with-key", "without-key"])
-def test_500_silent_connections_hold_at_most_the_cap_and_all_close_by_the_deadline(serve, auth) -> None:
+def test_500_silent_connections_hold_at_most_the_cap_and_all_close_by_the_deadline(
+    serve: Serve, auth: PeerAuth | None
+) -> None:
     cap, deadline_s = 16, 1.0
     server, handle = serve(auth=auth, max_connections=cap, handshake_timeout=deadline_s)
     before = connection_threads()
@@ -56,7 +58,9 @@ def test_500_silent_connections_hold_at_most_the_cap_and_all_close_by_the_deadli
     assert exchange(server, auth) == "t1"  # and it still serves
 
 
-def test_accept_failing_with_emfile_once_does_not_end_the_listener(serve, monkeypatch) -> None:
+def test_accept_failing_with_emfile_once_does_not_end_the_listener(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch
+) -> None:
     real = Server._accept_one
     failures = [OSError(errno.EMFILE, "Too many open files")]
 
@@ -130,7 +134,9 @@ def test_a_real_emfile_on_accept_is_survived_and_the_waiting_client_served() -> 
     assert seen["stats"]["authenticated"] == 1
 
 
-def test_refusals_are_logged_in_short_rate_limited_lines(serve, caplog) -> None:
+def test_refusals_are_logged_in_short_rate_limited_lines(
+    serve: Serve, caplog: pytest.LogCaptureFixture
+) -> None:
     server, _ = serve(auth=KEY)
     with caplog.at_level(logging.WARNING, logger="dllm_connector.transport.sidechannel"):
         for _ in range(20):

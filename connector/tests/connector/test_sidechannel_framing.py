@@ -17,7 +17,7 @@ import time
 
 import pytest
 import sidechannel_cases
-from sidechannel_cases import HOST, KEY, closed_within, wait_until
+from sidechannel_cases import HOST, KEY, Serve, closed_within, wait_until
 
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import TransferTimeout, TransportError
@@ -42,7 +42,9 @@ BIG = 16 << 20
 
 
 @pytest.mark.parametrize("framing", ["message", "hello-then-junk"])
-def test_a_16_mib_first_frame_without_a_valid_mac_is_refused_after_the_pre_auth_limit(serve, framing) -> None:
+def test_a_16_mib_first_frame_without_a_valid_mac_is_refused_after_the_pre_auth_limit(
+    serve: Serve, framing: str
+) -> None:
     server, handle = serve(auth=KEY)
     if framing == "message":  # a client without the key sends one huge message
         data = struct.pack(">I", BIG - 4) + b"[" + b"[]," * ((BIG - 8) // 3)
@@ -60,7 +62,7 @@ def test_a_16_mib_first_frame_without_a_valid_mac_is_refused_after_the_pre_auth_
     assert handle.calls == 0
 
 
-def test_without_a_key_a_16_mib_first_message_is_refused_before_its_body_is_read(serve) -> None:
+def test_without_a_key_a_16_mib_first_message_is_refused_before_its_body_is_read(serve: Serve) -> None:
     server, handle = serve()
     hello = sidechannel.HELLO.pack(sidechannel.MAGIC, sidechannel.PROTOCOL_VERSION, 0, bytes(32))
     data = hello + struct.pack(">I", BIG - 4) + b"x" * (BIG - 4)

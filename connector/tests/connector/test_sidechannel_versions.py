@@ -15,10 +15,10 @@ import time
 
 import pytest
 import sidechannel_cases
-from sidechannel_cases import HOST, KEY, closed_within, connection_threads, exchange, wait_until
+from sidechannel_cases import HOST, KEY, Serve, closed_within, connection_threads, exchange, wait_until
 
 from dllm_connector.transport import sidechannel
-from dllm_connector.transport.sidechannel import PeerRefused
+from dllm_connector.transport.sidechannel import PeerAuth, PeerRefused
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,7 +28,9 @@ OTHER_VERSION = sidechannel.PROTOCOL_VERSION + 1
 
 
 @pytest.mark.parametrize("auth", [KEY, None], ids=["with-key", "without-key"])
-def test_a_client_of_another_version_is_refused_naming_both_versions(serve, auth, caplog) -> None:
+def test_a_client_of_another_version_is_refused_naming_both_versions(
+    serve: Serve, auth: PeerAuth | None, caplog: pytest.LogCaptureFixture
+) -> None:
     server, handle = serve(auth=auth)
     before = connection_threads()
     flags = sidechannel.FLAG_KEY if auth else 0
@@ -81,7 +83,9 @@ class ServerOfAnotherVersion:
     [(OTHER_VERSION, sidechannel.STATUS_BAD_VERSION), (1, sidechannel.STATUS_NO_AUTH)],
     ids=["newer", "version-1-without-key"],
 )
-def test_a_server_of_another_version_is_refused_naming_both_versions(auth, version, status) -> None:
+def test_a_server_of_another_version_is_refused_naming_both_versions(
+    auth: PeerAuth | None, version: int, status: int
+) -> None:
     server = ServerOfAnotherVersion(version, status)
     try:
         with pytest.raises(sidechannel.VersionMismatch) as raised:
@@ -95,7 +99,7 @@ def test_a_server_of_another_version_is_refused_naming_both_versions(auth, versi
     )
 
 
-def test_a_client_of_version_1_without_a_key_is_told_both_versions(serve) -> None:
+def test_a_client_of_version_1_without_a_key_is_told_both_versions(serve: Serve) -> None:
     """Version 1 sent no hello without a key: its first bytes are a message."""
     server, handle = serve()
     with socket.create_connection((HOST, server.port), timeout=5) as sock:

@@ -53,8 +53,11 @@ def test_any_other_store_is_refused(store: object, words: str) -> None:
     assert len(str(refused.value)) < 400
 
 
+Pair = tuple[TorchDistTransport, TorchDistTransport]  # (sender, receiver)
+
+
 @pytest.fixture
-def pair() -> Iterator[tuple[TorchDistTransport, TorchDistTransport]]:
+def pair() -> Iterator[Pair]:
     sender = TorchDistTransport(HOST, backend="gloo", connect_timeout=10, max_groups=2)
     receiver = TorchDistTransport(
         HOST, backend="gloo", connect_timeout=10, max_groups=2, require_admission=True
@@ -91,14 +94,14 @@ def _move(sender: TorchDistTransport, receiver: TorchDistTransport, peer: dict[s
     assert torch.equal(src, dst)
 
 
-def test_an_admitted_store_carries_the_transfer(pair) -> None:
+def test_an_admitted_store_carries_the_transfer(pair: Pair) -> None:
     sender, receiver = pair
     offer = _offer(sender, "decode-a")
     receiver.admit(offer, HOST)
     _move(sender, receiver, offer, tag=1)
 
 
-def test_a_store_not_admitted_is_never_joined(pair) -> None:
+def test_a_store_not_admitted_is_never_joined(pair: Pair) -> None:
     sender, receiver = pair
     offer = {**_offer(sender, "decode-a"), "store": "10.9.8.7:4000"}  # would hang for the timeout
     with pytest.raises(TransportError, match="not on its side-channel peer"):
@@ -110,7 +113,7 @@ def test_a_store_not_admitted_is_never_joined(pair) -> None:
     assert receiver.group_count == 0
 
 
-def test_pair_groups_are_bounded_and_a_dropped_one_fails_fast(pair) -> None:
+def test_pair_groups_are_bounded_and_a_dropped_one_fails_fast(pair: Pair) -> None:
     sender, receiver = pair
     offers = [_offer(sender, f"decode-{name}") for name in "abc"]
     for tag, offer in enumerate(offers):
@@ -130,7 +133,7 @@ def test_pair_groups_are_bounded_and_a_dropped_one_fails_fast(pair) -> None:
     _move(sender, receiver, again, tag=7)
 
 
-def test_a_pair_key_that_is_not_ours_is_refused(pair) -> None:
+def test_a_pair_key_that_is_not_ours_is_refused(pair: Pair) -> None:
     _, receiver = pair
     with pytest.raises(TransportError, match="no valid pair key"):
         receiver.admit({"store": f"{HOST}:4000", "pair": "x" * 10_000}, HOST)
