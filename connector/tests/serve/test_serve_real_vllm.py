@@ -55,7 +55,9 @@ def engine(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int, Path,
         yield proc, port, store, log, model
 
 
-def test_dllm_serve_becomes_a_serving_vllm_with_the_kv_config(engine):
+def test_dllm_serve_becomes_a_serving_vllm_with_the_kv_config(
+    engine: tuple[subprocess.Popen[bytes], int, Path, Path, Path],
+) -> None:
     proc, port, store, log, model = engine
     wait_healthy(proc, lambda: _get(f"http://127.0.0.1:{port}/health") == 200, log, START_TIMEOUT_S)
 

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 import pytest
+
+if TYPE_CHECKING:
+    from conftest import Engine, FakeVllm, RunServe
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -57,7 +64,9 @@ def _changed(env: dict[str, str], changes: dict[str, str | None]) -> dict[str, s
     return out
 
 
-def _assert_refused(result, fake_vllm, words):
+def _assert_refused(
+    result: subprocess.CompletedProcess[str], fake_vllm: FakeVllm, words: Sequence[str]
+) -> None:
     assert result.returncode == 2, result.stderr
     lines = result.stderr.splitlines()
     assert len(lines) == 1, result.stderr
@@ -72,15 +81,22 @@ def _assert_refused(result, fake_vllm, words):
     ("engine", "changes", "words"), [case[1:] for case in BAD_ENV], ids=[c[0] for c in BAD_ENV]
 )
 def test_bad_env_exits_2_naming_the_variable_and_never_starts_vllm(
-    engine, changes, words, request, run_serve, fake_vllm
-):
-    seed = request.getfixturevalue(engine)
+    engine: str,
+    changes: dict[str, str | None],
+    words: list[str],
+    request: pytest.FixtureRequest,
+    run_serve: RunServe,
+    fake_vllm: FakeVllm,
+) -> None:
+    seed: Engine = request.getfixturevalue(engine)
     env = _changed({**seed.env, "DLLM_SERVE_LAUNCHER": "vllm-cli"}, changes)
     result = run_serve(["--", *seed.args], env, fake_vllm)
     _assert_refused(result, fake_vllm, words)
 
 
-def test_the_same_env_without_the_fault_does_start_vllm(seed_decode, run_serve, fake_vllm):
+def test_the_same_env_without_the_fault_does_start_vllm(
+    seed_decode: Engine, run_serve: RunServe, fake_vllm: FakeVllm
+) -> None:
     """The control for the refusals above: the double does record a start when the env is good."""
     result = run_serve(
         ["--", *seed_decode.args], {**seed_decode.env, "DLLM_SERVE_LAUNCHER": "vllm-cli"}, fake_vllm
@@ -100,20 +116,24 @@ def test_the_same_env_without_the_fault_does_start_vllm(seed_decode, run_serve, 
     ],
     ids=["spaced", "equals", "underscores", "dotted", "abbreviated"],
 )
-def test_engine_args_may_not_carry_their_own_kv_transfer_config(own_flag, seed_decode, run_serve, fake_vllm):
+def test_engine_args_may_not_carry_their_own_kv_transfer_config(
+    own_flag: list[str], seed_decode: Engine, run_serve: RunServe, fake_vllm: FakeVllm
+) -> None:
     env = {**seed_decode.env, "DLLM_SERVE_LAUNCHER": "vllm-cli"}
     result = run_serve(["--", "--model", "m", *own_flag], env, fake_vllm)
     _assert_refused(result, fake_vllm, ["engine args", "--kv-transfer-config", "VLLM_KV_"])
 
 
-def test_other_kv_flags_are_passed_through(seed_decode, run_serve):
+def test_other_kv_flags_are_passed_through(seed_decode: Engine, run_serve: RunServe) -> None:
     args = ["--kv-cache-dtype", "fp8", "--kv-events-config", "{}"]
     result = run_serve(["--print", "--", *args], seed_decode.env)
     assert result.returncode == 0, result.stderr
     assert " --kv-cache-dtype fp8 --kv-events-config '{}' --kv-transfer-config " in result.stdout
 
 
-def test_engine_args_without_the_separator_are_refused(seed_decode, run_serve, fake_vllm):
+def test_engine_args_without_the_separator_are_refused(
+    seed_decode: Engine, run_serve: RunServe, fake_vllm: FakeVllm
+) -> None:
     env = {**seed_decode.env, "DLLM_SERVE_LAUNCHER": "vllm-cli"}
     result = run_serve(["--model", "m"], env, fake_vllm)
     assert result.returncode == 2
@@ -122,7 +142,7 @@ def test_engine_args_without_the_separator_are_refused(seed_decode, run_serve, f
     assert not fake_vllm.started()
 
 
-def test_print_refuses_a_bad_env_the_same_way(seed_prefill, run_serve):
+def test_print_refuses_a_bad_env_the_same_way(seed_prefill: Engine, run_serve: RunServe) -> None:
     env = {**seed_prefill.env, "VLLM_KV_COMPRESSION": "int4"}
     result = run_serve(["--print", "--", *seed_prefill.args], env)
     assert result.returncode == 2
@@ -130,7 +150,7 @@ def test_print_refuses_a_bad_env_the_same_way(seed_prefill, run_serve):
     assert result.stderr == "dllm-serve: VLLM_KV_COMPRESSION: 'int4' must be one of none, fp8, int8\n"
 
 
-def test_the_log_level_is_the_one_logging_scheme_s(seed_decode, run_serve):
+def test_the_log_level_is_the_one_logging_scheme_s(seed_decode: Engine, run_serve: RunServe) -> None:
     """--log-level, else DLLM_LOG_LEVEL, else INFO (dllm_contract.logs), as for the operator and router."""
     argv = ["--print", "--", *seed_decode.args]
     assert " INFO dllm_connector.serve: " in run_serve(argv, seed_decode.env).stderr

@@ -9,10 +9,14 @@ when an engine is given them.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import pytest
 
 from dllm_contract import kvconfig
+
+if TYPE_CHECKING:
+    from conftest import FakeVllm, RunServe
 
 # Copied verbatim from the seed's docker-compose.yml (prefill-server, decode-server, mooncake-transfer).
 SEED_PREFILL = {
@@ -45,7 +49,9 @@ def _kv_config(stdout: str) -> dict[str, object]:
     [(SEED_PREFILL, "kv_producer", 50051), (SEED_DECODE, "kv_consumer", 50051)],
     ids=["prefill", "decode"],
 )
-def test_each_seed_engine_starts_from_the_seed_env_alone(env, role, port, run_serve, fake_vllm):
+def test_each_seed_engine_starts_from_the_seed_env_alone(
+    env: dict[str, str], role: str, port: int, run_serve: RunServe, fake_vllm: FakeVllm
+) -> None:
     result = run_serve(["--print", "--", *MODEL], env, fake_vllm)
     assert result.returncode == 0, result.stderr
     config = _kv_config(result.stdout)
@@ -77,7 +83,9 @@ def test_the_contracts_own_variables_win_over_the_mooncake_services() -> None:
 
 
 @pytest.mark.parametrize("size", ["16X", "lots", "0G", "-1G", "infG"])
-def test_a_bad_mooncake_buffer_size_is_refused_naming_the_variable(size, run_serve, fake_vllm):
+def test_a_bad_mooncake_buffer_size_is_refused_naming_the_variable(
+    size: str, run_serve: RunServe, fake_vllm: FakeVllm
+) -> None:
     result = run_serve(["--", *MODEL], {**SEED_DECODE, "MOONCAKE_BUFFER_SIZE": size}, fake_vllm)
     assert result.returncode == 2
     assert result.stderr.startswith(f"dllm-serve: MOONCAKE_BUFFER_SIZE: {size!r} must be a size")
@@ -87,6 +95,6 @@ def test_a_bad_mooncake_buffer_size_is_refused_naming_the_variable(size, run_ser
 @pytest.mark.parametrize(
     ("size", "gb"), [("512M", 0.5), ("16GiB", 16.0), ("16GB", 16.0), ("1073741824", 1.0)]
 )
-def test_mooncake_buffer_sizes_in_their_usual_forms(size, gb) -> None:
+def test_mooncake_buffer_sizes_in_their_usual_forms(size: str, gb: float) -> None:
     settings = kvconfig.from_env({**SEED_DECODE, "MOONCAKE_BUFFER_SIZE": size})
     assert settings.buffer_size_gb == gb

@@ -62,7 +62,7 @@ def _config_json(env: dict[str, str]) -> str:
 
 
 @pytest.mark.parametrize(("connector", "compression", "role"), COMBINATIONS, ids="-".join)
-def test_every_combination_is_accepted_by_vllm(connector, compression, role):
+def test_every_combination_is_accepted_by_vllm(connector: str, compression: str, role: str) -> None:
     env = _env(connector, compression, role)
     sent = json.loads(_config_json(env))
     parsed = VLLM_ADAPTER.validate_json(_config_json(env))
@@ -81,13 +81,13 @@ def test_every_combination_is_accepted_by_vllm(connector, compression, role):
         assert "kv_connector_module_path" not in sent
 
 
-def test_a_field_vllm_does_not_have_is_rejected_by_vllm():
+def test_a_field_vllm_does_not_have_is_rejected_by_vllm() -> None:
     sent = json.loads(_config_json(_env("mooncake", "fp8", "prefill")))
     with pytest.raises(ValidationError, match="kv_buffer_size"):
         VLLM_ADAPTER.validate_json(json.dumps({**sent, "kv_buffer_size": 4.0}))
 
 
-def test_the_seeds_kv_role_value_is_rejected_by_vllm():
+def test_the_seeds_kv_role_value_is_rejected_by_vllm() -> None:
     sent = json.loads(_config_json(_env("mooncake", "fp8", "prefill")))
     with pytest.raises(ValidationError):
         VLLM_ADAPTER.validate_json(json.dumps({**sent, "kv_role": "prefill"}))
@@ -108,14 +108,15 @@ def _seed_env(role: str) -> dict[str, str]:
         ),
     ],
 )
-def test_vllms_own_argument_parser_accepts_the_seed_command(role, engine_args):
+def test_vllms_own_argument_parser_accepts_the_seed_command(role: str, engine_args: list[str]) -> None:
     """The whole printed command, through the parser vLLM's api_server itself uses."""
     args = ["--model", "meta-llama/Llama-2-70b", "--tensor-parallel-size", "4", *engine_args]
     command = serve.build_command(
         _seed_env(role), args, serve.Launcher.API_SERVER, hostname="h", boot_id="b", python=sys.executable
     )
     argv = shlex.split(shlex.join(command.argv))[3:]  # as the shell line passes it, minus python -m module
-    parser = make_arg_parser(FlexibleArgumentParser())
+    # vLLM leaves FlexibleArgumentParser.__init__ unannotated.
+    parser = make_arg_parser(FlexibleArgumentParser())  # type: ignore[no-untyped-call]
     parsed = parser.parse_args(argv)
     assert parsed.model == "meta-llama/Llama-2-70b"
     assert parsed.tensor_parallel_size == 4
@@ -150,7 +151,7 @@ BAD_EXTRA = [
 
 
 @pytest.mark.parametrize(("change", "field"), [c[1:] for c in BAD_EXTRA], ids=[c[0] for c in BAD_EXTRA])
-def test_connector_extra_config_rejects_what_vllm_lets_through(change, field):
+def test_connector_extra_config_rejects_what_vllm_lets_through(change: dict[str, object], field: str) -> None:
     bad = {**_extra(), **change}
     sent = json.loads(_config_json(_env("mooncake", "int8", "prefill")))
     # vLLM itself takes it ...
@@ -161,12 +162,12 @@ def test_connector_extra_config_rejects_what_vllm_lets_through(change, field):
     assert {str(loc) for error in raised.value.errors() for loc in error["loc"]} >= {field}
 
 
-def test_connector_extra_config_accepts_what_dllm_serve_builds():
+def test_connector_extra_config_accepts_what_dllm_serve_builds() -> None:
     assert kvconfig.ConnectorExtraConfig.model_validate(_extra()).model_dump(mode="json") == _extra()
 
 
 @pytest.mark.parametrize("role", [kvconfig.Role.PREFILL, kvconfig.Role.DECODE])
-def test_an_empty_extra_config_means_what_a_cr_setting_nothing_means(role):
+def test_an_empty_extra_config_means_what_a_cr_setting_nothing_means(role: kvconfig.Role) -> None:
     # A hand-written --kv-transfer-config may leave keys out: each takes the contract's default,
     # the value the operator renders for a CR that sets no KV field.
     peer = {"decode_host": "decode-0.decode", "decode_port": 50051} if role is kvconfig.Role.PREFILL else {}
