@@ -66,8 +66,8 @@ lint: .venv/.ready ## ruff, import contracts, hadolint, helm lint
 	$(PY) -c 'import sys; from importlinter.cli import lint_imports_command as c; sys.argv=["lint-imports"]; c()'
 	@bash images/lint.sh
 
-typecheck: .venv/.ready ## mypy --strict
-	$(PY) -m mypy
+typecheck: .venv/.ready ## mypy --strict: the packages, e2e/, tools/, bench/ and the tests
+	@PY=$(PY) bash tools/typecheck.sh
 
 # ---- tests ----
 .PHONY: test test-unit test-k8s test-node test-dataplane

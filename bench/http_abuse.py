@@ -24,7 +24,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from router import ASGI_APP, LIBRARY_SERVERS, ROOT, ensure_library_servers, free_port, tree_pids, wait_http
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from e2e.ports import free_port
+from router import ASGI_APP, LIBRARY_SERVERS, ROOT, ensure_library_servers, tree_pids, wait_http
 
 MAX_CONNECTIONS = 24
 HEAD_TIMEOUT_S = 1.0

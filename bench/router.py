@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # The engines and the router bind their ports after an interpreter start: e2e.ports draws them below
-# the ephemeral range, where no bind-to-0 socket can take one in between. Also used by http_abuse.py.
+# the ephemeral range, where no bind-to-0 socket can take one in between.
 from e2e.ports import free_port  # noqa: E402
 from router_load import generate, generate_parallel  # noqa: E402
 

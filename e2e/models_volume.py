@@ -29,8 +29,8 @@ def make_model() -> Path:
 def kv_bytes_per_token(model: Path) -> int:
     """K and V of every layer and KV head, in the model's dtype (bf16: 2 bytes)."""
     config = json.loads((model / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head_dim * 2
+    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    return 2 * int(config["num_hidden_layers"]) * int(config["num_key_value_heads"]) * head_dim * 2
 
 
 def volume_name(namespace: str) -> str:

@@ -83,8 +83,12 @@ def compose() -> Iterator[Compose]:
         started = stack.run("up", "-d")
         assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
         for role in ("prefill", "decode"):
+
+            def healthy(url: str = stack.url(role) + "/health") -> bool:
+                return http_status(url) == 200
+
             wait_until(
-                lambda role=role: http_status(stack.url(role) + "/health") == 200,
+                healthy,
                 300,
                 f"{role} engine /health",
             )

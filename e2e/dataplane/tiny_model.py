@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 SPECIALS = {"<unk>": 0, "<s>": 1, "</s>": 2}
 # A plain "role: content" chat format, so /v1/chat/completions works (vLLM needs a template).
@@ -68,9 +69,11 @@ def build(out: Path, seed: int = 0) -> Path:
         bos_token_id=1,
         eos_token_id=2,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    # Any: transformers types `.to` through a decorator that mypy reads as taking a model
+    model: Any = LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16)
     with (
         torch.no_grad()
     ):  # larger weights than the default init, so greedy decoding does not collapse at once

@@ -68,8 +68,9 @@ def test_completion_through_the_router_and_transport_used(cluster: Cluster, depl
         text=True,
     )
     try:
-        assert forward.stdout is not None
-        wait_until(lambda: "Forwarding" in (forward.stdout.readline() or ""), 30, "kubectl port-forward")
+        output = forward.stdout
+        assert output is not None
+        wait_until(lambda: "Forwarding" in (output.readline() or ""), 30, "kubectl port-forward")
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
             method="POST",

@@ -42,7 +42,7 @@ def wheels(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _install_alone(where: Path, wheels: Path, requirement: str) -> Path:
     venv.EnvBuilder(with_pip=True).create(where)
     python = where / "bin" / "python"
-    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    pip: list[str | Path] = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     pins = ROOT / "requirements" / "deps.lock"
     subprocess.run([*pip, "--find-links", wheels, "-c", pins, requirement], check=True)
     return python
@@ -98,7 +98,15 @@ def test_connector_wheel_without_extras_serves_the_env_contract(connector_alone:
 def test_the_check_sees_a_dependency_that_is_not_installed(tmp_path: Path, wheels: Path) -> None:
     """The router without its declared dependencies (aiohttp, httptools): the import check fails, loudly."""
     python = _install_alone(tmp_path / "venv", wheels, "dllm-contract")
-    install = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps"]
+    install: list[str | Path] = [
+        python,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--disable-pip-version-check",
+        "--no-deps",
+    ]
     subprocess.run([*install, "--find-links", wheels, "dllm-router"], check=True)
     result = subprocess.run([python, IMPORT_ALL, "dllm_router"], check=False, capture_output=True, text=True)
     assert result.returncode != 0

@@ -29,9 +29,9 @@ from e2e.cluster import node, nodehost
 from e2e.dataplane.pipeline import counter, metrics_text, post_json, start_single_engine, wait_healthy
 from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
 
+from dllm_contract.router_defaults import MOONCAKE_BOOTSTRAP_PORT
 from dllm_operator.api import parse
 from dllm_operator.config import OperatorConfig
-from dllm_operator.render.netpol import MOONCAKE_BOOTSTRAP_PORT
 from dllm_operator.render.ports import TRANSFER_PORTS_ENV
 from dllm_operator.render.router import router_args
 

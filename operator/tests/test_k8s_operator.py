@@ -107,9 +107,11 @@ def test_scale_decode_leaves_prefill_alone(
         cluster.run("scale", "dllm/tiny-cpu", "-n", namespace, f"--replicas={replicas}")
         cr = wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
         assert cr["status"]["decode"]["ready"] == f"{replicas}/{replicas}"
-        wait_until(
-            lambda n=replicas: len(pod_uids(cluster, namespace, "decode")) == n, 60, f"{replicas} decode pods"
-        )
+
+        def decode_pods_are(count: int = replicas) -> bool:
+            return len(pod_uids(cluster, namespace, "decode")) == count
+
+        wait_until(decode_pods_are, 60, f"{replicas} decode pods")
     assert (
         cluster.get_json("sts", "tiny-cpu-prefill", "-n", namespace)["metadata"]["generation"]
         == prefill_generation
@@ -141,7 +143,7 @@ def test_deleted_and_edited_children_are_restored(
     def compression() -> str:
         sts = cluster.get_json("sts", "tiny-cpu-prefill", "-n", namespace)
         env = sts["spec"]["template"]["spec"]["containers"][0]["env"]
-        return next(e["value"] for e in env if e["name"] == "VLLM_KV_COMPRESSION")
+        return str(next(e["value"] for e in env if e["name"] == "VLLM_KV_COMPRESSION"))
 
     wait_until(lambda: compression() == "none", 30, "the operator to put VLLM_KV_COMPRESSION back")
 
@@ -245,7 +247,12 @@ def test_deleting_the_resource_deletes_every_child(
     cr = get_cr(cluster, namespace, "tiny-cpu")
     assert cr["metadata"].get("finalizers") is None  # deletion never waits for the operator
     cluster.run("delete", "dllm", "tiny-cpu", "-n", namespace)
-    empty = {"statefulsets": [], "deployments": [], "services": [], "poddisruptionbudgets": []}
+    empty: dict[str, list[str]] = {
+        "statefulsets": [],
+        "deployments": [],
+        "services": [],
+        "poddisruptionbudgets": [],
+    }
     wait_until(
         lambda: children(cluster, namespace) == empty, 120, "the garbage collector to remove the children"
     )
