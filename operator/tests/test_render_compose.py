@@ -110,3 +110,23 @@ def test_compose_takes_credentials_from_the_run_environment_and_holds_none() -> 
     plain = yaml.safe_load(render_compose(parse(off)))
     assert "VLLM_API_KEY" not in plain["services"]["decode-server"]["environment"]
     assert "environment" not in plain["services"]["router"]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("X: 1\n    privileged: true\n    Y", "plain"),  # a name that was YAML once written unquoted
+        ("NOTE", "a\n    privileged: true\nb: [c]"),
+        ("QUOTES", "'\"}]{ # not a comment"),
+    ],
+)
+def test_a_crs_env_cannot_change_the_compose_documents_shape(name: str, value: str) -> None:
+    """Security review finding 5: env names and values reach the file as data, quoted as YAML needs."""
+    env = [{"name": name, "value": value}]
+    body = merged(load_cr(ROOT / "crds/samples/cpu-tiny.yaml"), {"spec": {"decode": {"env": env}}})
+    compose = yaml.safe_load(render_compose(parse(body)))
+    decode = compose["services"]["decode-server"]
+    assert decode["environment"][name] == value
+    assert "privileged" not in decode
+    assert set(compose) == {"services", "networks"}
+    assert set(compose["services"]) == {"prefill-server", "decode-server", "router"}

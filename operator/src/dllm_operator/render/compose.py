@@ -1,14 +1,14 @@
-"""docker-compose for one host, mirroring the same topology (the seed started there). Pure text."""
+"""docker-compose for one host, mirroring the same topology (the seed started there). Pure: a document
+built as data and dumped by PyYAML."""
 
 from __future__ import annotations
 
-from importlib import resources
 from typing import Any
 
-import jinja2
+import yaml
 
 from dllm_contract.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, to_env
-from dllm_operator.api import DisaggregatedLLM, RDMAMode
+from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import auth
 from dllm_operator.render.engine_command import EngineRole, engine_args, kv_settings, role_spec
@@ -23,6 +23,18 @@ COMPOSE_API_KEY = "${VLLM_API_KEY:-}"
 # The seed's service names and host ports: both engines share one host, so decode moves to 8001.
 SERVICE = {"prefill": "prefill-server", "decode": "decode-server"}
 HOST_PORT = {"prefill": 8000, "decode": 8001}
+NETWORK = "pd-network"
+HEADER = """\
+# docker-compose for one host, rendered by `python -m dllm_operator render --format compose` from
+# DisaggregatedLLM {name}: the same engines, env contract and router as on Kubernetes.
+# Each role gets as many GPUs as its tensor-parallel size, by index; KV moves over Mooncake in the engines.
+# Ports are published on 127.0.0.1 only; the host side of each can be moved with the variable named in
+# it, e.g. DLLM_ROUTER_HOST_PORT=9100 podman-compose up. No secret is written here: with
+# spec.security.authentication, the engines take DLLM_KV_AUTH_TOKEN (the KV side channel's key) and
+# VLLM_API_KEY (vLLM's key on /v1) from the environment of the compose run, and the router sends that
+# VLLM_API_KEY; unset, they run without. E.g.
+#   export DLLM_KV_AUTH_TOKEN=$(openssl rand -hex 32) VLLM_API_KEY=$(openssl rand -hex 32); podman-compose up
+"""
 
 
 def _engine_service(
@@ -37,19 +49,29 @@ def _engine_service(
     if cr.spec.security.authentication:
         env |= {auth.KV_TOKEN_ENV: None, auth.ENGINE_API_KEY_ENV: None}
     env |= {var.name: var.value for var in spec.env if var.value is not None}
-    gpus = gpu_count(cr, role)
-    return {
-        "service": SERVICE[role],
+    service: dict[str, Any] = {
         "image": spec.image or cr.spec.image or config.engine_image,
         "entrypoint": ["dllm-serve"],
         "command": ["--", *engine_args(cr, role)],
-        "env": env,
-        "gpus": [str(i) for i in range(first_gpu, first_gpu + gpus)],
-        "rdma": cr.spec.rdma.enabled,
-        "shm": str(spec.shm_size_limit).replace("Gi", "g").replace("Mi", "m"),
-        "port": spec.port,
-        "host_port": HOST_PORT[role] if spec.port == 8000 else spec.port,
-        "port_variable": f"DLLM_{role.upper()}_HOST_PORT",
+        "environment": env,
+    }
+    gpus = gpu_count(cr, role)
+    if gpus:
+        device_ids = [str(i) for i in range(first_gpu, first_gpu + gpus)]
+        device = {"driver": "nvidia", "device_ids": device_ids, "capabilities": ["gpu"]}
+        service["deploy"] = {"resources": {"reservations": {"devices": [device]}}}
+    if cr.spec.rdma.enabled:
+        service |= {
+            "devices": ["/dev/infiniband:/dev/infiniband"],
+            "cap_add": ["IPC_LOCK"],
+            "ulimits": {"memlock": -1},
+        }
+    host_port = HOST_PORT[role] if spec.port == 8000 else spec.port
+    return service | {
+        "shm_size": str(spec.shm_size_limit).replace("Gi", "g").replace("Mi", "m"),
+        # the host side can be moved with the variable, e.g. DLLM_DECODE_HOST_PORT=9101
+        "ports": [f"127.0.0.1:${{DLLM_{role.upper()}_HOST_PORT:-{host_port}}}:{spec.port}"],
+        "networks": [NETWORK],
     }
 
 
@@ -58,39 +80,51 @@ def gpu_count(cr: DisaggregatedLLM, role: EngineRole) -> int:
     return int(engine_resources(cr, role)["limits"].get(GPU_RESOURCE, 0))
 
 
-def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any] | None:
-    if not cr.spec.router.enabled:
-        return None
+def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any]:
     spec = cr.spec
     port = spec.router.port if spec.router.port not in HOST_PORT.values() else 9000
     endpoints = ["--prefill-url", f"http://{SERVICE['prefill']}:{spec.prefill.port}",
                  "--decode-url", f"http://{SERVICE['decode']}:{spec.decode.port}"]  # fmt: skip
-    return {
+    service: dict[str, Any] = {
         "image": spec.router.image or config.router_image,
         "entrypoint": ["dllm-router"],
         "command": router_command_args(cr, port, endpoints),
-        "port": port,
-        "depends": list(SERVICE.values()),
-        "env": {auth.ROUTER_API_KEY_ENV: COMPOSE_API_KEY} if spec.security.authentication else {},
-        "grace": spec.router.termination_grace_period_seconds,
+    }
+    if spec.security.authentication:
+        service["environment"] = {auth.ROUTER_API_KEY_ENV: COMPOSE_API_KEY}
+    return service | {
+        "stop_grace_period": f"{spec.router.termination_grace_period_seconds}s",
+        "ports": [f"127.0.0.1:${{DLLM_ROUTER_HOST_PORT:-{port}}}:{port}"],
+        "depends_on": list(SERVICE.values()),
+        "networks": [NETWORK],
     }
 
 
 def render_compose(cr: DisaggregatedLLM, config: OperatorConfig | None = None) -> str:
+    """The compose file: a comment saying what it is, then the document, dumped by PyYAML (every name
+    and value quoted as YAML needs, whatever a CR holds)."""
     config = config or OperatorConfig()
     prefill_gpus = gpu_count(cr, "prefill")
-    engines = [_engine_service(cr, "prefill", 0, config), _engine_service(cr, "decode", prefill_gpus, config)]
-    template_text = resources.files("dllm_operator").joinpath("templates/compose.yaml.j2").read_text()
-    # YAML, not HTML: every value goes through tojson, so HTML autoescaping does not apply.
-    environment = jinja2.Environment(
-        autoescape=False,  # noqa: S701
-        keep_trailing_newline=True,
-        undefined=jinja2.StrictUndefined,
+    services = {
+        SERVICE["prefill"]: _engine_service(cr, "prefill", 0, config),
+        SERVICE["decode"]: _engine_service(cr, "decode", prefill_gpus, config),
+    }
+    if cr.spec.router.enabled:
+        services["router"] = _router_service(cr, config)
+    document = {"services": services, "networks": {NETWORK: {"driver": "bridge"}}}
+    body = yaml.dump(
+        document, Dumper=_ComposeDumper, sort_keys=False, default_flow_style=False, width=1 << 16
     )
-    template = environment.from_string(template_text)
-    return template.render(
-        name=cr.name,
-        engines=engines,
-        router=_router_service(cr, config),
-        host_devices=cr.spec.rdma.mode is RDMAMode.HOST_DEVICES,
-    )
+    return HEADER.format(name=cr.name) + body
+
+
+class _ComposeDumper(yaml.SafeDumper):
+    """Lists of scalars on one line (a command reads as one), every mapping as a block."""
+
+
+def _list(dumper: yaml.SafeDumper, items: list[Any]) -> yaml.Node:
+    flow = all(not isinstance(item, list | dict) for item in items)
+    return dumper.represent_sequence("tag:yaml.org,2002:seq", items, flow_style=flow)
+
+
+_ComposeDumper.add_representer(list, _list)
