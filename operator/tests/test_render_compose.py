@@ -121,7 +121,8 @@ def test_compose_takes_credentials_from_the_run_environment_and_holds_none() -> 
     ],
 )
 def test_a_crs_env_cannot_change_the_compose_documents_shape(name: str, value: str) -> None:
-    """Security review finding 5: env names and values reach the file as data, quoted as YAML needs."""
+    """Env names and values reach the file as data, quoted as YAML needs (redesign.md 5.3, finding 5:
+    names were written unquoted)."""
     env = [{"name": name, "value": value}]
     body = merged(load_cr(ROOT / "crds/samples/cpu-tiny.yaml"), {"spec": {"decode": {"env": env}}})
     compose = yaml.safe_load(render_compose(parse(body)))
