@@ -62,6 +62,12 @@ class Served:
     def pod_url(self, pod: str) -> str:
         return f"http://{self.get('pod', pod)['status']['podIP']}:8000"
 
+    def why_restarted(self, pod: str) -> str:
+        """The container's last state and the end of its previous run's log: what a restart left."""
+        status = self.get("pod", pod)["status"]["containerStatuses"][0]
+        previous = self.cluster.run("logs", "--previous", "--tail=40", "-n", NAMESPACE, pod, check=False)
+        return f"{pod} restarted: {status.get('lastState')}\n{previous.stdout}{previous.stderr}"
+
     def engine_logs(self) -> str:
         """The last lines each engine logged but the noise (what a 500 from vLLM names only as an
         internal error): the demo's own reader."""
@@ -171,7 +177,8 @@ def test_engines_are_ready_through_their_own_probes_on_the_real_node(served: Ser
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert container[probe]["httpGet"]["path"] == "/health", probe
         assert pod["status"]["containerStatuses"][0]["ready"]
-        assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+        restarts = pod["status"]["containerStatuses"][0]["restartCount"]
+        assert restarts == 0, served.why_restarted(pod_name)
 
 
 def test_the_router_runs_exactly_the_arguments_the_operator_rendered(served: Served) -> None:
