@@ -18,7 +18,6 @@ ENGINE_ONLY = (
     "dllm_connector.pipe",
     "dllm_connector.transport",
     "dllm_connector.connector",
-    "dllm_connector.tuning",
 )
 
 

@@ -1,6 +1,6 @@
-"""KV transports: one interface (base.Transport), Mooncake and torch.distributed implementations."""
+"""KV transports: one interface (base.Transport), Mooncake and torch.distributed implementations, the
+side channel, staging buffers, and which data path a transfer takes (placement).
 
-from dllm_connector.transport.base import Span, TransferTimeout, Transport, TransportError
-from dllm_connector.transport.staging import StagingBuffer
-
-__all__ = ["Span", "StagingBuffer", "TransferTimeout", "Transport", "TransportError"]
+Nothing is imported here, so that the pure modules (placement) load without torch; import each module
+by its own name.
+"""
