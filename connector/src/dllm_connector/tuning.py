@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from dllm_connector.transport.placement import PathSetting, parse_setting
+from dllm_contract.problems import first_problem
 
 
 class TuningInvalid(ValueError):
@@ -69,7 +70,5 @@ def from_env(env: Mapping[str, str]) -> EngineTuning:
     try:
         return EngineTuning.model_validate(values)
     except ValidationError as error:
-        problem = error.errors()[0]
-        field = str(problem["loc"][0]) if problem["loc"] else ""
-        message = problem["msg"].removeprefix("Value error, ")
+        field, message = first_problem(error)
         raise TuningInvalid(f"{ENV_NAMES.get(field, field)}: {message}") from None

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from dllm_contract import logs
+from dllm_contract.problems import first_problem
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/dllm-operator/vllm:0.1.0"
 DEFAULT_ROUTER_IMAGE = "ghcr.io/dllm-operator/router:0.1.0"
@@ -83,9 +84,7 @@ class OperatorConfig(BaseModel):
         try:
             return cls.model_validate({**values, **given})
         except ValidationError as error:
-            problem = error.errors()[0]
-            field = str(problem["loc"][0]) if problem["loc"] else ""
-            message = problem["msg"].removeprefix("Value error, ")
+            field, message = first_problem(error)
             raise ConfigInvalid(f"{_where(field)}: {message}") from None
 
 
