@@ -307,8 +307,8 @@ def _compiled_set() -> _Kernels | None:
 def _choose_kernels(request: KernelRequest) -> _Kernels:
     """The requested kernel set, checked against the plain one; where it is unavailable, the next of
     native -> compiled -> plain (each step says why in a warning)."""
-    native = functools.partial(_native_set, request)
-    order = {"native": (native, _compiled_set), "compiled": (_compiled_set,), "plain": ()}
+    native_set = functools.partial(_native_set, request)
+    order = {"native": (native_set, _compiled_set), "compiled": (_compiled_set,), "plain": ()}
     name = request.name
     if name not in order:
         _log.warning("DLLM_KV_CODEC_KERNELS=%s is none of native, compiled, plain; using native", name)

@@ -69,10 +69,15 @@ def _engine_service(
     host_port = HOST_PORT[role] if spec.port == 8000 else spec.port
     return service | {
         "shm_size": str(spec.shm_size_limit).replace("Gi", "g").replace("Mi", "m"),
-        # the host side can be moved with the variable, e.g. DLLM_DECODE_HOST_PORT=9101
-        "ports": [f"127.0.0.1:${{DLLM_{role.upper()}_HOST_PORT:-{host_port}}}:{spec.port}"],
+        "ports": [_published(f"DLLM_{role.upper()}_HOST_PORT", host_port, spec.port)],
         "networks": [NETWORK],
     }
+
+
+def _published(variable: str, host_port: int, port: int) -> str:
+    """A port published on 127.0.0.1, its host side movable with `variable` (e.g. DLLM_ROUTER_HOST_PORT=9100
+    podman-compose up)."""
+    return f"127.0.0.1:${{{variable}:-{host_port}}}:{port}"
 
 
 def gpu_count(cr: DisaggregatedLLM, role: EngineRole) -> int:
@@ -94,7 +99,7 @@ def _router_service(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, A
         service["environment"] = {auth.ROUTER_API_KEY_ENV: COMPOSE_API_KEY}
     return service | {
         "stop_grace_period": f"{spec.router.termination_grace_period_seconds}s",
-        "ports": [f"127.0.0.1:${{DLLM_ROUTER_HOST_PORT:-{port}}}:{port}"],
+        "ports": [_published("DLLM_ROUTER_HOST_PORT", port, port)],
         "depends_on": list(SERVICE.values()),
         "networks": [NETWORK],
     }
