@@ -15,7 +15,7 @@ from codec_cases import GROUPS, QUANTIZED, adversarial_blocks
 from dllm_connector import codec
 from dllm_connector.codec import native as native_codec
 from dllm_connector.codec import quant
-from dllm_connector.codec.kernel_sets import native_kernels
+from dllm_connector.codec.native_kernels import native_kernels
 from dllm_connector.layout import Geometry, PagedKV
 from dllm_contract.kvconfig import Compression
 

@@ -14,7 +14,7 @@ import torch
 from codec_cases import GROUPS, NH64, blocks
 
 from dllm_connector import codec
-from dllm_connector.codec import kernel_sets
+from dllm_connector.codec import kernel_sets, plain_kernels
 from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
@@ -64,13 +64,13 @@ def test_kernels_that_write_other_bytes_where_staging_is_are_refused_at_warm_up(
 ) -> None:
     """fake_off_by_one: a kernel set whose int8 codes differ from the host's (no real set does on a
     CPU; a GPU compiler's division could), refused before any payload is written with it."""
-    plain = kernel_sets._PLAIN
+    plain = plain_kernels.PLAIN
 
     def fake_off_by_one(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
         plain[Compression.INT8].encode_into(rows, codes, scales)
         codes.add_(1)
 
-    int8 = kernel_sets._CodecKernels(fake_off_by_one, plain[Compression.INT8].decode_into)
+    int8 = plain_kernels.CodecKernels(fake_off_by_one, plain[Compression.INT8].decode_into)
     fake = kernel_sets._Kernels(
         {Compression.FP8: plain[Compression.FP8], Compression.INT8: int8}, "fake", 1 << 18
     )

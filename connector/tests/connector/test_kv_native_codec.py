@@ -20,7 +20,7 @@ import torch
 from dllm_connector import codec, tuning
 from dllm_connector.codec import kernel_sets as codec_kernels
 from dllm_connector.codec import native as native_codec
-from dllm_connector.codec.kernel_sets import native_kernels
+from dllm_connector.codec.native_kernels import native_kernels
 from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]

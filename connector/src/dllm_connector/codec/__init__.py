@@ -23,10 +23,12 @@ the engine passes it to `configure` at start):
 - plain: torch ops, no compiler.
 
 The package, one idea per module: `header` (the wire header, errors, dtype tables, checksum), `quant`
-(the fp8/int8 maths in torch), `kernel_sets` (the kernel sets and the choice among them), `stream` (encode and
-decode, whole or in parts), `checksum` (XXH3-64 over host memory) and `device_checksum` (nh64 in torch
-ops, where the payload is), and `native` (the C kernels' build and load: stdlib only, so that the
-images build the library with it in a stage without torch). Callers use the names below.
+(the fp8/int8 maths in torch), `plain_kernels` (what a kernel set is; the plain torch one),
+`native_kernels` (the C kernels as a set, split by rows over threads), `kernel_sets` (the compiled set,
+the checks and the choice among them), `stream` (encode and decode, whole or in parts), `checksum`
+(XXH3-64 over host memory) and `device_checksum` (nh64 in torch ops, where the payload is), and `native`
+(the C kernels' build and load: stdlib only, so that the images build the library with it in a stage
+without torch). Callers use the names below.
 """
 
 from dllm_connector.codec.header import (

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -15,25 +13,14 @@ from typing import Any, TypeVar, cast
 import torch
 
 from dllm_connector.codec import device_checksum, native
-from dllm_connector.codec.header import (
-    CODE_DTYPE,
-    SCALE_BYTES,
-    SCALE_DTYPE,
-    CodecError,
-    as_bytes,
-    effective_codec,
-)
+from dllm_connector.codec.header import CODE_DTYPE, SCALE_DTYPE, CodecError, as_bytes, effective_codec
+from dllm_connector.codec.native_kernels import NATIVE_DTYPES, native_kernels
+from dllm_connector.codec.plain_kernels import PLAIN, CodecKernels, encoding_with
 from dllm_connector.codec.quant import (
-    CodesFn,
-    DecodeFn,
-    ScalesFn,
-    decoding_with,
     fp8_codes,
-    fp8_codes_cast,
     fp8_decode_by_words,
     fp8_half_words,
     fp8_scales,
-    fp8_values_cast,
     fp8_widen_into,
     int8_codes,
     int8_decode_into,
@@ -44,27 +31,10 @@ from dllm_contract.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
 
-EncodeFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-@dataclass(frozen=True)
-class _CodecKernels:
-    encode_into: EncodeFn  # rows -> their codes and scales, written into the two outputs
-    decode_into: DecodeFn
-
-
-def _encoding_with(scales: ScalesFn, codes: CodesFn) -> EncodeFn:
-    def encode_into(rows: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
-        inverse, scale = scales(rows)
-        codes(rows, inverse, codes_out)
-        scales_out.copy_(scale)
-
-    return encode_into
-
 
 @dataclass
 class _Kernels:
-    by_codec: Mapping[Compression, _CodecKernels]
+    by_codec: Mapping[Compression, CodecKernels]
     name: str  # native, compiled or plain
     # Rows per kernel call, in elements: each compiled call has a fixed cost (docs/kv-connector.md,
     # Codec), so they take large chunks; plain torch ops make float32 temporaries, so their chunks
@@ -72,12 +42,6 @@ class _Kernels:
     chunk_elements: int
 
 
-_PLAIN: Mapping[Compression, _CodecKernels] = {
-    Compression.FP8: _CodecKernels(
-        _encoding_with(fp8_scales, fp8_codes_cast), decoding_with(fp8_values_cast)
-    ),
-    Compression.INT8: _CodecKernels(_encoding_with(int8_scales, int8_codes), int8_decode_into),
-}
 _PLAIN_CHUNK_ELEMENTS = 1 << 18
 _COMPILED_CHUNK_ELEMENTS = 1 << 22
 _NATIVE_CHUNK_ELEMENTS = 1 << 22  # no temporaries: chunks only bound one call
@@ -129,133 +93,21 @@ def _compile(function: _F) -> _F:
     return cast(_F, call)
 
 
-def _compiled_kernels() -> Mapping[Compression, _CodecKernels]:
+def _compiled_kernels() -> Mapping[Compression, CodecKernels]:
     return {
-        Compression.FP8: _CodecKernels(
-            _encoding_with(_compile(fp8_scales), _compile(fp8_codes)),
+        Compression.FP8: CodecKernels(
+            encoding_with(_compile(fp8_scales), _compile(fp8_codes)),
             # two compiled passes over words beat one over bytes
             fp8_decode_by_words(_compile(fp8_half_words), _compile(fp8_widen_into)),
         ),
-        Compression.INT8: _CodecKernels(
-            _encoding_with(_compile(int8_scales), _compile(int8_codes)),
+        Compression.INT8: CodecKernels(
+            encoding_with(_compile(int8_scales), _compile(int8_codes)),
             int8_decode_into,  # eager on purpose (see its docstring)
         ),
     }
 
 
-# The dtype numbers of kvcodec.c.
-_NATIVE_DTYPES: Mapping[torch.dtype, int] = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-
-
-def _native_takes(
-    codec: Compression, values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
-) -> bool:
-    """Whether the C kernels take these as they are: host tensors, contiguous, plain (no lazy negation
-    or conjugate), values of a dtype they know, codes of the same shape and one float32 scale per row;
-    anything else goes to the torch ops."""
-    tensors = (values, codes, scales)
-    return (
-        values.dtype in _NATIVE_DTYPES
-        and values.dim() == 2
-        and codes.shape == values.shape
-        and codes.dtype == CODE_DTYPE[codec]
-        and scales.dtype == SCALE_DTYPE
-        and scales.numel() == values.shape[0]
-        and all(
-            t.device.type == "cpu" and t.is_contiguous() and not (t.is_neg() or t.is_conj()) for t in tensors
-        )
-    )
-
-
-# A call of the C kernels runs over torch's intra-op threads, as torch's own ops would (the calling
-# thread takes the first slice of rows), in slices of at least this many elements: smaller ones cost
-# more to hand out than to run.
-_MIN_ELEMENTS_PER_THREAD = 1 << 18
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _row_slices(nrows: int, length: int) -> list[tuple[int, int]]:
-    """[start, stop) row ranges, one per thread that gets work."""
-    threads = max(1, min(torch.get_num_threads(), nrows * length // _MIN_ELEMENTS_PER_THREAD, nrows))
-    step = -(-nrows // threads)
-    return [(start, min(start + step, nrows)) for start in range(0, nrows, step)]
-
-
-def _thread_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="kv-codec")
-        return _pool
-
-
-def _over_rows(run: Callable[[int, int], None], nrows: int, length: int) -> None:
-    """run(start, stop) for every slice of rows, the slices on threads of their own but the first."""
-    first, *others = _row_slices(nrows, length)
-    pending = [_thread_pool().submit(run, start, stop) for start, stop in others]
-    try:
-        run(*first)
-    finally:
-        for future in pending:
-            future.result()
-
-
-def native_kernels(library: native.NativeCodec) -> Mapping[Compression, _CodecKernels]:
-    """The C kernels where they take the tensors, plain torch ops elsewhere (e.g. on a GPU)."""
-
-    def for_codec(codec: Compression) -> _CodecKernels:
-        fp8, plain = codec is Compression.FP8, _PLAIN[codec]
-
-        def encode_into(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
-            if not _native_takes(codec, rows, codes, scales):
-                plain.encode_into(rows, codes, scales)
-                return
-            dtype, (nrows, length), item = _NATIVE_DTYPES[rows.dtype], rows.shape, rows.element_size()
-            values, out, scale = rows.data_ptr(), codes.data_ptr(), scales.data_ptr()
-
-            def run(start: int, stop: int) -> None:
-                at = start * length
-                library.encode(
-                    fp8,
-                    dtype,
-                    values + at * item,
-                    stop - start,
-                    length,
-                    out + at,
-                    scale + SCALE_BYTES * start,
-                )
-
-            _over_rows(run, nrows, length)
-
-        def decode_into(codes: torch.Tensor, scale: torch.Tensor, limit: float, out: torch.Tensor) -> None:
-            if not _native_takes(codec, out, codes, scale):
-                plain.decode_into(codes, scale, limit, out)
-                return
-            dtype, (nrows, length), item = _NATIVE_DTYPES[out.dtype], out.shape, out.element_size()
-            source, scales, target = codes.data_ptr(), scale.data_ptr(), out.data_ptr()
-
-            def run(start: int, stop: int) -> None:
-                at = start * length
-                library.decode(
-                    fp8,
-                    dtype,
-                    source + at,
-                    scales + SCALE_BYTES * start,
-                    stop - start,
-                    length,
-                    limit,
-                    target + at * item,
-                )
-
-            _over_rows(run, nrows, length)
-
-        return _CodecKernels(encode_into, decode_into)
-
-    return {codec: for_codec(codec) for codec in _PLAIN}
-
-
-_PLAIN_KERNELS = _Kernels(_PLAIN, "plain", _PLAIN_CHUNK_ELEMENTS)
+_PLAIN_KERNELS = _Kernels(PLAIN, "plain", _PLAIN_CHUNK_ELEMENTS)
 
 
 def _probe_rows(dtype: torch.dtype) -> torch.Tensor:
@@ -277,7 +129,7 @@ def _checked(candidate: _Kernels, dtypes: Iterable[torch.dtype]) -> _Kernels | N
     warning)."""
     for dtype in dtypes:
         rows = _probe_rows(dtype)
-        for codec in _PLAIN:
+        for codec in PLAIN:
             if not all(
                 _same_round_trip(some, codec, _PLAIN_KERNELS, candidate) for some in _row_shapes(rows)
             ):
@@ -292,7 +144,7 @@ def _native_set(request: KernelRequest) -> _Kernels | None:
     library = native.load(library=request.library, cache=request.cache)
     if library is None:
         return None
-    return _checked(_Kernels(native_kernels(library), "native", _NATIVE_CHUNK_ELEMENTS), _NATIVE_DTYPES)
+    return _checked(_Kernels(native_kernels(library), "native", _NATIVE_CHUNK_ELEMENTS), NATIVE_DTYPES)
 
 
 def _compiled_set() -> _Kernels | None:
@@ -327,7 +179,7 @@ def _row_shapes(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _round_trip_rows(
-    rows: torch.Tensor, functions: _CodecKernels, code_dtype: torch.dtype, staging: torch.device | None = None
+    rows: torch.Tensor, functions: CodecKernels, code_dtype: torch.dtype, staging: torch.device | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes, scales and decoded values of [rows, group] values, through both kernels, with the
     payload and the decoded values where staging is (the host unless told)."""
@@ -390,11 +242,9 @@ def warm_up(
         _check_on(staging, codec, sample.dtype, functions)
 
 
-def _check_on(
-    staging: torch.device, codec: Compression, dtype: torch.dtype, functions: _CodecKernels
-) -> None:
+def _check_on(staging: torch.device, codec: Compression, dtype: torch.dtype, functions: CodecKernels) -> None:
     for probe in _row_shapes(_probe_rows(dtype)):
-        expected = _round_trip_rows(probe, _PLAIN[codec], CODE_DTYPE[codec])
+        expected = _round_trip_rows(probe, PLAIN[codec], CODE_DTYPE[codec])
         got = _round_trip_rows(probe.to(staging), functions, CODE_DTYPE[codec], staging)
         if not all(torch.equal(as_bytes(a), as_bytes(b.cpu())) for a, b in zip(expected, got, strict=True)):
             raise CodecError(

@@ -1,6 +1,6 @@
 """The host KV codec kernels in C (kvcodec.c): compiled for this CPU at first use, loaded by ctypes.
 
-kernel_sets runs them on host tensors; they write the same bytes as its torch kernels, about twice as
+native_kernels runs them on host tensors; they write the same bytes as its torch kernels, about twice as
 fast on one core as torch.compile's (docs/kv-connector.md). No torch here: images build the library
 in a stage without it. The library is built once per source, compiler and CPU into a private cache
 directory (DLLM_KV_CODEC_CACHE, else ~/.cache/dllm-connector), or taken ready-made from
@@ -45,7 +45,7 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 
 class NativeCodec:
-    """The four entry points of a loaded kvcodec library, on raw addresses (kernel_sets passes tensors'):
+    """The four entry points of a loaded kvcodec library, on raw addresses (native_kernels passes tensors'):
     rows and codes of `nrows` x `length` elements, one float32 scale per row; `dtype` numbers the
     KV dtype as kvcodec.c does (0 bfloat16, 1 float16, 2 float32)."""
 
