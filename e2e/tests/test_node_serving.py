@@ -11,129 +11,45 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from e2e import demo, models_volume
-from e2e.cluster import controlplane as cp
-from e2e.cluster import node, nodehost
+from e2e import demo
 from e2e.dataplane.pipeline import counter, metrics_text, post_json, start_single_engine, wait_healthy
 from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
+from e2e.served_sample import (
+    NAME,
+    NAMESPACE,
+    PROMPTS,
+    Served,
+    completion,
+    connect_from_engine,
+    deployed,
+    engine_pid,
+    engine_ports,
+    faulty_cr,
+    listening_ports,
+    stream_first_event,
+    tokens,
+)
 
 from dllm_contract.router_defaults import MOONCAKE_BOOTSTRAP_PORT
 from dllm_operator.api import parse
 from dllm_operator.config import OperatorConfig
-from dllm_operator.render.ports import TRANSFER_PORTS_ENV
 from dllm_operator.render.router import router_args
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-NAMESPACE = "node-serving"
-NAME = demo.NAME
-PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "0123456789 abcdefghij KLMNOPQRST " * 2]
-MAX_TOKENS = 12
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@dataclass
-class Served:
-    cluster: Cluster
-    layout: cp.Layout
-    model: Path
-    demo_output: str  # what `python -m e2e.demo up` printed
-
-    def get(self, *args: str) -> Any:
-        return self.cluster.get_json(*args, "-n", NAMESPACE)
-
-    @property
-    def router(self) -> str:
-        service = self.get("service", f"{NAME}-router")
-        return f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
-
-    def pod_url(self, pod: str) -> str:
-        return f"http://{self.get('pod', pod)['status']['podIP']}:8000"
-
-    def why_restarted(self, pod: str) -> str:
-        """The container's last state and the end of its previous run's log: what a restart left."""
-        status = self.get("pod", pod)["status"]["containerStatuses"][0]
-        previous = self.cluster.run("logs", "--previous", "--tail=40", "-n", NAMESPACE, pod, check=False)
-        return f"{pod} restarted: {status.get('lastState')}\n{previous.stdout}{previous.stderr}"
-
-    def engine_logs(self) -> str:
-        """The last lines each engine logged but the noise (what a 500 from vLLM names only as an
-        internal error): the demo's own reader."""
-        return demo.engine_logs(self.layout, NAMESPACE)
-
-    def condition(self, kind: str) -> dict[str, Any]:
-        cr = self.get("dllm", NAME)
-        return next((c for c in cr.get("status", {}).get("conditions", []) if c["type"] == kind), {})
-
-
-def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, DLLM_DEMO_NAMESPACE=NAMESPACE)
-    return subprocess.run([sys.executable, "-m", "e2e.demo", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=1200, check=False)  # fmt: skip
-
 
 @pytest.fixture(scope="module")
 def served(cluster: Cluster) -> Iterator[Served]:
-    """The sample deployed by `make demo`'s own command, once: every test here shares it (each deploy
-    costs minutes of engine start and compile on two cores); `make demo-down`'s command removes it."""
-    layout = cp.Layout.from_env()
-    if not node.running(layout):
-        pytest.fail(f"the real node is not running: {node.why_not(layout)}")
-    # What an interrupted run left: a model PV still terminating would leave the claim unbound.
-    demo.undeploy(layout, NAMESPACE)
-    try:
-        up = run_demo("up", "--timeout", "900")
-        assert up.returncode == 0, up.stdout[-8000:] + up.stderr[-8000:]
-        served = Served(cluster, layout, models_volume.make_model(), up.stdout)
-        # Ready (the CR's) comes a moment before the router's own checks have seen both engines.
-        wait_until(lambda: demo.answers(served.router + "/ready"), 60, "the router's /ready")
-        # The first request of a fresh engine pair is the slowest (the sample runs vLLM's sampler eager,
-        # so no compile, but two busy cores): a generous bound.
-        status, body = completion(served.router, PROMPTS[0], timeout=600)
-        assert status == 200, f"{body}\n{served.engine_logs()}"
-        yield served
-    finally:
-        down = run_demo("down", "--keep-cluster")
-    assert down.returncode == 0, down.stderr
-    assert cluster.helm("list", "-n", demo.SYSTEM_NAMESPACE, "-q").stdout.strip() == ""
-    # Deleting the CR and uninstalling leaves no pod, Service or kube-proxy rule of ours on the node.
-    leftover = cluster.run("get", "pods,svc", "-n", NAMESPACE, "--ignore-not-found", "-o", "name").stdout
-    assert leftover.strip() == ""
-    operator_pods = ("get", "pods", "-n", demo.SYSTEM_NAMESPACE, "-o", "name")
-    wait_until(lambda: cluster.run(*operator_pods).stdout.strip() == "", 120, "the operator pod to go")
-
-    def rules_of_ours() -> list[str]:
-        rules = nodehost.in_netns("iptables-save").stdout.splitlines()
-        return [rule for rule in rules if f"{NAMESPACE}/" in rule or f"{demo.SYSTEM_NAMESPACE}/" in rule]
-
-    wait_until(lambda: not rules_of_ours(), 60, "kube-proxy's rules for our Services to go")
-
-
-def completion(url: str, prompt: str, timeout: float = 120) -> tuple[int, dict[str, Any]]:
-    body = {
-        "model": "tiny-llama",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "logprobs": 1,
-    }
-    return post_json(url + "/v1/completions", body, timeout=timeout)
-
-
-def tokens(body: dict[str, Any]) -> list[str]:
-    return list(body["choices"][0]["logprobs"]["tokens"])
+    """The sample deployed once for the whole module: every test here shares it."""
+    yield from deployed(cluster)
 
 
 def test_make_demo_answers_through_the_router_service(served: Served) -> None:
@@ -219,45 +135,6 @@ def test_completions_through_the_router_service_equal_one_engine(served: Served,
 # ---- the operator's NetworkPolicies, enforced by kube-router (before the faults below change the pods) --
 
 
-def listening_ports(cluster: Cluster, pod: str, namespace: str) -> set[int]:
-    """TCP ports the pod listens on beyond loopback, from its own /proc/net/tcp{,6} (state 0A)."""
-    out = cluster.run("exec", pod, "-n", namespace, "--", "cat", "/proc/net/tcp", "/proc/net/tcp6").stdout
-    rows = [line.split() for line in out.splitlines() if line.strip() and not line.lstrip().startswith("sl")]
-    loopback = ("0100007F", "00000000000000000000000001000000")
-    return {
-        int(port, 16)
-        for _, local, _, state, *_ in rows
-        for address, port in [local.rsplit(":", 1)]
-        if state == "0A" and address not in loopback
-    }
-
-
-def engine_ports(pod: dict[str, Any]) -> tuple[list[int], list[int]]:
-    """(declared container ports: HTTP and each rank's KV side channel, Mooncake's range) as rendered."""
-    [container] = pod["spec"]["containers"]
-    declared = [int(p["containerPort"]) for p in container["ports"]]
-    value = next(e["value"] for e in container["env"] if e["name"] == TRANSFER_PORTS_ENV)
-    low, high = (int(v) for v in value.split("-"))
-    return declared, list(range(low, high + 1))
-
-
-def connect_from_engine(cluster: Cluster, pod: str, namespace: str, addrs: list[str]) -> dict[str, str]:
-    """TCP connects from inside an engine pod (its image has Python, not the probe)."""
-    script = (
-        "import socket, sys, json\n"
-        "out = {}\n"
-        "for a in sys.argv[1:]:\n"
-        "    h, p = a.rsplit(':', 1)\n"
-        "    try:\n"
-        "        socket.create_connection((h, int(p)), timeout=3).close(); out[a] = 'open'\n"
-        "    except OSError as e:\n"
-        "        out[a] = type(e).__name__\n"
-        "print(json.dumps(out))\n"
-    )
-    result = cluster.run("exec", pod, "-n", namespace, "--", "python3", "-c", script, *addrs, timeout=300)
-    return dict(json.loads(result.stdout))
-
-
 def test_a_pod_of_another_namespace_reaches_no_engine_port_while_the_router_serves(
     served: Served, other_namespace: str
 ) -> None:
@@ -299,37 +176,14 @@ def test_a_pod_of_another_namespace_reaches_no_engine_port_while_the_router_serv
     assert len(answer["choices"]) == 1, answer
 
 
-def _stream_first_event(url: str) -> tuple[Any, bytes]:
-    body = {
-        "model": "tiny-llama",
-        "prompt": "stream " * 20,
-        "max_tokens": 400,
-        "temperature": 0,
-        "stream": True,
-    }
-    request = urllib.request.Request(  # noqa: S310 (a ClusterIP of the local cluster)
-        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    response = urllib.request.urlopen(request, timeout=120)  # noqa: S310
-    return response, response.readline()
-
-
-def _engine_pid(served: Served, pod_name: str) -> int:
-    """The engine container's main process, as the host sees it (looked up before the stream starts,
-    so that the kill lands while tokens still flow)."""
-    container_id = served.get("pod", pod_name)["status"]["containerStatuses"][0]["containerID"].split("//")[1]
-    tasks = node.ctr(served.layout, "tasks", "ls").splitlines()[1:]
-    return next(int(line.split()[1]) for line in tasks if line.split()[0] == container_id)
-
-
 @pytest.mark.xfail(
     strict=False,
     reason="a race on two cores: the tiny model may finish its 480 tokens before the kill lands (seen once, "
     "with the pid looked up after the first event); the Degraded naming the pod was seen in that run",
 )
 def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready(served: Served) -> None:
-    pid = _engine_pid(served, f"{NAME}-decode-0")
-    response, first = _stream_first_event(served.router)
+    pid = engine_pid(served, f"{NAME}-decode-0")
+    response, first = stream_first_event(served.router)
     os.kill(pid, signal.SIGKILL)  # as a crash would: no graceful delete, no drain
     assert first.startswith(b"data: ")
     rest = response.read().decode()
@@ -353,17 +207,6 @@ def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready
     assert status == 200, body
 
 
-def _faulty_cr(name: str, **prefill: Any) -> dict[str, Any]:
-    """The sample with a broken prefill (no model volume needed: it never gets that far)."""
-    body = yaml.safe_load(demo.SAMPLE.read_text())
-    body["metadata"] = {"name": name, "namespace": NAMESPACE}
-    body["spec"]["model"].pop("source")
-    body["spec"]["prefill"].update(prefill)
-    body["spec"]["decode"]["replicas"] = 0
-    body["spec"]["router"]["enabled"] = False
-    return dict(body)
-
-
 @pytest.mark.parametrize(
     ("fault", "prefill", "reasons"),
     [
@@ -377,7 +220,7 @@ def test_a_failing_engine_shows_as_degraded_naming_the_pod_and_reason(
 ) -> None:
     name = f"broken-{fault}"
     wait_until(lambda: served.condition("Ready").get("status") == "True", 600, "the served sample Ready")
-    served.cluster.apply(_faulty_cr(name, **prefill))
+    served.cluster.apply(faulty_cr(name, **prefill))
     try:
 
         def degraded() -> str | None:

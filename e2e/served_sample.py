@@ -1,0 +1,195 @@
+"""The CPU sample as `make demo` deploys it on the real node (python -m e2e.demo up, then down), and what
+the node serving tests (e2e/tests/test_node_serving.py) send to it and read from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dllm_operator.render.ports import TRANSFER_PORTS_ENV
+from e2e import demo, models_volume
+from e2e.cluster import controlplane as cp
+from e2e.cluster import node, nodehost
+from e2e.dataplane.pipeline import post_json
+from e2e.fixtures import Cluster, wait_until
+
+NAMESPACE = "node-serving"
+NAME = demo.NAME
+PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "0123456789 abcdefghij KLMNOPQRST " * 2]
+MAX_TOKENS = 12
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Served:
+    cluster: Cluster
+    layout: cp.Layout
+    model: Path
+    demo_output: str  # what `python -m e2e.demo up` printed
+
+    def get(self, *args: str) -> Any:
+        return self.cluster.get_json(*args, "-n", NAMESPACE)
+
+    @property
+    def router(self) -> str:
+        service = self.get("service", f"{NAME}-router")
+        return f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+
+    def pod_url(self, pod: str) -> str:
+        return f"http://{self.get('pod', pod)['status']['podIP']}:8000"
+
+    def why_restarted(self, pod: str) -> str:
+        """The container's last state and the end of its previous run's log: what a restart left."""
+        status = self.get("pod", pod)["status"]["containerStatuses"][0]
+        previous = self.cluster.run("logs", "--previous", "--tail=40", "-n", NAMESPACE, pod, check=False)
+        return f"{pod} restarted: {status.get('lastState')}\n{previous.stdout}{previous.stderr}"
+
+    def engine_logs(self) -> str:
+        """The last lines each engine logged but the noise (what a 500 from vLLM names only as an
+        internal error): the demo's own reader."""
+        return demo.engine_logs(self.layout, NAMESPACE)
+
+    def condition(self, kind: str) -> dict[str, Any]:
+        cr = self.get("dllm", NAME)
+        return next((c for c in cr.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ, DLLM_DEMO_NAMESPACE=NAMESPACE)
+    return subprocess.run([sys.executable, "-m", "e2e.demo", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=1200, check=False)  # fmt: skip
+
+
+def deployed(cluster: Cluster) -> Iterator[Served]:
+    """The sample deployed by `make demo`'s own command, for as long as the caller holds it (each deploy
+    costs minutes of engine start and compile on two cores); `make demo-down`'s command removes it and
+    what it leaves behind is checked."""
+    layout = cp.Layout.from_env()
+    if not node.running(layout):
+        pytest.fail(f"the real node is not running: {node.why_not(layout)}")
+    # What an interrupted run left: a model PV still terminating would leave the claim unbound.
+    demo.undeploy(layout, NAMESPACE)
+    try:
+        up = run_demo("up", "--timeout", "900")
+        assert up.returncode == 0, up.stdout[-8000:] + up.stderr[-8000:]
+        served = Served(cluster, layout, models_volume.make_model(), up.stdout)
+        # Ready (the CR's) comes a moment before the router's own checks have seen both engines.
+        wait_until(lambda: demo.answers(served.router + "/ready"), 60, "the router's /ready")
+        # The first request of a fresh engine pair is the slowest (the sample runs vLLM's sampler eager,
+        # so no compile, but two busy cores): a generous bound.
+        status, body = completion(served.router, PROMPTS[0], timeout=600)
+        assert status == 200, f"{body}\n{served.engine_logs()}"
+        yield served
+    finally:
+        down = run_demo("down", "--keep-cluster")
+    assert down.returncode == 0, down.stderr
+    assert cluster.helm("list", "-n", demo.SYSTEM_NAMESPACE, "-q").stdout.strip() == ""
+    # Deleting the CR and uninstalling leaves no pod, Service or kube-proxy rule of ours on the node.
+    leftover = cluster.run("get", "pods,svc", "-n", NAMESPACE, "--ignore-not-found", "-o", "name").stdout
+    assert leftover.strip() == ""
+    operator_pods = ("get", "pods", "-n", demo.SYSTEM_NAMESPACE, "-o", "name")
+    wait_until(lambda: cluster.run(*operator_pods).stdout.strip() == "", 120, "the operator pod to go")
+
+    def rules_of_ours() -> list[str]:
+        rules = nodehost.in_netns("iptables-save").stdout.splitlines()
+        return [rule for rule in rules if f"{NAMESPACE}/" in rule or f"{demo.SYSTEM_NAMESPACE}/" in rule]
+
+    wait_until(lambda: not rules_of_ours(), 60, "kube-proxy's rules for our Services to go")
+
+
+def completion(url: str, prompt: str, timeout: float = 120) -> tuple[int, dict[str, Any]]:
+    body = {
+        "model": "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "logprobs": 1,
+    }
+    return post_json(url + "/v1/completions", body, timeout=timeout)
+
+
+def tokens(body: dict[str, Any]) -> list[str]:
+    return list(body["choices"][0]["logprobs"]["tokens"])
+
+
+def listening_ports(cluster: Cluster, pod: str, namespace: str) -> set[int]:
+    """TCP ports the pod listens on beyond loopback, from its own /proc/net/tcp{,6} (state 0A)."""
+    out = cluster.run("exec", pod, "-n", namespace, "--", "cat", "/proc/net/tcp", "/proc/net/tcp6").stdout
+    rows = [line.split() for line in out.splitlines() if line.strip() and not line.lstrip().startswith("sl")]
+    loopback = ("0100007F", "00000000000000000000000001000000")
+    return {
+        int(port, 16)
+        for _, local, _, state, *_ in rows
+        for address, port in [local.rsplit(":", 1)]
+        if state == "0A" and address not in loopback
+    }
+
+
+def engine_ports(pod: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """(declared container ports: HTTP and each rank's KV side channel, Mooncake's range) as rendered."""
+    [container] = pod["spec"]["containers"]
+    declared = [int(p["containerPort"]) for p in container["ports"]]
+    value = next(e["value"] for e in container["env"] if e["name"] == TRANSFER_PORTS_ENV)
+    low, high = (int(v) for v in value.split("-"))
+    return declared, list(range(low, high + 1))
+
+
+def connect_from_engine(cluster: Cluster, pod: str, namespace: str, addrs: list[str]) -> dict[str, str]:
+    """TCP connects from inside an engine pod (its image has Python, not the probe)."""
+    script = (
+        "import socket, sys, json\n"
+        "out = {}\n"
+        "for a in sys.argv[1:]:\n"
+        "    h, p = a.rsplit(':', 1)\n"
+        "    try:\n"
+        "        socket.create_connection((h, int(p)), timeout=3).close(); out[a] = 'open'\n"
+        "    except OSError as e:\n"
+        "        out[a] = type(e).__name__\n"
+        "print(json.dumps(out))\n"
+    )
+    result = cluster.run("exec", pod, "-n", namespace, "--", "python3", "-c", script, *addrs, timeout=300)
+    return dict(json.loads(result.stdout))
+
+
+def stream_first_event(url: str) -> tuple[Any, bytes]:
+    body = {
+        "model": "tiny-llama",
+        "prompt": "stream " * 20,
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    request = urllib.request.Request(  # noqa: S310 (a ClusterIP of the local cluster)
+        url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    response = urllib.request.urlopen(request, timeout=120)  # noqa: S310
+    return response, response.readline()
+
+
+def engine_pid(served: Served, pod_name: str) -> int:
+    """The engine container's main process, as the host sees it (looked up before the stream starts,
+    so that the kill lands while tokens still flow)."""
+    container_id = served.get("pod", pod_name)["status"]["containerStatuses"][0]["containerID"].split("//")[1]
+    tasks = node.ctr(served.layout, "tasks", "ls").splitlines()[1:]
+    return next(int(line.split()[1]) for line in tasks if line.split()[0] == container_id)
+
+
+def faulty_cr(name: str, **prefill: Any) -> dict[str, Any]:
+    """The sample with a broken prefill (no model volume needed: it never gets that far)."""
+    body = yaml.safe_load(demo.SAMPLE.read_text())
+    body["metadata"] = {"name": name, "namespace": NAMESPACE}
+    body["spec"]["model"].pop("source")
+    body["spec"]["prefill"].update(prefill)
+    body["spec"]["decode"]["replicas"] = 0
+    body["spec"]["router"]["enabled"] = False
+    return dict(body)
