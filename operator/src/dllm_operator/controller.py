@@ -32,7 +32,7 @@ from dllm_operator.status import (
     replica_failure,
     without_times,
 )
-from dllm_operator.store import CRKey, Store
+from dllm_operator.store import CRKey, Store, version_number
 from dllm_operator.work_queue import WorkQueue
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ class Controller:
         self.requeue_all()
 
     async def _listing(self, namespaces: tuple[str, ...]) -> tuple[Store, int]:
-        """Every CR and child, and the oldest of the lists' resourceVersions."""
+        """Every CR and child, and the oldest of the lists' resourceVersions (0 where one is no number:
+        then nothing the listing lacks is taken as gone)."""
         store, versions = Store(), []
         selector = f"{labels.MANAGED_BY}={labels.MANAGER}"
         for namespace in namespaces or (None,):
@@ -112,7 +113,7 @@ class Controller:
             versions.append(version)
             for body in bodies:
                 store.put_resource(body)
-        oldest = min((int(v) for v in versions if v.isdigit()), default=0)
+        oldest = min((version_number(v) for v in versions), default=0)
         return store, oldest
 
     # ---- workers ----

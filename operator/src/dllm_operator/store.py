@@ -12,11 +12,15 @@ from dllm_operator.render import labels
 CRKey = tuple[str, str]  # (namespace, name)
 
 
+def version_number(value: str) -> int:
+    """A resourceVersion as a number, to order two of one kind: Kubernetes 1.35 made them comparable
+    (KEP-5504: decimal digits, a later write a larger number). One that is not such a number (from a
+    server that does not follow it) counts as the oldest, so whatever arrives next replaces it."""
+    return int(value) if value.isascii() and value.isdecimal() else 0
+
+
 def _resource_version(obj: dict[str, Any]) -> int:
-    try:
-        return int(obj.get("metadata", {}).get("resourceVersion", "0"))
-    except ValueError:
-        return 0
+    return version_number(str(obj.get("metadata", {}).get("resourceVersion", "")))
 
 
 @dataclass
