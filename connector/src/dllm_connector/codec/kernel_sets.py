@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 
@@ -26,7 +26,6 @@ from dllm_connector.codec.quant import (
     int8_decode_into,
     int8_scales,
 )
-from dllm_connector.tuning import EngineTuning
 from dllm_contract.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
@@ -49,6 +48,18 @@ _NATIVE_CHUNK_ELEMENTS = 1 << 22  # no temporaries: chunks only bound one call
 DECODE_CHUNK_ELEMENTS: Mapping[Compression, int] = {Compression.FP8: 1 << 21, Compression.INT8: 1 << 20}
 
 
+class KernelTuning(Protocol):
+    """What the engine's tuning model (dllm_connector.tuning) says of the kernels: read, not imported,
+    so that the codec knows nothing of the engine's settings."""
+
+    @property
+    def codec_kernels(self) -> str: ...
+    @property
+    def codec_library(self) -> Path | None: ...
+    @property
+    def codec_cache(self) -> Path | None: ...
+
+
 @dataclass(frozen=True)
 class KernelRequest:
     """The set the first use chooses (native, compiled or plain) and where native's library comes
@@ -60,8 +71,8 @@ class KernelRequest:
     cache: Path | None = None
 
     @classmethod
-    def of(cls, tuning: EngineTuning) -> KernelRequest:
-        return cls(tuning.codec_kernels.value, tuning.codec_library, tuning.codec_cache)
+    def of(cls, tuning: KernelTuning) -> KernelRequest:
+        return cls(str(tuning.codec_kernels), tuning.codec_library, tuning.codec_cache)
 
 
 _request = KernelRequest()
