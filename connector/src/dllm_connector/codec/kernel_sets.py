@@ -232,8 +232,8 @@ def warm_up(
 ) -> None:
     """Compile (or load) the kernels for the KV dtype now, e.g. at engine start, not on a request's path.
 
-    Compiling took 5-17 s on two cores; in a vLLM worker a send stalled for as long, past the
-    receiver's timeout. Both row counts torch.compile tells apart are compiled here.
+    Compiling takes seconds (docs/kv-connector.md); on a request's path a send stalled for as long, past
+    the receiver's timeout. Both row counts torch.compile tells apart are compiled here.
 
     `staging`: where payloads will be (the host unless told). On a device (the device path), the
     kernels are compiled for payloads there, so is the nh64 checksum, and the kernels are checked

@@ -1,14 +1,14 @@
 """A small HTTP/1.1 server for the router's hot path: asyncio protocols and httptools' C parser (llhttp).
 
-aiohttp's server cost the router 80-100 us per request in profiles, even for a handler returning a
-constant (request objects, header multidicts, payload streams, a task and several futures per request).
-This one parses with llhttp, keeps headers as a plain dict of lowercased bytes, hands the handler the
-whole body, and writes each answer with one `write`. A route may also have a `FastHandler`, called
-with the complete request from the parser's callback, which answers by callbacks (no task per request)
-or hands the request to a task. What a handler gets and gives back (Request, Response, StreamWriter)
-is in `http_messages.py`; this package is the rest: the server (server.py), its handlers' types
-(handlers.py), its limits (limits.py), and the connection that parses and writes, one class in layers
-(state.py, writing.py, reading.py, connection.py).
+aiohttp's server cost the router more per request than the rest of its work (docs/router.md), even for a
+handler returning a constant (request objects, header multidicts, payload streams, a task and several
+futures per request). This one parses with llhttp, keeps headers as a plain dict of lowercased bytes,
+hands the handler the whole body, and writes each answer with one `write`. A route may also have a
+`FastHandler`, called with the complete request from the parser's callback, which answers by callbacks
+(no task per request) or hands the request to a task. What a handler gets and gives back (Request,
+Response, StreamWriter) is in `http_messages.py`; this package is the rest: the server (server.py), its
+handlers' types (handlers.py), its limits (limits.py), and the connection that parses and writes, one
+class in layers (state.py, writing.py, reading.py, connection.py).
 
 Behaviour a client sees:
 - keep-alive (HTTP/1.1 by default, HTTP/1.0 on request); pipelined requests are answered in order,
