@@ -77,6 +77,31 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         spec(model={"name": "m", "maxModelLen": 4096}, decode={"maxNumBatchedTokens": 1024}),
         "spec.decode.maxNumBatchedTokens",
     ),
+    ("role-port-zero", spec(prefill={"port": 0}), "spec.prefill.port"),
+    ("router-port-too-high", spec(router={"port": 70000}), "spec.router.port"),
+    ("negative-router-replicas", spec(router={"replicas": -1}), "spec.router.replicas"),
+    ("zero-prefill-wait", spec(kvTransfer={"prefillWaitMs": 0}), "spec.kvTransfer.prefillWaitMs"),
+    ("zero-hold", spec(kvTransfer={"holdSeconds": 0}), "spec.kvTransfer.holdSeconds"),
+    (
+        "negative-threshold",
+        spec(kvTransfer={"transferThresholdTokens": -1}),
+        "spec.kvTransfer.transferThresholdTokens",
+    ),
+    ("unknown-kv-cache-dtype", spec(model={"name": "m", "kvCacheDtype": "int4"}), "spec.model.kvCacheDtype"),
+    (
+        "prefill-no-chunked-prefill-short-batch",
+        spec(
+            model={"name": "m", "maxModelLen": 4096},
+            prefill={"enableChunkedPrefill": False, "maxNumBatchedTokens": 1024},
+        ),
+        "spec.prefill.maxNumBatchedTokens",
+    ),
+    ("too-many-extra-args", spec(decode={"extraArgs": ["--x"] * 65}), "spec.decode.extraArgs"),
+    (
+        "env-name-too-long",
+        spec(decode={"env": [{"name": "X" * 257, "value": "v"}]}),
+        "spec.decode.env[0].name",
+    ),
     ("name-too-long", {"metadata": {"name": "a" * 45}}, "metadata.name"),
     ("name-not-dns-1035", {"metadata": {"name": "1llama"}}, "metadata.name"),
     ("unknown-role-field", spec(prefill={"replicaz": 2}), "spec.prefill.replicaz"),
@@ -89,6 +114,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         "env-reuses-contract-name",
         spec(decode={"env": [{"name": "VLLM_KV_ROLE", "value": "prefill"}]}),
         "spec.decode.env",
+    ),
+    (
+        "prefill-env-reuses-contract-name",
+        spec(prefill={"env": [{"name": "VLLM_KV_CONNECTOR", "value": "custom"}]}),
+        "spec.prefill.env",
     ),
     (
         "env-reuses-auth-name",

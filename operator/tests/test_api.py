@@ -13,8 +13,8 @@ from dllm_cases import CRD_PATH, INVALID, ROOT, SAMPLES, invalid_body, load_cr, 
 
 from dllm_contract.kvconfig import Compression, Connector
 from dllm_operator import crd
-from dllm_operator.api import RESERVED_ENV_NAMES, SpecInvalid, parse
-from dllm_operator.render import auth
+from dllm_operator.api import MAX_NAME_LENGTH, RESERVED_ENV_NAMES, SpecInvalid, parse
+from dllm_operator.render import auth, render_all
 from dllm_operator.render.ports import TRANSFER_PORTS_ENV
 
 
@@ -67,6 +67,22 @@ def test_invalid_resource_is_refused_naming_the_field(case: str, patch: dict[str
         parse(invalid_body(patch, "bad"))
     paths = [error.path for error in refused.value.errors]
     assert path in paths, f"{case}: expected {path} in {paths}"
+
+
+def test_the_longest_name_is_accepted_and_every_name_kubernetes_derives_stays_a_label() -> None:
+    """44 characters (name-too-long refuses 45): each child's name and label values fit a label's 63
+    characters, and so does the controller-revision-hash label a StatefulSet's pods get (its name, a dash
+    and a 10-character hash), which is what sets the limit."""
+    name = "a" * MAX_NAME_LENGTH
+    uid = "00000000-0000-0000-0000-000000000001"
+    children = render_all(parse(merged(minimal(name), {"metadata": {"namespace": "ns", "uid": uid}})))
+    for child in children:
+        meta = child["metadata"]
+        assert len(meta["name"]) <= 63, meta["name"]
+        assert all(len(value) <= 63 for value in meta.get("labels", {}).values()), meta["labels"]
+    statefulsets = [c["metadata"]["name"] for c in children if c["kind"] == "StatefulSet"]
+    assert len(statefulsets) == 2
+    assert max(len(f"{sts}-{'0' * 10}") for sts in statefulsets) == 63
 
 
 def test_at_least_25_invalid_cases() -> None:

@@ -14,7 +14,7 @@ import yaml
 from dllm_cases import INVALID, SAMPLES, invalid_body, load_cr, minimal
 from e2e.fixtures import Cluster
 
-from dllm_operator.api import parse
+from dllm_operator.api import MAX_NAME_LENGTH, parse
 from dllm_operator.render import render_all
 
 pytestmark = pytest.mark.k8s
@@ -34,6 +34,12 @@ def test_minimal_resource_is_admitted_and_defaulted_like_the_model(
     assert parse(stored).spec == parse(minimal()).spec
     assert stored["spec"]["kvTransfer"]["port"] == 50051
     assert stored["spec"]["decode"]["enableChunkedPrefill"] is False
+
+
+def test_a_name_of_the_longest_length_is_admitted(cluster: Cluster, crd: str, namespace: str) -> None:
+    name = "a" * MAX_NAME_LENGTH  # one more is refused (INVALID's name-too-long)
+    cluster.run("create", "-n", namespace, "-f", "-", input_text=json.dumps(minimal(name)))
+    assert cluster.exists("dllm", name, "-n", namespace)
 
 
 @pytest.mark.parametrize(("case", "patch", "path"), INVALID, ids=[c[0] for c in INVALID])
