@@ -1,6 +1,6 @@
 """The controller keeps its promises under faults, on the real local control plane (review M3, M5):
-a watch gap that hid deletions is repaired by the resync, and replacing a StatefulSet whose immutable
-field changed keeps its pods running."""
+a watch gap that hid deletions is repaired by the resync, replacing a StatefulSet whose immutable
+field changed keeps its pods running, and a child the API server refuses shows in the status."""
 
 from __future__ import annotations
 
@@ -137,3 +137,40 @@ def test_pods_the_statefulset_cannot_create_show_in_the_status(
     assert "exceeded quota" in condition["message"]
     cluster.run("delete", "resourcequota", "no-pods", "-n", namespace)
     wait_until(lambda: degraded() is None, 120, "Degraded=False once pods can be created")
+
+
+def test_a_child_the_api_server_refuses_shows_as_apply_failed_then_recovers(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """An affinity is passed through as written (the CRD keeps it free-form), so one the API server
+    refuses in the StatefulSet is this resource's Degraded=ApplyFailed and a FailedApply Event, naming
+    the child, and the rest is still applied; a fixed spec clears it."""
+    bad = {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "Maybe"}]}]}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": bad}}
+    cluster.apply(merged(cpu_cr("tiny"), {"spec": {"decode": {"affinity": affinity}}}), "-n", namespace)
+
+    def degraded() -> dict[str, Any] | None:
+        cr = cluster.get_json("dllm", "tiny", "-n", namespace)
+        found = [c for c in cr.get("status", {}).get("conditions", []) if c["type"] == "Degraded"]
+        return found[0] if found and found[0]["status"] == "True" else None
+
+    condition = wait_until(degraded, 90, "Degraded=True for the refused StatefulSet")
+    assert condition["reason"] == "ApplyFailed"
+    assert "StatefulSet tiny-decode" in condition["message"]
+    # The field and the reason, without the value the API server quoted (which may be a secret).
+    assert "matchExpressions[0].operator: Unsupported value: (redacted)" in condition["message"]
+    assert "Maybe" not in condition["message"], condition["message"]
+
+    def failed_apply() -> dict[str, Any] | None:  # Events are posted beside the status, not before it
+        items = cluster.get_json("events", "-n", namespace)["items"]
+        return next((e for e in items if e["reason"] == "FailedApply"), None)
+
+    failed = wait_until(failed_apply, 30, "the FailedApply Event")
+    assert failed["type"] == "Warning"
+    assert "StatefulSet tiny-decode" in failed["message"]
+    assert "Maybe" not in failed["message"]
+    assert cluster.exists("statefulset", "tiny-prefill", "-n", namespace), "the rest was applied"
+    assert not cluster.exists("statefulset", "tiny-decode", "-n", namespace)
+    cluster.apply(cpu_cr("tiny"), "-n", namespace)
+    wait_until(lambda: degraded() is None, 120, "Degraded=False once the spec is fixed")
+    assert cluster.exists("statefulset", "tiny-decode", "-n", namespace)

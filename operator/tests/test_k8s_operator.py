@@ -268,6 +268,13 @@ def test_router_disabled_prunes_the_router(
     cr = wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
     assert condition(cr, "RouterReady")["reason"] == "Disabled"
     assert "tiny-cpu-router" not in children(cluster, namespace)["services"]
+    pruned = "Deployment tiny-cpu-router is no longer wanted by the spec"
+
+    def deleted_events() -> set[str]:  # Events are posted beside the reconcile, not before it ends
+        items = cluster.get_json("events", "-n", namespace)["items"]
+        return {e["message"] for e in items if e["reason"] == "Deleted"}
+
+    wait_until(lambda: pruned in deleted_events(), 30, "the Deleted Event for the router")
 
 
 @pytest.mark.slow
