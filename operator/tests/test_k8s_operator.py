@@ -92,6 +92,11 @@ def test_cpu_sample_converges_to_ready(cluster: Cluster, namespace: str, operato
     for kind in ("Ready", "PrefillReady", "DecodeReady", "RouterReady"):
         assert condition(cr, kind)["status"] == "True"
     assert condition(cr, "Degraded")["status"] == "False"
+    # What /metrics shows an operator of the operator: the one resource, and each reconcile timed.
+    assert operator.metric("dllm_operator_managed_resources") == 1.0
+    assert operator.metric("dllm_operator_reconciles_total") >= 1
+    assert operator.metric("dllm_operator_reconcile_duration_seconds_count") >= 1
+    assert operator.metric("dllm_operator_reconcile_duration_seconds_sum") > 0
 
 
 def test_scale_decode_leaves_prefill_alone(
