@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from e2e.fixtures import Cluster, wait_until
 from e2e.operator_process import OperatorProcess
 from e2e.samples import cpu_sample_on_kwok
@@ -62,6 +64,69 @@ def test_chart_lints(cluster: Cluster) -> None:
 def test_chart_crd_is_the_source_crd() -> None:
     source = ROOT / "crds" / "disaggregatedllms.disagg.dev.yaml"
     assert (CHART / "crds" / source.name).read_text() == source.read_text(), "run `make crds`"
+
+
+def rendered_kinds(cluster: Cluster, *args: str) -> dict[str, list[dict[str, Any]]]:
+    """`helm template` of the chart with these flags, its documents by kind."""
+    out = cluster.helm("template", "r", str(CHART), "-n", "ops", *args).stdout
+    by_kind: dict[str, list[dict[str, Any]]] = {}
+    for doc in yaml.safe_load_all(out):
+        if doc:
+            by_kind.setdefault(doc["kind"], []).append(doc)
+    return by_kind
+
+
+def test_a_disruption_budget_only_with_two_replicas_and_a_service_monitor_only_where_its_api_is(
+    cluster: Cluster,
+) -> None:
+    default = rendered_kinds(cluster)
+    assert "PodDisruptionBudget" not in default  # one replica: a budget would block every node drain
+    assert "ServiceMonitor" not in default
+    [pdb] = rendered_kinds(cluster, "--set", "replicaCount=2")["PodDisruptionBudget"]
+    [deployment] = default["Deployment"]
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    monitor = ("--set", "metrics.serviceMonitor.enabled=true")
+    assert "ServiceMonitor" not in rendered_kinds(cluster, *monitor)  # no Prometheus operator: none
+    api = ("--api-versions", "monitoring.coreos.com/v1/ServiceMonitor")
+    [service_monitor] = rendered_kinds(cluster, *monitor, *api)["ServiceMonitor"]
+    [service] = default["Service"]
+    # It selects the operator's Service by that Service's own labels, and scrapes its named port.
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    [endpoint] = service_monitor["spec"]["endpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]}
+
+
+def leaf_paths(values: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted paths of the values' leaves (a scalar, a list or an empty map)."""
+    paths: list[str] = []
+    for key, value in values.items():
+        path = f"{prefix}{key}"
+        paths += leaf_paths(value, path + ".") if isinstance(value, dict) and value else [path]
+    return paths
+
+
+def test_values_yaml_documents_every_value() -> None:
+    """Each value, or a map holding it (resources), has a `# path -- what it is` comment, and every
+    such comment names a value that exists."""
+    text = (CHART / "values.yaml").read_text()
+    documented = set(re.findall(r"^\s*# ([\w.]+) -- ", text, flags=re.MULTILINE))
+    values = yaml.safe_load(text)
+    undocumented = [
+        path
+        for path in leaf_paths(values)
+        if not any(path == name or path.startswith(name + ".") for name in documented)
+    ]
+    assert undocumented == []
+    assert all(key in documented for key in values), sorted(set(values) - documented)
+    every_path = {p for leaf in leaf_paths(values) for p in _prefixes(leaf)}
+    assert sorted(documented - every_path) == []
+
+
+def _prefixes(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
 
 
 def test_rendered_chart_passes_server_dry_run(
