@@ -15,6 +15,8 @@ from e2e.fixtures import Cluster, holds_for, operator_writes, wait_until
 from e2e.operator_process import OperatorProcess
 from e2e.samples import on_kwok_nodes
 
+from dllm_operator.render import HASH_ANNOTATION
+
 pytestmark = pytest.mark.k8s
 CPU_SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
 
@@ -128,6 +130,31 @@ def test_scale_decode_leaves_prefill_alone(
     # one child was scaled, and only it has Scaled Events (prefill's StatefulSet was left alone)
     messages = [e["message"] for e in events]
     assert all(m.startswith("scaled StatefulSet tiny-cpu-decode from ") for m in messages), messages
+
+
+def test_an_autoscaled_roles_count_is_left_to_its_autoscaler(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """prefill.replicas unset (crds/samples/autoscaled.yaml): an HPA's count on the StatefulSet stays
+    through the operator's later applies of that StatefulSet."""
+    body = cpu_cr()
+    del body["spec"]["prefill"]["replicas"]
+    cluster.apply(body, "-n", namespace)
+    wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True")
+    cluster.run("scale", "statefulset", "tiny-cpu-prefill", "-n", namespace, "--replicas=2")  # as an HPA
+    wait_until(lambda: len(pod_uids(cluster, namespace, "prefill")) == 2, 60, "two prefill pods")
+    before = cluster.get_json("sts", "tiny-cpu-prefill", "-n", namespace)["metadata"]["annotations"]
+    body["spec"]["prefill"]["maxNumSeqs"] = 6  # re-renders prefill's StatefulSet
+    cluster.apply(body, "-n", namespace)
+    wait_condition(cluster, namespace, "tiny-cpu", "Ready", "True", timeout=120)
+    sts = cluster.get_json("sts", "tiny-cpu-prefill", "-n", namespace)
+    assert sts["metadata"]["annotations"][HASH_ANNOTATION] != before[HASH_ANNOTATION], "not re-applied"
+    assert sts["spec"]["replicas"] == 2
+    wait_until(
+        lambda: get_cr(cluster, namespace, "tiny-cpu")["status"]["prefill"]["ready"] == "2/2",
+        120,
+        "the status counting both of the autoscaler's prefill pods",
+    )
 
 
 def test_deleted_and_edited_children_are_restored(
