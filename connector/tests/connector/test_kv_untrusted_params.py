@@ -150,9 +150,12 @@ def test_a_send_planned_on_an_engine_that_does_not_send_ends_through_results() -
 
 @pytest.fixture
 def stranger() -> Iterator[socket.socket]:
-    """A real listener on 127.0.0.2, the host a hostile request names instead of a decode pod."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.2", 0))
+    """A real listener on 127.0.0.2, the host a hostile request names instead of a decode pod, on a port
+    the system had free on 127.0.0.1 too (the test's decode listens there on the same number)."""
+    with socket.socket() as on_loopback:
+        on_loopback.bind(("127.0.0.1", 0))
+        listener = socket.socket()
+        listener.bind(("127.0.0.2", on_loopback.getsockname()[1]))
     listener.listen(4)
     listener.setblocking(False)
     yield listener
@@ -172,11 +175,8 @@ def connections(listener: socket.socket) -> int:
 
 def test_prefill_sends_only_to_its_decode_peers(stranger: socket.socket) -> None:
     decode_port = int(stranger.getsockname()[1])
-    try:
-        decode = ConnectorWorker(extra(), GEOMETRY, WorkerIdentity(decode_port, sends=False), "mooncake")
-        decode.register_kv_caches(make_caches(None), NUM_BLOCKS)
-    except Exception:  # noqa: BLE001 - the port is taken on 127.0.0.1: try again with another
-        pytest.skip("the stranger's port is in use on 127.0.0.1")
+    decode = ConnectorWorker(extra(), GEOMETRY, WorkerIdentity(decode_port, sends=False), "mooncake")
+    decode.register_kv_caches(make_caches(None), NUM_BLOCKS)
     # the operator names the decode Service; here "localhost" plays it (it resolves to 127.0.0.1)
     config = extra(decode_host="localhost", decode_port=decode_port)
     prefill = ConnectorWorker(config, GEOMETRY, WorkerIdentity(0, receives=False), "mooncake")
