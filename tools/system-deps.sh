@@ -7,7 +7,8 @@ set -euo pipefail
 packages_for() {
   case $1 in
     # Mooncake's transfer engine links these (ImportError: libibverbs.so.1 without them).
-    engine) echo libibverbs1 ibverbs-providers libnuma1 libcurl4 ;;
+    # The codec's C kernels (built at first use) and torch.compile's build with the system compilers.
+    engine) echo libibverbs1 ibverbs-providers libnuma1 libcurl4 gcc g++ libc6-dev ;;
     # Daemonless image builds and base images made from Debian's archive; images/containers.conf
     # names netavark as podman's network backend (with aardvark-dns for compose's service names),
     # and podman refuses even an import without it.

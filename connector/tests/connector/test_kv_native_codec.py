@@ -26,7 +26,16 @@ from dllm_contract.kvconfig import Compression
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
 COMPILER = shutil.which("cc") or shutil.which("gcc")
-needs_compiler = pytest.mark.skipif(COMPILER is None, reason="no C compiler here")
+
+
+@pytest.fixture
+def compiler() -> str:
+    """The system C compiler, which `tools/system-deps.sh engine` installs: missing, the test fails."""
+    assert COMPILER is not None, "no C compiler (cc or gcc): run tools/system-deps.sh engine"
+    return COMPILER
+
+
+needs_compiler = pytest.mark.usefixtures("compiler")
 
 
 @pytest.fixture(autouse=True)
