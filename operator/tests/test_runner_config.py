@@ -69,6 +69,8 @@ def test_every_setting_has_its_variable_and_a_blank_switch_is_its_default() -> N
         "DLLM_ALLOW_PRIVILEGED_ENGINES": " FALSE ",
         "DLLM_ALLOWED_IMAGE_PREFIXES": "",
         "DLLM_RESYNC_SECONDS": "30",
+        "POD_NAME": "dllm-operator-7d9-x2",
+        "POD_NAMESPACE": "dllm-system",
     }
     config = OperatorConfig.from_env(env)
     assert (config.engine_image, config.router_image, config.cluster_domain) == (
@@ -79,6 +81,7 @@ def test_every_setting_has_its_variable_and_a_blank_switch_is_its_default() -> N
     assert (config.namespaces, config.log_level) == (("a", "b"), "ERROR")
     assert (config.allow_privileged_engines, config.allowed_image_prefixes) == (False, ())
     assert config.resync_seconds == 30
+    assert (config.pod_name, config.pod_namespace) == ("dllm-operator-7d9-x2", "dllm-system")
     assert OperatorConfig.from_env({"DLLM_ALLOW_PRIVILEGED_ENGINES": " "}).allow_privileged_engines is True
     assert OperatorConfig.from_env({}) == OperatorConfig()
     with pytest.raises(ValueError, match="frozen"):

@@ -62,6 +62,10 @@ class OperatorConfig(BaseModel):
     # How often a full listing is merged into the caches: the safety net for events a watch missed
     # (there is no polling otherwise). Tests shorten it to see that a resync writes nothing.
     resync_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
+    # The operator's own pod (the chart passes them by the downward API): the leader lease's holder
+    # identity and, unless --lease-namespace says otherwise, the lease's namespace. Unset off-cluster.
+    pod_name: str | None = None
+    pod_namespace: str | None = None
 
     @field_validator("allow_privileged_engines", mode="before")
     @classmethod
@@ -98,6 +102,8 @@ ENV_NAMES: Mapping[str, str] = {
     "allow_privileged_engines": "DLLM_ALLOW_PRIVILEGED_ENGINES",
     "allowed_image_prefixes": "DLLM_ALLOWED_IMAGE_PREFIXES",
     "resync_seconds": "DLLM_RESYNC_SECONDS",
+    "pod_name": "POD_NAME",
+    "pod_namespace": "POD_NAMESPACE",
 }
 # field -> the `dllm-operator run` flag that also sets it.
 FLAGS: Mapping[str, str] = {"log_level": logs.LOG_LEVEL_FLAG, "namespaces": "--namespace"}

@@ -94,11 +94,11 @@ async def operate(args: argparse.Namespace) -> None:
     await web.TCPSite(runner, args.health_host, args.health_port).start()
     tasks: list[asyncio.Task[Any]] = []
     elector: LeaderElector | None = None
-    identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}-{os.getpid()}"
+    identity = f"{config.pod_name or socket.gethostname()}-{os.getpid()}"
     if args.leader_elect:
         namespace = (
             args.lease_namespace
-            or os.environ.get("POD_NAMESPACE")
+            or config.pod_namespace
             or (config.namespaces[0] if config.namespaces else "default")
         )
         # Its own connection pool and a timeout shorter than the renew deadline: a renewal never
