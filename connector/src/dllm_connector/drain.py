@@ -21,6 +21,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from dllm_contract.router_defaults import DEFAULT_HTTP_PORT
+
 _GAUGE = re.compile(
     r"^vllm:(?:num_requests_running|num_requests_waiting|dllm_kv_sends_in_flight)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$",
     re.MULTILINE,
@@ -92,7 +94,7 @@ def drain(
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m dllm_connector.drain")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--port", type=int, default=DEFAULT_HTTP_PORT)
     parser.add_argument("--timeout", type=float, default=110)
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between readings")
     parser.add_argument(

@@ -37,7 +37,12 @@ from dllm_contract.logs import (
     checked_level,
     chosen_level,
 )
-from dllm_contract.router_defaults import DEFAULT_MAX_BODY_MB, MOONCAKE_BOOTSTRAP_PORT
+from dllm_contract.router_defaults import (
+    DEFAULT_HTTP_PORT,
+    DEFAULT_MAX_BODY_MB,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    MOONCAKE_BOOTSTRAP_PORT,
+)
 from dllm_contract.settings import DEFAULT_KV_PORT
 
 Flow = Literal["dllm", "mooncake", "nixl"]
@@ -172,7 +177,7 @@ class RouterConfig(_Frozen):
     decode: Upstreams
     host: str = Field("0.0.0.0", description="listen address")
     port: Annotated[int, _whole(0, 65535)] = Field(
-        8000, description="listen port; 0: any free port, which the start line names"
+        DEFAULT_HTTP_PORT, description="listen port; 0: any free port, which the start line names"
     )
     decode_kv_port: Port = Field(DEFAULT_KV_PORT, description="decode engines' KV listen port, dllm flow")
     prefill_tp_size: Annotated[int, _whole(1, 1024)] = Field(1, description="prefill tensor-parallel size")
@@ -190,7 +195,7 @@ class RouterConfig(_Frozen):
         5.0, description="upstream connect and health-check timeout"
     )
     request_timeout_s: Annotated[float, _seconds()] = Field(
-        600.0, description="whole upstream request timeout, streams included"
+        DEFAULT_REQUEST_TIMEOUT_S, description="whole upstream request timeout, streams included"
     )
     retries: Annotated[int, _whole(0, 10)] = Field(
         1, description="extra attempts on another pod when no byte reached the client"

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from dllm_contract.router_defaults import DEFAULT_HTTP_PORT, DEFAULT_REQUEST_TIMEOUT_S
 from dllm_contract.types import Port
 from dllm_operator.api.common import (
     CONTROL_PLANE_NOTE,
@@ -150,7 +151,7 @@ class RoleSpec(_Model):
     image: Annotated[str, Field(max_length=512)] = Field(
         "", description="Serving image for this role; default spec.image, then the operator's."
     )
-    port: Port = Field(8000, description="The engine's HTTP port (OpenAI API, /health).")
+    port: Port = Field(DEFAULT_HTTP_PORT, description="The engine's HTTP port (OpenAI API, /health).")
     resources: ResourceRequirements = Field(ResourceRequirements(), description=RESOURCES)
     env: tuple[EnvVar, ...] = Field(
         (),
@@ -228,7 +229,7 @@ class DecodeSpec(RoleSpec):
 
 # The router's default request timeout (dllm-router --request-timeout-s) plus its preStop sleep and a
 # margin: a stream started just before SIGTERM can finish (M4).
-DEFAULT_ROUTER_GRACE_SECONDS = 630
+DEFAULT_ROUTER_GRACE_SECONDS = int(DEFAULT_REQUEST_TIMEOUT_S) + 30
 MIN_ROUTER_GRACE_SECONDS = 15  # the 5 s preStop sleep plus the 10 s the router keeps to shut down
 
 
@@ -237,7 +238,7 @@ class RouterSpec(_Model):
         True, description="Deploy the router; false: clients talk to the engines themselves."
     )
     replicas: Annotated[int, Field(ge=0, le=1000)] = Field(1, description="Router pods.")
-    port: Port = Field(8000, description="The router Service's port.")
+    port: Port = Field(DEFAULT_HTTP_PORT, description="The router Service's port.")
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
         "ClusterIP", description="Service type of the endpoint."
     )
@@ -259,8 +260,8 @@ class RouterSpec(_Model):
         description="Seconds a router pod gets on deletion: a 5 s preStop sleep (endpoints catch up), "
         "then it stops accepting and lets in-flight requests finish for this minus "
         f"{MIN_ROUTER_GRACE_SECONDS} s "
-        "(dllm-router --drain-seconds). The default covers the router's 600 s request timeout, so a rollout "
-        "does not cut streams.",
+        "(dllm-router --drain-seconds). The default covers the router's "
+        f"{DEFAULT_REQUEST_TIMEOUT_S:.0f} s request timeout, so a rollout does not cut streams.",
     )
 
 

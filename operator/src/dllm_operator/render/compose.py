@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from dllm_contract.kvconfig import ENV_DECODE_IP, ENV_ENGINE_ID, ENV_HOST_IP, to_env
+from dllm_contract.router_defaults import DEFAULT_HTTP_PORT
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import auth
@@ -66,7 +67,7 @@ def _engine_service(
             "cap_add": ["IPC_LOCK"],
             "ulimits": {"memlock": -1},
         }
-    host_port = HOST_PORT[role] if spec.port == 8000 else spec.port
+    host_port = HOST_PORT[role] if spec.port == DEFAULT_HTTP_PORT else spec.port
     return service | {
         "shm_size": str(spec.shm_size_limit).replace("Gi", "g").replace("Mi", "m"),
         "ports": [_published(f"DLLM_{role.upper()}_HOST_PORT", host_port, spec.port)],
