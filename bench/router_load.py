@@ -67,19 +67,25 @@ async def floor_request(prefill: Conn, decode: Conn) -> None:
     json.loads(data)
 
 
+# The connector protocol's params, validated and dumped once: the router caches them per pod pair, so
+# the floor builds no model per request either (only the transfer id is new each time, as in the router).
+_DLLM_PREFILL_KV = PrefillParams(transfer_id="t", decode_host="127.0.0.1", decode_kv_port=50051).model_dump(
+    exclude_none=True
+)
+_DLLM_DECODE_KV = DecodeParams(transfer_id="t", prefill_host="127.0.0.1").model_dump(exclude_none=True)
+
+
 async def floor_dllm_request(prefill: Conn, decode: Conn) -> None:
     """The dllm flow's two calls without a router: both at once, with the connector protocol's params."""
     tid = new_transfer_id("bench", 0)
-    pkv = PrefillParams(transfer_id=tid, decode_host="127.0.0.1", decode_kv_port=50051)
-    dkv = DecodeParams(transfer_id=tid, prefill_host="127.0.0.1")
     pbody = {
         **BODY,
         "max_tokens": 1,
         "n": 1,
         "stream": False,
-        "kv_transfer_params": pkv.model_dump(exclude_none=True),
+        "kv_transfer_params": {**_DLLM_PREFILL_KV, "transfer_id": tid},
     }
-    dbody = {**BODY, "kv_transfer_params": dkv.model_dump(exclude_none=True)}
+    dbody = {**BODY, "kv_transfer_params": {**_DLLM_DECODE_KV, "transfer_id": tid}}
     (pstatus, pdata), (dstatus, ddata) = await asyncio.gather(
         prefill.post(b"/v1/completions", json.dumps(pbody).encode()),
         decode.post(b"/v1/completions", json.dumps(dbody).encode()),
