@@ -113,8 +113,11 @@ def main() -> None:
                 )
             print_table(f"veth + tc {args.link}, {tokens} tokens", rows)
     print(f"\ncodec on one core (torch threads = 1), {codec_tokens} tokens:")
-    for kernels, name, encode, decode in codecs:
-        print(f"  {name:<5} encode {encode:5.2f} GB/s   decode {decode:5.2f} GB/s   ({kernels} kernels)")
+    for kernels, name, encode, decode, encode_median, decode_median in codecs:
+        print(
+            f"  {name:<5} encode {encode:5.2f} GB/s (median {encode_median:5.2f})   "
+            f"decode {decode:5.2f} GB/s (median {decode_median:5.2f})   ({kernels} kernels, best of the runs)"
+        )
     gpu_codec()
     print(f"\ntotal {time.perf_counter() - started:.1f} s")
 

@@ -3,17 +3,21 @@ is one."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
 from kv.shape import BLOCK, HEAD_DIM, KV_HEADS, LAYERS
 
-CodecFigures = list[tuple[str, str, float, float]]  # (kernel set, codec, encode GB/s, decode GB/s)
+# (kernel set, codec, encode GB/s, decode GB/s, encode median GB/s, decode median GB/s): the best run, the
+# least disturbed by the rest of the machine, and the median beside it.
+CodecFigures = list[tuple[str, str, float, float, float, float]]
 
 
 def codec_per_core(tokens: int, repeats: int, kernels: str) -> CodecFigures:
-    """(kernels, codec, encode GB/s, decode GB/s) on one thread, for `tokens` of the KV; nothing where
-    that kernel set is unavailable here. The worker's own kernels are in use again afterwards.
+    """(kernels, codec, encode and decode GB/s: best, then median) on one thread, for `tokens` of the
+    KV; nothing where that kernel set is unavailable here. The worker's own kernels are in use again
+    afterwards.
 
     As in the pipe, encode writes into a staging buffer and decode into a KV batch that were
     allocated (and touched) before, so page faults of fresh buffers are not counted.
@@ -38,21 +42,25 @@ def codec_per_core(tokens: int, repeats: int, kernels: str) -> CodecFigures:
         compression = Compression(name)
         header, payload = codec.encode(batch, compression, groups, out=staging)
         codec.decode(header, payload, target)
-        encode = _best_of(repeats, lambda c=compression: codec.encode(batch, c, groups, out=staging))
-        decode = _best_of(repeats, lambda h=header, p=payload: codec.decode(h, p, target))
-        nbytes = batch.numel() * batch.element_size()
-        results.append((kernels, name, nbytes / encode / 1e9, nbytes / decode / 1e9))
+        encode = _timed(repeats, lambda c=compression: codec.encode(batch, c, groups, out=staging))
+        decode = _timed(repeats, lambda h=header, p=payload: codec.decode(h, p, target))
+        gbs = batch.numel() * batch.element_size() / 1e9
+        best, median = (
+            (gbs / min(encode), gbs / min(decode)),
+            (gbs / statistics.median(encode), gbs / statistics.median(decode)),
+        )
+        results.append((kernels, name, *best, *median))
     codec.use_kernels(own)
     return results
 
 
-def _best_of(count: int, run: Any) -> float:
-    best = float("inf")
+def _timed(count: int, run: Any) -> list[float]:
+    times = []
     for _ in range(count):
         started = time.perf_counter()
         run()
-        best = min(best, time.perf_counter() - started)
-    return best
+        times.append(time.perf_counter() - started)
+    return times
 
 
 def gpu_codec() -> None:
@@ -77,5 +85,5 @@ def gpu_codec() -> None:
 
     for name in ("fp8", "int8"):
         quantize(name)
-        seconds = _best_of(5, lambda n=name: quantize(n))
+        seconds = min(_timed(5, lambda n=name: quantize(n)))
         print(f"  GPU {name} quantize: {batch.numel() * 2 / seconds / 1e9:.1f} GB/s")
