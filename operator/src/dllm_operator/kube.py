@@ -93,8 +93,9 @@ def object_path(kind: str, namespace: str, name: str | None = None, subresource:
 
 
 class KubeClient:
-    def __init__(self, credentials: Credentials, timeout: float = 30) -> None:
+    def __init__(self, credentials: Credentials, timeout: float = 30, user_agent: str = USER_AGENT) -> None:
         self._credentials = credentials
+        self._user_agent = user_agent  # the audit log tells the operator's writes apart by it
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._session: aiohttp.ClientSession | None = None
 
@@ -118,7 +119,7 @@ class KubeClient:
         body: Any = None,
         content_type: str = "application/json",
     ) -> dict[str, Any]:
-        headers = {"Accept": "application/json", "Content-Type": content_type, "User-Agent": USER_AGENT}
+        headers = {"Accept": "application/json", "Content-Type": content_type, "User-Agent": self._user_agent}
         authorization = self._credentials.authorization()
         if authorization:
             headers["Authorization"] = authorization
