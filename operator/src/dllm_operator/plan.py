@@ -8,30 +8,18 @@ quantities in canonical form), so a converged cluster plans no write at all.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from dllm_operator.render import HASH_ANNOTATION
+from dllm_operator.render import HASH_ANNOTATION, quantity
 
 # Kinds the operator creates, in the order it applies them; pods are the controllers' business.
 MANAGED_KINDS = ("NetworkPolicy", "Service", "StatefulSet", "PodDisruptionBudget", "Deployment")
 Key = tuple[str, str]  # (kind, name)
 
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]+)?)(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_FACTORS = {None: 1, "m": 1e-3, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18,
-            "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}  # fmt: skip
-
 
 def key_of(obj: dict[str, Any]) -> Key:
     return obj["kind"], obj["metadata"]["name"]
-
-
-def _quantity_value(value: object) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        return None
-    match = _QUANTITY.match(str(value))
-    return float(match.group(1)) * _FACTORS[match.group(2)] if match else None
 
 
 def _is_zero(value: object) -> bool:
@@ -54,8 +42,8 @@ def same(desired: object, actual: object) -> bool:
         )
     if desired == actual or (_is_zero(desired) and actual is None):
         return True
-    quantity, actual_quantity = _quantity_value(desired), _quantity_value(actual)
-    return quantity is not None and quantity == actual_quantity and isinstance(desired, str)
+    wanted, found = quantity.amount(desired), quantity.amount(actual)
+    return wanted is not None and wanted == found and isinstance(desired, str)
 
 
 def needs_apply(desired: dict[str, Any], actual: dict[str, Any] | None) -> bool:

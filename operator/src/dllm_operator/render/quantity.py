@@ -1,4 +1,5 @@
-"""Kubernetes resource quantities, as far as the renderer needs them: bytes in, Mi out."""
+"""Kubernetes resource quantities, as far as the operator needs them: values to compare, bytes in, Mi
+out. (The syntax a CR may use is checked by the API model: api.common.QUANTITY.)"""
 
 from __future__ import annotations
 
@@ -14,14 +15,27 @@ _SUFFIX = {
 _QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([a-zA-Z]*)$")
 
 
+def amount(quantity: object) -> float | None:
+    """A quantity's value (1Gi -> 1073741824.0, 500m -> 0.5, 2 -> 2.0); None for anything else (a bool
+    is no quantity)."""
+    if isinstance(quantity, bool) or not isinstance(quantity, (int, str)):
+        return None
+    if isinstance(quantity, int):
+        return float(quantity)
+    match = _QUANTITY.match(quantity.strip())
+    if not match or match.group(2) not in _SUFFIX:
+        return None
+    return float(match.group(1)) * _SUFFIX[match.group(2)]
+
+
 def to_bytes(quantity: str | int) -> int:
     """Parse a memory quantity; raises ValueError for anything else."""
     if isinstance(quantity, int):
         return quantity
-    match = _QUANTITY.match(quantity.strip())
-    if not match or match.group(2) not in _SUFFIX:
+    value = amount(quantity)
+    if value is None:
         raise ValueError(f"{quantity!r} is not a memory quantity")
-    return math.ceil(float(match.group(1)) * _SUFFIX[match.group(2)])
+    return math.ceil(value)
 
 
 def mebibytes(n_bytes: int) -> str:
