@@ -8,7 +8,8 @@ from typing import Any
 from dllm_cases import minimal
 
 from dllm_operator.api import parse
-from dllm_operator.status import Observed, compute_status, pod_problem
+from dllm_operator.render import render_all
+from dllm_operator.status import Observed, compute_status, pod_problem, workloads_by_component
 
 
 def pod(*container_statuses: dict[str, Any], ready: bool = False) -> dict[str, Any]:
@@ -81,3 +82,18 @@ def test_a_pod_not_ready_before_its_statefulset_counted_it_makes_its_role_not_re
     assert status["decode"]["ready"] == "0/1"
     ready = {c["type"]: c["status"] for c in status_of(decode_pod_ready=True)["conditions"]}
     assert (ready["Ready"], ready["Degraded"], status_of(True)["decode"]["ready"]) == ("True", "False", "1/1")
+
+
+def test_workloads_are_found_by_their_component_label_not_by_their_name() -> None:
+    """A CR named like another's prefix ("x" beside "x-prefill") never takes its workloads."""
+    uid = "00000000-0000-0000-0000-000000000001"
+    cr = parse({**minimal("x-prefill"), "metadata": {"name": "x-prefill", "namespace": "ns", "uid": uid}})
+    children = render_all(cr)
+    found = workloads_by_component(children)
+    assert {c: w["metadata"]["name"] for c, w in found.items()} == {
+        "prefill": "x-prefill-prefill",
+        "decode": "x-prefill-decode",
+        "router": "x-prefill-router",
+    }
+    services = [c for c in children if c["kind"] == "Service"]
+    assert workloads_by_component(services) == {}

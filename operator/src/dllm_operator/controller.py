@@ -31,6 +31,7 @@ from dllm_operator.status import (
     pods_by_component,
     replica_failure,
     without_times,
+    workloads_by_component,
 )
 from dllm_operator.store import CRKey, Store, version_number
 from dllm_operator.work_queue import WorkQueue
@@ -268,14 +269,8 @@ class Controller:
         self._event(body, "Replaced", f"replacing {_describe(obj)}: an immutable field changed; pods kept")
         return None
 
-    async def _update_status(self, key: CRKey, body: dict[str, Any], cr: Any) -> None:
-        children = self.store.children[key]
-        workloads = {
-            component: obj
-            for (kind, name), obj in children.items()
-            if kind in ("StatefulSet", "Deployment")
-            and (component := name.removeprefix(f"{cr.name}-")) in ("prefill", "decode", "router")
-        }
+    async def _update_status(self, key: CRKey, body: dict[str, Any], cr: DisaggregatedLLM) -> None:
+        workloads = workloads_by_component(self.store.children[key].values())
         pods = pods_by_component(self.store.pods[key].values())
         observed = Observed(
             workloads=workloads,

@@ -247,6 +247,17 @@ def without_times(status: Mapping[str, Any] | None) -> dict[str, Any]:
     return status
 
 
+def workloads_by_component(children: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The StatefulSets and the Deployment among a CR's children, by the component their label names."""
+    return {
+        component: child
+        for child in children
+        if child.get("kind") in ("StatefulSet", "Deployment")
+        and (component := child.get("metadata", {}).get("labels", {}).get(labels.COMPONENT, ""))
+        in ("prefill", "decode", "router")
+    }
+
+
 def pods_by_component(pods: Iterable[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
     grouped: dict[str, list[dict[str, Any]]] = {}
     for pod in pods:
