@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from e2e.waiting import wait_until_async
 from router_engine_double import FakeVllmEngine
 
 from dllm_router.config import Address
@@ -23,12 +24,7 @@ WAIT_S = 5.0
 
 async def wait_until(condition: Callable[[], bool], what: str, limit_s: float = WAIT_S) -> None:
     """Wait for `condition`, re-checked on every turn of the event loop, for at most `limit_s`."""
-    try:
-        async with asyncio.timeout(limit_s):
-            while not condition():  # noqa: ASYNC110  # one loop turn per check, no fixed delay
-                await asyncio.sleep(0)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {limit_s}s waiting for {what}") from None
+    await wait_until_async(condition, what, limit_s)
 
 
 async def wait_event(event: asyncio.Event, what: str, limit_s: float = WAIT_S) -> None:

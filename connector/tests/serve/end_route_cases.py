@@ -9,15 +9,15 @@ A test module collects a fixture by binding it to a name of its own: `engine = e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
 import torch
+from e2e.waiting import wait_until_async
 
 from dllm_connector.end_route import EndTarget, EndTransferRoute, Receive, Scope, Send
 from dllm_connector.layout import Geometry, PagedKV
@@ -129,17 +129,6 @@ def authorized(**extra: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {API_KEY}", **extra}
 
 
-async def until(condition: Callable[[], bool], within: float, what: str) -> None:
-    """Wait for `condition`, checked on every turn of the event loop (the app's tasks run meanwhile),
-    failing the test past `within` seconds."""
-    try:
-        async with asyncio.timeout(within):
-            while not condition():  # noqa: ASYNC110  # one loop turn per check, no fixed delay
-                await asyncio.sleep(0)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {within}s waiting for {what}") from None
-
-
 async def send_outcome(sender: KVSender, tid: str, within: float) -> str | None:
     """The send's outcome once it has one (fails the test past `within` seconds)."""
     outcomes: dict[str, str | None] = {}
@@ -148,7 +137,7 @@ async def send_outcome(sender: KVSender, tid: str, within: float) -> str | None:
         outcomes.update(sender.finished())
         return tid in outcomes
 
-    await until(ended, within, f"the send of {tid} to end")
+    await wait_until_async(ended, f"the send of {tid} to end", within)
     return outcomes[tid]
 
 
@@ -156,5 +145,5 @@ async def waiting_send(sender: KVSender, receiver: KVReceiver, tid: str) -> floa
     """Submit prefill's send of `tid` and return when it waits for decode (its start time)."""
     started = time.monotonic()
     sender.submit(SendJob(tid, (1, 2), HOST, receiver.port, HASH))
-    await until(lambda: tid in sender.in_flight, 5, f"the send of {tid} to wait for decode")
+    await wait_until_async(lambda: tid in sender.in_flight, f"the send of {tid} to wait for decode", 5)
     return started

@@ -16,6 +16,7 @@ import time
 import end_route_cases
 import httpx
 import pytest
+from e2e.waiting import wait_until_async
 from end_route_cases import (
     API_KEY,
     HOST,
@@ -25,7 +26,6 @@ from end_route_cases import (
     authorized,
     end_target,
     send_outcome,
-    until,
     waiting_send,
 )
 
@@ -140,7 +140,7 @@ async def test_ends_over_the_bound_get_503_while_a_side_channel_is_slow(
             transport=httpx.ASGITransport(app=app), base_url="http://d", timeout=30
         ) as client:
             first = asyncio.create_task(client.post(END_PATH, json={"transfer_id": TID}))
-            await until(lambda: app.in_flight > 0, 10, "the first end to be in flight")
+            await wait_until_async(lambda: app.in_flight > 0, "the first end to be in flight", 10)
             second = await client.post(END_PATH, json={"transfer_id": TID})
             assert second.status_code == 503
             assert "ends in flight" in second.json()["error"]["message"]
