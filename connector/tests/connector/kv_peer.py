@@ -17,6 +17,7 @@ import os
 import queue
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import replace
@@ -254,16 +255,29 @@ class Prefill:
     """Drives the prefill process (this file as a script): specs in on stdin, reports out."""
 
     def __init__(self, kind: str) -> None:
+        # Its stderr (Mooncake's log and any traceback) goes to a file, read back when it fails to answer.
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (open for the process's whole life)
         self.process = subprocess.Popen(
             [sys.executable, str(Path(__file__)), kind],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self._stderr,
             text=True,
         )
         self._replies: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
-        assert json.loads(self._replies.get(timeout=60)) == {"ready": kind}
+        assert json.loads(self._reply(60)) == {"ready": kind}
+
+    def _reply(self, timeout: float) -> str:
+        try:
+            return self._replies.get(timeout=timeout)
+        except queue.Empty:
+            self._stderr.seek(0)
+            tail = self._stderr.read().decode(errors="replace")[-3000:]
+            state = "running" if self.process.poll() is None else f"exited {self.process.returncode}"
+            raise AssertionError(
+                f"the prefill peer ({state}) gave no reply in {timeout}s; stderr:\n{tail}"
+            ) from None
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -277,13 +291,14 @@ class Prefill:
         self.process.stdin.flush()
 
     def report(self, timeout: float = 60) -> list[dict[str, Any]]:
-        lines: list[dict[str, Any]] = json.loads(self._replies.get(timeout=timeout))
+        lines: list[dict[str, Any]] = json.loads(self._reply(timeout))
         return lines
 
     def close(self) -> None:
         if self.process.stdin is not None:
             self.process.stdin.close()
         self.process.wait(timeout=30)
+        self._stderr.close()
 
 
 def assert_a_corrupted_payload_fails_on_both_sides(
