@@ -182,7 +182,12 @@ def test_the_request_must_name_the_prefill_tp_size_that_sends(
         outcome = receiver.wait_for("tp-wrong", timeout=30)
         assert outcome is not None
         assert "prefill TP size 2 offered, decode (TP 1) expects prefill TP 1 for this request" in outcome
-        assert all(line["error"] for line in prefill.report() if "transfer_id" in line)
+        # Both ranks are refused by decode; the first offer it reads is told why, the other that the
+        # transfer is no longer awaited.
+        errors = [line["error"] for line in prefill.report() if "transfer_id" in line]
+        assert len(errors) == 2
+        assert all(error.startswith("peer answered nack instead of accept") for error in errors), errors
+        assert any("prefill TP size 2 offered" in error for error in errors), errors
 
 
 # ---- the connector's workers, from the scheduler's plans ------------------------------------------
