@@ -251,6 +251,17 @@ def test_sigkill_during_20_reconciles_then_restart_converges(
         assert len(found["services"]) == 60
         pods = cluster.get_json("pods", "-n", namespace)["items"]
         assert len(pods) == 60  # one per role and CR: no duplicate, no orphan
+        # Every child is controlled by its own CR (no child of the killed process left ownerless).
+        uids = {
+            cr["metadata"]["name"]: cr["metadata"]["uid"]
+            for cr in cluster.get_json("dllm", "-n", namespace)["items"]
+        }
+        for kind in ("statefulsets", "deployments", "services"):
+            for child in cluster.get_json(kind, "-n", namespace)["items"]:
+                [owner] = child["metadata"]["ownerReferences"]
+                assert owner["controller"] is True
+                assert owner["uid"] == uids[owner["name"]], child["metadata"]["name"]
+                assert child["metadata"]["name"].startswith(f"{owner['name']}-")
     finally:
         process.stop()
 
