@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from e2e import node_images
 from e2e.cluster import controlplane as cp
@@ -172,13 +173,12 @@ def operator_writes(entries: list[dict[str, Any]], namespaces: set[str], since: 
 
 
 def _current_context(kubeconfig: str) -> str:
-    result = subprocess.run(
-        ["kubectl", "--kubeconfig", kubeconfig, "config", "current-context"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    return result.stdout.strip()
+    """The kubeconfig's current-context, read from the file itself (no kubectl needed); "" if none."""
+    try:
+        config = yaml.safe_load(Path(kubeconfig).read_text())
+    except (OSError, yaml.YAMLError):
+        return ""
+    return str(config.get("current-context") or "") if isinstance(config, dict) else ""
 
 
 def _foreign_cluster() -> Cluster | None:
