@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from e2e.dataplane.pipeline import Pipeline, post_json
-from e2e.dataplane.tiny_model import build
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(900)]
 PROMPT = "Disaggregated prefill sends the KV cache from one engine to another; " * 2
@@ -89,8 +88,7 @@ def post_raw(url: str, data: bytes, timeout: float = 120) -> tuple[int, bytes]:
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
-    model = build(tmp_path_factory.mktemp("model") / "tiny-llama")
+def pipeline(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     running = Pipeline(model=model, logs=tmp_path_factory.mktemp("adversarial"))
     try:
         yield running.start()

@@ -1,0 +1,47 @@
+"""What the CPU pipeline tests send (the prompts, greedy, with log-probabilities) and how they read the
+answers; and a pipeline started for the length of a `for` (test_pipeline*.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from e2e.dataplane.pipeline import Pipeline, post_json
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "Disaggregated prefill sends the KV cache from one engine to another; ",
+    "0123456789 abcdefghij KLMNOPQRST " * 2,
+    "ab",
+]
+ONE_TOKEN_PROMPT = "a"
+MAX_TOKENS = 12
+LOGPROB_TOLERANCE = 0.02
+COMPRESSED_FIRST_LOGPROB_BOUND = 1.0
+
+
+def completion(url: str, prompt: str, **extra: Any) -> tuple[int, dict[str, Any]]:
+    body = {
+        "model": "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "logprobs": 1,
+        "ignore_eos": True,
+        **extra,
+    }
+    return post_json(f"{url}/v1/completions", body)
+
+
+def tokens_and_logprobs(response: dict[str, Any]) -> tuple[list[str], list[float]]:
+    logprobs = response["choices"][0]["logprobs"]
+    return list(logprobs["tokens"]), [float(x) for x in logprobs["token_logprobs"]]
+
+
+def run_pipeline(model: Path, logs: Path, compression: str) -> Iterator[Pipeline]:
+    pipeline = Pipeline(model=model, logs=logs, compression=compression)
+    try:
+        yield pipeline.start()
+    finally:
+        pipeline.stop()
