@@ -158,7 +158,7 @@ def test_a_child_the_api_server_refuses_shows_as_apply_failed_then_recovers(
     assert condition["reason"] == "ApplyFailed"
     assert "StatefulSet tiny-decode" in condition["message"]
     # The field and the reason, without the value the API server quoted (which may be a secret).
-    assert "matchExpressions[0].operator: Unsupported value: (redacted)" in condition["message"]
+    assert "matchExpressions[0].operator: Invalid value: (redacted)" in condition["message"]
     assert "Maybe" not in condition["message"], condition["message"]
 
     def failed_apply() -> dict[str, Any] | None:  # Events are posted beside the status, not before it

@@ -85,7 +85,7 @@ def test_a_pod_not_ready_before_its_statefulset_counted_it_makes_its_role_not_re
 
 
 def test_workloads_are_found_by_their_component_label_not_by_their_name() -> None:
-    """By the label: a CR whose own name ends in a role (x-prefill) still gets each role right."""
+    """By the component label each workload carries, whatever the CR is named."""
     uid = "00000000-0000-0000-0000-000000000001"
     cr = parse({**minimal("x-prefill"), "metadata": {"name": "x-prefill", "namespace": "ns", "uid": uid}})
     children = render_all(cr)

@@ -63,5 +63,6 @@ def test_a_relist_whose_moment_is_unknown_drops_nothing() -> None:
     store = Store()
     store.put_resource(cr("3"))
     store.put_child(child("router", "4"))
+    store.put_child(child("opaque", "not-a-number"))  # counts as 0: no older than an unknown moment
     assert store.merge_listing(Store(), listed_at=version_number("")) == set()
-    assert set(store.children[("ns", "cr")]) == {("Service", "router")}
+    assert set(store.children[("ns", "cr")]) == {("Service", "router"), ("Service", "opaque")}

@@ -70,7 +70,7 @@ class Store:
 
         def merge(mine: dict[Any, dict[str, Any]], theirs: dict[Any, dict[str, Any]]) -> None:
             for name in [name for name in mine if name not in theirs]:
-                if _resource_version(mine[name]) <= listed_at:
+                if listed_at and _resource_version(mine[name]) <= listed_at:  # 0: when is unknown
                     del mine[name]
             for name, obj in theirs.items():
                 if _resource_version(obj) >= _resource_version(mine.get(name, {})):
