@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from dllm_operator.plan import needs_apply, same
 from dllm_operator.render import HASH_ANNOTATION
 from dllm_operator.render.quantity import amount, to_bytes
@@ -24,6 +26,8 @@ def test_quantities_as_the_api_server_spells_them_are_no_drift() -> None:
     assert same("1024Mi", "1Gi")
     assert same("0.5", "500m")
     assert same("2000m", 2)
+    assert same("1e3", "1k")  # every form the API model admits is read
+    assert same("+1Gi", "1Gi")
     assert not same("1Gi", "1G")  # binary and decimal are different amounts
     assert not same("1Gi", "lots")
 
@@ -58,5 +62,8 @@ def test_amount_reads_every_suffix_and_refuses_what_is_not_a_quantity() -> None:
         0.25,
         7,
     ]
-    assert [amount(q) for q in ("1Xi", "", "Gi", True, None, 1.5)] == [None] * 6
+    assert [amount(q) for q in ("+2", "1e3", "5E-1", "100u", "3n")] == pytest.approx(
+        [2, 1000, 0.5, 1e-4, 3e-9]
+    )
+    assert [amount(q) for q in ("1Xi", "", "Gi", True, None, 1.5, "1e", "1Ki2")] == [None] * 8
     assert to_bytes("1.5Mi") == 1572864

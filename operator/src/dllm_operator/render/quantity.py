@@ -10,9 +10,11 @@ _SUFFIX = {
     "": 1,
     "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
-    "m": 10**-3,
+    "m": 10**-3, "u": 10**-6, "n": 10**-9,
 }  # fmt: skip
-_QUANTITY = re.compile(r"^([0-9]+(?:\.[0-9]*)?|\.[0-9]+)([a-zA-Z]*)$")
+# Kubernetes' resource.Quantity: a signed number, then a suffix or a decimal exponent (1e3, 5E-2).
+_NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_QUANTITY = re.compile(rf"^({_NUMBER})(?:([KMGTPE]i|[numkMGTPE])|[eE]({_NUMBER}))?$")
 
 
 def amount(quantity: object) -> float | None:
@@ -23,9 +25,11 @@ def amount(quantity: object) -> float | None:
     if isinstance(quantity, int):
         return float(quantity)
     match = _QUANTITY.match(quantity.strip())
-    if not match or match.group(2) not in _SUFFIX:
+    if not match:
         return None
-    return float(match.group(1)) * _SUFFIX[match.group(2)]
+    number, suffix, exponent = match.groups()
+    scale = _SUFFIX[suffix or ""] if exponent is None else 10 ** float(exponent)
+    return float(number) * scale
 
 
 def to_bytes(quantity: str | int) -> int:
