@@ -173,3 +173,18 @@ def test_an_empty_extra_config_means_what_a_cr_setting_nothing_means(role: kvcon
     peer = {"decode_host": "decode-0.decode", "decode_port": 50051} if role is kvconfig.Role.PREFILL else {}
     settings = kvconfig.KVTransferSettings(connector=kvconfig.Connector.MOONCAKE, role=role, **peer)
     assert kvconfig.ConnectorExtraConfig.model_validate(peer) == kvconfig.extra_config(settings)
+
+
+def test_the_settings_and_the_extra_config_declare_each_shared_field_once() -> None:
+    """Every field both carry is the same declaration (type, bounds, default), but for the two only one
+    role uses, which the extra config always fills with the contract's default."""
+    settings, extra = kvconfig.KVTransferSettings.model_fields, kvconfig.ConnectorExtraConfig.model_fields
+    role_only = {"prefill_wait_ms", "hold_seconds"}
+    shared = set(settings) & set(extra)
+    assert shared - role_only == set(kvconfig.KVTransferShared.model_fields)
+    for name in shared - role_only:
+        assert repr(extra[name]) == repr(settings[name]), name
+    assert {name: extra[name].default for name in role_only} == {
+        "prefill_wait_ms": kvconfig.DEFAULT_PREFILL_WAIT_MS,
+        "hold_seconds": kvconfig.DEFAULT_HOLD_SECONDS,
+    }

@@ -139,7 +139,38 @@ def _one_of(enum: type[StrEnum]) -> str:
     return "one of " + ", ".join(member.value for member in enum)
 
 
-class KVTransferSettings(_Frozen):
+class KVTransferShared(_Frozen):
+    """The settings both the env contract (KVTransferSettings) and the connector's extra config
+    (vllm_config.ConnectorExtraConfig) carry, each declared here once: its type, bounds and default."""
+
+    buffer_size_gb: PositiveFloat = Field(DEFAULT_BUFFER_SIZE_GB, description="a number of GB greater than 0")
+    compression: Annotated[Compression, BeforeValidator(_normalized)] = Field(
+        Compression.NONE, description=_one_of(Compression)
+    )
+    transfer_threshold_tokens: PositiveInt = Field(
+        DEFAULT_TRANSFER_THRESHOLD_TOKENS, description=_POSITIVE_WHOLE
+    )
+    transfer_timeout_ms: PositiveInt = Field(DEFAULT_TRANSFER_TIMEOUT_MS, description=_POSITIVE_WHOLE)
+    async_transfer: bool = Field(True, description="true or false")
+    protocol: Annotated[Protocol, BeforeValidator(_normalized)] = Field(
+        Protocol.TCP, description=_one_of(Protocol)
+    )
+    decode_host: NonEmpty | None = Field(None, description="a host name or address")
+    decode_port: Port | None = Field(None, description=_PORT)
+    rdma_devices: DeviceList = Field((), description="device names, comma-separated")
+    gid_index: Annotated[int, Field(ge=0)] | None = Field(None, description="a whole number, 0 or more")
+    # Mooncake's RPC and data ports (DLLM_KV_TRANSFER_PORTS).
+    transfer_ports: PortRange | None = Field(None, description="LOW-HIGH, two port numbers")
+    # Known only inside the pod (downward API); the operator renders it as a fieldRef.
+    host_ip: NonEmpty | None = Field(None, description="an address")
+
+    @model_validator(mode="after")
+    def _check_ports(self) -> Self:
+        _check_transfer_ports(self.transfer_ports)
+        return self
+
+
+class KVTransferSettings(KVTransferShared):
     """Everything one engine needs to know about KV transfer.
 
     The operator builds it from the CR; `from_env` builds it from an engine's environment (strings,
@@ -150,32 +181,14 @@ class KVTransferSettings(_Frozen):
     connector: Annotated[Connector, BeforeValidator(_normalized)] = Field(description=_one_of(Connector))
     role: Annotated[Role, BeforeValidator(_normalized)] = Field(description=_one_of(Role))
     listen_port: Port = Field(DEFAULT_KV_PORT, description=_PORT)
-    buffer_size_gb: PositiveFloat = Field(DEFAULT_BUFFER_SIZE_GB, description="a number of GB greater than 0")
-    compression: Annotated[Compression, BeforeValidator(_normalized)] = Field(
-        Compression.NONE, description=_one_of(Compression)
-    )
-    transfer_threshold_tokens: PositiveInt = Field(
-        DEFAULT_TRANSFER_THRESHOLD_TOKENS, description=_POSITIVE_WHOLE
-    )
-    transfer_timeout_ms: PositiveInt = Field(DEFAULT_TRANSFER_TIMEOUT_MS, description=_POSITIVE_WHOLE)
-    # Only the role that uses them carries them (decode waits, prefill holds); unset means the default.
+    # Only the role that uses them carries them (decode waits, prefill holds); unset means the default
+    # (the extra config's, where the engine reads them).
     prefill_wait_ms: PositiveInt | None = Field(None, description=_POSITIVE_WHOLE)
     hold_seconds: PositiveInt | None = Field(None, description=_POSITIVE_WHOLE)
-    async_transfer: bool = Field(True, description="true or false")
     load_failure_policy: Annotated[LoadFailurePolicy, BeforeValidator(_normalized)] = Field(
         LoadFailurePolicy.FAIL, description=_one_of(LoadFailurePolicy)
     )
-    protocol: Annotated[Protocol, BeforeValidator(_normalized)] = Field(
-        Protocol.TCP, description=_one_of(Protocol)
-    )
-    decode_host: NonEmpty | None = Field(None, description="a host name or address")
-    decode_port: Port | None = Field(None, description=_PORT)
-    rdma_devices: DeviceList = Field((), description="device names, comma-separated")
-    gid_index: Annotated[int, Field(ge=0)] | None = Field(None, description="a whole number, 0 or more")
     custom: CustomConnector | None = None
-    transfer_ports: PortRange | None = Field(None, description="LOW-HIGH, two port numbers")
-    # Known only inside the pod (downward API); the operator renders them as fieldRefs.
-    host_ip: NonEmpty | None = Field(None, description="an address")
     engine_id: NonEmpty | None = Field(None, description="a name")
 
     @model_validator(mode="after")
@@ -185,7 +198,6 @@ class KVTransferSettings(_Frozen):
         needs_peer = self.role is Role.PREFILL and self.connector is not Connector.CUSTOM
         if needs_peer and (not self.decode_host or self.decode_port is None):
             raise ValueError("prefill needs the decode peer (decode_host and decode_port)")
-        _check_transfer_ports(self.transfer_ports)
         return self
 
     @property

@@ -3,32 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any, Self
+from typing import Any
 
-from pydantic import (
-    Field,
-    SerializerFunctionWrapHandler,
-    model_serializer,
-    model_validator,
-)
+from pydantic import SerializerFunctionWrapHandler, model_serializer
 
 from dllm_contract.settings import (
-    DEFAULT_BUFFER_SIZE_GB,
     DEFAULT_HOLD_SECONDS,
     DEFAULT_PREFILL_WAIT_MS,
-    DEFAULT_TRANSFER_THRESHOLD_TOKENS,
-    DEFAULT_TRANSFER_TIMEOUT_MS,
-    Compression,
     Connector,
     KVTransferSettings,
-    PositiveFloat,
+    KVTransferShared,
     PositiveInt,
-    Protocol,
     Role,
-    _check_transfer_ports,
-    _Frozen,
 )
-from dllm_contract.types import Port
 
 # vLLM's kv_role for each of our roles.
 VLLM_KV_ROLE: Mapping[Role, str] = {
@@ -45,34 +32,17 @@ CONNECTOR_CLASS: Mapping[Connector, str] = {
 }
 
 
-class ConnectorExtraConfig(_Frozen):
+class ConnectorExtraConfig(KVTransferShared):
     """kv_connector_extra_config of this project's connectors: the settings vLLM has no field for.
 
     Strict (unknown keys and bad values are refused at engine start), because vLLM itself accepts any
-    extra config. Each default is the contract's, so a bare instance is an engine whose CR sets no KV
-    setting.
+    extra config. Its fields are the settings' own (KVTransferShared), but for the two only one role
+    uses, which here always have the contract's default, so a bare instance is an engine whose CR sets
+    no KV setting.
     """
 
-    compression: Compression = Compression.NONE
-    buffer_size_gb: PositiveFloat = DEFAULT_BUFFER_SIZE_GB
-    transfer_threshold_tokens: PositiveInt = DEFAULT_TRANSFER_THRESHOLD_TOKENS
-    transfer_timeout_ms: PositiveInt = DEFAULT_TRANSFER_TIMEOUT_MS
     prefill_wait_ms: PositiveInt = DEFAULT_PREFILL_WAIT_MS
     hold_seconds: PositiveInt = DEFAULT_HOLD_SECONDS
-    async_transfer: bool = True
-    protocol: Protocol = Protocol.TCP
-    decode_host: Annotated[str, Field(min_length=1)] | None = None
-    decode_port: Port | None = None
-    rdma_devices: tuple[str, ...] = ()
-    gid_index: Annotated[int, Field(ge=0)] | None = None
-    host_ip: str | None = None
-    # Mooncake's RPC and data ports (DLLM_KV_TRANSFER_PORTS); left out of the JSON when unset.
-    transfer_ports: tuple[Port, Port] | None = None
-
-    @model_validator(mode="after")
-    def _check_ports(self) -> Self:
-        _check_transfer_ports(self.transfer_ports)
-        return self
 
     @model_serializer(mode="wrap")
     def _omit_unset_ports(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
