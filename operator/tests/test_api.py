@@ -202,3 +202,12 @@ def test_bad_resource_quantity_is_refused_naming_its_key_as_the_api_server_does(
     assert [str(error) for error in refused.value.errors] == [
         "spec.prefill.resources.limits.cpu: 'lots' is not a quantity (e.g. 16Gi, 500m, 2)"
     ]
+
+
+@pytest.mark.parametrize("value", [".inf", ".nan"])
+def test_a_yaml_infinity_or_nan_is_no_buffer_size(value: str) -> None:
+    """YAML has them (JSON, and so the API server, has not): `dllm-operator render -f` refuses them."""
+    body = merged(minimal("m"), {"spec": {"kvTransfer": {"bufferSizeGB": yaml.safe_load(value)}}})
+    with pytest.raises(SpecInvalid) as refused:
+        parse(body)
+    assert "spec.kvTransfer.bufferSizeGB" in [error.path for error in refused.value.errors]

@@ -54,15 +54,12 @@ from dllm_contract.settings import (
     KVTransferSettings,
     KVTransferShared,
     LoadFailurePolicy,
-    NonEmpty,
     PortRange,
-    PositiveFloat,
-    PositiveInt,
     Protocol,
     Role,
     transfer_ports_problem,
 )
-from dllm_contract.types import Port
+from dllm_contract.types import NonEmpty, Port, PositiveFloat, PositiveInt
 from dllm_contract.vllm_config import (
     CONNECTOR_CLASS,
     CONNECTOR_MODULE,

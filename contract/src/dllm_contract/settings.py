@@ -14,11 +14,10 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
-    StringConstraints,
     model_validator,
 )
 
-from dllm_contract.types import Port
+from dllm_contract.types import NonEmpty, Port, PositiveFloat, PositiveInt
 
 
 class Connector(StrEnum):
@@ -47,11 +46,6 @@ class Protocol(StrEnum):
 class LoadFailurePolicy(StrEnum):
     FAIL = "fail"
     RECOMPUTE = "recompute"
-
-
-PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonEmpty = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 
 
 def _normalized(value: Any) -> Any:

@@ -13,9 +13,9 @@ from dllm_contract.settings import (
     Connector,
     KVTransferSettings,
     KVTransferShared,
-    PositiveInt,
     Role,
 )
+from dllm_contract.types import PositiveInt
 
 # vLLM's kv_role for each of our roles.
 VLLM_KV_ROLE: Mapping[Role, str] = {

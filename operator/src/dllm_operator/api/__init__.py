@@ -10,6 +10,7 @@ The package, one part of the resource per module: `common`, `model_spec`, `trans
 `resource`, `parsing`. Callers import these names from `dllm_operator.api`.
 """
 
+from dllm_contract.types import PositiveFloat, PositiveInt
 from dllm_operator.api.common import (
     API_VERSION,
     CONTROL_PLANE_NOTE,
@@ -28,8 +29,6 @@ from dllm_operator.api.common import (
     VERSION,
     FreeForm,
     Name,
-    PositiveFloat,
-    PositiveInt,
     Quantity,
     TensorParallelSize,
     cel,

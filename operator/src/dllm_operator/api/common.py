@@ -61,8 +61,6 @@ def rules(*entries: JsonDict) -> JsonDict:
 
 # ---- shared field types ---------------------------------------------------------------------------
 
-PositiveInt = Annotated[int, Field(ge=1)]
-PositiveFloat = Annotated[float, Field(gt=0)]
 Name = Annotated[str, Field(max_length=253)]
 TensorParallelSize = Literal[1, 2, 4, 8, 16, 32, 64]
 FreeForm = Annotated[dict[str, Any], Field(json_schema_extra=PRESERVE_UNKNOWN)]

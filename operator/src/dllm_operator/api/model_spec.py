@@ -6,7 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import ConfigDict, Field
 
-from dllm_operator.api.common import Name, PositiveInt, _Model, cel, rules
+from dllm_contract.types import PositiveInt
+from dllm_operator.api.common import Name, _Model, cel, rules
 
 # ---- spec.model -----------------------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import ConfigDict, Field, field_validator
 
 from dllm_contract.router_defaults import DEFAULT_HTTP_PORT, DEFAULT_REQUEST_TIMEOUT_S
-from dllm_contract.types import Port
+from dllm_contract.types import Port, PositiveFloat
 from dllm_operator.api.common import (
     CONTROL_PLANE_NOTE,
     OPERATOR_ENV_NAMES,
@@ -15,7 +15,6 @@ from dllm_operator.api.common import (
     RESERVED_ENV_NAMES,
     FreeForm,
     Name,
-    PositiveFloat,
     Quantity,
     TensorParallelSize,
     _Model,

@@ -18,14 +18,12 @@ from dllm_contract.kvconfig import (
     Connector,
     LoadFailurePolicy,
 )
-from dllm_contract.types import Port
+from dllm_contract.types import Port, PositiveFloat, PositiveInt
 from dllm_operator.api.common import (
     EMPTY_DEFAULT_IS_A_CHOICE,
     OPTED_IN,
     FreeForm,
     Name,
-    PositiveFloat,
-    PositiveInt,
     _Model,
     cel,
     rules,
