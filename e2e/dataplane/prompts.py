@@ -7,7 +7,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from e2e.dataplane.pipeline import Pipeline, post_json
+
+# The marks of the modules that run a pipeline: engines on both cores for minutes, and the engines'
+# empty compile cache (conftest.py).
+PIPELINE_MARKS = [
+    pytest.mark.dataplane,
+    pytest.mark.engine,
+    pytest.mark.slow,
+    pytest.mark.timeout(900),
+    pytest.mark.usefixtures("cold_compile_cache"),
+]
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog. " * 3,

@@ -31,6 +31,7 @@ from e2e.dataplane.prompts import (
     LOGPROB_TOLERANCE,
     MAX_TOKENS,
     ONE_TOKEN_PROMPT,
+    PIPELINE_MARKS,
     PROMPTS,
     completion,
     run_pipeline,
@@ -38,13 +39,7 @@ from e2e.dataplane.prompts import (
 )
 from e2e.fixtures import wait_until
 
-pytestmark = [
-    pytest.mark.dataplane,
-    pytest.mark.engine,
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.usefixtures("cold_compile_cache"),
-]
+pytestmark = PIPELINE_MARKS
 
 
 @pytest.fixture(scope="module")

@@ -13,19 +13,14 @@ import pytest
 from e2e.dataplane.pipeline import counter, metrics_text
 from e2e.dataplane.prompts import (
     COMPRESSED_FIRST_LOGPROB_BOUND,
+    PIPELINE_MARKS,
     PROMPTS,
     completion,
     run_pipeline,
     tokens_and_logprobs,
 )
 
-pytestmark = [
-    pytest.mark.dataplane,
-    pytest.mark.engine,
-    pytest.mark.slow,
-    pytest.mark.timeout(900),
-    pytest.mark.usefixtures("cold_compile_cache"),
-]
+pytestmark = PIPELINE_MARKS
 
 
 @pytest.mark.parametrize("compression", ["fp8", "int8"])
