@@ -180,11 +180,10 @@ def test_the_settings_and_the_extra_config_declare_each_shared_field_once() -> N
     role uses, which the extra config always fills with the contract's default."""
     settings, extra = kvconfig.KVTransferSettings.model_fields, kvconfig.ConnectorExtraConfig.model_fields
     role_only = {"prefill_wait_ms", "hold_seconds"}
-    shared = set(settings) & set(extra)
-    assert shared - role_only == set(kvconfig.KVTransferShared.model_fields)
-    for name in shared - role_only:
+    assert set(settings) & set(extra) == set(extra) == set(kvconfig.KVTransferShared.model_fields)
+    for name in set(extra) - role_only:
         assert repr(extra[name]) == repr(settings[name]), name
-    assert {name: extra[name].default for name in role_only} == {
-        "prefill_wait_ms": kvconfig.DEFAULT_PREFILL_WAIT_MS,
-        "hold_seconds": kvconfig.DEFAULT_HOLD_SECONDS,
+    assert {name: (settings[name].default, extra[name].default) for name in role_only} == {
+        "prefill_wait_ms": (None, kvconfig.DEFAULT_PREFILL_WAIT_MS),
+        "hold_seconds": (None, kvconfig.DEFAULT_HOLD_SECONDS),
     }

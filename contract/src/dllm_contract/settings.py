@@ -135,16 +135,21 @@ def _one_of(enum: type[StrEnum]) -> str:
 
 class KVTransferShared(_Frozen):
     """The settings both the env contract (KVTransferSettings) and the connector's extra config
-    (vllm_config.ConnectorExtraConfig) carry, each declared here once: its type, bounds and default."""
+    (vllm_config.ConnectorExtraConfig) carry, each declared here once: its type, bounds and default.
+    The order is the extra config's JSON order (dllm-serve prints that command exactly)."""
 
-    buffer_size_gb: PositiveFloat = Field(DEFAULT_BUFFER_SIZE_GB, description="a number of GB greater than 0")
     compression: Annotated[Compression, BeforeValidator(_normalized)] = Field(
         Compression.NONE, description=_one_of(Compression)
     )
+    buffer_size_gb: PositiveFloat = Field(DEFAULT_BUFFER_SIZE_GB, description="a number of GB greater than 0")
     transfer_threshold_tokens: PositiveInt = Field(
         DEFAULT_TRANSFER_THRESHOLD_TOKENS, description=_POSITIVE_WHOLE
     )
     transfer_timeout_ms: PositiveInt = Field(DEFAULT_TRANSFER_TIMEOUT_MS, description=_POSITIVE_WHOLE)
+    # Only the role that uses them carries them in the settings (decode waits, prefill holds); unset means
+    # the default, which the extra config (where the engine reads them) always has.
+    prefill_wait_ms: PositiveInt | None = Field(None, description=_POSITIVE_WHOLE)
+    hold_seconds: PositiveInt | None = Field(None, description=_POSITIVE_WHOLE)
     async_transfer: bool = Field(True, description="true or false")
     protocol: Annotated[Protocol, BeforeValidator(_normalized)] = Field(
         Protocol.TCP, description=_one_of(Protocol)
@@ -153,10 +158,10 @@ class KVTransferShared(_Frozen):
     decode_port: Port | None = Field(None, description=_PORT)
     rdma_devices: DeviceList = Field((), description="device names, comma-separated")
     gid_index: Annotated[int, Field(ge=0)] | None = Field(None, description="a whole number, 0 or more")
-    # Mooncake's RPC and data ports (DLLM_KV_TRANSFER_PORTS).
-    transfer_ports: PortRange | None = Field(None, description="LOW-HIGH, two port numbers")
     # Known only inside the pod (downward API); the operator renders it as a fieldRef.
     host_ip: NonEmpty | None = Field(None, description="an address")
+    # Mooncake's RPC and data ports (DLLM_KV_TRANSFER_PORTS).
+    transfer_ports: PortRange | None = Field(None, description="LOW-HIGH, two port numbers")
 
     @model_validator(mode="after")
     def _check_ports(self) -> Self:
@@ -175,10 +180,6 @@ class KVTransferSettings(KVTransferShared):
     connector: Annotated[Connector, BeforeValidator(_normalized)] = Field(description=_one_of(Connector))
     role: Annotated[Role, BeforeValidator(_normalized)] = Field(description=_one_of(Role))
     listen_port: Port = Field(DEFAULT_KV_PORT, description=_PORT)
-    # Only the role that uses them carries them (decode waits, prefill holds); unset means the default
-    # (the extra config's, where the engine reads them).
-    prefill_wait_ms: PositiveInt | None = Field(None, description=_POSITIVE_WHOLE)
-    hold_seconds: PositiveInt | None = Field(None, description=_POSITIVE_WHOLE)
     load_failure_policy: Annotated[LoadFailurePolicy, BeforeValidator(_normalized)] = Field(
         LoadFailurePolicy.FAIL, description=_one_of(LoadFailurePolicy)
     )

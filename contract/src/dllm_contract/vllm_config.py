@@ -36,9 +36,8 @@ class ConnectorExtraConfig(KVTransferShared):
     """kv_connector_extra_config of this project's connectors: the settings vLLM has no field for.
 
     Strict (unknown keys and bad values are refused at engine start), because vLLM itself accepts any
-    extra config. Its fields are the settings' own (KVTransferShared), but for the two only one role
-    uses, which here always have the contract's default, so a bare instance is an engine whose CR sets
-    no KV setting.
+    extra config. Its fields are the settings' own (KVTransferShared); the two only one role uses always
+    have the contract's default here, so a bare instance is an engine whose CR sets no KV setting.
     """
 
     prefill_wait_ms: PositiveInt = DEFAULT_PREFILL_WAIT_MS
