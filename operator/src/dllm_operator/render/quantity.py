@@ -1,10 +1,11 @@
 """Kubernetes resource quantities, as far as the operator needs them: values to compare, bytes in, Mi
-out. (The syntax a CR may use is checked by the API model: api.common.QUANTITY.)"""
+out. Read with the grammar the API model checks a CR against (api.common.QUANTITY, the CRD's pattern)."""
 
 from __future__ import annotations
 
 import math
-import re
+
+from dllm_operator.api.common import QUANTITY
 
 _SUFFIX = {
     "": 1,
@@ -12,9 +13,9 @@ _SUFFIX = {
     "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60,
     "m": 10**-3, "u": 10**-6, "n": 10**-9,
 }  # fmt: skip
-# Kubernetes' resource.Quantity: a signed number, then a suffix or a decimal exponent (1e3, 5E-2).
-_NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
-_QUANTITY = re.compile(rf"^({_NUMBER})(?:([KMGTPE]i|[numkMGTPE])|[eE]({_NUMBER}))?$")
+# QUANTITY's groups: 1 the sign, 2 the number, 6 what follows it (a suffix, or a decimal exponent,
+# which group 8 then holds whole: "e3", "E-1").
+_SIGN, _NUMBER, _SUFFIX_OR_EXPONENT, _EXPONENT = 1, 2, 6, 8
 
 
 def amount(quantity: object) -> float | None:
@@ -24,12 +25,13 @@ def amount(quantity: object) -> float | None:
         return None
     if isinstance(quantity, int):
         return float(quantity)
-    match = _QUANTITY.match(quantity.strip())
+    match = QUANTITY.match(quantity.strip())
     if not match:
         return None
-    number, suffix, exponent = match.groups()
-    scale = _SUFFIX[suffix or ""] if exponent is None else 10 ** float(exponent)
-    return float(number) * scale
+    number = float((match[_SIGN] or "") + match[_NUMBER])
+    if match[_EXPONENT] is not None:
+        return number * 10 ** float(match[_EXPONENT][1:])
+    return number * _SUFFIX[match[_SUFFIX_OR_EXPONENT] or ""]
 
 
 def to_bytes(quantity: str | int) -> int:
