@@ -75,6 +75,13 @@ def prefill_set(cluster: Cluster, namespace: str, ready: int) -> dict[str, Any] 
     return sts if sts.get("status", {}).get("readyReplicas") == ready else None
 
 
+def degraded(cluster: Cluster, namespace: str) -> dict[str, Any] | None:
+    """The sample's Degraded condition while it is True, else None."""
+    cr = cluster.get_json("dllm", "tiny", "-n", namespace)
+    found = [c for c in cr.get("status", {}).get("conditions", []) if c["type"] == "Degraded"]
+    return found[0] if found and found[0]["status"] == "True" else None
+
+
 def test_replacing_a_statefulset_for_an_immutable_field_keeps_its_pods(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
@@ -121,22 +128,17 @@ def test_pods_the_statefulset_cannot_create_show_in_the_status(
     cluster.apply(quota)
     cluster.apply(cpu_cr("tiny"), "-n", namespace)
 
-    def degraded() -> dict[str, Any] | None:
-        cr = cluster.get_json("dllm", "tiny", "-n", namespace)
-        found = [c for c in cr.get("status", {}).get("conditions", []) if c["type"] == "Degraded"]
-        return found[0] if found and found[0]["status"] == "True" else None
-
     # Each workload's refusal reaches the status as its own Event or condition appears: the first
     # Degraded may name another workload than prefill's StatefulSet, so wait until it names that one.
     def prefill_refused() -> dict[str, Any] | None:
-        condition = degraded()
+        condition = degraded(cluster, namespace)
         return condition if condition and "StatefulSet tiny-prefill" in condition["message"] else None
 
     condition = wait_until(prefill_refused, 90, "Degraded naming the prefill StatefulSet")
     assert condition["reason"] == "FailedCreate"
     assert "exceeded quota" in condition["message"]
     cluster.run("delete", "resourcequota", "no-pods", "-n", namespace)
-    wait_until(lambda: degraded() is None, 120, "Degraded=False once pods can be created")
+    wait_until(lambda: degraded(cluster, namespace) is None, 120, "Degraded=False once pods can be created")
 
 
 def test_a_child_the_api_server_refuses_shows_as_apply_failed_then_recovers(
@@ -149,12 +151,9 @@ def test_a_child_the_api_server_refuses_shows_as_apply_failed_then_recovers(
     affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": bad}}
     cluster.apply(merged(cpu_cr("tiny"), {"spec": {"decode": {"affinity": affinity}}}), "-n", namespace)
 
-    def degraded() -> dict[str, Any] | None:
-        cr = cluster.get_json("dllm", "tiny", "-n", namespace)
-        found = [c for c in cr.get("status", {}).get("conditions", []) if c["type"] == "Degraded"]
-        return found[0] if found and found[0]["status"] == "True" else None
-
-    condition = wait_until(degraded, 90, "Degraded=True for the refused StatefulSet")
+    condition = wait_until(
+        lambda: degraded(cluster, namespace), 90, "Degraded=True for the refused StatefulSet"
+    )
     assert condition["reason"] == "ApplyFailed"
     assert "StatefulSet tiny-decode" in condition["message"]
     # The field and the reason, without the value the API server quoted (which may be a secret).
@@ -172,5 +171,5 @@ def test_a_child_the_api_server_refuses_shows_as_apply_failed_then_recovers(
     assert cluster.exists("statefulset", "tiny-prefill", "-n", namespace), "the rest was applied"
     assert not cluster.exists("statefulset", "tiny-decode", "-n", namespace)
     cluster.apply(cpu_cr("tiny"), "-n", namespace)
-    wait_until(lambda: degraded() is None, 120, "Degraded=False once the spec is fixed")
+    wait_until(lambda: degraded(cluster, namespace) is None, 120, "Degraded=False once the spec is fixed")
     assert cluster.exists("statefulset", "tiny-decode", "-n", namespace)
