@@ -27,6 +27,7 @@ NAMESPACE = "node-serving"
 NAME = demo.NAME
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "0123456789 abcdefghij KLMNOPQRST " * 2]
 MAX_TOKENS = 12
+ENGINE_PODS = f"app.kubernetes.io/instance={NAME},app.kubernetes.io/component in (prefill,decode)"
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -107,7 +108,9 @@ def deployed(cluster: Cluster) -> Iterator[Served]:
     wait_until(lambda: not rules_of_ours(), 60, "kube-proxy's rules for our Services to go")
 
 
-def completion(url: str, prompt: str, timeout: float = 120) -> tuple[int, dict[str, Any]]:
+def completion(
+    url: str, prompt: str, timeout: float = 120, request_id: str | None = None
+) -> tuple[int, dict[str, Any]]:
     body = {
         "model": "tiny-llama",
         "prompt": prompt,
@@ -115,7 +118,8 @@ def completion(url: str, prompt: str, timeout: float = 120) -> tuple[int, dict[s
         "temperature": 0,
         "logprobs": 1,
     }
-    return post_json(url + "/v1/completions", body, timeout=timeout)
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return post_json(url + "/v1/completions", body, timeout=timeout, headers=headers)
 
 
 def tokens(body: dict[str, Any]) -> list[str]:

@@ -193,9 +193,14 @@ def start_single_engine(model: Path, logs: Path) -> Process:
     return wait_healthy(spawn("single", argv, env, logs / "single.log", port))
 
 
-def post_json(url: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, dict[str, Any]]:
+def post_json(
+    url: str, body: dict[str, Any], timeout: float = 120, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, Any]]:
     request = urllib.request.Request(  # noqa: S310 (http on 127.0.0.1)
-        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+        url,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json", **(headers or {})},
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310

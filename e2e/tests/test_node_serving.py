@@ -7,12 +7,9 @@ another namespace, and the faults users meet, which run last (they kill, roll an
 from __future__ import annotations
 
 import collections
-import json
 import os
 import re
 import signal
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +19,10 @@ import yaml
 from e2e import demo
 from e2e.dataplane.pipeline import counter, metrics_text, post_json, start_single_engine, wait_healthy
 from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
+from e2e.pod_logs import kept_logs
+from e2e.rolling import roll_under_load
 from e2e.served_sample import (
+    ENGINE_PODS,
     NAME,
     NAMESPACE,
     PROMPTS,
@@ -233,55 +233,30 @@ def test_a_failing_engine_shows_as_degraded_naming_the_pod_and_reason(
         served.cluster.run("delete", "dllm", name, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
 
 
-def test_a_rolling_spec_change_fails_no_accepted_request(served: Served) -> None:
+def test_a_rolling_spec_change_fails_no_accepted_request(served: Served, tmp_path: Path) -> None:
     """maxNumSeqs changes on both roles: each StatefulSet replaces its pod while requests keep coming.
     A request may be refused up front (503 naming the role with no ready pod: not accepted); one that
-    an engine accepted is drained by its preStop hook, never cut."""
-    results: list[tuple[int, str]] = []
-    reasons: list[str] = []
-    stop = threading.Event()
-
-    def trickle() -> None:
-        deadline = time.monotonic() + 900
-        while not stop.is_set() and time.monotonic() < deadline:
-            try:
-                # Long enough for a restarted engine's first request on two busy cores.
-                status, body = completion(served.router, PROMPTS[1], timeout=600)
-                problem = body.get("error", {})
-                results.append((status, str(problem.get("type", ""))))
-                if status != 200:  # what the engine or the router said, for the failure message
-                    reasons.append(f"{status} {str(problem.get('message', body))[:300]}")
-            except OSError as error:  # counted as a failure: the router itself must stay reachable
-                results.append((0, repr(error)))
-            stop.wait(0.2)
-
-    before = served.get("dllm", NAME)["metadata"]["generation"]
-    worker = threading.Thread(target=trickle, daemon=True)
-    worker.start()
-    try:
-        wait_until(lambda: len(results) >= 3, 120, "the first requests of the trickle")
-        patch = {"spec": {"prefill": {"maxNumSeqs": 6}, "decode": {"maxNumSeqs": 6}}}
-        served.cluster.run("patch", "dllm", NAME, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch))
-
-        def rolled() -> bool:
-            cr = served.get("dllm", NAME)
-            status = cr.get("status", {})
-            done = all(status.get(role, {}).get("updatedReplicas") == 1 for role in ("prefill", "decode"))
-            ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
-            return done and ready and status.get("observedGeneration") == before + 1
-
-        wait_until(rolled, 900, "both roles rolled to the new spec and Ready")
-        served_after = len(results)
-        wait_until(
-            lambda: any(code == 200 for code, _ in results[served_after:]), 120, "a 200 after the roll"
-        )
-    finally:
-        stop.set()
-        worker.join(timeout=180)
-    refused = {"no_prefill", "no_decode"}
-    failed = [(code, kind) for code, kind in results if code != 200 and not (code == 503 and kind in refused)]
-    assert failed == [], f"accepted requests failed during the roll: {failed} of {len(results)}: {reasons}"
-    assert sum(code == 200 for code, _ in results) >= 2
+    an engine accepted is drained by its preStop hook, never cut. Every engine instance's log is kept
+    (the replaced pods' too), so a failure names what each engine said about the failed request.
+    DLLM_ROLL_ROUNDS=N rolls N times in a row (each to a value the previous did not have)."""
+    rounds = int(os.environ.get("DLLM_ROLL_ROUNDS", "1"))
+    served_count, outcomes = 0, 0
+    with kept_logs(served.cluster, NAMESPACE, ENGINE_PODS, tmp_path / "logs") as logs:
+        for round_ in range(rounds):
+            seqs = 6 - round_ % 2
+            patch = {"spec": {"prefill": {"maxNumSeqs": seqs}, "decode": {"maxNumSeqs": seqs}}}
+            trickle = roll_under_load(served, patch, f"roll{round_}")
+            failed = trickle.failed()
+            seen = logs.noteworthy(also=tuple(o.request_id for o in failed)) if failed else ""
+            assert failed == [], (
+                f"round {round_ + 1} of {rounds}: accepted requests failed during the roll, of "
+                f"{len(trickle.outcomes)}: {failed}\nevery engine's whole log: {logs.directory}\n{seen}"
+            )
+            served_count += trickle.served_count()
+            outcomes += len(trickle.outcomes)
+            print(f"\nround {round_ + 1}/{rounds}: {len(trickle.outcomes)} requests, "
+                  f"{trickle.served_count()} served, the rest refused up front (503)")  # fmt: skip
+    assert served_count >= 2 * rounds, (served_count, outcomes)
 
 
 def test_scaling_decode_to_two_sends_requests_to_both(served: Served) -> None:
