@@ -247,6 +247,26 @@ def test_router_grace_covers_its_drain_and_prestop() -> None:
     )
 
 
+@pytest.mark.parametrize("grace", [120, 30, 10])
+def test_an_engine_stopped_drains_in_flight_requests_after_sigterm_as_long_as_its_prestop(grace: int) -> None:
+    """vLLM aborts what is in flight at SIGTERM unless --shutdown-timeout is set: a request that reached
+    the engine after the preStop drain's last idle reading must get the same budget, within the grace
+    period (10 s of which stay for vLLM's teardown; none left: abort, as the user asked)."""
+    cr = merged(
+        minimal(),
+        {"spec": {role: {"terminationGracePeriodSeconds": grace} for role in ("prefill", "decode")}},
+    )
+    for name, pod in engine_pods(render_all(parse(cr), OperatorConfig())).items():
+        container = pod["containers"][0]
+        prestop = container["lifecycle"]["preStop"]["exec"]["command"]
+        budget = grace - 10
+        assert (flag(prestop, "--timeout"), flag(container["args"], "--shutdown-timeout")) == (
+            str(budget),
+            str(budget),
+        ), name
+        assert pod["terminationGracePeriodSeconds"] == grace
+
+
 @pytest.mark.parametrize(
     ("limits", "body_mb"),
     [

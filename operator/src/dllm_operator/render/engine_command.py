@@ -107,6 +107,17 @@ def model_argument(cr: DisaggregatedLLM) -> str:
     return cr.spec.model.name
 
 
+# Of the grace period, what the preStop drain may use; the rest covers vLLM's own teardown.
+SHUTDOWN_MARGIN_S = 10
+
+
+def drain_budget_s(spec: RoleSpec) -> int:
+    """Seconds an engine gives requests in flight when it is stopped: the preStop drain's limit, and
+    after SIGTERM vLLM's --shutdown-timeout (drain, not abort), so that a request that reached the
+    engine after the drain's last idle reading still finishes instead of being aborted."""
+    return max(spec.termination_grace_period_seconds - SHUTDOWN_MARGIN_S, 0)
+
+
 def engine_args(cr: DisaggregatedLLM, role: EngineRole) -> list[str]:
     """vLLM serve flags of one role; the KV-transfer config is added by dllm-serve from the env."""
     model, spec = cr.spec.model, role_spec(cr, role)
@@ -134,5 +145,6 @@ def engine_args(cr: DisaggregatedLLM, role: EngineRole) -> list[str]:
         args.append(
             "--enable-chunked-prefill" if spec.enable_chunked_prefill else "--no-enable-chunked-prefill"
         )
+    args += ["--shutdown-timeout", str(drain_budget_s(spec))]
     args += ["--host", "0.0.0.0", "--port", str(spec.port)]
     return args + list(spec.extra_args)

@@ -12,6 +12,7 @@ from dllm_operator.render.engine_command import (
     MODEL_MOUNT,
     EngineRole,
     buffer_size_gb,
+    drain_budget_s,
     engine_args,
     engine_env,
     role_spec,
@@ -123,7 +124,7 @@ def probes(port: int) -> dict[str, Any]:
 
 def drain_hook(spec: RoleSpec) -> dict[str, Any]:
     """preStop: wait for in-flight requests to finish, within the grace period, before SIGTERM."""
-    budget = max(spec.termination_grace_period_seconds - 10, 0)
+    budget = drain_budget_s(spec)
     command = ["python3", "-m", "dllm_connector.drain", "--port", str(spec.port), "--timeout", str(budget)]
     return {"preStop": {"exec": {"command": command}}}
 
