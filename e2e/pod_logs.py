@@ -20,10 +20,10 @@ from typing import IO
 
 from e2e.fixtures import Cluster
 
-# What a failure message wants from an engine's log: errors, the connector's refusals, tracebacks.
-NOTEWORTHY = re.compile(
-    r"ERROR|WARNING|Traceback|Error:|not loaded|refused|failed|500 Internal", re.IGNORECASE
-)
+# What a failure message wants from a pod's log: errors, the connector's refusals, tracebacks, answers
+# other than 200 and 503 (a refusal up front), and vLLM's shutdown; less what every engine logs at start.
+NOTEWORTHY = re.compile(r"\bERROR\b|\bWARNING\b|Traceback|not loaded|\[shutdown\]|\" (?!200|503)\d{3} ")
+NOISE = re.compile(r"Unknown vLLM environment variable|ulimit|DeprecationWarning|force killing")
 _LIST_PERIOD_S = 0.5
 
 
@@ -94,7 +94,11 @@ class PodLogs:
         parts = []
         for path in self.files():
             lines = path.read_text(errors="replace").splitlines()
-            kept = [line for line in lines if NOTEWORTHY.search(line) or any(word in line for word in also)]
+            kept = [
+                line
+                for line in lines
+                if (NOTEWORTHY.search(line) and not NOISE.search(line)) or any(word in line for word in also)
+            ]
             parts.append(f"--- {path.name}: {len(lines)} lines, {len(kept)} noteworthy ---")
             parts += kept[-limit:]
         return "\n".join(parts)

@@ -3,6 +3,7 @@ request was told: shared by the node tier's rolling test and `python -m e2e.roll
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -63,12 +64,6 @@ class Trickle:
         if self._thread is not None:
             self._thread.join(timeout=660)
 
-    def failed(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.accepted_and_failed]
-
-    def served_count(self) -> int:
-        return sum(o.status == 200 for o in self.outcomes)
-
 
 def rolled(served: Served, generation: int) -> bool:
     """Both engine roles at the new spec (their controllers saw it, the pods replaced) and Ready."""
@@ -78,18 +73,38 @@ def rolled(served: Served, generation: int) -> bool:
     return done and ready and status.get("observedGeneration") == generation
 
 
-def roll_under_load(served: Served, patch: dict[str, Any], prefix: str) -> Trickle:
-    """Patch the CR while a trickle runs; return once both roles rolled, are Ready and a request after
-    that was served, with every request's outcome."""
+@dataclass(frozen=True)
+class RollOutcomes:
+    """Every request's outcome, of every client, during one roll."""
+
+    outcomes: list[Outcome]
+
+    def failed(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.accepted_and_failed]
+
+    def served_count(self) -> int:
+        return sum(o.status == 200 for o in self.outcomes)
+
+
+def roll_under_load(served: Served, patch: dict[str, Any], prefix: str, clients: int = 1) -> RollOutcomes:
+    """Patch the CR while `clients` trickles run side by side (so a pod is more often replaced with a
+    request in it); return once both roles rolled, are Ready and each client was served after that."""
     before = served.get("dllm", NAME)["metadata"]["generation"]
-    with Trickle(served, prefix) as trickle:
-        wait_until(lambda: len(trickle.outcomes) >= 3, 120, "the first requests of the trickle")
+    with contextlib.ExitStack() as stack:
+        trickles = [stack.enter_context(Trickle(served, f"{prefix}c{i}")) for i in range(clients)]
+
+        def each_sent(count: int) -> bool:
+            return all(len(t.outcomes) >= count for t in trickles)
+
+        wait_until(lambda: each_sent(3), 120, "the first requests of each client")
         served.cluster.run("patch", "dllm", NAME, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch))
         wait_until(lambda: rolled(served, before + 1), 900, "both roles rolled to the new spec and Ready")
-        after = len(trickle.outcomes)
+        after = [len(t.outcomes) for t in trickles]
 
-        def served_after() -> bool:
-            return any(o.status == 200 for o in trickle.outcomes[after:])
+        def each_served_after() -> bool:
+            return all(
+                any(o.status == 200 for o in t.outcomes[n:]) for t, n in zip(trickles, after, strict=True)
+            )
 
-        wait_until(served_after, 120, "a 200 after the roll")
-    return trickle
+        wait_until(each_served_after, 180, "a 200 for each client after the roll")
+    return RollOutcomes([o for t in trickles for o in t.outcomes])

@@ -27,7 +27,7 @@ NAMESPACE = "node-serving"
 NAME = demo.NAME
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 3, "0123456789 abcdefghij KLMNOPQRST " * 2]
 MAX_TOKENS = 12
-ENGINE_PODS = f"app.kubernetes.io/instance={NAME},app.kubernetes.io/component in (prefill,decode)"
+SAMPLE_PODS = f"app.kubernetes.io/instance={NAME}"  # both engines and the router
 ROOT = Path(__file__).resolve().parents[1]
 
 

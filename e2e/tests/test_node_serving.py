@@ -22,10 +22,10 @@ from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait
 from e2e.pod_logs import kept_logs
 from e2e.rolling import roll_under_load
 from e2e.served_sample import (
-    ENGINE_PODS,
     NAME,
     NAMESPACE,
     PROMPTS,
+    SAMPLE_PODS,
     Served,
     completion,
     connect_from_engine,
@@ -238,25 +238,27 @@ def test_a_rolling_spec_change_fails_no_accepted_request(served: Served, tmp_pat
     A request may be refused up front (503 naming the role with no ready pod: not accepted); one that
     an engine accepted is drained by its preStop hook, never cut. Every engine instance's log is kept
     (the replaced pods' too), so a failure names what each engine said about the failed request.
-    DLLM_ROLL_ROUNDS=N rolls N times in a row (each to a value the previous did not have)."""
+    Two clients send side by side; DLLM_ROLL_ROUNDS=N rolls N times in a row (each to a value the
+    previous did not have), DLLM_ROLL_CLIENTS sets the number of clients."""
     rounds = int(os.environ.get("DLLM_ROLL_ROUNDS", "1"))
+    clients = int(os.environ.get("DLLM_ROLL_CLIENTS", "2"))
     served_count, outcomes = 0, 0
-    with kept_logs(served.cluster, NAMESPACE, ENGINE_PODS, tmp_path / "logs") as logs:
+    with kept_logs(served.cluster, NAMESPACE, SAMPLE_PODS, tmp_path / "logs") as logs:
         for round_ in range(rounds):
             seqs = 6 - round_ % 2
             patch = {"spec": {"prefill": {"maxNumSeqs": seqs}, "decode": {"maxNumSeqs": seqs}}}
-            trickle = roll_under_load(served, patch, f"roll{round_}")
-            failed = trickle.failed()
+            rolled = roll_under_load(served, patch, f"roll{round_}", clients)
+            failed = rolled.failed()
             seen = logs.noteworthy(also=tuple(o.request_id for o in failed)) if failed else ""
             assert failed == [], (
                 f"round {round_ + 1} of {rounds}: accepted requests failed during the roll, of "
-                f"{len(trickle.outcomes)}: {failed}\nevery engine's whole log: {logs.directory}\n{seen}"
+                f"{len(rolled.outcomes)}: {failed}\nevery engine's whole log: {logs.directory}\n{seen}"
             )
-            served_count += trickle.served_count()
-            outcomes += len(trickle.outcomes)
-            print(f"\nround {round_ + 1}/{rounds}: {len(trickle.outcomes)} requests, "
-                  f"{trickle.served_count()} served, the rest refused up front (503)")  # fmt: skip
-    assert served_count >= 2 * rounds, (served_count, outcomes)
+            served_count += rolled.served_count()
+            outcomes += len(rolled.outcomes)
+            print(f"\nround {round_ + 1}/{rounds}: {len(rolled.outcomes)} requests, "
+                  f"{rolled.served_count()} served, the rest refused up front (503)")  # fmt: skip
+    assert served_count >= 2 * clients * rounds, (served_count, outcomes)
 
 
 def test_scaling_decode_to_two_sends_requests_to_both(served: Served) -> None:
