@@ -1,0 +1,75 @@
+"""A prefill engine stopped while a request's KV push still runs, as a roll stops one when a request
+reached it after its preStop drain's last idle reading (issue 31): SIGTERM to the engine's main process,
+as kubelet sends it, with decode held by SIGSTOP so that the push cannot finish first.
+
+vLLM aborts what is in flight at SIGTERM unless --shutdown-timeout is set; an aborted push leaves decode
+without the prompt's KV, and decode answers vLLM's `500 Internal server error` (the failure the node
+tier's rolling test met about one full run in three). The operator renders --shutdown-timeout from the
+grace period, so the engine finishes the push, then exits, and the client gets its answer."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from e2e.dataplane.pipeline import Pipeline, counter, metrics_text, rendered_engine
+from e2e.dataplane.prompts import PIPELINE_MARKS, PROMPTS, completion, run_pipeline
+from e2e.fixtures import wait_until
+
+pytestmark = PIPELINE_MARKS
+
+SENDS_IN_FLIGHT = "vllm:dllm_kv_sends_in_flight"
+BLOCK = 32  # the sample's --block-size
+
+
+@pytest.fixture(scope="module")
+def pipeline(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
+    yield from run_pipeline(model, tmp_path_factory.mktemp("stop-logs"), "none")
+
+
+def test_the_rendered_engines_drain_rather_than_abort_at_sigterm() -> None:
+    for role in ("prefill", "decode"):
+        _, args = rendered_engine(role)
+        assert int(args[args.index("--shutdown-timeout") + 1]) > 0, role
+
+
+def test_prefill_stopped_with_a_push_in_flight_finishes_it_and_the_client_is_answered(
+    pipeline: Pipeline,
+) -> None:
+    prefill, decode = pipeline.processes["prefill"], pipeline.processes["decode"]
+    router_url = pipeline.processes["router"].url
+    loaded_before = counter(metrics_text(decode.url), "vllm:external_prefix_cache_hits")
+    prompt = PROMPTS[0]
+    os.killpg(decode.process.pid, signal.SIGSTOP)  # the engine and its workers: nothing accepts the push
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(completion, router_url, prompt)
+            wait_until(
+                lambda: counter(metrics_text(prefill.url), SENDS_IN_FLIGHT) >= 1,
+                120,
+                "prefill answered and its push waits on the stopped decode",
+            )
+            os.kill(prefill.process.pid, signal.SIGTERM)  # PID 1 of the container: vLLM's API server
+            wait_until(lambda: "shutdown triggered" in prefill.tail(200), 30, "prefill's shutdown to begin")
+            os.killpg(decode.process.pid, signal.SIGCONT)
+            status, body = answer.result(timeout=300)
+    finally:
+        os.killpg(decode.process.pid, signal.SIGCONT)
+    assert status == 200, f"{body}\n--- prefill ---\n{prefill.tail(40)}\n--- decode ---\n{decode.tail(40)}"
+    assert body["choices"][0]["text"], body
+    # Decode loaded every full block of the prompt from the stopped prefill, and computed none of it.
+    prompt_tokens = int(body["usage"]["prompt_tokens"])
+    loaded = wait_until(
+        lambda: counter(metrics_text(decode.url), "vllm:external_prefix_cache_hits") - loaded_before or None,
+        10,
+        "decode's external prefix-cache hits to grow",
+    )
+    assert loaded >= (prompt_tokens // BLOCK) * BLOCK > 0, (loaded, prompt_tokens)
+    # Then prefill exited by itself, well within its grace period.
+    assert prefill.process.wait(timeout=60) is not None
+    assert "aborting in-flight requests" not in prefill.tail(400)
