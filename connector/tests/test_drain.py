@@ -12,7 +12,7 @@ from typing import Protocol
 
 import pytest
 
-from dllm_connector.drain import drain, in_flight
+from dllm_connector.drain import drain, finished, in_flight
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,6 +22,11 @@ vllm:num_requests_waiting{engine="0",model_name="m"} %d
 vllm:num_requests_swapped{engine="0",model_name="m"} 7
 """
 SENDS = 'vllm:dllm_kv_sends_in_flight{engine="0",model_name="m"} %d.0\n'
+FINISHED = (
+    'vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} %d.0\n'
+    'vllm:request_success_created{engine="0",finished_reason="stop",model_name="m"} 1.7e9\n'
+    'vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 1.0\n'
+)
 
 
 def test_in_flight_sums_running_and_waiting_only() -> None:
@@ -34,22 +39,32 @@ def test_kv_sends_in_flight_count_too() -> None:
     assert in_flight(METRICS % (0, 0) + sends) == 4
 
 
+def test_finished_sums_the_success_counter_only() -> None:
+    assert finished(FINISHED % 4) == 5
+    assert finished(METRICS % (1, 1)) == 0
+
+
 class MetricsDouble:
     """A test double of vLLM's /metrics endpoint (a real HTTP server on port 0) that serves a script of
     in-flight counts, one per scrape, repeating the last; it records when each scrape came. With
-    `sends`, the counts are a prefill's KV sends in flight while no request runs."""
+    `sends`, the counts are a prefill's KV sends in flight while no request runs; with `done`, a script
+    of finished-request totals beside zero gauges (requests that came and went between scrapes)."""
 
-    def __init__(self, script: Sequence[int], *, sends: bool = False) -> None:
+    def __init__(self, script: Sequence[int], *, sends: bool = False, done: Sequence[int] = ()) -> None:
         self.script = list(script)
+        self.done = list(done)
         self.scrapes: list[float] = []
         double = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                index = min(len(double.scrapes), len(double.script) - 1)
+                scrape = len(double.scrapes)
+                index = min(scrape, len(double.script) - 1)
                 double.scrapes.append(time.monotonic())
                 count = double.script[index]
                 text = METRICS % (0, 0) + SENDS % count if sends else METRICS % (count, 0)
+                if double.done:
+                    text += FINISHED % double.done[min(scrape, len(double.done) - 1)]
                 body = text.encode()
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
@@ -67,15 +82,17 @@ class MetricsDouble:
 class StartEngine(Protocol):
     """The `engine` fixture: starts a MetricsDouble with the given script."""
 
-    def __call__(self, script: Sequence[int], *, sends: bool = False) -> MetricsDouble: ...
+    def __call__(
+        self, script: Sequence[int], *, sends: bool = False, done: Sequence[int] = ()
+    ) -> MetricsDouble: ...
 
 
 @pytest.fixture
 def engine() -> Iterator[StartEngine]:
     started: list[MetricsDouble] = []
 
-    def start(script: Sequence[int], *, sends: bool = False) -> MetricsDouble:
-        double = MetricsDouble(script, sends=sends)
+    def start(script: Sequence[int], *, sends: bool = False, done: Sequence[int] = ()) -> MetricsDouble:
+        double = MetricsDouble(script, sends=sends, done=done)
         started.append(double)
         return double
 
@@ -113,6 +130,17 @@ def test_a_busy_reading_inside_the_settle_time_starts_it_again(engine: StartEngi
     metrics = engine([0, 0, 0, 3, 0])
     assert drain(metrics.port, timeout=20, interval=0.02, settle=0.4, zeros=3)
     assert time.monotonic() - metrics.scrapes[4] >= 0.4
+
+
+def test_a_request_that_came_and_went_between_readings_starts_the_settle_time_again(
+    engine: StartEngine,
+) -> None:
+    """Every gauge reads 0, but the finished count moved between the 3rd and 4th scrape: the engine was
+    busy then, so the settle time runs from the 4th."""
+    metrics = engine([0], done=[7, 7, 7, 8, 8])
+    assert drain(metrics.port, timeout=20, interval=0.02, settle=0.4, zeros=3)
+    assert time.monotonic() - metrics.scrapes[3] >= 0.4
+    assert len(metrics.scrapes) >= 7  # the 4th counted as busy, then three idle ones after it
 
 
 def test_a_prefill_drain_waits_while_kv_sends_are_in_flight(engine: StartEngine) -> None:

@@ -8,8 +8,11 @@ vLLM would otherwise stop under them, M4; the connector exports it, dllm_connect
 One reading of 0 is not enough (security review M4): the router keeps sending new requests to this pod
 until its DNS refresh drops it (a 5 s resolve interval plus DNS caching), so the engine counts as
 drained only after at least `zeros` consecutive readings of 0 spanning `settle` seconds (15 by
-default); any busy reading starts the count again. An engine that cannot be reached is done: the drain
-must not hold up the shutdown of a pod whose engine is gone. Always exits 0.
+default); any busy reading starts the count again. A request that came and went between two readings
+leaves the gauges at 0, so a reading whose count of finished requests (vllm:request_success) moved
+since the one before is busy too: the settle time runs from the last request, not from before it.
+An engine that cannot be reached is done: the drain must not hold up the shutdown of a pod whose engine
+is gone. Always exits 0.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ _GAUGE = re.compile(
     re.MULTILINE,
 )
 
+_FINISHED = re.compile(r"^vllm:request_success_total(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+
 DEFAULT_SETTLE_S = 15.0
 DEFAULT_ZEROS = 3
 # A scrape of /metrics is a few kB; a larger answer is not vLLM's and is not read to its end.
@@ -39,11 +44,24 @@ def in_flight(metrics_text: str) -> int:
     return int(sum(float(value) for value in _GAUGE.findall(metrics_text)))
 
 
-def read_in_flight(port: int) -> int | None:
-    """The engine's in-flight requests, or None when it cannot be reached (or answers an error)."""
+def finished(metrics_text: str) -> int:
+    """Requests the engine has finished so far, summed over every label set."""
+    return int(sum(float(value) for value in _FINISHED.findall(metrics_text)))
+
+
+@dataclass(frozen=True)
+class Reading:
+    in_flight: int
+    finished: int
+
+
+def read_engine(port: int) -> Reading | None:
+    """The engine's in-flight and finished requests, or None when it cannot be reached (or answers an
+    error)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as response:
-            return in_flight(response.read(_MAX_METRICS_BYTES).decode(errors="replace"))
+            text = response.read(_MAX_METRICS_BYTES).decode(errors="replace")
+        return Reading(in_flight(text), finished(text))
     except (OSError, ValueError):  # refused, reset, timed out, HTTP errors; a malformed number
         return None
 
@@ -79,12 +97,15 @@ def drain(
     deadline = time.monotonic() + timeout
     pause = threading.Event()
     idle = Settling()
+    before: Reading | None = None
     while True:
-        count = read_in_flight(port)
+        reading = read_engine(port)
         now = time.monotonic()
-        if count is None:  # the engine is gone
+        if reading is None:  # the engine is gone
             return True
-        idle.note(count, now)
+        came_and_went = before is not None and reading.finished != before.finished
+        idle.note(reading.in_flight + came_and_went, now)
+        before = reading
         if idle.settled(now, zeros, settle):
             return True
         if now >= deadline:
