@@ -1,6 +1,6 @@
 """Abuse of the real `dllm-router` process over raw sockets, with its memory (RSS) and the time of each
 refusal bounded: slowloris heads, an unterminated header, pipelining without reading, bodies over the
-limit or too costly to parse, and connection number N+1.
+limit or too costly to parse, connection number N+1, and silent connections at the cap (NEW-5).
 
 The router runs as the operator runs it (`python -m dllm_router`, flags); its engines are a
 port that refuses connections, since nothing here must reach an engine. RSS is read from /proc.
@@ -253,12 +253,19 @@ async def test_a_slow_body_is_408_at_its_deadline(router: RouterProcess) -> None
     assert BODY_TIMEOUT_S * 0.9 <= time.monotonic() - started <= BODY_TIMEOUT_S + 4.0
 
 
-async def test_connection_over_the_cap_gets_503_and_service_goes_on(router: RouterProcess) -> None:
+async def test_connection_over_the_cap_gets_503_when_every_one_has_a_request_in_progress(
+    router: RouterProcess,
+) -> None:
+    """M1 with NEW-5's eviction: only connections whose request is in progress (here a body still
+    coming) hold their slot, so connection N+1 is refused; once they close, service goes on."""
     await router.quiet()
     held = [await router.client() for _ in range(MAX_CONNECTIONS)]
-    for c in held:  # each answered once, so each is surely accepted and counted
-        c.send(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
-        assert (await c.answer()).status == 200
+    for c in held:  # a head whose body never comes: a request in progress until the body deadline
+        c.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 10\r\nExpect: 100-continue\r\n\r\n"
+        )
+    for c in held:
+        assert await c.head() == (100, {})  # its head is read: the request is in progress
     extra = await router.client()
     extra.send(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
     refused = await extra.answer()
@@ -278,3 +285,56 @@ async def test_connection_over_the_cap_gets_503_and_service_goes_on(router: Rout
     async with asyncio.timeout(10):
         while not await served():  # the held connections' slots free as the router sees them close
             pass
+
+
+async def test_silent_connections_at_the_cap_lock_nobody_out(router: RouterProcess) -> None:
+    """NEW-5: an attacker holds --max-connections silent sockets and re-opens each one the router
+    closes. A real client is still served, well before any silent socket's deadline (it takes the slot
+    of the longest-silent one; a 503 only while every silent one is younger than the eviction grace,
+    then retried), and each silent socket is closed by the first-byte deadline (the head deadline
+    here) at the latest."""
+    await router.quiet()
+    closed_after: list[float] = []
+    opened = 0
+    all_open = asyncio.Event()  # every attacker connected once
+
+    async def hold_a_slot() -> None:
+        nonlocal opened
+        while True:
+            c = await router.client()
+            opened += 1
+            if opened == MAX_CONNECTIONS:
+                all_open.set()
+            at = time.monotonic()
+            try:
+                async with asyncio.timeout(HEAD_TIMEOUT_S + 5.0):
+                    assert await c.reader.read() == b""  # the router closed it, having said nothing
+            finally:
+                c.close()
+            closed_after.append(time.monotonic() - at)
+
+    attackers = [asyncio.ensure_future(hold_a_slot()) for _ in range(MAX_CONNECTIONS)]
+    try:
+        await asyncio.wait_for(all_open.wait(), 10)
+        for _ in range(5):
+            started = time.monotonic()
+            status = 503
+            while status == 503:
+                c = await router.client()
+                c.send(b"GET /health HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
+                status = (await c.answer()).status
+                c.close()
+            assert status == 200
+            assert time.monotonic() - started < HEAD_TIMEOUT_S  # no silent socket had to time out
+    finally:
+        for task in attackers:
+            task.cancel()
+        await asyncio.gather(*attackers, return_exceptions=True)
+    assert closed_after, "the router closed no silent connection"
+    assert max(closed_after) <= HEAD_TIMEOUT_S + 1.0  # the deadline, plus the sweep's quarter of it
+    metrics = await router.client()
+    metrics.send(b"GET /metrics HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
+    page = (await metrics.answer()).body
+    evicted = re.search(rb"^dllm_router_evicted_connections_total (\d+)", page, re.MULTILINE)
+    assert evicted is not None
+    assert int(evicted.group(1)) >= 5  # one per real request at least

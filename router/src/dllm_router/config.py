@@ -209,7 +209,12 @@ class RouterConfig(_Frozen):
     )
     max_n: Annotated[int, _whole(1, 1024)] = Field(16, description="most choices per prompt, n and best_of")
     max_connections: Annotated[int, _whole(1, 1_000_000)] = Field(
-        1024, description="most open client connections; more get 503"
+        1024,
+        description="most open client connections; a new one takes the slot of the longest idle one, "
+        "and gets 503 when every one has a request in progress",
+    )
+    first_byte_timeout_s: Annotated[float, _seconds()] | None = Field(
+        None, description="seconds a new connection may stay silent; unset or longer: --head-timeout-s"
     )
     head_timeout_s: Annotated[float, _seconds()] = Field(
         10.0, description="seconds a request head may take from its first byte"

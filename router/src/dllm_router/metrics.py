@@ -69,6 +69,7 @@ class Metrics:
         self.decode_first_byte_seconds = Histogram()
         self.ttft_seconds = Histogram()
         self.open_connections: Callable[[], int] = lambda: 0  # the HTTP server's, set by serve()
+        self.evicted_connections: Callable[[], int] = lambda: 0  # the same
 
     def families(self, pools: Iterable[Pool]) -> Iterator[Metric]:
         requests = CounterMetricFamily(
@@ -104,6 +105,11 @@ class Metrics:
         yield self.ttft_seconds.family("dllm_router_ttft_seconds", "Time to the first byte for the client")
         yield GaugeMetricFamily(
             "dllm_router_open_connections", "Client connections open", value=self.open_connections()
+        )
+        yield CounterMetricFamily(
+            "dllm_router_evicted_connections",
+            "Idle client connections closed to make room for a new one at --max-connections",
+            value=self.evicted_connections(),
         )
         inflight = GaugeMetricFamily(
             "dllm_router_inflight", "Requests in flight per engine pod", labels=["role", "pod"]

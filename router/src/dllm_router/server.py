@@ -148,9 +148,11 @@ async def serve(router: Router, host: str, port: int, *, drain_s: float = 30.0) 
         error_page=router.error_page,
         drain_s=drain_s,
         max_connections=router.config.max_connections,
+        first_byte_timeout_s=router.config.first_byte_timeout_s,
         head_timeout_s=router.config.head_timeout_s,
         body_timeout_s=router.config.body_timeout_s,
     )
     await server.start(host, port)
     router.metrics.open_connections = lambda: len(server.connections)
+    router.metrics.evicted_connections = lambda: server.evicted_connections
     return server
