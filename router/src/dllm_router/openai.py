@@ -131,6 +131,8 @@ def asks_one_token(body: JsonObject) -> bool:
 def prefill_request(body: JsonObject, kv_params: JsonObject) -> JsonObject:
     """The prefill call: one token, one choice, not streamed, with the flow's kv_transfer_params."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+    if _xargs_kv(body):
+        out["vllm_xargs"] = _xargs_without_kv(body["vllm_xargs"])
     out.update(stream=False, max_tokens=1, n=1, kv_transfer_params=kv_params)
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
@@ -142,21 +144,40 @@ _PREFILL_DROPS = frozenset({"stream_options", "min_tokens", "min_completion_toke
 
 
 def decode_request(body: JsonObject, kv_params: JsonObject | None) -> JsonObject:
-    """The body with the router's kv_transfer_params, and never the client's own (C1)."""
-    out = {k: v for k, v in body.items() if k != "kv_transfer_params"} if CLIENT_KV in body else body
+    """The body with the router's kv_transfer_params, and never the client's own (C1), top-level or in
+    `vllm_xargs` (NEW-2: vLLM takes them from there when the top-level key is absent or empty)."""
+    out = {k: v for k, v in body.items() if k != CLIENT_KV} if CLIENT_KV in body else body
+    if _xargs_kv(body):
+        out = {**out, "vllm_xargs": _xargs_without_kv(body["vllm_xargs"])}
     return out if kv_params is None else {**out, CLIENT_KV: kv_params}
 
 
 CLIENT_KV = "kv_transfer_params"
 
 
+def _xargs_kv(body: JsonObject) -> bool:
+    """The client put kv_transfer_params into vllm_xargs (vLLM's free-form extra sampling args)."""
+    xargs = body.get("vllm_xargs")
+    return isinstance(xargs, dict) and CLIENT_KV in xargs
+
+
+def _xargs_without_kv(xargs: JsonObject) -> JsonObject:
+    return {k: v for k, v in xargs.items() if k != CLIENT_KV}
+
+
+def carries_client_kv(body: JsonObject) -> bool:
+    """The client's body names kv_transfer_params itself, at the top level or in vllm_xargs."""
+    return CLIENT_KV in body or _xargs_kv(body)
+
+
 def decode_payload(body: JsonObject, raw: bytes | None, kv_params: JsonObject | None) -> bytes:
     """An answering call's body as bytes (decode's, or prefill's for a one-token request): the client's
     own bytes, with kv_transfer_params spliced in before the closing brace, so a long prompt is not
-    encoded again. Re-encoded without the key when the client sent kv_transfer_params itself: a client
-    must never choose an engine's KV transfer (C1: it crashes the engine or points it anywhere). Also
-    re-encoded when the bytes are not plain UTF-8 JSON, or there are no client bytes."""
-    if raw is not None and CLIENT_KV not in body:
+    encoded again. Re-encoded without the key when the client sent kv_transfer_params itself (top-level
+    or in vllm_xargs): a client must never choose an engine's KV transfer (C1, NEW-2: it crashes the
+    engine or points it anywhere). Also re-encoded when the bytes are not plain UTF-8 JSON, or there are
+    no client bytes."""
+    if raw is not None and not carries_client_kv(body):
         if kv_params is None:
             return raw
         stripped = raw.strip()
