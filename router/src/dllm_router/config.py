@@ -208,6 +208,11 @@ class RouterConfig(_Frozen):
         64, description="most prompts in one completions request"
     )
     max_n: Annotated[int, _whole(1, 1024)] = Field(16, description="most choices per prompt, n and best_of")
+    max_logprobs: Annotated[int, _whole(0, 1024)] = Field(
+        20,
+        description="most logprobs per token (logprobs, top_logprobs, prompt_logprobs); a request's "
+        "prompts and choices together may ask no more than one prompt may",
+    )
     max_connections: Annotated[int, _whole(1, 1_000_000)] = Field(
         1024,
         description="most open client connections; a new one takes the slot of the longest idle one, "

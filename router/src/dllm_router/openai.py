@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from dllm_router.answer_bounds import AskTooLarge, check_answer_asks
 from dllm_router.jsonshape import TooComplex, check_shape
 
 COMPLETIONS = "/v1/completions"
@@ -49,6 +50,7 @@ class Limits:
 
     max_prompts: int = 64
     max_n: int = 16
+    max_logprobs: int = 20  # NEW-1: top-k per token, and what a request's answers may carry (answer_bounds)
 
 
 def parse_request(raw: bytes, route: str, limits: Limits = Limits()) -> JsonObject:
@@ -79,6 +81,11 @@ def parse_request(raw: bytes, route: str, limits: Limits = Limits()) -> JsonObje
         raise BadRequest(
             f"too many prompts: {prompts}; this router allows at most {limits.max_prompts} (--max-prompts)"
         )
+    n = max(choices_per_prompt(body), body.get("best_of") or 1)
+    try:
+        check_answer_asks(body, prompts, n, limits.max_logprobs, limits.max_n)
+    except AskTooLarge as e:
+        raise BadRequest(str(e)) from None
     return body
 
 

@@ -49,7 +49,9 @@ class Router:
         self.config = config
         self.metrics = Metrics()
         self.deadlines = Deadlines(config.request_timeout_s)  # the fast path's calls
-        self.limits = oa.Limits(max_prompts=config.max_prompts, max_n=config.max_n)
+        self.limits = oa.Limits(
+            max_prompts=config.max_prompts, max_n=config.max_n, max_logprobs=config.max_logprobs
+        )
         self.engine_auth = EngineAuth(config.engine_api_key)
         self.pods = PodWatch(
             config,
