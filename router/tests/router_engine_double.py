@@ -60,9 +60,11 @@ class FakeVllmEngine:
     Knobs a test may set at any time: `healthy`, `fail_status` (answer with vLLM's error JSON),
     `eos_at_prefill` (prefill's one token ends the answer), `hold` (an Event every generation waits
     on before answering), `hold_after_first_chunk` (streams stop after one chunk until it is set),
-    `break_after_first_chunk` (the connection is dropped mid-stream), `nixl` (prefill returns NIXL's
-    kv_transfer_params), `api_key` (as vLLM's VLLM_API_KEY: /v1 routes answer 401 without
-    `Authorization: Bearer <key>`). `authorizations` records (path, Authorization) of every request.
+    `break_after_first_chunk` (the connection is dropped mid-stream), `padding` (a string put into the
+    choices of non-streamed decode answers to prompts starting with "big", as prompt logprobs would
+    be), `nixl` (prefill returns NIXL's kv_transfer_params), `api_key` (as vLLM's VLLM_API_KEY: /v1
+    routes answer 401 without `Authorization: Bearer <key>`). `authorizations` records (path,
+    Authorization) of every request.
     """
 
     def __init__(self, name: str, *, nixl: bool = False) -> None:
@@ -74,6 +76,7 @@ class FakeVllmEngine:
         self.hold: asyncio.Event | None = None
         self.hold_after_first_chunk: asyncio.Event | None = None
         self.break_after_first_chunk = False
+        self.padding = ""  # see the class docstring
         self.seen: list[Seen] = []
         self.api_key: str | None = None
         self.active = self.max_active = 0  # generations being answered now, and the most at once
@@ -212,6 +215,9 @@ class FakeVllmEngine:
         count, key = self._count(seen), prompt_key(seen.body)
         n = int(seen.body.get("n") or 1)
         choices = [self._choice(seen, c, "".join(fake_tokens(key, count, c)), "length") for c in range(n)]
+        if self.padding and key.lstrip('["').startswith("big"):
+            for choice in choices:
+                choice["prompt_logprobs"] = self.padding
         return {
             **self._head(seen),
             "choices": choices,
