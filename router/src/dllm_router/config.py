@@ -39,6 +39,7 @@ from dllm_contract.logs import (
 )
 from dllm_contract.router_defaults import (
     DEFAULT_HTTP_PORT,
+    DEFAULT_MAX_ANSWER_MB,
     DEFAULT_MAX_BODY_MB,
     DEFAULT_MEMORY_BUDGET_MB,
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -205,13 +206,14 @@ class RouterConfig(_Frozen):
     max_body_mb: Annotated[int, _whole(1, 4096)] = Field(
         DEFAULT_MAX_BODY_MB, description="largest request body accepted, in MiB"
     )
-    # NEW-1: the operator derives it from the pod's memory limit, as the body limit
+    # NEW-1: the operator derives both from the pod's memory limit, as the body limit
     memory_budget_mb: Annotated[int, _whole(1, 1_048_576)] = Field(
         DEFAULT_MEMORY_BUDGET_MB,
         description="MiB of client bodies and engine answers held at once across all requests; past it, 503",
     )
     max_answer_mb: Annotated[int, _whole(1, 1_048_576)] = Field(
-        64, description="MiB of engine answers one request may hold (within --memory-budget-mb); past it, 502"
+        DEFAULT_MAX_ANSWER_MB,
+        description="MiB of engine answers one request may hold (within --memory-budget-mb); past it, 502",
     )
     max_prompts: Annotated[int, _whole(1, 4096)] = Field(  # each is a prefill/decode pair of calls
         64, description="most prompts in one completions request"
