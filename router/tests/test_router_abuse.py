@@ -260,4 +260,7 @@ async def test_silent_connections_at_the_cap_lock_nobody_out(router: RouterProce
     page = (await metrics.answer()).body
     evicted = re.search(rb"^dllm_router_evicted_connections_total (\d+)", page, re.MULTILINE)
     assert evicted is not None
-    assert int(evicted.group(1)) >= 5  # one per real request at least
+    # Only the first real request is sure to meet a full cap: its connection is queued behind every
+    # attacker's, well within their first-byte deadline. A later one may find a slot freed by a silent
+    # socket's deadline, or by the request before it, ahead of the evicted attacker's reconnection.
+    assert int(evicted.group(1)) >= 1

@@ -98,7 +98,10 @@ async def test_silent_sockets_reopened_at_the_cap_do_not_keep_a_real_request_out
         for task in attackers:
             task.cancel()
         await asyncio.gather(*attackers, return_exceptions=True)
-    assert r.server.evicted_connections >= 5
+    # Only the first real request is sure to meet a full cap (awaited above). A later one may find a
+    # slot freed by a silent socket's deadline, or by the request before it, ahead of the evicted
+    # attacker's reconnection.
+    assert r.server.evicted_connections >= 1
     assert most <= cap
     assert max(lived) <= FIRST_BYTE_S + FIRST_BYTE_S / 4 + 1.0
 
