@@ -13,7 +13,10 @@ import logging
 from time import perf_counter
 from typing import Any
 
+import msgspec
+
 from dllm_router import openai as oa
+from dllm_router.engine_answer import EngineAnswer
 from dllm_router.engine_auth import EngineAuth
 from dllm_router.errors import RouterError, request_id, request_id_or_new
 from dllm_router.exchange import ExchangeHost
@@ -159,13 +162,16 @@ def _joined_body(answers: list[Answer], body: JsonObject) -> bytes:
         if answer.body is not None:
             return answer.body  # decode's bytes as they came: no re-encoding
         assert answer.finished is not None
-        return oa.dumps(oa.public_answer(answer.finished))
-    parsed = [a.finished if a.finished is not None else _json(a.body) for a in answers]
-    return oa.dumps(oa.merge_answers(parsed, oa.choices_per_prompt(body)))
+        return answer.finished.public()
+    parts = [a.finished if a.finished is not None else _parts(a.body) for a in answers]
+    return oa.merge_answers(parts, oa.choices_per_prompt(body))
 
 
-def _json(data: bytes | None) -> JsonObject:
-    parsed = oa.loads(data or b"{}")
-    if not isinstance(parsed, dict):
-        raise RouterError(502, "decode_error", "decode answered a non-object")
-    return parsed
+def _parts(data: bytes | None) -> EngineAnswer:
+    """Decode's answer by its raw top-level fields: merged without being parsed whole (NEW-1)."""
+    try:
+        return EngineAnswer.parse(data or b"{}")
+    except msgspec.ValidationError:
+        raise RouterError(502, "decode_error", "decode answered a non-object") from None
+    except ValueError:
+        raise RouterError(502, "decode_error", "decode answered non-JSON") from None

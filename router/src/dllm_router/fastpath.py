@@ -147,12 +147,12 @@ class FastExchange(Pending):
             router.metrics.prefill_answers += 1
             self._drop_calls()
             self._d = None
-            self._answer(oa.dumps(oa.public_answer(finished)))
+            self._answer(finished.public())
         elif self._decoded is not None:  # dllm: decode was first
             self._answer(self._decoded)
         elif self._dcall is None:  # nixl: decode now, with what prefill returned
             assert self._d is not None
-            kv = finished.get("kv_transfer_params") or None
+            kv = finished.value(oa.CLIENT_KV) or None
             payload = oa.decode_payload(self.body, self._request.body, kv)
             self._dcall = self._call(self._d, self.headers, payload, True)
 

@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from dllm_router.answer_bounds import AskTooLarge, check_answer_asks
+from dllm_router.engine_answer import ChoiceHead, EngineAnswer, choice_head, renumbered_choices
 from dllm_router.jsonshape import TooComplex, check_shape
 
 COMPLETIONS = "/v1/completions"
@@ -193,47 +194,39 @@ def decode_payload(body: JsonObject, raw: bytes | None, kv_params: JsonObject | 
     return dumps(decode_request(body, kv_params))
 
 
-def finished_at_prefill(answer: JsonObject, body: JsonObject) -> bool:
+def finished_at_prefill(answer: EngineAnswer, body: JsonObject) -> bool:
     """Prefill's single token ended the request (EOS or a stop string) and one choice was asked."""
     if choices_per_prompt(body) != 1:
         return False
-    choices = answer.get("choices")
-    return (
-        isinstance(choices, list)
-        and len(choices) == 1
-        and isinstance(choices[0], dict)
-        and choices[0].get("finish_reason") == "stop"
-    )
+    choices = answer.choices()
+    head = choice_head(choices[0]) if len(choices) == 1 else None
+    return head is not None and head.finish_reason == "stop"
 
 
-def public_answer(answer: JsonObject) -> JsonObject:
-    """An engine's answer as the client sees it: the KV-transfer bookkeeping removed."""
-    return {k: v for k, v in answer.items() if k != "kv_transfer_params"}
-
-
-def _chunk_choice(route: str, choice: JsonObject) -> JsonObject:
-    base = {"index": choice.get("index", 0), "logprobs": None, "finish_reason": choice.get("finish_reason")}
+def _chunk_choice(route: str, choice: ChoiceHead) -> JsonObject:
+    base = {"index": choice.index, "logprobs": None, "finish_reason": choice.finish_reason}
     if route == CHAT:
-        message = choice.get("message") or {}
+        message = choice.message or {}
         base["delta"] = {"role": message.get("role", "assistant"), "content": message.get("content", "")}
     else:
-        base["text"] = choice.get("text", "")
+        base["text"] = choice.text
     return base
 
 
-def answer_as_events(route: str, answer: JsonObject, body: JsonObject) -> list[bytes]:
+def answer_as_events(route: str, answer: EngineAnswer, body: JsonObject) -> list[bytes]:
     """A finished non-streamed answer as the SSE data payloads a streamed one would have had."""
     head = {
-        "id": answer.get("id", ""),
+        "id": answer.value("id", ""),
         "object": "chat.completion.chunk" if route == CHAT else "text_completion",
-        "created": answer.get("created", int(time.time())),
-        "model": answer.get("model", ""),
+        "created": answer.value("created", int(time.time())),
+        "model": answer.value("model", ""),
     }
-    choices = [_chunk_choice(route, c) for c in answer.get("choices", []) if isinstance(c, dict)]
+    choices = [_chunk_choice(route, c) for c in answer.choice_heads()]
     events = [dumps({**head, "choices": choices})]
     options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage") and answer.get("usage"):
-        events.append(dumps({**head, "choices": [], "usage": answer["usage"]}))
+    usage = answer.value("usage")
+    if isinstance(options, dict) and options.get("include_usage") and usage:
+        events.append(dumps({**head, "choices": [], "usage": usage}))
     return events
 
 
@@ -285,15 +278,17 @@ def shift_choices(payload: JsonObject, offset: int) -> JsonObject:
     return payload
 
 
-def merge_answers(answers: list[JsonObject], n: int) -> JsonObject:
-    """Per-prompt completions answers merged into one, choices in prompt order."""
-    merged = public_answer(answers[0])
+def merge_answers(answers: list[EngineAnswer], n: int) -> bytes:
+    """Per-prompt completions answers merged into one, choices in prompt order: the first answer's
+    fields (without kv_transfer_params), every answer's choices renumbered, their usage summed. Encoded
+    from the answers' raw pieces (engine_answer): the choices are never parsed whole (NEW-1)."""
+    merged: dict[str, Any] = {k: v for k, v in answers[0].fields.items() if k != CLIENT_KV}
     choices: list[Any] = []
     usage: JsonObject = {}
     for i, answer in enumerate(answers):
-        choices.extend(shift_choices(answer, i * n).get("choices") or [])
-        add_usage(usage, answer.get("usage"))
+        choices += renumbered_choices(answer, i * n)
+        add_usage(usage, answer.value("usage"))
     merged["choices"] = choices
     if usage:
         merged["usage"] = usage
-    return merged
+    return dumps(merged)

@@ -16,6 +16,7 @@ from typing import Any
 
 from dllm_router import openai as oa
 from dllm_router.endpoints import Endpoint
+from dllm_router.engine_answer import EngineAnswer
 from dllm_router.errors import RouterError, Unreachable, header_value, pod_error, prefill_answer
 from dllm_router.exchange import ExchangeHost
 from dllm_router.memory_budget import RequestBytes
@@ -32,7 +33,7 @@ class Answer:
 
     prefill: Endpoint
     decode: Endpoint | None = None
-    finished: JsonObject | None = None
+    finished: EngineAnswer | None = None
     body: bytes | None = None
     stream: UpstreamResponse | None = None
     prefill_done: float = field(default_factory=perf_counter)
@@ -143,7 +144,7 @@ class PromptExchange:
             host.metrics.prefill_answers += 1
             answer.finished, answer.decode = finished, None
             return answer
-        kv = finished.get("kv_transfer_params")
+        kv = finished.value(oa.CLIENT_KV)
         await self._open(
             answer, d, route, oa.decode_payload(body, prompt.raw, kv or None), up_headers, read_all, whole
         )
@@ -152,7 +153,7 @@ class PromptExchange:
     async def _concurrently(
         self,
         answer: Answer,
-        prefill_call: Awaitable[JsonObject],
+        prefill_call: Awaitable[EngineAnswer],
         decode_call: Awaitable[None],
         body: JsonObject,
     ) -> Answer:
@@ -188,7 +189,7 @@ class PromptExchange:
         headers: bytes,
         answer: Answer,
         ledger: RequestBytes | None,
-    ) -> JsonObject:
+    ) -> EngineAnswer:
         host = self._host
         started = perf_counter()
         ep.inflight += 1
