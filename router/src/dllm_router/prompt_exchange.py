@@ -41,6 +41,10 @@ class Answer:
     prefill_refused: bool = False  # prefill answered an error or was never reached: it sends nothing
 
     def release(self) -> None:
+        """Close its stream, and drop the bytes it holds: an Answer may outlive its request in a
+        traceback's reference cycle (a failed sibling prompt's), kept until the garbage collector runs,
+        and what it held was given back to the memory budget when the request ended (NEW-1)."""
+        self.body = self.finished = None
         if self.stream is not None:
             self.stream.close()  # not read to the end: closing tells the engine to abort
             self.stream = None

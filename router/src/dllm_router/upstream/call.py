@@ -101,6 +101,7 @@ class Call:
     def finish(self) -> None:
         pieces = self._pieces
         self.body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
         self._report(None)
 
     def whole(self, status: int, body: bytes) -> None:
@@ -129,6 +130,8 @@ class Call:
 
     def _report(self, error: BaseException | None) -> None:
         self._conn = None
+        if error is not None:
+            self._pieces.clear()
         on_done, self._on_done = self._on_done, None
         if on_done is not None:
             self._deadlines.finished()

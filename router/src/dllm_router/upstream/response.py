@@ -65,6 +65,8 @@ class Response:
 
     def fail(self, error: BaseException) -> None:
         self._error = error
+        if not self._streaming:  # never read: dropped now, not when a traceback's cycle is collected
+            self._pieces.clear()
         self._conn = None
         self._timer.cancel()
         if not self._head.done():
@@ -120,6 +122,7 @@ class Response:
     def close(self) -> None:
         """Drop the connection unless the answer is complete (the engine then aborts the request)."""
         self._timer.cancel()
+        self._pieces.clear()  # NEW-1: given back to the budget with its request, so dropped now
         if self._conn is not None:
             self._conn.close()
             self._conn = None
