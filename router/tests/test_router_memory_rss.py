@@ -1,8 +1,8 @@
 """NEW-1, measured: the real `dllm-router` process with a small memory budget, against engine doubles
 whose answers are large (vLLM-shaped prompt logprobs, ~1.9 MiB per prompt), under concurrent requests
-whose answers are over --max-answer-mb or just within it (those are read whole, parsed and merged: the
-most memory a held byte can cost). Its peak resident memory (VmHWM) stays under a bound computed from
-the budget; the oversized requests get 502 `answer_too_large` or 503 `memory_budget`, and a normal
+whose answers are over --max-answer-mb or just within it (those are read whole and merged: the most
+memory a held byte can cost). Its peak resident memory (VmHWM) stays under a bound computed from the
+budget; the oversized requests get 502 `answer_too_large` or 503 `memory_budget`, and a normal
 request sent meanwhile gets 200.
 
 The same attack with the budget effectively off is measured by `attack()` with a huge budget (run by
@@ -33,14 +33,18 @@ MIB = 2**20
 BUDGET_MB, ANSWER_MB = 32, 8
 PROMPT_TOKENS = 1200  # x ~1.6 KB of prompt-logprobs JSON per token (20 + 1 entries): ~1.9 MiB a prompt
 OVER_PROMPTS = 6  # ~11.4 MiB of answers: over the 8 MiB cap, cut there
-UNDER_PROMPTS = 4  # ~7.6 MiB: within the cap, so read whole, parsed and merged
+UNDER_PROMPTS = 4  # ~7.6 MiB: within the cap, so read whole and merged
 CONCURRENT = 12  # requests of each kind at once: 12 x 8 MiB is three times the budget
-# What one byte charged to the budget may cost at once: the pieces it arrived in and their join, its
-# parsed form (vLLM-shaped logprobs parse to ~4.3x their JSON), the merged answer's encoding; then the
-# allocator's slack. Measured on two loaded cores: +186 to +197 MiB over the baseline for a 32 MiB
-# budget, ~6x (the same attack with no budget: +302 to +307 MiB, growing with the requests sent).
-COPIES = 8
-MARGIN = 48 * MIB  # the client and engine connections' buffers, the concurrent small requests, the heap
+# What one byte charged to the budget may cost at once: itself (a piece as it arrived, then the answer
+# they are joined into), and once more as the client's merged answer, encoded from the answers' raw
+# pieces (engine_answer: nothing is parsed whole), which is held until written after the request gave
+# its bytes back. The join's moment of two copies is one answer's (within --max-answer-mb, in MARGIN),
+# and a failed request's bytes are freed when it ends (no reference cycles left for the collector). So
+# 2, and the allocator's slack. Measured on two loaded cores: +54 to +63 MiB over the baseline for a
+# 32 MiB budget, 1.7-2.0x (no budget: +75 to +117 MiB). Before: 8, for +186 to +197 MiB, ~6x (parsed
+# merges at ~4.3x their bytes, and answers of failed requests left to the garbage collector).
+COPIES = 2
+MARGIN = 48 * MIB  # one answer's join, the connections' buffers, the concurrent small requests, the heap
 
 
 def prompt_logprobs(tokens: int, top: int = 20) -> list[Any]:
