@@ -10,6 +10,7 @@ import yaml
 from dllm_cases import PRIVILEGED, ROOT, UNPRIVILEGED, load_cr, merged, minimal
 from rendered import UID, of_kind, rendered
 
+from dllm_contract.router_defaults import DEFAULT_MAX_ANSWER_MB, DEFAULT_MAX_BODY_MB, DEFAULT_MEMORY_BUDGET_MB
 from dllm_operator.api import SpecInvalid, parse
 from dllm_operator.config import ConfigInvalid, OperatorConfig
 from dllm_operator.render import render_all
@@ -268,19 +269,37 @@ def test_an_engine_stopped_drains_in_flight_requests_after_sigterm_as_long_as_it
 
 
 @pytest.mark.parametrize(
-    ("limits", "body_mb"),
+    ("limits", "body_mb", "budget_mb", "answer_mb"),
     [
-        ({"memory": "1Gi"}, "8"),
-        ({"memory": "512Mi"}, "4"),
-        ({"memory": "64Mi"}, "1"),
-        ({"memory": "64Gi"}, "64"),
-        ({}, "8"),
+        ({"memory": "1Gi"}, "8", "256", "64"),
+        ({"memory": "512Mi"}, "4", "128", "32"),
+        ({"memory": "64Mi"}, "1", "16", "4"),
+        ({"memory": "8Mi"}, "1", "2", "1"),
+        ({"memory": "64Gi"}, "64", "16384", "4096"),
+        ({"memory": "1G"}, "7", "238", "59"),  # 10^9 bytes
+        ({}, "8", "256", "64"),
     ],
 )
-def test_router_body_limit_follows_its_memory_limit(limits: dict[str, str], body_mb: str) -> None:
-    resources = {"requests": {"memory": "64Mi"}, "limits": limits}
+def test_router_body_limit_and_memory_budget_follow_its_memory_limit(
+    limits: dict[str, str], body_mb: str, budget_mb: str, answer_mb: str
+) -> None:
+    """H2 and NEW-1: the body limit, the memory budget (bodies and answers across requests) and one
+    request's answer cap are fractions of the router's memory limit; with none, the router's defaults."""
+    resources = {"requests": {"memory": "8Mi"}, "limits": limits}
     pod = router_pod(rendered(merged(minimal(), {"spec": {"router": {"resources": resources}}})))
-    assert flag(pod["containers"][0]["args"], "--max-body-mb") == body_mb
+    args = pod["containers"][0]["args"]
+    assert flag(args, "--max-body-mb") == body_mb
+    assert flag(args, "--memory-budget-mb") == budget_mb
+    assert flag(args, "--max-answer-mb") == answer_mb
+
+
+def test_router_defaults_match_what_the_operator_renders_for_the_default_memory_limit() -> None:
+    """The router's own defaults are what the operator renders for its default 1 GiB limit, so a
+    router started by hand is sized as a rendered one."""
+    args = router_pod(rendered(minimal()))["containers"][0]["args"]
+    assert flag(args, "--memory-budget-mb") == str(DEFAULT_MEMORY_BUDGET_MB)
+    assert flag(args, "--max-answer-mb") == str(DEFAULT_MAX_ANSWER_MB)
+    assert flag(args, "--max-body-mb") == str(DEFAULT_MAX_BODY_MB)
 
 
 @pytest.mark.parametrize(("case", "patch", "path"), PRIVILEGED, ids=[c[0] for c in PRIVILEGED])

@@ -20,6 +20,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 JsonObject = dict[str, Any]
+PADDING = "<padding>"  # where `padding` given as JSON bytes goes in an answer
 
 
 def prompt_key(body: JsonObject) -> str:
@@ -60,9 +61,11 @@ class FakeVllmEngine:
     Knobs a test may set at any time: `healthy`, `fail_status` (answer with vLLM's error JSON),
     `eos_at_prefill` (prefill's one token ends the answer), `hold` (an Event every generation waits
     on before answering), `hold_after_first_chunk` (streams stop after one chunk until it is set),
-    `break_after_first_chunk` (the connection is dropped mid-stream), `nixl` (prefill returns NIXL's
-    kv_transfer_params), `api_key` (as vLLM's VLLM_API_KEY: /v1 routes answer 401 without
-    `Authorization: Bearer <key>`). `authorizations` records (path, Authorization) of every request.
+    `break_after_first_chunk` (the connection is dropped mid-stream), `padding` (a JSON value, or JSON
+    bytes, put into the choices of non-streamed decode answers to prompts starting with "big", as
+    prompt logprobs would be), `nixl` (prefill returns NIXL's kv_transfer_params), `api_key` (as
+    vLLM's VLLM_API_KEY: /v1 routes answer 401 without `Authorization: Bearer <key>`).
+    `authorizations` records (path, Authorization) of every request.
     """
 
     def __init__(self, name: str, *, nixl: bool = False) -> None:
@@ -74,6 +77,7 @@ class FakeVllmEngine:
         self.hold: asyncio.Event | None = None
         self.hold_after_first_chunk: asyncio.Event | None = None
         self.break_after_first_chunk = False
+        self.padding: object = ""  # see the class docstring (any JSON value)
         self.seen: list[Seen] = []
         self.api_key: str | None = None
         self.active = self.max_active = 0  # generations being answered now, and the most at once
@@ -152,7 +156,11 @@ class FakeVllmEngine:
                 return answer
             if body.get("stream"):
                 return await self._stream(request, seen)
-            return web.json_response(self._answer(seen))
+            whole = self._answer(seen)
+            if not isinstance(self.padding, bytes):
+                return web.json_response(whole)
+            body = json.dumps(whole).encode().replace(json.dumps(PADDING).encode(), self.padding)
+            return web.Response(body=body, content_type="application/json")
         except asyncio.CancelledError:
             self.cancelled.append(request.headers.get("X-Request-Id", ""))
             self.cancelled_event.set()
@@ -212,6 +220,9 @@ class FakeVllmEngine:
         count, key = self._count(seen), prompt_key(seen.body)
         n = int(seen.body.get("n") or 1)
         choices = [self._choice(seen, c, "".join(fake_tokens(key, count, c)), "length") for c in range(n)]
+        if self.padding and key.lstrip('["').startswith("big"):
+            for choice in choices:  # bytes: JSON spliced in as it is (encoded once, not per answer)
+                choice["prompt_logprobs"] = PADDING if isinstance(self.padding, bytes) else self.padding
         return {
             **self._head(seen),
             "choices": choices,

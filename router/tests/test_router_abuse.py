@@ -1,6 +1,6 @@
 """Abuse of the real `dllm-router` process over raw sockets, with its memory (RSS) and the time of each
 refusal bounded: slowloris heads, an unterminated header, pipelining without reading, bodies over the
-limit or too costly to parse, and connection number N+1.
+limit or too costly to parse, connection number N+1, and silent connections at the cap (NEW-5).
 
 The router runs as the operator runs it (`python -m dllm_router`, flags); its engines are a
 port that refuses connections, since nothing here must reach an engine. RSS is read from /proc.
@@ -11,16 +11,13 @@ from __future__ import annotations
 import asyncio
 import re
 import socket
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from raw_client import RawClient
+from router_process import RouterProcess, router_process
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -32,92 +29,18 @@ BODY_TIMEOUT_S = 3.0
 MIB = 1024 * 1024
 
 
-@dataclass
-class RouterProcess:
-    process: subprocess.Popen[bytes]
-    port: int
-
-    def rss(self) -> int:
-        """Resident memory in bytes."""
-        status = Path(f"/proc/{self.process.pid}/status").read_text()
-        match = re.search(r"^VmRSS:\s+(\d+) kB$", status, re.MULTILINE)
-        assert match is not None
-        return int(match.group(1)) * 1024
-
-    async def client(self, rcvbuf: int | None = None) -> RawClient:
-        return await RawClient.to(self.port, rcvbuf=rcvbuf)
-
-    def peak_rss(self) -> int:
-        """The highest resident memory since the router started, in bytes (VmHWM)."""
-        status = Path(f"/proc/{self.process.pid}/status").read_text()
-        match = re.search(r"^VmHWM:\s+(\d+) kB$", status, re.MULTILINE)
-        assert match is not None
-        return int(match.group(1)) * 1024
-
-    def cpu_ticks(self) -> int:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime + stime
-
-    async def idle(self) -> None:
-        """Wait until the router uses no CPU across 0.2 s: whatever it was going to do is done."""
-        last = -1
-        async with asyncio.timeout(20):
-            while (now := self.cpu_ticks()) != last:
-                last = now
-                await asyncio.sleep(0.2)  # the interval CPU time is compared over
-
-    async def open_connections(self) -> int:
-        """The router's own count (its /metrics gauge), the asking connection included."""
-        c = await self.client()
-        c.send(b"GET /metrics HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
-        page = (await c.answer()).body.decode()
-        c.close()
-        found = re.search(r"^dllm_router_open_connections (\d+)(?:\.0)?$", page, re.MULTILINE)
-        assert found is not None
-        return int(found.group(1))
-
-    async def quiet(self) -> None:
-        """Wait until earlier tests' connections (lingering after a refusal: 2 s) are gone."""
-        async with asyncio.timeout(15):
-            while await self.open_connections() > 1:
-                pass
-
-
 @pytest.fixture(scope="module")
 def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterProcess]:
     with socket.socket() as nobody:  # bound, never listening: engine calls are refused at once
         nobody.bind(("127.0.0.1", 0))
         engine = f"http://127.0.0.1:{nobody.getsockname()[1]}"
-        argv = [
-            sys.executable, "-m", "dllm_router", "--host", "127.0.0.1", "--port", "0",
+        flags = [
             "--flow", "dllm", "--prefill-url", engine, "--decode-url", engine, "--log-level", "info",
             "--max-connections", str(MAX_CONNECTIONS), "--head-timeout-s", str(HEAD_TIMEOUT_S),
             "--body-timeout-s", str(BODY_TIMEOUT_S), "--health-interval-s", "60",
         ]  # fmt: skip
-        log = tmp_path_factory.mktemp("router") / "router.log"
-        with log.open("wb") as out:
-            process = subprocess.Popen(argv, stderr=out)
-        try:
-            yield RouterProcess(process, listening_port(process, log))
-        finally:
-            process.terminate()
-            process.wait(timeout=30)
-        text = log.read_text()
-        assert "Traceback" not in text
-        assert " ERROR " not in text
-
-
-def listening_port(process: subprocess.Popen[bytes], log: Path) -> int:
-    """The port from the router's start line (it logs the bound port; --port 0 picks a free one)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = re.search(r"dllm-router on 127\.0\.0\.1:(\d+)", log.read_text())
-        if found:
-            return int(found.group(1))
-        if process.poll() is not None:
-            raise AssertionError(f"the router exited ({process.returncode}):\n{log.read_text()}")
-        threading.Event().wait(0.05)  # the start line is a file's content: re-read until it is there
-    raise AssertionError("the router did not log its port within 30 s")
+        with router_process(flags, tmp_path_factory.mktemp("router") / "router.log") as process:
+            yield process
 
 
 async def trickle(c: RawClient, data: bytes, every_s: float) -> None:
@@ -253,12 +176,19 @@ async def test_a_slow_body_is_408_at_its_deadline(router: RouterProcess) -> None
     assert BODY_TIMEOUT_S * 0.9 <= time.monotonic() - started <= BODY_TIMEOUT_S + 4.0
 
 
-async def test_connection_over_the_cap_gets_503_and_service_goes_on(router: RouterProcess) -> None:
+async def test_connection_over_the_cap_gets_503_when_every_one_has_a_request_in_progress(
+    router: RouterProcess,
+) -> None:
+    """M1 with NEW-5's eviction: only connections whose request is in progress (here a body still
+    coming) hold their slot, so connection N+1 is refused; once they close, service goes on."""
     await router.quiet()
     held = [await router.client() for _ in range(MAX_CONNECTIONS)]
-    for c in held:  # each answered once, so each is surely accepted and counted
-        c.send(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
-        assert (await c.answer()).status == 200
+    for c in held:  # a head whose body never comes: a request in progress until the body deadline
+        c.send(
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 10\r\nExpect: 100-continue\r\n\r\n"
+        )
+    for c in held:
+        assert await c.head() == (100, {})  # its head is read: the request is in progress
     extra = await router.client()
     extra.send(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
     refused = await extra.answer()
@@ -278,3 +208,59 @@ async def test_connection_over_the_cap_gets_503_and_service_goes_on(router: Rout
     async with asyncio.timeout(10):
         while not await served():  # the held connections' slots free as the router sees them close
             pass
+
+
+async def test_silent_connections_at_the_cap_lock_nobody_out(router: RouterProcess) -> None:
+    """NEW-5: an attacker holds --max-connections silent sockets and re-opens each one the router
+    closes. A real client is still served, well before any silent socket's deadline (it takes the slot
+    of the longest-silent one; a 503 only while every silent one is younger than the eviction grace,
+    then retried), and each silent socket is closed by the first-byte deadline (the head deadline
+    here) at the latest."""
+    await router.quiet()
+    closed_after: list[float] = []
+    opened = 0
+    all_open = asyncio.Event()  # every attacker connected once
+
+    async def hold_a_slot() -> None:
+        nonlocal opened
+        while True:
+            c = await router.client()
+            opened += 1
+            if opened == MAX_CONNECTIONS:
+                all_open.set()
+            at = time.monotonic()
+            try:
+                async with asyncio.timeout(HEAD_TIMEOUT_S + 5.0):
+                    assert await c.reader.read() == b""  # the router closed it, having said nothing
+            finally:
+                c.close()
+            closed_after.append(time.monotonic() - at)
+
+    attackers = [asyncio.ensure_future(hold_a_slot()) for _ in range(MAX_CONNECTIONS)]
+    try:
+        await asyncio.wait_for(all_open.wait(), 10)
+        for _ in range(5):
+            started = time.monotonic()
+            status = 503
+            while status == 503:
+                c = await router.client()
+                c.send(b"GET /health HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
+                status = (await c.answer()).status
+                c.close()
+            assert status == 200
+            assert time.monotonic() - started < HEAD_TIMEOUT_S  # no silent socket had to time out
+    finally:
+        for task in attackers:
+            task.cancel()
+        await asyncio.gather(*attackers, return_exceptions=True)
+    assert closed_after, "the router closed no silent connection"
+    assert max(closed_after) <= HEAD_TIMEOUT_S + 1.0  # the deadline, plus the sweep's quarter of it
+    metrics = await router.client()
+    metrics.send(b"GET /metrics HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
+    page = (await metrics.answer()).body
+    evicted = re.search(rb"^dllm_router_evicted_connections_total (\d+)", page, re.MULTILINE)
+    assert evicted is not None
+    # Only the first real request is sure to meet a full cap: its connection is queued behind every
+    # attacker's, well within their first-byte deadline. A later one may find a slot freed by a silent
+    # socket's deadline, or by the request before it, ahead of the evicted attacker's reconnection.
+    assert int(evicted.group(1)) >= 1

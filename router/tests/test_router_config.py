@@ -190,6 +190,7 @@ def test_hardening_flags_default_and_take_their_variables() -> None:
     assert (config.max_connections, config.head_timeout_s, config.body_timeout_s) == (1024, 10.0, 60.0)
     assert config.drain_seconds == 25.0
     assert config.engine_api_key is None
+    assert config.first_byte_timeout_s is None  # NEW-5: the HTTP server then uses the head deadline
     args = [*BASE, "--max-prompts", "3", "--max-n", "2", "--max-connections", "10", "--drain-seconds", "0"]
     env = {
         "DLLM_ROUTER_MAX_BODY_MB": "2",
@@ -197,8 +198,10 @@ def test_hardening_flags_default_and_take_their_variables() -> None:
         "DLLM_ROUTER_BODY_TIMEOUT_S": "7",
         "DLLM_ROUTER_DRAIN_SECONDS": "55",
         "DLLM_ROUTER_MAX_N": "9",
+        "DLLM_ROUTER_FIRST_BYTE_TIMEOUT_S": "0.5",
     }
     config = parse_config(args, env)
+    assert config.first_byte_timeout_s == 0.5
     assert (config.max_body_mb, config.max_prompts, config.max_n) == (2, 3, 2)  # flags win
     assert (config.max_connections, config.head_timeout_s, config.body_timeout_s) == (10, 1.5, 7.0)
     assert config.drain_seconds == 0.0  # a grace period of 5 s leaves none after the preStop sleep

@@ -200,18 +200,30 @@ async def test_slow_body_is_408_after_the_body_deadline(
 
 
 async def test_connection_over_the_cap_gets_503_and_a_freed_slot_serves_again(server: ServerFactory) -> None:
-    s = await server(max_connections=3)
+    """Every slot has a request in progress, so there is no idle connection to evict (NEW-5): 503."""
+    release = asyncio.Event()
+
+    async def held(_: Request) -> Response:
+        await release.wait()
+        return Response(b"{}")
+
+    s = await server(max_connections=3, routes={("GET", "/held"): held})
     port = port_of(s)
-    held = [await RawClient.to(port) for _ in range(3)]
-    await connections(s, 3)
+    busy = [await RawClient.to(port) for _ in range(3)]
+    for c in busy:
+        c.send(b"GET /held HTTP/1.1\r\nHost: s\r\n\r\n")
+    await wait_until(lambda: len(s.connections) == 3 and not s.idle, "three requests in progress")
     extra = await RawClient.to(port)
     extra.send(b"GET /small HTTP/1.1\r\nHost: s\r\n\r\n")
     refused = await extra.answer()
     assert refused.status == 503
     assert "too many connections" in refused.body.decode()
     assert await extra.closed_by_server()
-    assert s.refused_connections == 1
-    held[0].close()
+    assert (s.refused_connections, s.evicted_connections) == (1, 0)
+    release.set()
+    for c in busy:
+        assert (await c.answer()).body == b"{}"
+    busy[0].close()
     await wait_until(lambda: len(s.connections) == 2, "a slot freed")
     again = await RawClient.to(port)
     again.send(b"GET /small HTTP/1.1\r\nHost: s\r\n\r\n")

@@ -125,6 +125,52 @@ async def test_fan_out_over_the_caps_is_400(
     assert len(p.generations) == 64
 
 
+ASK_BEYOND = [
+    # the review's NEW-1 request: 64 prompts, each answered with 21 logprobs per prompt token
+    (
+        {"prompt": ["p"] * 64, "max_tokens": 1, "prompt_logprobs": 20},
+        "'prompt_logprobs' (20) over 64 prompts",
+    ),
+    ({"prompt": "p", "max_tokens": 2, "prompt_logprobs": -1}, "'prompt_logprobs' must be a whole number"),
+    ({"prompt": "p", "max_tokens": 2, "prompt_logprobs": 21}, "'prompt_logprobs' is 21; this router allows"),
+    ({"prompt": "p", "max_tokens": 2, "logprobs": 50}, "'logprobs' is 50; this router allows at most 20"),
+    (
+        {"prompt": ["p"] * 2, "max_tokens": 2, "logprobs": 20, "n": 16},
+        "logprobs x n x prompts is 20 x 16 x 2",
+    ),
+    (
+        {"messages": [{"role": "user", "content": "m"}], "logprobs": True, "top_logprobs": 30},
+        "'logprobs' is 30",
+    ),
+    ({"prompt": ["p"] * 4, "max_tokens": 2, "echo": True, "n": 8}, "n x prompts is 8 x 4"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), ASK_BEYOND, ids=range(len(ASK_BEYOND)))
+async def test_answers_asked_beyond_the_bounds_are_400_before_any_engine_call(
+    engines: EngineFactory,
+    start_router: RouterFactory,
+    caplog: pytest.LogCaptureFixture,
+    body: dict[str, object],
+    message: str,
+) -> None:
+    """NEW-1: logprobs, prompt logprobs and echo grow an answer far past its request: refused by name."""
+    p, d = await engines("p0"), await engines("d0")
+    r = await start_router("dllm", [p], [d])
+    route = oa.CHAT if "messages" in body else COMPLETIONS
+    status, text = await r.text_of(route, body)
+    assert_clean_400(status, text, message, caplog)
+    assert p.generations == d.generations == []
+    at_the_bounds = [
+        {"prompt": "p", "max_tokens": 2, "prompt_logprobs": 20, "logprobs": 20, "n": 16},
+        {"prompt": ["p"] * 16, "max_tokens": 2, "logprobs": 20, "echo": True},
+        {"prompt": ["p"] * 21, "max_tokens": 2, "prompt_logprobs": 0},
+    ]
+    for fine in at_the_bounds:
+        status, text = await r.text_of(COMPLETIONS, fine)
+        assert status == 200, text
+
+
 async def test_five_mib_body_of_lists_is_400_fast_and_reaches_no_engine(
     engines: EngineFactory, start_router: RouterFactory, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 
+import msgspec
 import pytest
 
 from dllm_contract.pd_params import DecodeParams, PrefillParams
 from dllm_router import flows
 from dllm_router import openai as oa
 from dllm_router.config import RouterConfig, Upstreams
+from dllm_router.engine_answer import EngineAnswer
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -50,13 +53,19 @@ def test_prefill_request_is_one_token_one_choice_unstreamed() -> None:
     assert body["max_tokens"] == 50  # the client's body is not changed
 
 
+def raw(answer: Mapping[str, object]) -> EngineAnswer:
+    """An engine's answer as the router holds it: its bytes, by raw top-level field."""
+    return EngineAnswer.parse(json.dumps(answer).encode())
+
+
 def test_finished_at_prefill_only_on_stop_with_one_choice() -> None:
-    stop = {"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]}
-    length = {"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+    stop = raw({"choices": [{"index": 0, "text": "x", "finish_reason": "stop"}]})
+    length = raw({"choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
     assert oa.finished_at_prefill(stop, {"prompt": "p"})
     assert not oa.finished_at_prefill(length, {"prompt": "p"})
     assert not oa.finished_at_prefill(stop, {"prompt": "p", "n": 2})
-    assert not oa.finished_at_prefill({"choices": "?"}, {})
+    for odd in ({"choices": "?"}, {"choices": ["stop"]}, {}, {"choices": [{"finish_reason": "stop"}] * 2}):
+        assert not oa.finished_at_prefill(raw(odd), {})
     assert oa.asks_one_token({"max_tokens": 1})
     assert oa.asks_one_token({"max_tokens": 9, "max_completion_tokens": 1})
     assert not oa.asks_one_token({"prompt": "p"})
@@ -68,7 +77,7 @@ def test_finished_answer_as_stream_events() -> None:
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
         "usage": {"prompt_tokens": 2, "completion_tokens": 1, "total_tokens": 3},
     }  # fmt: skip
-    events = oa.answer_as_events(oa.CHAT, answer, {"stream_options": {"include_usage": True}})
+    events = oa.answer_as_events(oa.CHAT, raw(answer), {"stream_options": {"include_usage": True}})
     first, usage = (json.loads(e) for e in events)
     assert first["object"] == "chat.completion.chunk"
     assert first["choices"] == [
@@ -99,7 +108,7 @@ def test_merge_answers_renumbers_choices_and_sums_usage() -> None:
             "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
         }  # fmt: skip
 
-    merged = oa.merge_answers([answer("a"), answer("b")], n=2)
+    merged = json.loads(oa.merge_answers([raw(answer("a")), raw(answer("b"))], n=2))
     assert [(c["index"], c["text"]) for c in merged["choices"]] == [
         (0, "a0"),
         (1, "a1"),
@@ -108,6 +117,35 @@ def test_merge_answers_renumbers_choices_and_sums_usage() -> None:
     ]
     assert merged["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
     assert "kv_transfer_params" not in merged
+
+
+def test_merge_answers_splices_the_engines_bytes() -> None:
+    """NEW-1: a merged answer is encoded from raw pieces: what the router does not rewrite keeps the
+    engine's spelling (no parsed copy of logprobs); the first answer's fields keep their order, each
+    choice's index is rewritten in its place (appended when absent), a non-object choice is kept."""
+    first = (
+        b'{"id": "x", "kv_transfer_params": {"k": 1}, "choices": [{"text": "a", "index": 0, '
+        b'"prompt_logprobs": [null, {"7": {"logprob": -1.50, "rank": 1}}]}], "usage": {"prompt_tokens": 1,'
+        b' "prompt_tokens_details": null}, "system_fingerprint": "\\u00e9"}'
+    )
+    second = b'{"id": "y", "choices": [{"text": "b"}, 3], "usage": {"prompt_tokens": 2}}'
+    merged = oa.merge_answers([EngineAnswer.parse(first), EngineAnswer.parse(second)], n=1)
+    assert merged == (
+        b'{"id":"x","choices":[{"text":"a","index":0,"prompt_logprobs":[null, {"7": {"logprob": -1.50, '
+        b'"rank": 1}}]},{"text":"b","index":1},3],"usage":{"prompt_tokens":3},"system_fingerprint":"\\u00e9"}'
+    )
+
+
+def test_engine_answer_decodes_only_what_is_read() -> None:
+    answer = EngineAnswer.parse(b'{"kv_transfer_params": {"k": 1}, "choices": [{"index": 2, "x": [1]}]}')
+    assert answer.value("kv_transfer_params") == {"k": 1}
+    assert answer.value("usage", "none") == "none"
+    assert answer.public() == b'{"choices":[{"index": 2, "x": [1]}]}'
+    with pytest.raises(msgspec.ValidationError, match="Expected `object`"):
+        EngineAnswer.parse(b"[1]")
+    for bad in (b"{", b""):
+        with pytest.raises(msgspec.DecodeError, match=r"truncated|malformed"):
+            EngineAnswer.parse(bad)
 
 
 def test_error_body_is_openai_shaped() -> None:

@@ -1,7 +1,8 @@
 """What the router lets a client put into an engine call, over real HTTP against engine doubles.
 
-C1: a client's own `kv_transfer_params` never reach an engine, on any flow or path (one-token to
-prefill, nixl when prefill returns none, dllm, mooncake, several prompts, streams). H9: mooncake
+C1, NEW-2: a client's own `kv_transfer_params` never reach an engine, top-level or inside
+`vllm_xargs`, on any flow or path (one-token to prefill, nixl when prefill returns none, dllm, mooncake,
+several prompts, streams; the fast path and the coroutine path), while its other `vllm_xargs` do. H9: mooncake
 transfer ids stay unique when clients reuse X-Request-Id. Engine authentication: with
 DLLM_ENGINE_API_KEY every engine call (generations, /v1/models, health probes) carries the engines'
 key instead of the client's Authorization, and the key shows in no log line or metric.
@@ -41,18 +42,36 @@ async def pipeline(
     return r, p, d
 
 
-def assert_no_client_kv(*pods: FakeVllmEngine) -> None:
+# NEW-2: vLLM reads kv_transfer_params from vllm_xargs when the top-level key is absent or empty; a
+# string there is what crashes vLLM's own connectors (`params.get` on a str).
+XARGS = {"kv_transfer_params": "x", "keep": 1}
+WHERE = ["top-level", "vllm_xargs", "both"]
+
+
+def with_client_kv(body: dict[str, Any], where: str) -> dict[str, Any]:
+    """The body with the client's own KV params where the case puts them."""
+    if where != "vllm_xargs":
+        body = {**body, "kv_transfer_params": CLIENT_KV}
+    if where != "top-level":
+        body = {**body, "vllm_xargs": XARGS}
+    return body
+
+
+def assert_no_client_kv(*pods: FakeVllmEngine, where: str = "top-level") -> None:
     bodies = [seen.body for pod in pods for seen in pod.generations]
     assert bodies, "no engine call was made"
     for body in bodies:
         kv = body.get("kv_transfer_params")
         assert kv is None or kv.get("decode_host") != "evil.example", body
         assert kv is None or kv.get("transfer_id") != "x", body
+        if where != "top-level":  # the other extra args still reach the engine
+            assert body["vllm_xargs"] == {"keep": 1}, body
 
 
 @pytest.mark.parametrize("flow", FLOWS)
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("tokens_key", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("where", WHERE)
 async def test_one_token_request_reaches_prefill_without_the_clients_kv_params(
     engines: EngineFactory,
     start_router: RouterFactory,
@@ -60,20 +79,23 @@ async def test_one_token_request_reaches_prefill_without_the_clients_kv_params(
     flow: Flow,
     stream: bool,
     tokens_key: str,
+    where: str,
 ) -> None:
     r, p, d = await pipeline(flow, engines, start_router, bootstrap)
-    body = {"prompt": "hello there world", tokens_key: 1, "stream": stream, "kv_transfer_params": CLIENT_KV}
+    body = with_client_kv({"prompt": "hello there world", tokens_key: 1, "stream": stream}, where)
     status, _ = await r.text_of(COMPLETIONS, body)
     assert status == 200
     [seen] = p.generations
     assert "kv_transfer_params" not in seen.body  # the one-token path: the body goes to prefill alone
     assert seen.body["prompt"] == "hello there world"
+    assert_no_client_kv(p, where=where)
     assert d.generations == []
 
 
 @pytest.mark.parametrize("flow", FLOWS)
 @pytest.mark.parametrize("route", [COMPLETIONS, CHAT])
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, True])  # non-streamed dllm and nixl: the fast path
+@pytest.mark.parametrize("where", WHERE)
 async def test_generation_carries_only_the_routers_kv_params(
     engines: EngineFactory,
     start_router: RouterFactory,
@@ -81,14 +103,13 @@ async def test_generation_carries_only_the_routers_kv_params(
     flow: Flow,
     route: str,
     stream: bool,
+    where: str,
 ) -> None:
     r, p, d = await pipeline(flow, engines, start_router, bootstrap)
     ask: dict[str, Any] = {"prompt": "p"} if route == COMPLETIONS else {"messages": [{"role": "user"}]}
-    status, _ = await r.text_of(
-        route, {**ask, "max_tokens": 3, "stream": stream, "kv_transfer_params": CLIENT_KV}
-    )
+    status, _ = await r.text_of(route, with_client_kv({**ask, "max_tokens": 3, "stream": stream}, where))
     assert status == 200
-    assert_no_client_kv(p, d)
+    assert_no_client_kv(p, d, where=where)
     [dec] = d.generations
     if flow == "nixl":  # prefill (the double) returned no kv_transfer_params: decode gets none at all
         assert "kv_transfer_params" not in dec.body
@@ -96,16 +117,19 @@ async def test_generation_carries_only_the_routers_kv_params(
         assert dec.kv["transfer_id"] == p.generations[0].kv["transfer_id"] != "x"
 
 
+@pytest.mark.parametrize("flow", FLOWS)
+@pytest.mark.parametrize("where", WHERE)
 async def test_several_prompts_each_drop_the_clients_kv_params(
-    engines: EngineFactory, start_router: RouterFactory, bootstrap: Any
+    engines: EngineFactory, start_router: RouterFactory, bootstrap: Any, flow: Flow, where: str
 ) -> None:
-    r, p, d = await pipeline("nixl", engines, start_router, bootstrap)
-    body = {"prompt": ["a", "b", "c"], "max_tokens": 2, "kv_transfer_params": CLIENT_KV}
+    r, p, d = await pipeline(flow, engines, start_router, bootstrap)
+    body = with_client_kv({"prompt": ["a", "b", "c"], "max_tokens": 2}, where)
     status, _ = await r.text_of(COMPLETIONS, body)
     assert status == 200
     assert len(d.generations) == 3
-    assert all("kv_transfer_params" not in seen.body for seen in d.generations)
-    assert_no_client_kv(p, d)
+    if flow == "nixl":  # prefill (the double) returned none: decode gets none at all
+        assert all("kv_transfer_params" not in seen.body for seen in d.generations)
+    assert_no_client_kv(p, d, where=where)
 
 
 async def test_mooncake_requests_sharing_an_id_get_different_transfers(

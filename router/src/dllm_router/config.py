@@ -39,7 +39,9 @@ from dllm_contract.logs import (
 )
 from dllm_contract.router_defaults import (
     DEFAULT_HTTP_PORT,
+    DEFAULT_MAX_ANSWER_MB,
     DEFAULT_MAX_BODY_MB,
+    DEFAULT_MEMORY_BUDGET_MB,
     DEFAULT_REQUEST_TIMEOUT_S,
     MOONCAKE_BOOTSTRAP_PORT,
 )
@@ -204,12 +206,31 @@ class RouterConfig(_Frozen):
     max_body_mb: Annotated[int, _whole(1, 4096)] = Field(
         DEFAULT_MAX_BODY_MB, description="largest request body accepted, in MiB"
     )
+    # NEW-1: the operator derives both from the pod's memory limit, as the body limit
+    memory_budget_mb: Annotated[int, _whole(1, 1_048_576)] = Field(
+        DEFAULT_MEMORY_BUDGET_MB,
+        description="MiB of client bodies and engine answers held at once across all requests; past it, 503",
+    )
+    max_answer_mb: Annotated[int, _whole(1, 1_048_576)] = Field(
+        DEFAULT_MAX_ANSWER_MB,
+        description="MiB of engine answers one request may hold (within --memory-budget-mb); past it, 502",
+    )
     max_prompts: Annotated[int, _whole(1, 4096)] = Field(  # each is a prefill/decode pair of calls
         64, description="most prompts in one completions request"
     )
     max_n: Annotated[int, _whole(1, 1024)] = Field(16, description="most choices per prompt, n and best_of")
+    max_logprobs: Annotated[int, _whole(0, 1024)] = Field(
+        20,
+        description="most logprobs per token (logprobs, top_logprobs, prompt_logprobs); a request's "
+        "prompts and choices together may ask no more than one prompt may",
+    )
     max_connections: Annotated[int, _whole(1, 1_000_000)] = Field(
-        1024, description="most open client connections; more get 503"
+        1024,
+        description="most open client connections; a new one takes the slot of the longest idle one, "
+        "and gets 503 when every one has a request in progress",
+    )
+    first_byte_timeout_s: Annotated[float, _seconds()] | None = Field(
+        None, description="seconds a new connection may stay silent; unset or longer: --head-timeout-s"
     )
     head_timeout_s: Annotated[float, _seconds()] = Field(
         10.0, description="seconds a request head may take from its first byte"

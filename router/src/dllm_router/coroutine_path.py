@@ -13,11 +13,15 @@ import logging
 from time import perf_counter
 from typing import Any
 
+import msgspec
+
 from dllm_router import openai as oa
+from dllm_router.engine_answer import EngineAnswer
 from dllm_router.engine_auth import EngineAuth
 from dllm_router.errors import RouterError, request_id, request_id_or_new
 from dllm_router.exchange import ExchangeHost
 from dllm_router.http_messages import Request, Response, StreamWriter
+from dllm_router.memory_budget import BudgetSpent, MemoryBudget, RequestBytes
 from dllm_router.prompt_exchange import Answer, Prompt, PromptExchange
 from dllm_router.stream_relay import relay_many, relay_one
 
@@ -28,8 +32,8 @@ EXCHANGES_PER_REQUEST = 16  # H2: one request's prompts run at most this many pa
 
 
 class CoroutinePath:
-    def __init__(self, host: ExchangeHost, auth: EngineAuth, limits: oa.Limits) -> None:
-        self._host, self._auth, self._limits = host, auth, limits
+    def __init__(self, host: ExchangeHost, auth: EngineAuth, limits: oa.Limits, budget: MemoryBudget) -> None:
+        self._host, self._auth, self._limits, self._budget = host, auth, limits, budget
         self._prompts = PromptExchange(host)
 
     async def generate(
@@ -46,6 +50,7 @@ class CoroutinePath:
         host = self._host
         started = perf_counter() if started is None else started
         answers: list[Answer] = []
+        ledger = self._budget.ledger()  # its body and answers held (NEW-1), given back when it ends
         if rid is None:
             try:
                 rid = request_id(request)
@@ -55,13 +60,16 @@ class CoroutinePath:
                 return host.error_response(e, rid)
         try:
             raw = request.body
+            ledger.charge_body(len(raw))
             if body is None:
                 body = oa.parse_request(raw, route, self._limits)
-            response = await self._serve(request, route, body, raw, rid, started, answers)
+            response = await self._serve(request, route, body, raw, rid, started, answers, ledger)
         except oa.BadRequest as e:
             response = host.error_response(RouterError(400, "bad_request", str(e)), rid)
         except RouterError as e:
             response = host.error_response(e, rid)
+        except BudgetSpent as e:
+            response = host.error_response(RouterError(503, "memory_budget", str(e)), rid)
         except asyncio.CancelledError:
             host.metrics.errors["client_disconnect"] += 1
             log.info("%s %s client went away; upstream requests cancelled", rid, route)
@@ -69,6 +77,7 @@ class CoroutinePath:
         finally:
             for answer in answers:
                 answer.release()
+            ledger.release()
         prefill = ",".join(a.prefill.name for a in answers) or "-"
         decode = ",".join(a.decode.name if a.decode else "-" for a in answers) or "-"
         host.account(route, rid, response.status, prefill, decode, started)
@@ -83,6 +92,7 @@ class CoroutinePath:
         rid: str,
         started: float,
         answers: list[Answer],
+        ledger: RequestBytes,
     ) -> Response | StreamWriter:
         metrics = self._host.metrics
         stream = bool(body.get("stream"))
@@ -90,9 +100,9 @@ class CoroutinePath:
         headers = self._auth.call_headers(request)
         if len(prompts) == 1:
             prompt = Prompt(body, raw, rid, 0)
-            answers.append(await self._prompts.exchange(route, prompt, headers, read_all=not stream))
+            answers.append(await self._prompts.exchange(route, prompt, headers, not stream, ledger))
         else:
-            answers += await self._exchange_all(route, prompts, rid, headers, read_all=not stream)
+            answers += await self._exchange_all(route, prompts, rid, headers, not stream, ledger)
         if not stream:
             payload = _joined_body(answers, body)
             metrics.ttft_seconds.observe(perf_counter() - started)
@@ -118,14 +128,20 @@ class CoroutinePath:
         return response
 
     async def _exchange_all(
-        self, route: str, prompts: list[JsonObject], rid: str, headers: bytes, read_all: bool
+        self,
+        route: str,
+        prompts: list[JsonObject],
+        rid: str,
+        headers: bytes,
+        read_all: bool,
+        ledger: RequestBytes,
     ) -> list[Answer]:
         gate = asyncio.Semaphore(EXCHANGES_PER_REQUEST)
 
         async def exchange(i: int, p: JsonObject) -> Answer:
             async with gate:  # until its answer (or its stream's head) is in
                 prompt = Prompt(p, None, f"{rid}-{i}", i)
-                return await self._prompts.exchange(route, prompt, headers, read_all)
+                return await self._prompts.exchange(route, prompt, headers, read_all, ledger)
 
         tasks = [asyncio.create_task(exchange(i, p)) for i, p in enumerate(prompts)]
         try:
@@ -146,13 +162,16 @@ def _joined_body(answers: list[Answer], body: JsonObject) -> bytes:
         if answer.body is not None:
             return answer.body  # decode's bytes as they came: no re-encoding
         assert answer.finished is not None
-        return oa.dumps(oa.public_answer(answer.finished))
-    parsed = [a.finished if a.finished is not None else _json(a.body) for a in answers]
-    return oa.dumps(oa.merge_answers(parsed, oa.choices_per_prompt(body)))
+        return answer.finished.public()
+    parts = [a.finished if a.finished is not None else _parts(a.body) for a in answers]
+    return oa.merge_answers(parts, oa.choices_per_prompt(body))
 
 
-def _json(data: bytes | None) -> JsonObject:
-    parsed = oa.loads(data or b"{}")
-    if not isinstance(parsed, dict):
-        raise RouterError(502, "decode_error", "decode answered a non-object")
-    return parsed
+def _parts(data: bytes | None) -> EngineAnswer:
+    """Decode's answer by its raw top-level fields: merged without being parsed whole (NEW-1)."""
+    try:
+        return EngineAnswer.parse(data or b"{}")
+    except msgspec.ValidationError:
+        raise RouterError(502, "decode_error", "decode answered a non-object") from None
+    except ValueError:
+        raise RouterError(502, "decode_error", "decode answered non-JSON") from None

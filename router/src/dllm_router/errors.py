@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from random import getrandbits
-from typing import Any
+
+import msgspec
 
 from dllm_router import openai as oa
 from dllm_router.endpoints import Endpoint
+from dllm_router.engine_answer import EngineAnswer
 from dllm_router.http_messages import Request
 
 
@@ -77,12 +79,12 @@ def pod_error(ep: Endpoint, status: int, data: bytes) -> RouterError:
     )
 
 
-def prefill_answer(data: bytes, ep: Endpoint) -> dict[str, Any]:
-    """Prefill's answer as a JSON object, or the error the client gets for anything else."""
+def prefill_answer(data: bytes, ep: Endpoint) -> EngineAnswer:
+    """Prefill's answer, a JSON object kept raw (only what the router reads of it is decoded: NEW-1), or
+    the error the client gets for anything else."""
     try:
-        answer = oa.loads(data)
+        return EngineAnswer.parse(data)
+    except msgspec.ValidationError:
+        raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered a non-object") from None
     except ValueError:
         raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered non-JSON") from None
-    if not isinstance(answer, dict):
-        raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered a non-object")
-    return answer

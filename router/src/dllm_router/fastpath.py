@@ -27,6 +27,7 @@ from dllm_router.errors import RouterError, Unreachable, pod_error, prefill_answ
 from dllm_router.exchange import ExchangeHost
 from dllm_router.http_messages import Request, Response
 from dllm_router.httpserver import Connection, Pending
+from dllm_router.memory_budget import RequestBytes
 from dllm_router.upstream import Call, ConnectFailed
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ class FastExchange(Pending):
         "_decode_ok",
         "_decoded",
         "_end_id",
+        "_ledger",
         "_p",
         "_pcall",
         "_prefill_at",
@@ -73,8 +75,10 @@ class FastExchange(Pending):
         rid_line: bytes,
         headers: bytes,
         started: float,
+        ledger: RequestBytes,
     ) -> None:
         self._router, self._conn, self._request = router, conn, request
+        self._ledger = ledger  # its body and answers held (NEW-1), given back when it ends
         self.route, self.path, self.body = route, route.encode(), body
         self.rid, self.rid_line, self.headers, self.started = rid, rid_line, headers, started
         self._tried: list[Endpoint] = []
@@ -122,7 +126,7 @@ class FastExchange(Pending):
         assert ep.upstream is not None, "discover() attaches a pool to every endpoint"
         ep.inflight += 1
         done = self._on_answer if answering else self._on_prefill
-        return ep.upstream.call(self.path, headers, payload, self._router.deadlines, done)
+        return ep.upstream.call(self.path, headers, payload, self._router.deadlines, done, self._ledger)
 
     def _on_prefill(self, call: Call) -> None:
         self._guarded(self._prefill_answered, call)
@@ -143,12 +147,12 @@ class FastExchange(Pending):
             router.metrics.prefill_answers += 1
             self._drop_calls()
             self._d = None
-            self._answer(oa.dumps(oa.public_answer(finished)))
+            self._answer(finished.public())
         elif self._decoded is not None:  # dllm: decode was first
             self._answer(self._decoded)
         elif self._dcall is None:  # nixl: decode now, with what prefill returned
             assert self._d is not None
-            kv = finished.get("kv_transfer_params") or None
+            kv = finished.value(oa.CLIENT_KV) or None
             payload = oa.decode_payload(self.body, self._request.body, kv)
             self._dcall = self._call(self._d, self.headers, payload, True)
 
@@ -187,6 +191,7 @@ class FastExchange(Pending):
 
     def _reply(self, response: Response, prefill: str, decode: str) -> None:
         self._replied = True
+        self._ledger.release()
         self._conn.reply(self._request, response)
         self._router.account(self.route, self.rid, response.status, prefill, decode, self.started, sent=True)
 
@@ -205,6 +210,7 @@ class FastExchange(Pending):
             self._drop_calls()
             if not self._replied:  # else the answer is out: nothing more to send
                 self._replied = True
+                self._ledger.release()
                 self._conn.reply_internal_error(self._request)
 
     def _retry_or_fail(self, error: Unreachable) -> None:
@@ -235,5 +241,6 @@ class FastExchange(Pending):
     def cancel(self) -> None:
         """The client left: both calls are abandoned, as the coroutine path's cancellation does."""
         self._drop_calls()
+        self._ledger.release()
         self._router.metrics.errors["client_disconnect"] += 1
         log.info("%s %s client went away; upstream requests cancelled", self.rid, self.route)

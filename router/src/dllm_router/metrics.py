@@ -27,6 +27,8 @@ ERROR_KINDS = (
     "client_disconnect",
     "request_timeout",  # a head or body over its deadline (408)
     "too_many_connections",  # refused over --max-connections (503)
+    "answer_too_large",  # engine answers over --max-answer-mb for one request (502)
+    "memory_budget",  # the router's --memory-budget-mb held by requests in flight (503)
 )
 
 # sent: decode answered 2xx; failed: an error status, no answer or a timeout; dropped: too many in flight
@@ -69,6 +71,9 @@ class Metrics:
         self.decode_first_byte_seconds = Histogram()
         self.ttft_seconds = Histogram()
         self.open_connections: Callable[[], int] = lambda: 0  # the HTTP server's, set by serve()
+        self.evicted_connections: Callable[[], int] = lambda: 0  # the same
+        self.budget_held: Callable[[], int] = lambda: 0  # NEW-1: bytes held of the memory budget
+        self.budget_limit = 0
 
     def families(self, pools: Iterable[Pool]) -> Iterator[Metric]:
         requests = CounterMetricFamily(
@@ -105,6 +110,19 @@ class Metrics:
         yield GaugeMetricFamily(
             "dllm_router_open_connections", "Client connections open", value=self.open_connections()
         )
+        yield CounterMetricFamily(
+            "dllm_router_evicted_connections",
+            "Idle client connections closed to make room for a new one at --max-connections",
+            value=self.evicted_connections(),
+        )
+        held = GaugeMetricFamily(
+            "dllm_router_memory_budget_bytes",
+            "Bytes of client bodies and engine answers held now, and the limit (--memory-budget-mb)",
+            labels=["state"],
+        )
+        held.add_metric(["held"], self.budget_held())
+        held.add_metric(["limit"], self.budget_limit)
+        yield held
         inflight = GaugeMetricFamily(
             "dllm_router_inflight", "Requests in flight per engine pod", labels=["role", "pod"]
         )

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from dllm_router.answer_bounds import AskTooLarge, check_answer_asks
+from dllm_router.engine_answer import ChoiceHead, EngineAnswer, choice_head, renumbered_choices
 from dllm_router.jsonshape import TooComplex, check_shape
 
 COMPLETIONS = "/v1/completions"
@@ -49,6 +51,7 @@ class Limits:
 
     max_prompts: int = 64
     max_n: int = 16
+    max_logprobs: int = 20  # NEW-1: top-k per token, and what a request's answers may carry (answer_bounds)
 
 
 def parse_request(raw: bytes, route: str, limits: Limits = Limits()) -> JsonObject:
@@ -79,6 +82,11 @@ def parse_request(raw: bytes, route: str, limits: Limits = Limits()) -> JsonObje
         raise BadRequest(
             f"too many prompts: {prompts}; this router allows at most {limits.max_prompts} (--max-prompts)"
         )
+    n = max(choices_per_prompt(body), body.get("best_of") or 1)
+    try:
+        check_answer_asks(body, prompts, n, limits.max_logprobs, limits.max_n)
+    except AskTooLarge as e:
+        raise BadRequest(str(e)) from None
     return body
 
 
@@ -131,6 +139,8 @@ def asks_one_token(body: JsonObject) -> bool:
 def prefill_request(body: JsonObject, kv_params: JsonObject) -> JsonObject:
     """The prefill call: one token, one choice, not streamed, with the flow's kv_transfer_params."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROPS}
+    if _xargs_kv(body):
+        out["vllm_xargs"] = _xargs_without_kv(body["vllm_xargs"])
     out.update(stream=False, max_tokens=1, n=1, kv_transfer_params=kv_params)
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
@@ -142,21 +152,40 @@ _PREFILL_DROPS = frozenset({"stream_options", "min_tokens", "min_completion_toke
 
 
 def decode_request(body: JsonObject, kv_params: JsonObject | None) -> JsonObject:
-    """The body with the router's kv_transfer_params, and never the client's own (C1)."""
-    out = {k: v for k, v in body.items() if k != "kv_transfer_params"} if CLIENT_KV in body else body
+    """The body with the router's kv_transfer_params, and never the client's own (C1), top-level or in
+    `vllm_xargs` (NEW-2: vLLM takes them from there when the top-level key is absent or empty)."""
+    out = {k: v for k, v in body.items() if k != CLIENT_KV} if CLIENT_KV in body else body
+    if _xargs_kv(body):
+        out = {**out, "vllm_xargs": _xargs_without_kv(body["vllm_xargs"])}
     return out if kv_params is None else {**out, CLIENT_KV: kv_params}
 
 
 CLIENT_KV = "kv_transfer_params"
 
 
+def _xargs_kv(body: JsonObject) -> bool:
+    """The client put kv_transfer_params into vllm_xargs (vLLM's free-form extra sampling args)."""
+    xargs = body.get("vllm_xargs")
+    return isinstance(xargs, dict) and CLIENT_KV in xargs
+
+
+def _xargs_without_kv(xargs: JsonObject) -> JsonObject:
+    return {k: v for k, v in xargs.items() if k != CLIENT_KV}
+
+
+def carries_client_kv(body: JsonObject) -> bool:
+    """The client's body names kv_transfer_params itself, at the top level or in vllm_xargs."""
+    return CLIENT_KV in body or _xargs_kv(body)
+
+
 def decode_payload(body: JsonObject, raw: bytes | None, kv_params: JsonObject | None) -> bytes:
     """An answering call's body as bytes (decode's, or prefill's for a one-token request): the client's
     own bytes, with kv_transfer_params spliced in before the closing brace, so a long prompt is not
-    encoded again. Re-encoded without the key when the client sent kv_transfer_params itself: a client
-    must never choose an engine's KV transfer (C1: it crashes the engine or points it anywhere). Also
-    re-encoded when the bytes are not plain UTF-8 JSON, or there are no client bytes."""
-    if raw is not None and CLIENT_KV not in body:
+    encoded again. Re-encoded without the key when the client sent kv_transfer_params itself (top-level
+    or in vllm_xargs): a client must never choose an engine's KV transfer (C1, NEW-2: it crashes the
+    engine or points it anywhere). Also re-encoded when the bytes are not plain UTF-8 JSON, or there are
+    no client bytes."""
+    if raw is not None and not carries_client_kv(body):
         if kv_params is None:
             return raw
         stripped = raw.strip()
@@ -165,47 +194,39 @@ def decode_payload(body: JsonObject, raw: bytes | None, kv_params: JsonObject | 
     return dumps(decode_request(body, kv_params))
 
 
-def finished_at_prefill(answer: JsonObject, body: JsonObject) -> bool:
+def finished_at_prefill(answer: EngineAnswer, body: JsonObject) -> bool:
     """Prefill's single token ended the request (EOS or a stop string) and one choice was asked."""
     if choices_per_prompt(body) != 1:
         return False
-    choices = answer.get("choices")
-    return (
-        isinstance(choices, list)
-        and len(choices) == 1
-        and isinstance(choices[0], dict)
-        and choices[0].get("finish_reason") == "stop"
-    )
+    choices = answer.choices()
+    head = choice_head(choices[0]) if len(choices) == 1 else None
+    return head is not None and head.finish_reason == "stop"
 
 
-def public_answer(answer: JsonObject) -> JsonObject:
-    """An engine's answer as the client sees it: the KV-transfer bookkeeping removed."""
-    return {k: v for k, v in answer.items() if k != "kv_transfer_params"}
-
-
-def _chunk_choice(route: str, choice: JsonObject) -> JsonObject:
-    base = {"index": choice.get("index", 0), "logprobs": None, "finish_reason": choice.get("finish_reason")}
+def _chunk_choice(route: str, choice: ChoiceHead) -> JsonObject:
+    base = {"index": choice.index, "logprobs": None, "finish_reason": choice.finish_reason}
     if route == CHAT:
-        message = choice.get("message") or {}
+        message = choice.message or {}
         base["delta"] = {"role": message.get("role", "assistant"), "content": message.get("content", "")}
     else:
-        base["text"] = choice.get("text", "")
+        base["text"] = choice.text
     return base
 
 
-def answer_as_events(route: str, answer: JsonObject, body: JsonObject) -> list[bytes]:
+def answer_as_events(route: str, answer: EngineAnswer, body: JsonObject) -> list[bytes]:
     """A finished non-streamed answer as the SSE data payloads a streamed one would have had."""
     head = {
-        "id": answer.get("id", ""),
+        "id": answer.value("id", ""),
         "object": "chat.completion.chunk" if route == CHAT else "text_completion",
-        "created": answer.get("created", int(time.time())),
-        "model": answer.get("model", ""),
+        "created": answer.value("created", int(time.time())),
+        "model": answer.value("model", ""),
     }
-    choices = [_chunk_choice(route, c) for c in answer.get("choices", []) if isinstance(c, dict)]
+    choices = [_chunk_choice(route, c) for c in answer.choice_heads()]
     events = [dumps({**head, "choices": choices})]
     options = body.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage") and answer.get("usage"):
-        events.append(dumps({**head, "choices": [], "usage": answer["usage"]}))
+    usage = answer.value("usage")
+    if isinstance(options, dict) and options.get("include_usage") and usage:
+        events.append(dumps({**head, "choices": [], "usage": usage}))
     return events
 
 
@@ -257,15 +278,17 @@ def shift_choices(payload: JsonObject, offset: int) -> JsonObject:
     return payload
 
 
-def merge_answers(answers: list[JsonObject], n: int) -> JsonObject:
-    """Per-prompt completions answers merged into one, choices in prompt order."""
-    merged = public_answer(answers[0])
+def merge_answers(answers: list[EngineAnswer], n: int) -> bytes:
+    """Per-prompt completions answers merged into one, choices in prompt order: the first answer's
+    fields (without kv_transfer_params), every answer's choices renumbered, their usage summed. Encoded
+    from the answers' raw pieces (engine_answer): the choices are never parsed whole (NEW-1)."""
+    merged: dict[str, Any] = {k: v for k, v in answers[0].fields.items() if k != CLIENT_KV}
     choices: list[Any] = []
     usage: JsonObject = {}
     for i, answer in enumerate(answers):
-        choices.extend(shift_choices(answer, i * n).get("choices") or [])
-        add_usage(usage, answer.get("usage"))
+        choices += renumbered_choices(answer, i * n)
+        add_usage(usage, answer.value("usage"))
     merged["choices"] = choices
     if usage:
         merged["usage"] = usage
-    return merged
+    return dumps(merged)

@@ -12,6 +12,7 @@ from dllm_router import flows
 from dllm_router.config import RouterConfig
 from dllm_router.endpoints import Endpoint, Pool
 from dllm_router.errors import RouterError, Unreachable
+from dllm_router.memory_budget import AnswerTooLarge, BudgetSpent
 from dllm_router.upstream import ConnectFailed
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ class Pairing:
     def upstream_failure(self, ep: Endpoint, error: BaseException) -> Exception:
         """An upstream call's failure as the request sees it: a 504 after the timeout, else Unreachable
         (retried on another pair)."""
+        if isinstance(error, AnswerTooLarge):  # NEW-1: the request asked too much; no other pod helps
+            return RouterError(502, "answer_too_large", f"{ep.role} pod {ep.name}: {error}")
+        if isinstance(error, BudgetSpent):
+            return RouterError(503, "memory_budget", str(error))
         if isinstance(error, TimeoutError):
             limit = self._timeout_s
             return RouterError(504, "timeout", f"{ep.role} pod {ep.name} timed out after {limit}s")

@@ -16,8 +16,10 @@ from typing import Any
 
 from dllm_router import openai as oa
 from dllm_router.endpoints import Endpoint
+from dllm_router.engine_answer import EngineAnswer
 from dllm_router.errors import RouterError, Unreachable, header_value, pod_error, prefill_answer
 from dllm_router.exchange import ExchangeHost
+from dllm_router.memory_budget import RequestBytes
 from dllm_router.metrics import Metrics
 from dllm_router.upstream import ConnectFailed, UpstreamError, UpstreamPool
 from dllm_router.upstream import Response as UpstreamResponse
@@ -31,7 +33,7 @@ class Answer:
 
     prefill: Endpoint
     decode: Endpoint | None = None
-    finished: JsonObject | None = None
+    finished: EngineAnswer | None = None
     body: bytes | None = None
     stream: UpstreamResponse | None = None
     prefill_done: float = field(default_factory=perf_counter)
@@ -39,6 +41,10 @@ class Answer:
     prefill_refused: bool = False  # prefill answered an error or was never reached: it sends nothing
 
     def release(self) -> None:
+        """Close its stream, and drop the bytes it holds: an Answer may outlive its request in a
+        traceback's reference cycle (a failed sibling prompt's), kept until the garbage collector runs,
+        and what it held was given back to the memory budget when the request ended (NEW-1)."""
+        self.body = self.finished = None
         if self.stream is not None:
             self.stream.close()  # not read to the end: closing tells the engine to abort
             self.stream = None
@@ -67,7 +73,9 @@ class PromptExchange:
         self._retries = host.config.retries
         self._timeout_s = host.config.request_timeout_s
 
-    async def exchange(self, route: str, prompt: Prompt, headers: bytes, read_all: bool) -> Answer:
+    async def exchange(
+        self, route: str, prompt: Prompt, headers: bytes, read_all: bool, ledger: RequestBytes | None = None
+    ) -> Answer:
         """The prompt's answer from the first pair that answers; 502 when every attempt was unreachable."""
         host = self._host
         tried: list[Endpoint] = []
@@ -76,7 +84,7 @@ class PromptExchange:
             if attempt:
                 host.metrics.retries += 1
             try:
-                return await self._attempt(route, prompt, headers, read_all, tried)
+                return await self._attempt(route, prompt, headers, read_all, tried, ledger)
             except Unreachable as e:
                 host.note_unreachable(e, prompt.rid, tried)
                 last = e
@@ -85,16 +93,24 @@ class PromptExchange:
         raise RouterError(502, f"{role}_unreachable", str(last))
 
     async def _attempt(
-        self, route: str, prompt: Prompt, headers: bytes, read_all: bool, tried: list[Endpoint]
+        self,
+        route: str,
+        prompt: Prompt,
+        headers: bytes,
+        read_all: bool,
+        tried: list[Endpoint],
+        ledger: RequestBytes | None,
     ) -> Answer:
         host, body = self._host, prompt.body
+        # answers read whole are charged to the request (NEW-1); a stream is relayed as it comes
+        whole = ledger if read_all else None
         p = host.pick(host.prefill, tried)
         up_headers = headers + b"X-Request-Id: " + header_value(prompt.rid) + b"\r\n"
         if oa.asks_one_token(body):  # prefill alone answers; no KV moves
             host.metrics.prefill_answers += 1
             answer = Answer(prefill=p, decode=p)
             await self._open(
-                answer, p, route, oa.decode_payload(body, prompt.raw, None), up_headers, read_all
+                answer, p, route, oa.decode_payload(body, prompt.raw, None), up_headers, read_all, whole
             )
             return answer
         d = host.pick(host.decode, tried)
@@ -106,11 +122,18 @@ class PromptExchange:
             oa.dumps(oa.prefill_request(body, plan.prefill_kv)),
             up_headers + plan.prefill_headers,
             answer,
+            ledger,
         )
         if plan.concurrent:
             assert plan.decode_kv is not None
             decode_call = self._open(
-                answer, d, route, oa.decode_payload(body, prompt.raw, plan.decode_kv), up_headers, read_all
+                answer,
+                d,
+                route,
+                oa.decode_payload(body, prompt.raw, plan.decode_kv),
+                up_headers,
+                read_all,
+                whole,
             )
             if plan.end_id is None:
                 return await self._concurrently(answer, prefill_call, decode_call, body)
@@ -125,16 +148,16 @@ class PromptExchange:
             host.metrics.prefill_answers += 1
             answer.finished, answer.decode = finished, None
             return answer
-        kv = finished.get("kv_transfer_params")
+        kv = finished.value(oa.CLIENT_KV)
         await self._open(
-            answer, d, route, oa.decode_payload(body, prompt.raw, kv or None), up_headers, read_all
+            answer, d, route, oa.decode_payload(body, prompt.raw, kv or None), up_headers, read_all, whole
         )
         return answer
 
     async def _concurrently(
         self,
         answer: Answer,
-        prefill_call: Awaitable[JsonObject],
+        prefill_call: Awaitable[EngineAnswer],
         decode_call: Awaitable[None],
         body: JsonObject,
     ) -> Answer:
@@ -163,13 +186,19 @@ class PromptExchange:
             raise
 
     async def _call_prefill(
-        self, ep: Endpoint, route: str, payload: bytes, headers: bytes, answer: Answer
-    ) -> JsonObject:
+        self,
+        ep: Endpoint,
+        route: str,
+        payload: bytes,
+        headers: bytes,
+        answer: Answer,
+        ledger: RequestBytes | None,
+    ) -> EngineAnswer:
         host = self._host
         started = perf_counter()
         ep.inflight += 1
         try:
-            response = await _upstream(ep).post(route, headers, payload, self._timeout_s)
+            response = await _upstream(ep).post(route, headers, payload, self._timeout_s, ledger)
             try:
                 data = await response.read()
             finally:
@@ -193,13 +222,14 @@ class PromptExchange:
         payload: bytes,
         headers: bytes,
         read_all: bool,
+        ledger: RequestBytes | None,
     ) -> None:
         """Send the answering call (decode; prefill for one-token requests): read it all, or keep it open."""
         host = self._host
         ep.inflight += 1
         response: UpstreamResponse | None = None
         try:
-            response = await _upstream(ep).post(route, headers, payload, self._timeout_s)
+            response = await _upstream(ep).post(route, headers, payload, self._timeout_s, ledger)
             if response.status != 200 or read_all:
                 data = await response.read()
                 if response.status != 200:

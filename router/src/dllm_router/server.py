@@ -25,6 +25,7 @@ from dllm_router.errors import RouterError, header_value, request_id, request_id
 from dllm_router.fastpath import FastExchange
 from dllm_router.http_messages import Request, Response, StreamWriter
 from dllm_router.httpserver import Connection, FastHandler, Handler, HttpServer
+from dllm_router.memory_budget import BudgetSpent, MemoryBudget
 from dllm_router.metrics import Metrics
 from dllm_router.pairing import Pairing
 from dllm_router.pod_watch import PodWatch
@@ -49,8 +50,12 @@ class Router:
         self.config = config
         self.metrics = Metrics()
         self.deadlines = Deadlines(config.request_timeout_s)  # the fast path's calls
-        self.limits = oa.Limits(max_prompts=config.max_prompts, max_n=config.max_n)
+        self.limits = oa.Limits(
+            max_prompts=config.max_prompts, max_n=config.max_n, max_logprobs=config.max_logprobs
+        )
         self.engine_auth = EngineAuth(config.engine_api_key)
+        self.budget = MemoryBudget(config.memory_budget_mb * 2**20, config.max_answer_mb * 2**20)
+        self.metrics.budget_held, self.metrics.budget_limit = lambda: self.budget.held, self.budget.limit
         self.pods = PodWatch(
             config,
             self.engine_auth.probe_headers,
@@ -67,7 +72,7 @@ class Router:
         self.error_page = self.accounting.error_page
         self.transfer_ends = TransferEnds(self.metrics)
         self.end_transfer = self.transfer_ends.end
-        self.coroutine_path = CoroutinePath(self, self.engine_auth, self.limits)
+        self.coroutine_path = CoroutinePath(self, self.engine_auth, self.limits, self.budget)
         admin = AdminRoutes(self, self.pods, self.engine_auth)
         generate = self.coroutine_path.generate
         self.routes: dict[tuple[str, str], Handler] = {
@@ -131,7 +136,14 @@ class Router:
             self.account(route, rid, e.status, "-", "-", started, sent=True)
             return None
         headers = self.engine_auth.call_headers(request) + rid_line
-        FastExchange(self, conn, request, route, body, rid, rid_line, headers, started).start()
+        ledger = self.budget.ledger()
+        try:
+            ledger.charge_body(len(request.body))
+        except BudgetSpent as e:
+            conn.reply(request, self.error_response(RouterError(503, "memory_budget", str(e)), rid))
+            self.account(route, rid, 503, "-", "-", started, sent=True)
+            return None
+        FastExchange(self, conn, request, route, body, rid, rid_line, headers, started, ledger).start()
         return None
 
 
@@ -148,9 +160,11 @@ async def serve(router: Router, host: str, port: int, *, drain_s: float = 30.0) 
         error_page=router.error_page,
         drain_s=drain_s,
         max_connections=router.config.max_connections,
+        first_byte_timeout_s=router.config.first_byte_timeout_s,
         head_timeout_s=router.config.head_timeout_s,
         body_timeout_s=router.config.body_timeout_s,
     )
     await server.start(host, port)
     router.metrics.open_connections = lambda: len(server.connections)
+    router.metrics.evicted_connections = lambda: server.evicted_connections
     return server

@@ -5,7 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_contract.kvconfig import Connector
-from dllm_contract.router_defaults import DEFAULT_MAX_BODY_MB  # when no memory limit is set
+from dllm_contract.router_defaults import (  # when no memory limit is set
+    DEFAULT_MAX_ANSWER_MB,
+    DEFAULT_MAX_BODY_MB,
+    DEFAULT_MEMORY_BUDGET_MB,
+)
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import auth, labels
@@ -20,6 +24,11 @@ DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {
 # the memory limit.
 BODY_FRACTION = 128
 MAX_BODY_MB_CAP = 64
+# NEW-1: client bodies and engine answers held at once, across requests: a quarter of the memory limit
+# (a held byte may exist a few times over: its bytes, the parsed objects, the engine messages).
+BUDGET_FRACTION = 4
+# One request's engine answers: a quarter of that budget, so four such requests fit at once.
+ANSWER_FRACTION = 16
 
 
 def router_flow(cr: DisaggregatedLLM) -> str:
@@ -57,6 +66,8 @@ def router_command_args(cr: DisaggregatedLLM, port: int, endpoints: list[str]) -
         "--prefill-tp-size", str(spec.prefill.tensor_parallel_size),
         "--decode-tp-size", str(spec.decode.tensor_parallel_size),
         "--max-body-mb", str(max_body_mb(cr)),
+        "--memory-budget-mb", str(memory_budget_mb(cr)),
+        "--max-answer-mb", str(max_answer_mb(cr)),
         "--drain-seconds", str(drain_seconds(cr)),
     ]  # fmt: skip
 
@@ -68,16 +79,37 @@ def router_resources(cr: DisaggregatedLLM) -> dict[str, Any]:
     return DEFAULT_RESOURCES
 
 
-def max_body_mb(cr: DisaggregatedLLM) -> int:
-    """The largest request body, from the router's memory limit (H2)."""
+def memory_limit_bytes(cr: DisaggregatedLLM) -> int | None:
+    """The router container's memory limit; None when unset or unreadable (the router's defaults then)."""
     limit = router_resources(cr).get("limits", {}).get("memory")
     try:
-        limit_bytes = to_bytes(limit) if limit is not None else None
+        return to_bytes(limit) if limit is not None else None
     except ValueError:  # a quantity spelled in a form this parser does not read (e.g. 1e9)
-        limit_bytes = None
+        return None
+
+
+def max_body_mb(cr: DisaggregatedLLM) -> int:
+    """The largest request body, from the router's memory limit (H2)."""
+    limit_bytes = memory_limit_bytes(cr)
     if limit_bytes is None:
         return DEFAULT_MAX_BODY_MB
     return max(1, min(limit_bytes // BODY_FRACTION // 2**20, MAX_BODY_MB_CAP))
+
+
+def memory_budget_mb(cr: DisaggregatedLLM) -> int:
+    """The bytes of bodies and answers held at once across requests, from the memory limit (NEW-1)."""
+    limit_bytes = memory_limit_bytes(cr)
+    if limit_bytes is None:
+        return DEFAULT_MEMORY_BUDGET_MB
+    return max(1, limit_bytes // BUDGET_FRACTION // 2**20)
+
+
+def max_answer_mb(cr: DisaggregatedLLM) -> int:
+    """The engine answers one request may hold, from the memory limit (NEW-1)."""
+    limit_bytes = memory_limit_bytes(cr)
+    if limit_bytes is None:
+        return DEFAULT_MAX_ANSWER_MB
+    return max(1, limit_bytes // ANSWER_FRACTION // 2**20)
 
 
 def drain_seconds(cr: DisaggregatedLLM) -> int:

@@ -19,8 +19,9 @@ Behaviour a client sees:
 - a malformed request gets 400 (an over-long head 431) and the connection is closed; the head's size is
   counted before its bytes reach the parser (H1), so one unterminated header cannot grow;
 - a head must arrive within `head_timeout_s` of its first byte and a body within `body_timeout_s` of
-  its head, else 408 and close (M1); above `max_connections` open connections a new one gets 503 and
-  is closed;
+  its head, else 408 and close (M1); a connection that begins no request within `first_byte_timeout_s`
+  is closed; at `max_connections` open connections a new one takes the slot of the one idle longest
+  (no request in progress), and gets 503 and is closed only when there is none (NEW-5);
 - write back-pressure (H3): while the transport's writes are paused (the client does not read), no
   further request is read or started; a connection whose writes stay paused for `write_timeout_s` is
   aborted, as is an idle one whose answer never drained;

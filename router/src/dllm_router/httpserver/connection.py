@@ -1,7 +1,7 @@
-"""One client connection's life: its transport's callbacks (opened, or refused over the connection
-cap; closed; writes paused and resumed), its requests answered one at a time in arrival order (by a
-handler's task or a FastHandler's callbacks, or the server's own refusal, then lingering), and the
-sweep's check of its time limits."""
+"""One client connection's life: its transport's callbacks (opened, taking an idle connection's slot
+or refused over the connection cap; closed; writes paused and resumed), its requests answered one at a
+time in arrival order (by a handler's task or a FastHandler's callbacks, or the server's own refusal,
+then lingering), and the sweep's check of its time limits."""
 
 from __future__ import annotations
 
@@ -25,14 +25,29 @@ class Connection(ReadingConnection):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not an asyncio.Transport subclass
         server = self.server
-        if len(server.connections) >= server.max_connections:
+        if len(server.connections) >= server.max_connections and not server.evict_idle():
             self._refuse_connection()
             return
         server.connections.add(self)
+        server.idle[self] = self.idle_since
+
+    def evict(self) -> bool:
+        """Give this connection's slot to a new one (NEW-5), unless a request is in progress on it: it
+        is closed (at once, dropping an answer its client never read) and no longer counted."""
+        if self.closed or self.busy or self.transport is None:
+            return False
+        self._refused = True  # nothing more is read from it
+        self.server.connections.discard(self)
+        if self.transport.get_write_buffer_size():
+            self.abort()
+        else:
+            self.close()
+        return True
 
     def _refuse_connection(self) -> None:
-        """Over the connection cap (M1): 503 at once, then close. Such connections are not counted as
-        open, so lingering ones are bounded too: past the cap again they are cut without an answer."""
+        """Every connection has a request in progress (M1, NEW-5): 503 at once, then close. Such
+        connections are not counted as open, so lingering ones are bounded too: past the cap again they
+        are cut without an answer."""
         server = self.server
         self._over_cap = self._refused = True
         if server.lingering >= server.max_connections:
@@ -55,6 +70,7 @@ class Connection(ReadingConnection):
         if self._over_cap:
             self.server.lingering -= 1
         self.server.connections.discard(self)
+        self.server.idle.pop(self, None)
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client went away: its handler (and upstream calls) stop
         pending, self.pending = self.pending, None
@@ -94,8 +110,11 @@ class Connection(ReadingConnection):
             self._refuse(408, f"request head not complete within {server.head_timeout_s:g} s")
         elif self._body_began is not None and now - self._body_began > server.body_timeout_s:
             self._refuse(408, f"request body not complete within {server.body_timeout_s:g} s")
-        elif not self.busy and now - self.idle_since > limits.KEEPALIVE_S:
-            self.close()
+        elif not self.busy:
+            # NEW-5: a connection that never began a request gets the first-byte deadline, not keep-alive's
+            limit = limits.KEEPALIVE_S if self._spoke else server.first_byte_timeout_s
+            if now - self.idle_since > limit:
+                self.close()
 
     # ---- answering, in order ----
 
@@ -147,6 +166,8 @@ class Connection(ReadingConnection):
         self._refused = True
         self._queue.clear()
         self._unfed = None
+        if not self._over_cap:
+            self.server.idle[self] = self.loop.time()  # only closing now: a new connection may take its slot
         self._update_reading()  # reading resumes, to discard what the client still sends
         if transport.can_write_eof():
             transport.write_eof()
@@ -195,13 +216,14 @@ class Connection(ReadingConnection):
         if self.closed:
             return
         if not request.keep_alive or self.server.draining:
+            self.server.idle[self] = self.loop.time()  # closing: a new connection may take its slot (NEW-5)
             self.close()
             return
         self._update_reading()
         if self._queue:
             self._advance()
         else:
-            self.idle_since = self.loop.time()
+            self.idle_since = self.server.idle[self] = self.loop.time()
         if self._idle_waiter is not None and not self.busy:
             self._wake_idle_waiter()
 

@@ -116,6 +116,7 @@ class ReadingConnection(WritingConnection):
     # ---- parser callbacks ----
 
     def on_message_begin(self) -> None:
+        self._spoke = True
         self._current = Request(self)
         self._head_size = 0
 
@@ -136,6 +137,7 @@ class ReadingConnection(WritingConnection):
         assert request is not None
         self._head_bytes, self._head_began = 0, None
         self._in_body, self._body_began = True, self.idle_since
+        self.server.idle.pop(self, None)  # a request is in progress: never evicted (NEW-5)
         parser = self.parser
         request.method = parser.get_method().decode("ascii", errors="replace")
         request.keep_alive = parser.should_keep_alive()
@@ -189,6 +191,7 @@ class ReadingConnection(WritingConnection):
     def _refuse(self, status: int, message: str) -> None:
         """Stop reading this connection; the refusal is answered in turn, then the connection closes."""
         self._refused = True
+        self.server.idle.pop(self, None)  # its refusal is answered first; lingering, it is idle again
         request = self._current
         if request is None or request not in self._queue:
             request = request or Request()

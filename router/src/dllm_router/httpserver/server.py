@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Awaitable, Mapping
 from email.utils import formatdate
 from time import time
@@ -11,6 +12,7 @@ from dllm_router.http_messages import Request, Response, StreamWriter
 from dllm_router.httpserver import limits
 from dllm_router.httpserver.connection import Connection
 from dllm_router.httpserver.handlers import ErrorPage, FastHandler, Handler, plain_error
+from dllm_router.httpserver.state import ConnectionState
 
 
 class HttpServer:
@@ -30,6 +32,7 @@ class HttpServer:
         error_page: ErrorPage = plain_error,
         drain_s: float = 30.0,
         max_connections: int = 1024,
+        first_byte_timeout_s: float | None = None,
         head_timeout_s: float = limits.HEAD_TIMEOUT_S,
         body_timeout_s: float = limits.BODY_TIMEOUT_S,
         write_timeout_s: float = limits.WRITE_TIMEOUT_S,
@@ -48,8 +51,18 @@ class HttpServer:
         self.drain_s = drain_s
         self.max_connections = max_connections
         self.head_timeout_s, self.body_timeout_s = head_timeout_s, body_timeout_s
+        # NEW-5: a connection that says nothing holds a slot this long at most (never past the head's)
+        self.first_byte_timeout_s = min(first_byte_timeout_s or head_timeout_s, head_timeout_s)
         self.write_timeout_s = write_timeout_s
         self.connections: set[Connection] = set()
+        # Connections with no request in progress (silent since they opened, idle between requests, or
+        # in a head not yet complete), by when they became so, oldest first: the ones a new connection
+        # may take the slot of.
+        self.idle: OrderedDict[ConnectionState, float] = OrderedDict()  # O(1) at both ends
+        # A connection idle for less is not evicted: a client's first bytes may not have been read yet
+        # (when evictions come in a burst, the newest would otherwise go before being heard).
+        self.evict_grace_s = min(limits.EVICT_GRACE_S, self.first_byte_timeout_s / 2)
+        self.evicted_connections = 0
         self.lingering = 0  # connections refused over the cap, still closing
         self.refused_connections = 0
         self.draining = False
@@ -89,8 +102,24 @@ class HttpServer:
 
     def _sweep_every(self) -> float:
         """A deadline is noticed within a quarter of the shortest one (one timer, not one per request)."""
-        shortest = min(limits.KEEPALIVE_S, self.head_timeout_s, self.body_timeout_s, self.write_timeout_s)
+        shortest = min(
+            limits.KEEPALIVE_S, self.first_byte_timeout_s, self.body_timeout_s, self.write_timeout_s
+        )
         return max(shortest / 4, 0.01)
+
+    def evict_idle(self) -> bool:
+        """Close the connection idle longest to make room for a new one (NEW-5); False when every open
+        connection has a request in progress or became idle within the grace."""
+        young = self.loop.time() - self.evict_grace_s
+        while self.idle:
+            oldest, since = next(iter(self.idle.items()))
+            if since > young:
+                return False
+            del self.idle[oldest]
+            if oldest.evict():
+                self.evicted_connections += 1
+                return True
+        return False
 
     def _sweep_idle(self) -> None:
         loop = asyncio.get_running_loop()

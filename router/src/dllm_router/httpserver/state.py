@@ -41,6 +41,7 @@ class ConnectionState(asyncio.Protocol):
         self._refused = False  # parsing stopped: what follows is drained, not read
         self._read_paused = False
         self._over_cap = False  # refused at connect (too many connections): not in server.connections
+        self._spoke = False  # a request began on it (else the first-byte deadline applies: NEW-5)
         # H1: bytes fed to the parser since the current head began; a head ends at its blank line, so
         # data is fed in pieces that end there, and a head's bytes are counted before the parser sees them
         self._head_bytes = 0
@@ -51,3 +52,7 @@ class ConnectionState(asyncio.Protocol):
         self._paused_since: float | None = None  # H3: when the transport paused our writes
         self._unfed: tuple[bytes, int] | None = None  # read but held back while not reading (H3)
         self._resuming = False
+
+    def evict(self) -> bool:
+        """Close to give the slot to a new connection, unless a request is in progress (connection.py)."""
+        raise NotImplementedError

@@ -6,9 +6,10 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from dllm_router.upstream.errors import ConnectFailed, Disconnected
+from dllm_router.upstream.errors import ConnectFailed, Disconnected, UpstreamError
 
 if TYPE_CHECKING:
+    from dllm_router.memory_budget import RequestBytes
     from dllm_router.upstream.connection import UpstreamConnection
     from dllm_router.upstream.deadlines import Deadlines
     from dllm_router.upstream.pool import UpstreamPool
@@ -29,6 +30,7 @@ class Call:
         "_conn",
         "_connecting",
         "_deadlines",
+        "_ledger",
         "_message",
         "_on_done",
         "_pieces",
@@ -48,8 +50,10 @@ class Call:
         deadlines: Deadlines,
         on_done: Callable[[Call], None],
         loop: asyncio.AbstractEventLoop,
+        ledger: RequestBytes | None = None,
     ) -> None:
         self._pool, self._message, self._deadlines = pool, message, deadlines
+        self._ledger = ledger  # NEW-1: the answer's bytes are charged to its request as they arrive
         self._on_done: Callable[[Call], None] | None = on_done
         self._conn: UpstreamConnection | None = None
         self._connecting: asyncio.Task[None] | None = None
@@ -90,15 +94,25 @@ class Call:
         self.status = status
 
     def feed(self, data: bytes) -> None:
+        if self._ledger is not None:
+            self._ledger.charge(len(data))  # over: raises, and the connection fails the call
         self._pieces.append(data)
 
     def finish(self) -> None:
         pieces = self._pieces
         self.body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
         self._report(None)
 
     def whole(self, status: int, body: bytes) -> None:
-        self.status, self.body = status, body
+        self.status = status
+        if self._ledger is not None:
+            try:
+                self._ledger.charge(len(body))
+            except UpstreamError as e:
+                self._report(e)
+                return
+        self.body = body
         self._report(None)
 
     def fail(self, error: BaseException) -> None:
@@ -116,6 +130,8 @@ class Call:
 
     def _report(self, error: BaseException | None) -> None:
         self._conn = None
+        if error is not None:
+            self._pieces.clear()
         on_done, self._on_done = self._on_done, None
         if on_done is not None:
             self._deadlines.finished()

@@ -88,8 +88,8 @@ class UpstreamConnection(asyncio.Protocol):
         self._buf += data
         try:
             self._parse()
-        except BadResponse as e:
-            self._fail(e)
+        except BadResponse as e:  # its traceback's frames hold `data` and the buffer: not kept (NEW-1)
+            self._fail(e.with_traceback(None))
 
     def eof_received(self) -> bool:
         self.closed = True  # the pod is closing it: not to be taken from the pool meanwhile
@@ -109,6 +109,7 @@ class UpstreamConnection(asyncio.Protocol):
     def _fail(self, error: BaseException) -> None:
         sink, self.sink = self.sink, None
         self.close()
+        self._buf = bytearray()
         if sink is not None:
             sink.fail(error)
 

@@ -14,6 +14,7 @@ from dllm_router.upstream.errors import ConnectFailed, Disconnected
 from dllm_router.upstream.response import Response
 
 if TYPE_CHECKING:
+    from dllm_router.memory_budget import RequestBytes
     from dllm_router.upstream.deadlines import Deadlines
 
 IDLE_S = 4.0  # below uvicorn's (vLLM's) 5 s keep-alive, so an idle connection is not reused as it closes
@@ -72,16 +73,24 @@ class UpstreamPool:
         return asyncio.get_running_loop().time()
 
     def call(
-        self, path: bytes, headers: bytes, body: bytes, deadlines: Deadlines, on_done: Callable[[Call], None]
+        self,
+        path: bytes,
+        headers: bytes,
+        body: bytes,
+        deadlines: Deadlines,
+        on_done: Callable[[Call], None],
+        ledger: RequestBytes | None = None,
     ) -> Call:
         """Send a POST whose answer is read whole; `on_done(call)` runs when it is in or has failed."""
         message = b"".join(
             (b"POST ", path, b" HTTP/1.1\r\n", self._host_header, b"Content-Length: ", b"%d" % len(body),
              b"\r\n", headers, b"\r\n", body)
         )  # fmt: skip
-        return Call(self, message, deadlines, on_done, asyncio.get_running_loop())
+        return Call(self, message, deadlines, on_done, asyncio.get_running_loop(), ledger)
 
-    async def post(self, path: str, headers: bytes, body: bytes, timeout_s: float) -> Response:
+    async def post(
+        self, path: str, headers: bytes, body: bytes, timeout_s: float, ledger: RequestBytes | None = None
+    ) -> Response:
         """Send a POST (headers: preformatted `Name: value\\r\\n` lines); returns once the head is in."""
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -95,7 +104,7 @@ class UpstreamPool:
             reused = conn is not None
             if conn is None:
                 conn = await self.connect()
-            response = Response(conn, deadline)
+            response = Response(conn, deadline, ledger)
             conn.send(message, response)
             try:
                 await response.wait_head()

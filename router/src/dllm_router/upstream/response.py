@@ -7,7 +7,10 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from dllm_router.upstream.errors import UpstreamError
+
 if TYPE_CHECKING:
+    from dllm_router.memory_budget import RequestBytes
     from dllm_router.upstream.connection import UpstreamConnection
 
 PAUSE_AT = 1024 * 1024  # bytes buffered for a slow reader before the socket is paused
@@ -16,8 +19,9 @@ PAUSE_AT = 1024 * 1024  # bytes buffered for a slow reader before the socket is 
 class Response:
     """One answer: `status` is known; the body arrives through read() or chunks()."""
 
-    def __init__(self, conn: UpstreamConnection, deadline: float) -> None:
+    def __init__(self, conn: UpstreamConnection, deadline: float, ledger: RequestBytes | None = None) -> None:
         self._conn: UpstreamConnection | None = conn
+        self._ledger = ledger  # NEW-1: an answer read whole is charged to its request as it arrives
         # one timer for the whole exchange: cheaper than a timeout context around every wait
         self._timer = conn.loop.call_at(deadline, conn.expire)
         self.status = 0
@@ -36,6 +40,8 @@ class Response:
             self._head.set_result(None)
 
     def feed(self, data: bytes) -> None:
+        if self._ledger is not None:
+            self._ledger.charge(len(data))  # over: raises, and the connection fails the answer
         self._pieces.append(data)
         self._buffered += len(data)
         if self._streaming and self._buffered > PAUSE_AT and self._conn is not None:
@@ -50,11 +56,17 @@ class Response:
 
     def whole(self, status: int, body: bytes) -> None:
         self.head_ready(status)
-        self.feed(body)
+        try:
+            self.feed(body)
+        except UpstreamError as e:
+            self.fail(e)
+            return
         self.finish()
 
     def fail(self, error: BaseException) -> None:
         self._error = error
+        if not self._streaming:  # never read: dropped now, not when a traceback's cycle is collected
+            self._pieces.clear()
         self._conn = None
         self._timer.cancel()
         if not self._head.done():
@@ -110,6 +122,7 @@ class Response:
     def close(self) -> None:
         """Drop the connection unless the answer is complete (the engine then aborts the request)."""
         self._timer.cancel()
+        self._pieces.clear()  # NEW-1: given back to the budget with its request, so dropped now
         if self._conn is not None:
             self._conn.close()
             self._conn = None
