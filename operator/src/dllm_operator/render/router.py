@@ -25,7 +25,7 @@ DEFAULT_RESOURCES = {"requests": {"cpu": "500m", "memory": "256Mi"}, "limits": {
 BODY_FRACTION = 128
 MAX_BODY_MB_CAP = 64
 # NEW-1: client bodies and engine answers held at once, across requests: a quarter of the memory limit
-# (a held byte may exist a few times over: its bytes, the parsed objects, the engine messages).
+# (a held byte exists about twice at the peak: as the engine's bytes and in the answer written from them).
 BUDGET_FRACTION = 4
 # One request's engine answers: a quarter of that budget, so four such requests fit at once.
 ANSWER_FRACTION = 16
