@@ -26,7 +26,8 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from dllm_connector.end_route_names import ENV_END_ROUTE_API_KEY, ENV_END_ROUTE_TP_SIZE
+from dllm_connector.end_route_names import ENV_END_ROUTE_TP_SIZE
+from dllm_connector.key_guard import engine_keys
 from dllm_connector.pipe.end import EndRefused, end_transfer
 from dllm_connector.transport.sidechannel import PeerAuth
 from dllm_contract import kvconfig
@@ -41,7 +42,6 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 END_PATH = "/v1/dllm/end_transfer"
-ENV_API_KEY = "VLLM_API_KEY"  # vLLM's own key for /v1 (the operator sets it from the engine Secret)
 MAX_BODY = 1024  # {"transfer_id": <at most 256 characters>} fits with room
 MAX_IN_FLIGHT = 64  # ends being sent at once; beyond: 503 (the router bounds its own too)
 MAX_TP_SIZE = 1024
@@ -80,17 +80,8 @@ class EndTarget:
             tp_size=int(raw_tp),
             timeout_s=settings.transfer_timeout_ms / 1000,
             auth=PeerAuth.from_token(token) if token is not None else None,
-            api_keys=_api_keys(env),
+            api_keys=engine_keys(env),
         )
-
-
-def _api_keys(env: Mapping[str, str]) -> tuple[str, ...]:
-    """The keys vLLM itself accepts on /v1: its --api-key values, else VLLM_API_KEY."""
-    from_flag = tuple(k for k in env.get(ENV_END_ROUTE_API_KEY, "").split("\n") if k)
-    if from_flag:
-        return from_flag
-    key = env.get(ENV_API_KEY)
-    return (key,) if key else ()
 
 
 class BadEnd(Exception):

@@ -5,8 +5,10 @@ dllm-serve never needs."""
 from __future__ import annotations
 
 END_ROUTE_MIDDLEWARE = "dllm_connector.end_route.EndTransferRoute"  # for vLLM's --middleware
+# Every path but the probes needs the engine key (NEW-3): on both roles, the outermost middleware.
+KEY_GUARD_MIDDLEWARE = "dllm_connector.key_guard.EngineKeyGuard"
 # The TP size the route ends ids on, from the engine's --tensor-parallel-size.
 ENV_END_ROUTE_TP_SIZE = "DLLM_END_ROUTE_TP_SIZE"
 # vLLM's --api-key values when the engine args carry them (they win over VLLM_API_KEY, as in vLLM), one
-# per line. A secret name: dllm-serve's log redacts its value.
+# per line, for the end route and the key guard. A secret name: dllm-serve's log redacts its value.
 ENV_END_ROUTE_API_KEY = "DLLM_END_ROUTE_API_KEY"

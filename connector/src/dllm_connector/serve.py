@@ -13,7 +13,9 @@ or in the log: vLLM's workers inherit it from the environment (worker reads it).
 
 A decode engine of our connector also gets `--middleware dllm_connector.end_route.EndTransferRoute`
 (the router's `POST /v1/dllm/end_transfer`, security review M2) and the TP size that route ends ids on
-(DLLM_END_ROUTE_TP_SIZE, from --tensor-parallel-size); prefill's command line has neither.
+(DLLM_END_ROUTE_TP_SIZE, from --tensor-parallel-size); prefill's command line has neither. Every engine
+gets `--middleware dllm_connector.key_guard.EngineKeyGuard` after its args (the engine key on every
+path but the probes, NEW-3).
 
 Everything up to `main` is pure (env and args in, a command out); `main` does the I/O.
 """
@@ -35,7 +37,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, NoReturn
 
-from dllm_connector.end_route_names import END_ROUTE_MIDDLEWARE, ENV_END_ROUTE_API_KEY, ENV_END_ROUTE_TP_SIZE
+from dllm_connector.end_route_names import (
+    END_ROUTE_MIDDLEWARE,
+    ENV_END_ROUTE_API_KEY,
+    ENV_END_ROUTE_TP_SIZE,
+    KEY_GUARD_MIDDLEWARE,
+)
 from dllm_contract import kvconfig, logs
 
 log = logging.getLogger("dllm_connector.serve")  # by name: this module also runs as __main__
@@ -161,11 +168,17 @@ def end_route(
     (prefill, or a user's own connector, which has no side channel to end ids on)."""
     if not settings.receives or settings.connector is kvconfig.Connector.CUSTOM:
         return [], {}
-    env = {ENV_END_ROUTE_TP_SIZE: str(tensor_parallel_size(engine_args))}
+    return [MIDDLEWARE_FLAG, END_ROUTE_MIDDLEWARE], {
+        ENV_END_ROUTE_TP_SIZE: str(tensor_parallel_size(engine_args))
+    }
+
+
+def key_guard(engine_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The key guard's flag (NEW-3), on every engine, and the keys it and the end route check: vLLM's
+    --api-key values, which win over VLLM_API_KEY there too. Its flag goes after the engine args, so
+    that it is added last of all middlewares, the outermost."""
     keys = api_keys(engine_args)
-    if keys:  # the route checks the key vLLM checks: these win over VLLM_API_KEY there too
-        env[ENV_END_ROUTE_API_KEY] = "\n".join(keys)
-    return [MIDDLEWARE_FLAG, END_ROUTE_MIDDLEWARE], env
+    return [MIDDLEWARE_FLAG, KEY_GUARD_MIDDLEWARE], ({ENV_END_ROUTE_API_KEY: "\n".join(keys)} if keys else {})
 
 
 def engine_id(settings: kvconfig.KVTransferSettings, hostname: str, boot_id: str) -> str:
@@ -198,10 +211,18 @@ def build_command(
     config = kvconfig.kv_transfer_config(settings, engine_id(settings, hostname, boot_id))
     config_json = json.dumps(config, separators=(",", ":"))
     route_args, route_env = end_route(settings, engine_args)
-    argv = (*launcher_argv(launcher, python), *route_args, *engine_args, KV_TRANSFER_FLAG, config_json)
+    guard_args, guard_env = key_guard(engine_args)
+    argv = (
+        *launcher_argv(launcher, python),
+        *route_args,
+        *engine_args,
+        *guard_args,
+        KV_TRANSFER_FLAG,
+        config_json,
+    )
     return ServeCommand(
         argv=argv,
-        added_env={**mooncake_env(settings, env), **route_env},
+        added_env={**mooncake_env(settings, env), **route_env, **guard_env},
         kv_transfer_config=config,
         side_channel_authenticated=kvconfig.side_channel_token(env) is not None,
     )

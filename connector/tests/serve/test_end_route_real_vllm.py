@@ -3,7 +3,8 @@ operator would) serves POST /v1/dllm/end_transfer (security review M2) next to v
 
 dllm-serve adds the route with vLLM's `--middleware`; the route ends the id on the engine's own side
 channel (the connector's KVReceiver, authenticated with DLLM_KV_AUTH_TOKEN) and checks the engine key
-itself. vLLM's routes keep their own key check. Slow: vLLM takes a minute or more to start on 2 cores.
+itself. vLLM's routes keep their own key check, and the key guard (NEW-3) asks the key on every path
+but the probes, those outside /v1 included. Slow: vLLM takes a minute or more to start on 2 cores.
 """
 
 from __future__ import annotations
@@ -93,5 +94,19 @@ def test_a_real_decode_engine_serves_the_end_route_and_its_own_routes(
     status, text = _call(port, "/v1/completions", body)
     assert status == 200, text
     assert json.loads(text)["usage"]["completion_tokens"] == 2
+
+    # The key guard (NEW-3): vLLM's routes outside /v1 need the key too; only the probes are open.
+    assert b"dllm_connector.key_guard.EngineKeyGuard" in cmdline
+    keyless = {
+        path: _call(port, path, body | {"input": "hi"}, key=None)[0]
+        for path in ("/invocations", "/pooling", "/tokenize", "/score", "/classify", "/rerank", "/nothing")
+    }
+    assert set(keyless.values()) == {401}, keyless
+    assert _call(port, "/metrics", key=None)[0] == 200
+    status, text = _call(port, "/tokenize", {"model": str(model), "prompt": "hello there"})
+    assert status == 200, text
+    assert json.loads(text)["count"] > 0
+    status, text = _call(port, "/invocations", body)  # SageMaker's route serves completions with the key
+    assert status == 200, text
     assert proc.poll() is None
     assert "Traceback" not in log.read_text(errors="replace")

@@ -43,14 +43,16 @@ DECODE_JSON = (
 PREFILL_LINE = (
     f"MC_FORCE_TCP=1 MC_TCP_BIND_ADDRESS=10.0.0.5 {shlex.join(API_SERVER)} --model meta-llama/Llama-2-70b "
     "--tensor-parallel-size 4 --max-num-seqs 64 --max-num-batched-tokens 8192 --port 8000 "
-    f"--kv-transfer-config '{PREFILL_JSON}'"
+    f"--middleware dllm_connector.key_guard.EngineKeyGuard --kv-transfer-config '{PREFILL_JSON}'"
 )
 DECODE_LINE = (
     f"MC_FORCE_TCP=1 MC_TCP_BIND_ADDRESS=10.0.0.6 DLLM_END_ROUTE_TP_SIZE=4 {shlex.join(API_SERVER)} "
     "--middleware dllm_connector.end_route.EndTransferRoute --model meta-llama/Llama-2-70b "
     "--tensor-parallel-size 4 --max-num-seqs 256 --max-num-batched-tokens 2048 --no-enable-chunked-prefill "
-    f"--port 8001 --kv-transfer-config '{DECODE_JSON}'"
+    "--port 8001 --middleware dllm_connector.key_guard.EngineKeyGuard "
+    f"--kv-transfer-config '{DECODE_JSON}'"
 )
+KEY_GUARD = ["--middleware", "dllm_connector.key_guard.EngineKeyGuard"]
 BOOT_ID = re.compile(r'"engine_id":"(?P<pod>[a-z0-9-]+)-(?P<boot>[0-9a-f]{8})"')
 
 
@@ -82,7 +84,13 @@ def test_build_command_for_seed_prefill_is_exact(seed_prefill: Engine) -> None:
         boot_id="BOOT",
         python=sys.executable,
     )
-    assert command.argv == (*API_SERVER, *seed_prefill.args, "--kv-transfer-config", PREFILL_JSON)
+    assert command.argv == (
+        *API_SERVER,
+        *seed_prefill.args,
+        *KEY_GUARD,
+        "--kv-transfer-config",
+        PREFILL_JSON,
+    )
     assert command.added_env == {"MC_FORCE_TCP": "1", "MC_TCP_BIND_ADDRESS": "10.0.0.5"}
 
 
@@ -136,7 +144,8 @@ def test_vllm_cli_launcher_runs_vllm_serve(seed_decode: Engine, run_serve: RunSe
     start = argv.index("vllm")  # after the added env (A=1 ...)
     assert argv[start : start + 2] == ["vllm", "serve"]
     assert argv[start + 2 : start + 4] == ["--middleware", "dllm_connector.end_route.EndTransferRoute"]
-    assert argv[start + 4 : -2] == seed_decode.args
+    assert argv[start + 4 : -4] == seed_decode.args
+    assert argv[-4:-2] == KEY_GUARD
 
 
 def test_launcher_comes_from_the_env_and_the_flag_wins(seed_decode: Engine, run_serve: RunServe) -> None:
@@ -188,7 +197,8 @@ def test_good_env_execs_vllm_with_the_config_and_mooncake_env(
     assert result.returncode == 0, result.stderr
     record = fake_vllm.record()
     assert record["argv"][0] == "serve"
-    assert record["argv"][1:-2] == seed_prefill.args
+    assert record["argv"][1:-4] == seed_prefill.args
+    assert record["argv"][-4:-2] == KEY_GUARD
     sent = json.loads(record["argv"][-1])
     assert sent["kv_role"] == "kv_producer"
     assert sent["kv_connector_extra_config"]["decode_host"] == "llama2-70b-decode"
@@ -235,7 +245,7 @@ def test_decode_gets_the_end_route_with_its_tp_size_and_prefill_does_not(
     assert list(decode.argv[3:5]) == END_ROUTE  # after the launcher, before the engine args
     assert decode.added_env["DLLM_END_ROUTE_TP_SIZE"] == "4"
     prefill = _build(seed_prefill.env, seed_prefill.args)
-    assert "--middleware" not in prefill.argv
+    assert "dllm_connector.end_route.EndTransferRoute" not in prefill.argv
     assert "DLLM_END_ROUTE_TP_SIZE" not in prefill.added_env
 
 
@@ -250,14 +260,37 @@ def test_kv_both_gets_the_end_route_and_a_custom_connector_does_not(seed_decode:
         "VLLM_KV_CONNECTOR_MODULE_PATH": "my_pkg.conn",
     }
     custom = _build(custom_env, ["--model", "m"])
-    assert "--middleware" not in custom.argv
+    assert "dllm_connector.end_route.EndTransferRoute" not in custom.argv
 
 
 def test_a_users_own_middleware_is_kept_next_to_the_end_route(seed_decode: Engine) -> None:
     args = ["--model", "m", "--middleware", "my_pkg.Mine"]
     command = _build(seed_decode.env, args)
-    assert command.argv.count("--middleware") == 2  # vLLM's flag appends
+    assert command.argv.count("--middleware") == 3  # vLLM's flag appends
     assert "my_pkg.Mine" in command.argv
+
+
+def test_every_engine_gets_the_key_guard_last_of_its_middlewares(
+    seed_decode: Engine, seed_prefill: Engine
+) -> None:
+    """vLLM adds middlewares in the order of its flags and the last added runs first: the guard comes
+    after the engine args, a user's own middleware included, so nothing runs before it (NEW-3)."""
+    for engine in (seed_prefill, seed_decode):
+        command = _build(engine.env, [*engine.args, "--middleware", "my_pkg.Mine"])
+        middlewares = [command.argv[i + 1] for i, a in enumerate(command.argv) if a == "--middleware"]
+        assert middlewares[-1] == "dllm_connector.key_guard.EngineKeyGuard", middlewares
+    custom_env = {
+        **seed_decode.env,
+        "VLLM_KV_CONNECTOR": "custom",
+        "VLLM_KV_CONNECTOR_CLASS": "MyConnector",
+        "VLLM_KV_CONNECTOR_MODULE_PATH": "my_pkg.conn",
+    }
+    assert list(_build(custom_env, ["--model", "m"]).argv[-4:-2]) == KEY_GUARD
+
+
+def test_the_key_guard_and_end_route_get_the_api_key_flags_values(seed_prefill: Engine) -> None:
+    command = _build(seed_prefill.env, [*seed_prefill.args, "--api-key", "k1", "k2"])
+    assert command.added_env["DLLM_END_ROUTE_API_KEY"] == "k1\nk2"
 
 
 @pytest.mark.parametrize(

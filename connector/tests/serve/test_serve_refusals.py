@@ -128,7 +128,7 @@ def test_other_kv_flags_are_passed_through(seed_decode: Engine, run_serve: RunSe
     args = ["--kv-cache-dtype", "fp8", "--kv-events-config", "{}"]
     result = run_serve(["--print", "--", *args], seed_decode.env)
     assert result.returncode == 0, result.stderr
-    assert " --kv-cache-dtype fp8 --kv-events-config '{}' --kv-transfer-config " in result.stdout
+    assert " --kv-cache-dtype fp8 --kv-events-config '{}' --middleware " in result.stdout
 
 
 def test_engine_args_without_the_separator_are_refused(
