@@ -24,7 +24,8 @@ from e2e.fixtures import Cluster
 # other than 200 and 503 (a refusal up front), and vLLM's shutdown; less what every engine logs at start.
 NOTEWORTHY = re.compile(r"\bERROR\b|\bWARNING\b|Traceback|not loaded|\[shutdown\]|\" (?!200|503)\d{3} ")
 NOISE = re.compile(r"Unknown vLLM environment variable|ulimit|DeprecationWarning|force killing")
-_LIST_PERIOD_S = 0.5
+# Pods of a roll live for minutes; each look is a kubectl process on a machine the engines share.
+_LIST_PERIOD_S = 2.0
 
 
 @dataclass

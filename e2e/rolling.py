@@ -98,7 +98,9 @@ def roll_under_load(served: Served, patch: dict[str, Any], prefix: str, clients:
 
         wait_until(lambda: each_sent(3), 120, "the first requests of each client")
         served.cluster.run("patch", "dllm", NAME, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch))
-        wait_until(lambda: rolled(served, before + 1), 900, "both roles rolled to the new spec and Ready")
+        # Every 2 s: each look is a kubectl process, and the engines share the machine's two cores.
+        what = "both roles rolled to the new spec and Ready"
+        wait_until(lambda: rolled(served, before + 1), 900, what, interval=2.0)
         after = [len(t.outcomes) for t in trickles]
 
         def each_served_after() -> bool:

@@ -238,10 +238,10 @@ def test_a_rolling_spec_change_fails_no_accepted_request(served: Served, tmp_pat
     A request may be refused up front (503 naming the role with no ready pod: not accepted); one that
     an engine accepted is drained by its preStop hook, never cut. Every engine instance's log is kept
     (the replaced pods' too), so a failure names what each engine said about the failed request.
-    Two clients send side by side; DLLM_ROLL_ROUNDS=N rolls N times in a row (each to a value the
-    previous did not have), DLLM_ROLL_CLIENTS sets the number of clients."""
+    DLLM_ROLL_ROUNDS=N rolls N times in a row (each to a value the previous did not have), and
+    DLLM_ROLL_CLIENTS=N sends from N clients side by side (one by default: see docs/development.md)."""
     rounds = int(os.environ.get("DLLM_ROLL_ROUNDS", "1"))
-    clients = int(os.environ.get("DLLM_ROLL_CLIENTS", "2"))
+    clients = int(os.environ.get("DLLM_ROLL_CLIENTS", "1"))
     served_count, outcomes = 0, 0
     with kept_logs(served.cluster, NAMESPACE, SAMPLE_PODS, tmp_path / "logs") as logs:
         for round_ in range(rounds):
