@@ -22,24 +22,17 @@ import json
 import logging
 import os
 import re
-from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from dllm_connector.end_route_names import ENV_END_ROUTE_TP_SIZE
-from dllm_connector.key_guard import engine_keys
+from dllm_connector.key_guard import ASGIApp, Receive, Scope, Send, engine_keys
 from dllm_connector.pipe.end import EndRefused, end_transfer
 from dllm_connector.transport.sidechannel import PeerAuth
 from dllm_contract import kvconfig
 from dllm_contract.pd_params import MAX_TRANSFER_ID
 
 log = logging.getLogger(__name__)
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 END_PATH = "/v1/dllm/end_transfer"
 MAX_BODY = 1024  # {"transfer_id": <at most 256 characters>} fits with room

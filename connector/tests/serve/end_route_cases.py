@@ -19,7 +19,8 @@ import pytest
 import torch
 from e2e.waiting import wait_until_async
 
-from dllm_connector.end_route import EndTarget, EndTransferRoute, Receive, Scope, Send
+from dllm_connector.end_route import EndTarget, EndTransferRoute
+from dllm_connector.key_guard import Receive, Scope, Send
 from dllm_connector.layout import Geometry, PagedKV
 from dllm_connector.pipe.common import PipeConfig, gb
 from dllm_connector.pipe.receiver import KVReceiver

@@ -29,7 +29,8 @@ from end_route_cases import (
     waiting_send,
 )
 
-from dllm_connector.end_route import END_PATH, MAX_BODY, EndTransferRoute, Message
+from dllm_connector.end_route import END_PATH, MAX_BODY, EndTransferRoute
+from dllm_connector.key_guard import Message
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender
 
