@@ -13,7 +13,8 @@ import tracemalloc
 from collections.abc import Callable
 
 import pytest
-from router_harness import EngineFactory, RouterFactory, wait_until
+from router_engine_double import FakeVllmEngine
+from router_harness import EngineFactory, RouterFactory, RunningRouter, wait_until
 
 from dllm_router import jsonshape
 from dllm_router import openai as oa
@@ -92,6 +93,24 @@ def assert_clean_400(status: int, text: str, message: str, caplog: pytest.LogCap
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
+async def refused_before_any_engine(
+    engines: EngineFactory,
+    start_router: RouterFactory,
+    caplog: pytest.LogCaptureFixture,
+    body: dict[str, object],
+    message: str,
+) -> tuple[RunningRouter, FakeVllmEngine]:
+    """A router over one engine pair answers `body` a clean 400 naming `message`, and neither engine
+    was called; the router and its prefill engine, for what the test asks next."""
+    p, d = await engines("p0"), await engines("d0")
+    r = await start_router("dllm", [p], [d])
+    route = oa.CHAT if "messages" in body else COMPLETIONS
+    status, text = await r.text_of(route, body)
+    assert_clean_400(status, text, message, caplog)
+    assert p.generations == d.generations == []
+    return r, p
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -114,12 +133,7 @@ async def test_fan_out_over_the_caps_is_400(
     body: dict[str, object],
     message: str,
 ) -> None:
-    p, d = await engines("p0"), await engines("d0")
-    r = await start_router("dllm", [p], [d])
-    route = oa.CHAT if "messages" in body else COMPLETIONS
-    status, text = await r.text_of(route, body)
-    assert_clean_400(status, text, message, caplog)
-    assert p.generations == d.generations == []
+    r, p = await refused_before_any_engine(engines, start_router, caplog, body, message)
     status, text = await r.text_of(COMPLETIONS, {"prompt": ["p"] * 64, "max_tokens": 1, "n": 16})
     assert status == 200, text  # at the caps
     assert len(p.generations) == 64
@@ -155,12 +169,7 @@ async def test_answers_asked_beyond_the_bounds_are_400_before_any_engine_call(
     message: str,
 ) -> None:
     """NEW-1: logprobs, prompt logprobs and echo grow an answer far past its request: refused by name."""
-    p, d = await engines("p0"), await engines("d0")
-    r = await start_router("dllm", [p], [d])
-    route = oa.CHAT if "messages" in body else COMPLETIONS
-    status, text = await r.text_of(route, body)
-    assert_clean_400(status, text, message, caplog)
-    assert p.generations == d.generations == []
+    r, _ = await refused_before_any_engine(engines, start_router, caplog, body, message)
     at_the_bounds = [
         {"prompt": "p", "max_tokens": 2, "prompt_logprobs": 20, "logprobs": 20, "n": 16},
         {"prompt": ["p"] * 16, "max_tokens": 2, "logprobs": 20, "echo": True},
