@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import time
 import tracemalloc
 from collections.abc import Callable
@@ -225,6 +226,54 @@ async def test_l1_bodies_and_ids_are_400_without_a_traceback(
     assert_clean_400(answer.status, text, message, caplog)
     assert p.generations == d.generations == []
     assert r.router.metrics.requests[(COMPLETIONS, 400)] == 1
+
+
+async def test_a_malformed_request_id_on_v1_models_is_400_without_a_traceback(
+    engines: EngineFactory, start_router: RouterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NEW-8: /v1/models read the id outside its error handling, so this was a 500 and a traceback."""
+    caplog.set_level(logging.INFO)
+    d = await engines("d0")
+    r = await start_router("dllm", [await engines("p0")], [d])
+    async with r.client.get(r.url + "/v1/models", headers={"X-Request-Id": "a" * 200}) as answer:
+        text = await answer.text()
+    assert_clean_400(answer.status, text, "X-Request-Id must be", caplog)
+    assert "/v1/models" not in [seen.path for seen in d.seen]
+
+
+def untempered(output: int) -> int:
+    """The Mersenne Twister state word behind one 32-bit output (its tempering undone)."""
+    y = output ^ (output >> 18)
+    y ^= (y << 15) & 0xEFC60000
+    x = y
+    for _ in range(5):
+        x = y ^ ((x << 7) & 0x9D2C5680)
+    y = x
+    for _ in range(3):
+        x = y ^ (x >> 11)
+    return x & 0xFFFFFFFF
+
+
+async def test_request_ids_the_router_makes_cannot_be_predicted_from_earlier_ones(
+    start_router: RouterFactory, engines: EngineFactory
+) -> None:
+    """NEW-9: 156 ids of 128 bits are the 624 words of Mersenne Twister's state, so with `random` a
+    client that saw them predicted every later id (another client's, and the engines' request id)."""
+    r = await start_router("dllm", [await engines("p0")], [await engines("d0")])
+
+    async def an_id() -> int:  # a refusal before any engine, with the id the router made
+        async with r.client.post(r.url + COMPLETIONS, data=b"not json") as answer:
+            assert answer.status == 400
+            return int(answer.headers["X-Request-Id"], 16)
+
+    seen = [await an_id() for _ in range(156)]
+    words = [(rid >> (32 * i)) & 0xFFFFFFFF for rid in seen for i in range(4)]
+    replica = random.Random()
+    replica.setstate((3, (*(untempered(w) for w in words), 624), None))
+    predicted = {replica.getrandbits(128) for _ in range(8)}
+    later = {await an_id() for _ in range(4)}
+    assert not later & predicted
+    assert len(set(seen) | later) == 160
 
 
 async def test_one_requests_prompts_run_at_most_16_pairs_at_once(

@@ -9,7 +9,7 @@ import prometheus_client
 
 from dllm_router import openai as oa
 from dllm_router.engine_auth import EngineAuth
-from dllm_router.errors import RouterError, request_id
+from dllm_router.errors import RouterError, request_id, request_id_or_new
 from dllm_router.exchange import ExchangeHost
 from dllm_router.http_messages import Request, Response
 from dllm_router.metrics import exposition
@@ -25,7 +25,10 @@ class AdminRoutes:
 
     async def models(self, request: Request) -> Response:
         host = self._host
-        rid = request_id(request)
+        try:
+            rid = request_id(request)
+        except RouterError as e:  # a malformed id is the client's 400 here too (NEW-8), never a traceback
+            return host.error_response(e, request_id_or_new(None))
         try:
             ep = host.pick(host.decode, [])
             headers = self._auth.models_headers(request)  # L5: the engines' key, else the client's own

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from random import getrandbits
+import secrets
 
 import msgspec
 
@@ -34,14 +34,19 @@ _VISIBLE = bytes(range(0x21, 0x7F))
 MAX_REQUEST_ID = 128  # characters: a uuid or a trace id fits; transfer ids add ~20 and stay under 256
 
 
+def new_request_id() -> str:
+    return secrets.token_hex(16)
+
+
 def request_id(request: Request) -> str:
-    """The client's X-Request-Id, or a new random one (128 bits, as a uuid4's hex; an id, not a secret).
+    """The client's X-Request-Id, or a new one (128 bits from the OS's CSPRNG: ids are echoed to clients
+    and become the engines' request ids, so one client must not predict another's, NEW-9).
 
     An id over MAX_REQUEST_ID characters, or with anything but visible ASCII, is a 400 (L1): it goes
     into transfer ids the connector limits to 256 characters, and into every access line."""
     rid = request.header(b"x-request-id")
     if not rid:
-        return f"{getrandbits(128):032x}"
+        return new_request_id()
     if len(rid) > MAX_REQUEST_ID or rid.translate(None, _VISIBLE):  # something not visible ASCII is left
         raise RouterError(
             400, "bad_request", f"X-Request-Id must be 1-{MAX_REQUEST_ID} visible ASCII characters"
@@ -54,7 +59,7 @@ def request_id_or_new(request: Request | None) -> str:
     if request is not None:
         with contextlib.suppress(RouterError):
             return request_id(request)
-    return f"{getrandbits(128):032x}"
+    return new_request_id()
 
 
 def header_value(value: str) -> bytes:
