@@ -217,6 +217,12 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
 MULTUS = {"k8s.v1.cni.cncf.io/networks": "x"}
 APPARMOR = {"container.apparmor.security.beta.kubernetes.io/vllm": "unconfined"}
 OTHER_SECRET = [{"name": "X", "valueFrom": {"secretKeyRef": {"name": "team-b", "key": "k"}}}]
+FOREIGN_HUB_TOKEN = {
+    "name": "org/m",
+    "source": {"huggingFace": {"tokenSecretRef": {"name": "payments-db", "key": "password"}}},
+}
+FOREIGN_MODEL_CLAIM = {"name": "m", "source": {"pvc": {"claimName": "team-b-data", "readOnly": False}}}
+FOREIGN_CACHE_CLAIM = {"name": "org/m", "source": {"huggingFace": {"cacheVolumeClaim": "team-b-data"}}}
 TOLERATE_ALL = [{"operator": "Exists"}]
 CONTROL_PLANE = "node-role.kubernetes.io/control-plane"
 TOLERATE_CONTROL_PLANE = [{"key": CONTROL_PLANE, "operator": "Exists", "effect": "NoSchedule"}]
@@ -239,6 +245,14 @@ PRIVILEGED: list[tuple[str, dict[str, Any], str]] = [
     ("host-network", {"rdma": {"enabled": True, "hostNetwork": True}}, "spec.rdma.hostNetwork"),
     ("host-devices", {"rdma": {"enabled": True, "mode": "hostDevices"}}, "spec.rdma.mode"),
     ("other-secret", {"decode": {"env": OTHER_SECRET}}, "spec.decode.env[0].valueFrom.secretKeyRef"),
+    # NEW-4: the hub token Secret and the model's PVCs only from the administrator's lists
+    ("unlisted-hub-token", {"model": FOREIGN_HUB_TOKEN}, "spec.model.source.huggingFace.tokenSecretRef.name"),
+    ("unlisted-model-claim", {"model": FOREIGN_MODEL_CLAIM}, "spec.model.source.pvc.claimName"),
+    (
+        "unlisted-cache-claim",
+        {"model": FOREIGN_CACHE_CLAIM},
+        "spec.model.source.huggingFace.cacheVolumeClaim",
+    ),
     ("multus", {"prefill": {"podAnnotations": MULTUS}}, "spec.prefill.podAnnotations"),
     ("apparmor", {"prefill": {"podAnnotations": APPARMOR}}, "spec.prefill.podAnnotations"),
     ("tolerate-all", {"decode": {"tolerations": TOLERATE_ALL}}, "spec.decode.tolerations[0].key"),

@@ -113,6 +113,19 @@ def test_operator_owned_env_names_are_reserved() -> None:
         assert f"'{name}'" in env_rule["x-kubernetes-validations"][0]["rule"]
 
 
+@pytest.mark.parametrize("name", ["HF_ENDPOINT", "HF_HUB_CACHE", "HF_HUB_ENDPOINT", "HF_HUB_ANYTHING_NEW"])
+def test_env_may_not_say_where_the_hub_token_goes(name: str) -> None:
+    """NEW-4: huggingface_hub sends HF_TOKEN to HF_ENDPOINT; a mirror is the operator's setting."""
+    body = merged(minimal(), {"spec": {"prefill": {"env": [{"name": name, "value": "https://elsewhere"}]}}})
+    with pytest.raises(SpecInvalid, match=rf"spec.prefill.env: .*{name}"):
+        parse(body)
+
+
+def test_the_hubs_on_off_switches_stay_open_to_env() -> None:
+    env = [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HF_HUB_ENABLE_HF_TRANSFER", "value": "1"}]
+    assert parse(merged(minimal(), {"spec": {"decode": {"env": env}}})).spec.decode.env
+
+
 def test_missing_spec_is_refused() -> None:
     with pytest.raises(SpecInvalid, match=r"^spec: Required value$"):
         parse({"metadata": {"name": "x"}})

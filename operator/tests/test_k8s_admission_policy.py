@@ -21,7 +21,7 @@ from e2e.samples import cpu_sample_on_kwok
 from k8s_dry_run import create
 
 from dllm_operator.api import parse
-from dllm_operator.render import render_all
+from dllm_operator.render import auth, render_all
 
 pytestmark = pytest.mark.k8s
 
@@ -179,6 +179,117 @@ def test_operator_identity_mounts_no_token_and_borrows_no_account(
             lambda: all(as_operator(pod).returncode == 0 for pod in gated.values()), 30, "the opt-in in force"
         )
         assert as_operator(token).returncode != 0  # a token never
+    finally:
+        for doc in docs:
+            cluster.run("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", check=False)
+
+
+def test_operator_identity_takes_over_nothing_and_widens_no_pod(
+    cluster: Cluster, crd: str, namespace: str
+) -> None:
+    """NEW-6, as the operator's ServiceAccount: a patch that adds the label and an ownerRef to an object
+    that was not the operator's is refused (the old object is judged too), and so are an init container
+    that is privileged, an added capability other than IPC_LOCK, privilege escalation, uid 0, secret
+    and projected volumes, and Secrets other than an Opaque `<resource>-auth`."""
+    docs = chart_policies(cluster, f"w{namespace[-8:]}", namespace)
+    user = re.search(r"username == '([^']+)'", json.dumps(docs))
+    assert user is not None
+    body = merged(minimal("ops"), {"metadata": {"namespace": namespace, "uid": "u"}})
+    cr = parse(body)
+    sts = next(m for m in render_all(cr) if m["kind"] == "StatefulSet")
+    engine = sts["spec"]["template"]["spec"]["containers"][0]
+
+    def as_operator(*args: str, obj: dict[str, Any] | None = None) -> subprocess.CompletedProcess[str]:
+        text = json.dumps(obj) if obj is not None else None
+        return cluster.run(
+            f"--as={user[1]}", "--as-group=system:masters", *args, "--dry-run=server", "-n", namespace,
+            input_text=text, check=False,
+        )  # fmt: skip
+
+    def pod_with(pod: dict[str, Any], container: dict[str, Any] | None = None) -> dict[str, Any]:
+        spec = merged(sts["spec"]["template"]["spec"], pod)
+        if container is not None:
+            spec["containers"] = [merged(engine, container)]
+        return merged(sts, {"spec": {"template": {"spec": spec}}})
+
+    def with_volume(volume: dict[str, Any]) -> dict[str, Any]:
+        return pod_with({"volumes": [*sts["spec"]["template"]["spec"]["volumes"], volume]})
+
+    escalating = {"securityContext": {"allowPrivilegeEscalation": True}}
+    refused = {
+        "privileged init container": pod_with(
+            {
+                "initContainers": [
+                    {"name": "init", "image": engine["image"], "securityContext": {"privileged": True}}
+                ]
+            }
+        ),
+        "SYS_ADMIN": pod_with({}, {"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}),
+        "escalation": pod_with({}, escalating),
+        "uid 0": pod_with({"securityContext": {"runAsUser": 0, "runAsNonRoot": False}}),
+        "secret volume": with_volume({"name": "s", "secret": {"secretName": "payments-db"}}),
+        "projected token": with_volume(
+            {"name": "t", "projected": {"sources": [{"serviceAccountToken": {"path": "t"}}]}}
+        ),
+        "token Secret": merged(
+            auth.new_secret(cr),
+            {
+                "type": "kubernetes.io/service-account-token",
+                "metadata": {"annotations": {"kubernetes.io/service-account.name": "default"}},
+            },
+        ),
+        "foreign Secret name": merged(auth.new_secret(cr), {"metadata": {"name": "payments-db"}}),
+    }
+    allowed = {
+        "the rendered StatefulSet": sts,
+        "the auth Secret": auth.new_secret(cr),
+        "IPC_LOCK for RDMA": pod_with({}, {"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}),
+    }
+    bystander = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "dns-like"},
+        "spec": {
+            "selector": {"matchLabels": {"app": "dns-like"}},
+            "template": {
+                "metadata": {"labels": {"app": "dns-like"}},
+                "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/coredns:v1"}]},
+            },
+        },
+    }
+    cluster.apply(bystander, "-n", namespace)
+    takeover = {
+        "metadata": {
+            "labels": {"app.kubernetes.io/managed-by": "dllm-operator"},
+            "ownerReferences": [
+                {
+                    "apiVersion": "disagg.dev/v1alpha1",
+                    "kind": "DisaggregatedLLM",
+                    "name": "made-up",
+                    "uid": "x",
+                    "controller": True,
+                }
+            ],
+        },
+        "spec": {"template": {"spec": {"containers": [{"name": "c", "image": "evil.example/dns:1"}]}}},
+    }
+    patch = ("patch", "deployment", "dns-like", "--type=strategic", "-p", json.dumps(takeover))
+    cluster.run("apply", "--server-side", "-f", "-", input_text=yaml.safe_dump_all(docs))
+    try:
+        wait_until(lambda: as_operator(*patch).returncode != 0, 30, "the operator policies in force")
+        assert "before and after the change" in as_operator(*patch).stderr
+        assert as_operator("delete", "deployment", "dns-like").returncode != 0
+        for what, obj in allowed.items():
+            result = as_operator("create", "-f", "-", obj=obj)
+            assert result.returncode == 0, f"{what}: {result.stderr}"
+        for what, obj in refused.items():
+            result = as_operator("create", "-f", "-", obj=obj)
+            assert result.returncode != 0, f"{what} was admitted"
+            assert "dllm-operator ServiceAccount" in result.stderr, f"{what}: {result.stderr}"
+        deployment = cluster.get_json("deployment", "dns-like", "-n", namespace)
+        assert (
+            deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.k8s.io/coredns:v1"
+        )
     finally:
         for doc in docs:
             cluster.run("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", check=False)

@@ -323,14 +323,51 @@ def test_operator_that_refuses_privileged_engines_still_renders_unprivileged_ask
 
 
 def test_hub_token_secret_stays_allowed_and_images_can_be_pinned_to_a_registry() -> None:
-    hub = {"huggingFace": {"tokenSecretRef": {"name": "hf", "key": "token"}}}
-    env = [{"name": "HF_TOKEN_COPY", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}]
+    hub = {
+        "huggingFace": {
+            "tokenSecretRef": {"name": "hf-token", "key": "token"},
+            "cacheVolumeClaim": "hf-cache",
+        }
+    }
+    env = [{"name": "HF_TOKEN_COPY", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}]
     body = merged(minimal(), {"spec": {"model": {"name": "m", "source": hub}, "decode": {"env": env}}})
     assert render_all(parse(body), OperatorConfig(allow_privileged_engines=False))
     pinned = OperatorConfig(allowed_image_prefixes=("registry.example/",))
     assert render_all(parse(merged(minimal(), {"spec": {"image": "registry.example/vllm:1"}})), pinned)
     with pytest.raises(SpecInvalid, match=r"spec.router.image: evil.example/r:1"):
         render_all(parse(merged(minimal(), {"spec": {"router": {"image": "evil.example/r:1"}}})), pinned)
+
+
+def test_the_lists_of_secrets_and_claims_a_resource_may_name_come_from_the_environment() -> None:
+    config = OperatorConfig.from_env(
+        {
+            "DLLM_ALLOW_PRIVILEGED_ENGINES": "false",
+            "DLLM_HUB_TOKEN_SECRETS": "team-a-hub",
+            "DLLM_MODEL_VOLUME_CLAIMS": "team-a-models,team-a-cache",
+        }
+    )
+    token = {
+        "huggingFace": {
+            "tokenSecretRef": {"name": "team-a-hub", "key": "t"},
+            "cacheVolumeClaim": "team-a-cache",
+        }
+    }
+    assert render_all(parse(merged(minimal(), {"spec": {"model": {"name": "m", "source": token}}})), config)
+    default_name = {"huggingFace": {"tokenSecretRef": {"name": "hf-token", "key": "t"}}}
+    with pytest.raises(
+        SpecInvalid, match=r"hf-token: not one of the names .*DLLM_HUB_TOKEN_SECRETS: team-a-hub"
+    ):
+        render_all(
+            parse(merged(minimal(), {"spec": {"model": {"name": "m", "source": default_name}}})), config
+        )
+
+
+def test_the_operators_hub_mirror_reaches_both_engines() -> None:
+    config = OperatorConfig.from_env({"DLLM_HF_ENDPOINT": "https://hub-mirror.internal"})
+    for child in render_all(parse(minimal()), config):
+        if child["kind"] == "StatefulSet":
+            env = child["spec"]["template"]["spec"]["containers"][0]["env"]
+            assert {"name": "HF_ENDPOINT", "value": "https://hub-mirror.internal"} in env
 
 
 def test_operator_flags_from_the_environment() -> None:

@@ -59,6 +59,12 @@ class OperatorConfig(BaseModel):
     allow_privileged_engines: bool = True
     # Non-empty: every image a CR names must start with one of these (e.g. "registry.example.com/").
     allowed_image_prefixes: CommaList = ()
+    # With allow_privileged_engines false (NEW-4): the only hub token Secrets and PVCs a CR may name
+    # (whoever may create the CR reads what they hold). The chart's admission policy uses the same lists.
+    hub_token_secrets: CommaList = ("hf-token",)
+    model_volume_claims: CommaList = ("models", "hf-cache")
+    # The hub mirror engines use (HF_ENDPOINT), an administrator's choice: a CR's env may not set it.
+    hub_endpoint: str = ""
     # How often a full listing is merged into the caches: the safety net for events a watch missed
     # (there is no polling otherwise). Tests shorten it to see that a resync writes nothing.
     resync_seconds: Annotated[float, Field(gt=0, allow_inf_nan=False)] = 600.0
@@ -101,6 +107,9 @@ ENV_NAMES: Mapping[str, str] = {
     "log_level": logs.ENV_LOG_LEVEL,
     "allow_privileged_engines": "DLLM_ALLOW_PRIVILEGED_ENGINES",
     "allowed_image_prefixes": "DLLM_ALLOWED_IMAGE_PREFIXES",
+    "hub_token_secrets": "DLLM_HUB_TOKEN_SECRETS",
+    "model_volume_claims": "DLLM_MODEL_VOLUME_CLAIMS",
+    "hub_endpoint": "DLLM_HF_ENDPOINT",
     "resync_seconds": "DLLM_RESYNC_SECONDS",
     "pod_name": "POD_NAME",
     "pod_namespace": "POD_NAMESPACE",

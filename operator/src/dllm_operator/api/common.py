@@ -27,7 +27,29 @@ OPERATOR_ENV_NAMES: tuple[str, ...] = (
     "DLLM_ENGINE_API_KEY",
     "DLLM_KV_TRANSFER_PORTS",
 )
-RESERVED_ENV_NAMES: tuple[str, ...] = tuple(sorted({*CONTRACT_ENV_NAMES, *OPERATOR_ENV_NAMES}))
+# Where huggingface_hub sends its requests, HF_TOKEN attached (NEW-4): a resource naming the address
+# could send the hub token anywhere. A mirror is the operator's setting (DLLM_HF_ENDPOINT), not a
+# resource's. HF_HUB_* names are reserved too (some name addresses, files or certificates), except
+# these switches, which name neither.
+HUB_ADDRESS_ENV = "HF_ENDPOINT"
+HUB_ENV_PREFIX = "HF_HUB_"
+HUB_SWITCHES: tuple[str, ...] = (
+    "HF_HUB_DISABLE_PROGRESS_BARS",
+    "HF_HUB_DISABLE_TELEMETRY",
+    "HF_HUB_DOWNLOAD_TIMEOUT",
+    "HF_HUB_ENABLE_HF_TRANSFER",
+    "HF_HUB_ETAG_TIMEOUT",
+    "HF_HUB_OFFLINE",
+)
+RESERVED_ENV_NAMES: tuple[str, ...] = tuple(
+    sorted({*CONTRACT_ENV_NAMES, *OPERATOR_ENV_NAMES, HUB_ADDRESS_ENV})
+)
+
+
+def env_name_reserved(name: str) -> bool:
+    """Whether a role's `env` may not set `name` (the CRD's rule says the same in CEL)."""
+    return name in RESERVED_ENV_NAMES or (name.startswith(HUB_ENV_PREFIX) and name not in HUB_SWITCHES)
+
 
 MAX_NAME_LENGTH = 44
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")

@@ -10,6 +10,9 @@ from dllm_contract.router_defaults import DEFAULT_HTTP_PORT, DEFAULT_REQUEST_TIM
 from dllm_contract.types import Port, PositiveFloat
 from dllm_operator.api.common import (
     CONTROL_PLANE_NOTE,
+    HUB_ADDRESS_ENV,
+    HUB_ENV_PREFIX,
+    HUB_SWITCHES,
     OPERATOR_ENV_NAMES,
     OPTED_IN,
     RESERVED_ENV_NAMES,
@@ -19,6 +22,7 @@ from dllm_operator.api.common import (
     TensorParallelSize,
     _Model,
     cel,
+    env_name_reserved,
     rules,
 )
 
@@ -117,9 +121,15 @@ class EngineSecurityContext(_Model):
 ENV_RESERVED = (
     "env may not set a name the operator owns (the KV-transfer contract: VLLM_KV_*, MOONCAKE_PROTOCOL, "
     "MOONCAKE_RDMA_DEVICE, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID; authentication and ports: "
-    f"{', '.join(OPERATOR_ENV_NAMES)})"
+    f"{', '.join(OPERATOR_ENV_NAMES)}; the hub's address: {HUB_ADDRESS_ENV} and {HUB_ENV_PREFIX}* but "
+    f"{', '.join(HUB_SWITCHES)})"
 )
 _RESERVED_LIST = ", ".join(f"'{name}'" for name in RESERVED_ENV_NAMES)
+_SWITCH_LIST = ", ".join(f"'{name}'" for name in HUB_SWITCHES)
+_ENV_RULE = (
+    f"self.all(e, !(e.name in [{_RESERVED_LIST}]) && "
+    f"(!e.name.startsWith('{HUB_ENV_PREFIX}') || e.name in [{_SWITCH_LIST}]))"
+)
 
 MaxNumSeqs = Annotated[int, Field(ge=1, description="vLLM --max-num-seqs.")]
 MaxNumBatchedTokens = Annotated[int, Field(ge=1, description="vLLM --max-num-batched-tokens.")]
@@ -157,9 +167,10 @@ class RoleSpec(_Model):
         max_length=64,
         description="Extra environment variables (core/v1 EnvVar). Names the operator sets for KV transfer "
         "(VLLM_KV_*, MOONCAKE_*, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID) and authentication "
-        f"({', '.join(OPERATOR_ENV_NAMES)}) are refused. The chart's admission policy refuses "
-        "valueFrom.secretKeyRef other than the model's hub token Secret outside opted-in namespaces.",
-        json_schema_extra=rules(cel(f"self.all(e, !(e.name in [{_RESERVED_LIST}]))", ENV_RESERVED)),
+        f"({', '.join(OPERATOR_ENV_NAMES)}) and the hub's address ({HUB_ADDRESS_ENV}, {HUB_ENV_PREFIX}* but "
+        "its on/off switches) are refused. The chart's admission policy refuses valueFrom.secretKeyRef "
+        "other than the model's hub token Secret outside opted-in namespaces.",
+        json_schema_extra=rules(cel(_ENV_RULE, ENV_RESERVED)),
     )
     extra_args: Annotated[tuple[Annotated[str, Field(max_length=1024)], ...], Field(max_length=64)] = Field(
         (), description="Extra vLLM arguments, appended after the operator's."
@@ -207,10 +218,10 @@ class RoleSpec(_Model):
     @classmethod
     def _no_contract_names(cls, env: tuple[EnvVar, ...]) -> tuple[EnvVar, ...]:
         for var in env:
-            if var.name in RESERVED_ENV_NAMES:
+            if env_name_reserved(var.name):
                 raise ValueError(
-                    f"env may not set {var.name}: the operator owns the KV-transfer contract and "
-                    "authentication names"
+                    f"env may not set {var.name}: the operator owns the KV-transfer contract, "
+                    "authentication and hub address names"
                 )
         return env
 

@@ -70,7 +70,8 @@ def kv_settings(cr: DisaggregatedLLM, role: EngineRole) -> KVTransferSettings:
     )
 
 
-def engine_env(cr: DisaggregatedLLM, role: EngineRole) -> list[dict[str, Any]]:
+def engine_env(cr: DisaggregatedLLM, role: EngineRole, hub_endpoint: str = "") -> list[dict[str, Any]]:
+    """`hub_endpoint`: the operator's hub mirror (HF_ENDPOINT), which a resource's env may not set."""
     env: list[dict[str, Any]] = [{"name": k, "value": v} for k, v in to_env(kv_settings(cr, role)).items()]
     env += [
         {"name": name, "valueFrom": {"fieldRef": {"fieldPath": path}}}
@@ -82,6 +83,8 @@ def engine_env(cr: DisaggregatedLLM, role: EngineRole) -> list[dict[str, Any]]:
             auth.secret_ref(cr, auth.ENGINE_API_KEY_ENV, auth.API_KEY_KEY),
         ]
     env += _model_source_env(cr)
+    if hub_endpoint:
+        env.append({"name": "HF_ENDPOINT", "value": hub_endpoint})
     env += [var.model_dump(by_alias=True, exclude_none=True) for var in role_spec(cr, role).env]
     return env
 

@@ -141,7 +141,7 @@ def engine_container(cr: DisaggregatedLLM, role: EngineRole, config: OperatorCon
         "command": ["dllm-serve"],
         "args": ["--", *engine_args(cr, role)],
         "ports": engine_ports(cr, role),
-        "env": engine_env(cr, role),
+        "env": engine_env(cr, role, config.hub_endpoint),
         "resources": engine_resources(cr, role),
         "securityContext": security_context(cr),
         "volumeMounts": mounts,

@@ -31,6 +31,35 @@ def _hub_token_secret(cr: DisaggregatedLLM) -> str | None:
     return source.hugging_face.token_secret_ref.name
 
 
+def _reference_errors(cr: DisaggregatedLLM, config: OperatorConfig) -> list[FieldError]:
+    """NEW-4: the Secret and the PVCs a CR names are read by whoever may create it, so only the ones
+    an administrator listed may be named."""
+    source = cr.spec.model.source
+    named: list[tuple[str, str, tuple[str, ...], str]] = []
+    if source is not None and source.pvc is not None:
+        path = "spec.model.source.pvc.claimName"
+        named.append((path, source.pvc.claim_name, config.model_volume_claims, "DLLM_MODEL_VOLUME_CLAIMS"))
+    if source is not None and source.hugging_face is not None:
+        hub = source.hugging_face
+        if hub.token_secret_ref is not None:
+            path = "spec.model.source.huggingFace.tokenSecretRef.name"
+            named.append(
+                (path, hub.token_secret_ref.name, config.hub_token_secrets, "DLLM_HUB_TOKEN_SECRETS")
+            )
+        if hub.cache_volume_claim:
+            path = "spec.model.source.huggingFace.cacheVolumeClaim"
+            named.append(
+                (path, hub.cache_volume_claim, config.model_volume_claims, "DLLM_MODEL_VOLUME_CLAIMS")
+            )
+    return [
+        FieldError(
+            path, f"{name}: not one of the names the operator allows ({variable}: {', '.join(allowed)})"
+        )
+        for path, name, allowed, variable in named
+        if name not in allowed
+    ]
+
+
 def _role_errors(cr: DisaggregatedLLM, role: str, spec: RoleSpec) -> list[FieldError]:
     errors: list[FieldError] = []
     hub_secret = _hub_token_secret(cr)
@@ -150,6 +179,7 @@ def refused(cr: DisaggregatedLLM, config: OperatorConfig) -> list[FieldError]:
                 "so naming a ServiceAccount lends them its identity",
             )
         )
+    errors += _reference_errors(cr, config)
     errors += _role_errors(cr, "prefill", cr.spec.prefill)
     errors += _role_errors(cr, "decode", cr.spec.decode)
     router = cr.spec.router
