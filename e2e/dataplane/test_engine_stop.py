@@ -9,15 +9,17 @@ grace period, so the engine finishes the push, then exits, and the client gets i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from e2e.dataplane.pipeline import Pipeline, counter, metrics_text, rendered_engine
+from e2e.dataplane.pipeline import Pipeline, counter, metrics_text, rendered_engine, wait_healthy
 from e2e.dataplane.prompts import PIPELINE_MARKS, PROMPTS, completion, run_pipeline
 from e2e.fixtures import wait_until
 
@@ -25,6 +27,7 @@ pytestmark = PIPELINE_MARKS
 
 SENDS_IN_FLIGHT = "vllm:dllm_kv_sends_in_flight"
 BLOCK = 32  # the sample's --block-size
+WAIT_FOR_PREFILL_S = 60  # the sample's prefillWaitMs: how long decode waits for KV before it fails
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +76,80 @@ def test_prefill_stopped_with_a_push_in_flight_finishes_it_and_the_client_is_ans
     # Then prefill exited by itself, well within its grace period.
     assert prefill.process.wait(timeout=60) is not None
     assert "aborting in-flight requests" not in prefill.tail(400)
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Every process under `pid`, with its name (/proc/PID/comm: vLLM's process titles)."""
+    parents: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            text = stat.read_text()
+            child = int(stat.parent.name)
+            parents[child] = int(text.rsplit(")", 1)[1].split()[1])
+            names[child] = (stat.parent / "comm").read_text().strip()
+    found: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, its_parent in parents.items():
+            if its_parent == parent and child not in found:
+                found[child] = names.get(child, "")
+                frontier.append(child)
+    return found
+
+
+def engine_workers(pid: int) -> list[int]:
+    """vLLM's worker processes under an engine's main process (their titles name them)."""
+    return [child for child, name in descendants(pid).items() if "worker" in name.lower()]
+
+
+def test_a_request_that_reaches_prefill_as_it_stops_is_run_by_another_prefill_or_refused_at_once(
+    pipeline: Pipeline,
+) -> None:
+    """Issue 31's second cause, as a roll met it with two clients: SIGTERM reaches prefill's engine core
+    while a step runs one prompt (its worker held by SIGSTOP), and a second prompt reaches the engine
+    core after that. vLLM rejects a request added while shutting down and its API server answers it
+    200 with finish_reason "abort"; the router used to take that for a prefill that ran and wait on
+    decode, which waited prefillWaitMs for KV that never came and answered 500. Now the router takes
+    the pod out and the prompt gets a clean 503 at once (this pipeline has no other prefill), while
+    the prompt that was running is answered in full."""
+    if not pipeline.processes["prefill"].alive():  # the test before stops it
+        wait_healthy(pipeline.start_engine("prefill"))
+    prefill, decode = pipeline.processes["prefill"], pipeline.processes["decode"]
+    router_url = pipeline.processes["router"].url
+    wait_until(lambda: completion(router_url, PROMPTS[3])[0] == 200, 60, "the router to serve again")
+    workers = engine_workers(prefill.process.pid)
+    assert workers, "no worker process under prefill's engine"
+    waiting_before = counter(metrics_text(decode.url), "vllm:num_requests_waiting")
+    for pid in workers:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            answers = [pool.submit(completion, router_url, prompt) for prompt in (PROMPTS[0], PROMPTS[2])]
+            wait_until(
+                lambda: counter(metrics_text(decode.url), "vllm:num_requests_waiting") >= waiting_before + 2,
+                60,
+                "decode waiting for both prompts' KV",
+            )
+            os.kill(prefill.process.pid, signal.SIGTERM)
+            wait_until(
+                lambda: "received signal=SIGTERM" in prefill.tail(400), 30, "prefill's engine core told"
+            )
+            for pid in workers:
+                os.kill(pid, signal.SIGCONT)
+            started = time.monotonic()
+            results = [answer.result(timeout=300) for answer in answers]
+            took = time.monotonic() - started
+    finally:
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    logs = f"--- prefill ---\n{prefill.tail(60)}\n--- decode ---\n{decode.tail(30)}"
+    statuses = sorted(status for status, _ in results)
+    assert 500 not in statuses, f"{results}\n{logs}"
+    assert 200 in statuses, f"{results}\n{logs}"
+    for status, body in results:
+        if status != 200:
+            assert (status, body["error"]["type"]) == (503, "no_prefill"), body
+    assert took < WAIT_FOR_PREFILL_S, f"an answer took {took:.0f}s: decode waited for KV\n{logs}"

@@ -59,8 +59,10 @@ class FakeVllmEngine:
     """TEST DOUBLE of a vLLM OpenAI-compatible server (see the module docstring).
 
     Knobs a test may set at any time: `healthy`, `fail_status` (answer with vLLM's error JSON),
-    `eos_at_prefill` (prefill's one token ends the answer), `hold` (an Event every generation waits
-    on before answering), `hold_after_first_chunk` (streams stop after one chunk until it is set),
+    `eos_at_prefill` (prefill's one token ends the answer), `prefill_finish` (the finish_reason of
+    prefill's answer, e.g. "abort" as vLLM answers a request it rejected while shutting down),
+    `hold` (an Event every generation waits on before answering), `hold_after_first_chunk` (streams
+    stop after one chunk until it is set),
     `break_after_first_chunk` (the connection is dropped mid-stream), `padding` (a JSON value, or JSON
     bytes, put into the choices of non-streamed decode answers to prompts starting with "big", as
     prompt logprobs would be), `nixl` (prefill returns NIXL's kv_transfer_params), `api_key` (as
@@ -74,6 +76,7 @@ class FakeVllmEngine:
         self.healthy = True
         self.fail_status: int | None = None
         self.eos_at_prefill = False
+        self.prefill_finish: str | None = None
         self.hold: asyncio.Event | None = None
         self.hold_after_first_chunk: asyncio.Event | None = None
         self.break_after_first_chunk = False
@@ -193,7 +196,7 @@ class FakeVllmEngine:
 
     def _prefill_answer(self, seen: Seen) -> JsonObject:
         token = fake_tokens(prompt_key(seen.body), 1)[0]
-        finish = "stop" if self.eos_at_prefill else "length"
+        finish = self.prefill_finish or ("stop" if self.eos_at_prefill else "length")
         kv = None
         if self.nixl:
             kv = {

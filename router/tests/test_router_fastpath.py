@@ -354,3 +354,46 @@ async def test_a_failing_step_answers_500_and_closes_the_connection(
     assert (answer.status, answer.headers["connection"]) == (500, "close")
     assert await c.closed_by_server()
     await all_idle(r.router)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "abort", "max_tokens": 5},  # the fast path
+        {"prompt": "abort", "max_tokens": 5, "stream": True},  # the coroutine path
+        {"prompt": ["abort", "twice"], "max_tokens": 5},  # the coroutine path, one exchange per prompt
+    ],
+    ids=["fast", "stream", "prompts"],
+)
+async def test_a_prefill_that_answers_abort_is_retried_on_another_not_waited_on(
+    engines: EngineFactory, start_router: RouterFactory, body: dict[str, Any]
+) -> None:
+    """Issue 31: vLLM answers 200 with finish_reason "abort" for a request its engine core rejected while
+    shutting down (a prefill pod being replaced). No KV comes, so decode would wait prefillWaitMs and
+    answer 500; the router takes that pod out and runs the prompt on another prefill at once."""
+    stopping, p1, d = await engines("p0"), await engines("p1"), await engines("d0")
+    stopping.prefill_finish = "abort"
+    r = await start_router("dllm", [stopping, p1], [d])
+    r.router.prefill.endpoints[("127.0.0.1", p1.port)].inflight += 100  # the stopping pod is picked first
+    status, text = await r.text_of(COMPLETIONS, body)
+    assert status == 200, text
+    prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]
+    assert sorted(s.body["prompt"] for s in p1.generations) == sorted(prompts)
+    assert not r.router.prefill.endpoints[("127.0.0.1", stopping.port)].healthy
+    assert r.router.metrics.retries >= 1
+
+
+async def test_with_every_prefill_answering_abort_the_client_gets_503_without_waiting_on_decode(
+    engines: EngineFactory, start_router: RouterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The only prefill is taken out, so the retry finds none: 503 at once (what a client meets while no
+    prefill pod is ready), not decode's 500 after prefillWaitMs."""
+    p, d = await engines("p0"), await engines("d0")
+    p.prefill_finish = "abort"
+    d.hold = asyncio.Event()  # decode waits for KV that never comes, as the real one would
+    r = await start_router("dllm", [p], [d])
+    status, text = await r.text_of(COMPLETIONS, {"prompt": "abort", "max_tokens": 5})
+    assert status == 503, text
+    assert json.loads(text)["error"]["type"] == "no_prefill"
+    assert "did not run the prompt" in caplog.text
+    await wait_event(d.cancelled_event, "decode's call dropped")

@@ -84,12 +84,30 @@ def pod_error(ep: Endpoint, status: int, data: bytes) -> RouterError:
     )
 
 
+class PrefillDidNotRun(Exception):
+    """Prefill answered 200 for a prompt it never ran: no KV will come for it."""
+
+
+# How a prefill call that ran ends: its one token (length), or an end of the answer there (stop).
+_PREFILL_RAN = ("length", "stop")
+
+
 def prefill_answer(data: bytes, ep: Endpoint) -> EngineAnswer:
     """Prefill's answer, a JSON object kept raw (only what the router reads of it is decoded: NEW-1), or
-    the error the client gets for anything else."""
+    the error the client gets for anything else.
+
+    A choice that ended otherwise did not run: vLLM answers 200 with finish_reason "abort" for a
+    request its engine core rejected because it was shutting down (a pod being replaced), and decode
+    would wait for KV that never comes (issue 31). That is Unreachable: the pod is taken out and the
+    request is tried on another one."""
     try:
-        return EngineAnswer.parse(data)
+        answer = EngineAnswer.parse(data)
     except msgspec.ValidationError:
         raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered a non-object") from None
     except ValueError:
         raise RouterError(502, "prefill_error", f"prefill pod {ep.name} answered non-JSON") from None
+    for head in answer.choice_heads():
+        if head.finish_reason not in _PREFILL_RAN:
+            reason = f"finish_reason {str(head.finish_reason)[:40]!r}: it did not run the prompt"
+            raise Unreachable(ep, PrefillDidNotRun(reason), connect_failed=True)
+    return answer

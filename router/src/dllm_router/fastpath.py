@@ -141,7 +141,11 @@ class FastExchange(Pending):
         self._raise_unless_ok(call, p)
         now = perf_counter()
         router.metrics.prefill_seconds.observe(now - self._prefill_at)
-        finished = prefill_answer(call.body, p)
+        try:
+            finished = prefill_answer(call.body, p)
+        except Unreachable:
+            self._prefill_refused = True  # it ran nothing: nothing of it to end on decode
+            raise
         self._prefill_done = now
         if oa.finished_at_prefill(finished, self.body):  # EOS at the first token: decode has nothing
             router.metrics.prefill_answers += 1

@@ -212,7 +212,11 @@ class PromptExchange:
             answer.prefill_refused = True
             raise pod_error(ep, response.status, data)
         host.metrics.prefill_seconds.observe(perf_counter() - started)
-        return prefill_answer(data, ep)
+        try:
+            return prefill_answer(data, ep)
+        except Unreachable:
+            answer.prefill_refused = True  # it ran nothing: nothing of it to end on decode
+            raise
 
     async def _open(
         self,
