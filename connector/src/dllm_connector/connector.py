@@ -206,6 +206,7 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
                 kv_port=int(transfer.kv_port),
                 sends=bool(transfer.is_kv_producer),
                 receives=bool(transfer.is_kv_consumer),
+                tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
             )
         else:
             identity = WorkerIdentity(
