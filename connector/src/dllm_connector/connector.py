@@ -183,6 +183,12 @@ def _tp_rank() -> int:
         return 0
 
 
+def _max_num_seqs(vllm_config: Any) -> int | None:
+    """vLLM's --max-num-seqs: how many requests the engine runs at once (sizes decode's side channel)."""
+    value = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_seqs", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
     _transport_kind = "mooncake"
 
@@ -200,6 +206,7 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
                 kv_port=int(transfer.kv_port),
                 sends=bool(transfer.is_kv_producer),
                 receives=bool(transfer.is_kv_consumer),
+                tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
             )
         else:
             identity = WorkerIdentity(
@@ -209,6 +216,7 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
                 sends=bool(transfer.is_kv_producer),
                 receives=bool(transfer.is_kv_consumer),
                 engine_id=str(transfer.engine_id) if transfer.engine_id else None,
+                max_num_seqs=_max_num_seqs(vllm_config),
             )
             self._identity = identity
 

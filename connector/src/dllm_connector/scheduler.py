@@ -5,9 +5,10 @@ Decides which requests load or send KV and which blocks, from the `dllm` kv_tran
 by the router's transfer id; vLLM's request ids only map results back to vLLM.
 
 kv_transfer_params come from whoever can reach the engine's HTTP port (C1): nothing here raises
-on them. Params that do not validate, or that ask for the other role (a prefill-only engine given
-DecodeParams, a decode-only engine given PrefillParams), mean "no transfer", logged once per
-request in one bounded line.
+on them. Params that do not validate, that ask for the other role (a prefill-only engine given
+DecodeParams, a decode-only engine given PrefillParams), or that name another TP size for the other
+role than the deployment's (C1 (c): a forged `decode_tp_size` of 256 would fan one send out to 256
+threads and ports of the decode pod) mean "no transfer", logged once per request in one bounded line.
 """
 
 from __future__ import annotations
@@ -26,9 +27,6 @@ from dllm_contract.pd_params import DecodeParams, PrefillParams, is_dllm_params
 
 _log = logging.getLogger(__name__)
 _LOGGED_REQUESTS = 1000  # request ids whose ignored params were logged (the latest)
-# The largest TP size a request may name for the other engine: the TP mapping and the sends are
-# per rank, so an unbounded size is CPU and threads on this engine.
-MAX_TP_SIZE = 256
 
 
 class ConnectorConfigError(ValueError):
@@ -151,7 +149,7 @@ def _peer_tp_size(params: DecodeParams | PrefillParams) -> int:
 
 
 def _named_peer_tp_size(params: DecodeParams | PrefillParams) -> int | None:
-    """The other side's TP size where the request names it; None (assume our own) where it does not."""
+    """The other side's TP size where the request names it; None where it does not."""
     return _peer_tp_size(params) if _PEER_TP_FIELD[type(params)] in params.model_fields_set else None
 
 
@@ -166,10 +164,13 @@ class SchedulerState:
         kv_port: int,
         sends: bool = True,
         receives: bool = True,
+        tp_size: int = 1,
     ) -> None:
         self.config = config
         self.block_size = block_size
         self.kv_port = kv_port
+        # The only TP size a request may name for the other role: the deployment's (C1 (c)).
+        self.peer_tp_size = config.peer_tp_size or tp_size
         self.sends, self.receives = sends, receives  # the engine's kv_role
         self._logged: dict[str | None, None] = {}
         self._plan = StepPlan()
@@ -216,7 +217,7 @@ class SchedulerState:
         skip = (prompt_len - num_external_tokens) // self.block_size
         wanted = tuple(block_ids[skip : blocks_for(prompt_len, self.block_size)])
         self._loading[request_id] = decode.transfer_id
-        prefill_tp = _named_peer_tp_size(decode)
+        prefill_tp = _named_peer_tp_size(decode) or self.config.peer_tp_size
         spec = LoadSpec(request_id, decode.transfer_id, wanted, skip, prompt_hash, prefill_tp)
         self._plan.loads.append(spec)
 
@@ -258,7 +259,7 @@ class SchedulerState:
             port,
             prompt_hash,
             prefill.decode_engine_id,
-            _named_peer_tp_size(prefill),
+            _named_peer_tp_size(prefill) or self.config.peer_tp_size,
         )
         self._plan.sends.append(spec)
         self._sending.add(request_id)
@@ -286,9 +287,10 @@ class SchedulerState:
             asked = parse(params)
             if asked is not None and not serves:
                 raise IgnoredParams(f"{type(asked).__name__} sent to an engine that does not {verb} KV")
-            if asked is not None and _peer_tp_size(asked) > MAX_TP_SIZE:
+            named = None if asked is None else _named_peer_tp_size(asked)
+            if asked is not None and named is not None and named != self.peer_tp_size:
                 raise IgnoredParams(
-                    f"{_PEER_TP_FIELD[type(asked)]} {_peer_tp_size(asked)} above {MAX_TP_SIZE}"
+                    f"{_PEER_TP_FIELD[type(asked)]} {named} is not this deployment's ({self.peer_tp_size})"
                 )
         except IgnoredParams as error:
             self._ignored(request_id, error)

@@ -26,7 +26,7 @@ from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.scheduler import StepPlan
 from dllm_connector.transport.base import Transport
 from dllm_connector.transport.placement import DataPath, PathSetting
-from dllm_connector.transport.sidechannel import PeerAuth
+from dllm_connector.transport.sidechannel import PeerAuth, connections_for
 from dllm_contract import kvconfig
 from dllm_contract.kvconfig import ConnectorExtraConfig, Protocol
 
@@ -41,6 +41,7 @@ class WorkerIdentity:
     sends: bool = True
     receives: bool = True
     engine_id: str | None = None
+    max_num_seqs: int | None = None  # vLLM's scheduler_config.max_num_seqs (None: not known)
 
 
 @dataclass
@@ -128,6 +129,7 @@ class ConnectorWorker:
             )
         if self.identity.receives:
             port = self.identity.kv_port + self.identity.tp_rank
+            prefill_tp = self.extra.peer_tp_size or self.identity.tp_size
             self.receiver = KVReceiver(
                 self.transport,
                 self.kv,
@@ -136,6 +138,7 @@ class ConnectorWorker:
                 port,
                 engine_id=self.identity.engine_id,
                 auth=auth,
+                max_connections=connections_for(self.identity.max_num_seqs, prefill_tp),
             )
         side = self.sender or self.receiver
         # Where payloads are encoded is known now: off the host path, on the cache's device (in device

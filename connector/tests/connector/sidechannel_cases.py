@@ -60,6 +60,7 @@ class Serve(Protocol):
         *,
         auth: PeerAuth | None = ...,
         max_connections: int = ...,
+        pre_auth_connections: int = ...,
         handshake_timeout: float = ...,
     ) -> tuple[Server, Echo]: ...
 

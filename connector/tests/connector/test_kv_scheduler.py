@@ -26,9 +26,13 @@ BLOCK = 16
 DECODE_KV_PORT = 15000
 
 
-def state() -> SchedulerState:
+def state(peer_tp_size: int | None = None) -> SchedulerState:
     settings = KVTransferSettings(
-        connector=Connector.MOONCAKE, role=Role.BOTH, listen_port=DECODE_KV_PORT, buffer_size_gb=0.01
+        connector=Connector.MOONCAKE,
+        role=Role.BOTH,
+        listen_port=DECODE_KV_PORT,
+        buffer_size_gb=0.01,
+        peer_tp_size=peer_tp_size,
     )
     extra = kv_transfer_config(settings, "engine-a")["kv_connector_extra_config"]
     return SchedulerState(
@@ -103,7 +107,7 @@ def test_aborted_load_is_cancelled_once_and_forgotten() -> None:
 
 
 def test_plans_carry_the_other_sides_tp_size_from_the_request() -> None:
-    decode, prefill = state(), state()
+    decode, prefill = state(peer_tp_size=4), state(peer_tp_size=2)  # the deployment's, which requests name
     params = DecodeParams(transfer_id="tx-6", prefill_tp_size=4).model_dump()
     decode.after_alloc("d-6", params, "h", 40, [1, 2, 3], 40)
     (load,) = decode.take_plan().loads

@@ -229,10 +229,13 @@ def worker_plans(
     prefill_params = PrefillParams(
         transfer_id="tx-tp", decode_host=HOST, decode_kv_port=port, decode_tp_size=decode_tp
     ).model_dump()
-    decode_state = SchedulerState(extra, block_size=16, kv_port=port)
+    # each engine knows the other's TP size (DLLM_KV_PEER_TP_SIZE), the only one a request may name
+    decode_extra = extra.model_copy(update={"peer_tp_size": prefill_tp})
+    decode_state = SchedulerState(decode_extra, block_size=16, kv_port=port, tp_size=decode_tp)
     count, _ = decode_state.matched_tokens(decode_params, prompt_len, 0)
     decode_state.after_alloc("d-1", decode_params, "h", prompt_len, DST_BLOCKS[:5], count)
-    prefill_state = SchedulerState(extra, block_size=16, kv_port=0)
+    prefill_extra = extra.model_copy(update={"peer_tp_size": decode_tp})
+    prefill_state = SchedulerState(prefill_extra, block_size=16, kv_port=0, tp_size=prefill_tp)
     assert prefill_state.finished("p-1", prefill_params, "h", prompt_len, SRC_BLOCKS[:5], True)
     return prefill_state.take_plan(), decode_state.take_plan()
 

@@ -1,5 +1,6 @@
 """kv_transfer_params come from any HTTP caller: they never raise inside vLLM's scheduler or worker,
-and they cannot point prefill at a host that is not a decode peer (security review C1).
+they cannot point prefill at a host that is not a decode peer, and they cannot name another TP size
+for the other role than the deployment's (security review C1, C1 (c)).
 
 The scheduler state is pure; the worker tests run real ConnectorWorkers (Mooncake on 127.0.0.1)
 and a real listening socket as the host a hostile request names.
@@ -243,3 +244,44 @@ def _allowed(peers: DecodePeers, host: str) -> bool:
     except PeerNotAllowed:
         return False
     return True
+
+
+# ---- C1 (c): the other role's TP size is the deployment's -------------------------------------------
+
+
+@pytest.fixture
+def decode_ranks() -> Iterator[list[socket.socket]]:
+    """Real listeners where a decode of TP 2 would listen (ports from the OS: port, port + 1)."""
+    port = consecutive_free_ports(2)
+    listeners = [socket.create_server((HOST, port + rank)) for rank in range(2)]
+    for listener in listeners:
+        listener.setblocking(False)
+    yield listeners
+    for listener in listeners:
+        listener.close()
+
+
+@pytest.mark.parametrize("forged", [256, 3, 1], ids=["fan-out-256", "three", "one"])
+def test_a_decode_tp_size_other_than_the_deployments_is_refused_and_opens_no_connection(
+    decode_ranks: list[socket.socket], forged: int
+) -> None:
+    port = int(decode_ranks[0].getsockname()[1])
+    config = extra(decode_host="localhost", decode_port=port, peer_tp_size=2)  # decode runs TP 2
+    engine = SchedulerState(config, block_size=BLOCK, kv_port=0, receives=False, tp_size=1)
+    asked = PrefillParams(transfer_id="t-fan", decode_host=HOST, decode_kv_port=port, decode_tp_size=forged)
+    assert engine.finished("r-1", asked.model_dump(), "h", 40, [1, 2, 3], True) is False  # blocks freed
+    plan = engine.take_plan()
+    assert plan == StepPlan()
+    prefill = ConnectorWorker(config, GEOMETRY, WorkerIdentity(0, receives=False), "mooncake")
+    try:
+        prefill.register_kv_caches(make_caches(7), NUM_BLOCKS)
+        prefill.start(plan)
+        assert prefill.sender is not None
+        assert prefill.sender.wait_idle(10)
+        assert prefill.results().finished_sending == set()
+    finally:
+        prefill.close()
+    assert [connections(listener) for listener in decode_ranks] == [0, 0]
+    honest = asked.model_copy(update={"decode_tp_size": 2}).model_dump()
+    assert engine.finished("r-2", honest, "h", 40, [1, 2, 3], True) is True  # the deployment's passes
+    assert engine.take_plan().sends[0].decode_tp_size == 2

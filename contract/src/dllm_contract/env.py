@@ -58,6 +58,8 @@ ENV_ENGINE_ID = "DLLM_ENGINE_ID"
 ENV_KV_AUTH_TOKEN = "DLLM_KV_AUTH_TOKEN"  # noqa: S105 - an env name
 # "LOW-HIGH": the ports Mooncake listens on, for NetworkPolicies and hostNetwork users.
 ENV_TRANSFER_PORTS = "DLLM_KV_TRANSFER_PORTS"
+# The other role's TP size: the only one a request may name for it.
+ENV_PEER_TP_SIZE = "DLLM_KV_PEER_TP_SIZE"
 # Not in the compose file: how a custom connector is named (api.md's kvTransfer.custom).
 ENV_CUSTOM_CLASS = "VLLM_KV_CONNECTOR_CLASS"
 ENV_CUSTOM_MODULE = "VLLM_KV_CONNECTOR_MODULE_PATH"
@@ -85,6 +87,7 @@ CONTRACT_ENV_NAMES: tuple[str, ...] = (
     ENV_ENGINE_ID,
     ENV_KV_AUTH_TOKEN,
     ENV_TRANSFER_PORTS,
+    ENV_PEER_TP_SIZE,
     ENV_CUSTOM_CLASS,
     ENV_CUSTOM_MODULE,
     ENV_CUSTOM_EXTRA,
@@ -128,6 +131,7 @@ def to_env(settings: KVTransferSettings) -> dict[str, str]:
         ENV_HOST_IP: settings.host_ip,
         ENV_ENGINE_ID: settings.engine_id,
         ENV_TRANSFER_PORTS: _format_ports(settings.transfer_ports),
+        ENV_PEER_TP_SIZE: None if settings.peer_tp_size is None else str(settings.peer_tp_size),
     }
     if settings.custom is not None:
         env[ENV_CUSTOM_CLASS] = settings.custom.connector_class
@@ -157,6 +161,7 @@ ENV_FIELDS: Mapping[str, str] = {
     ENV_HOST_IP: "host_ip",
     ENV_ENGINE_ID: "engine_id",
     ENV_TRANSFER_PORTS: "transfer_ports",
+    ENV_PEER_TP_SIZE: "peer_tp_size",
 }
 _VARIABLE = {field: name for name, field in ENV_FIELDS.items()}
 _ORDER = {field: index for index, field in enumerate(ENV_FIELDS.values())}

@@ -162,6 +162,10 @@ class KVTransferShared(_Frozen):
     host_ip: NonEmpty | None = Field(None, description="an address")
     # Mooncake's RPC and data ports (DLLM_KV_TRANSFER_PORTS).
     transfer_ports: PortRange | None = Field(None, description="LOW-HIGH, two port numbers")
+    # The other role's tensor-parallel size (DLLM_KV_PEER_TP_SIZE): decode's on prefill, prefill's on
+    # decode. A request may name no other (C1), and decode sizes its side channel by it (NEW-7).
+    # Unset: the engine's own.
+    peer_tp_size: PositiveInt | None = Field(None, description=_POSITIVE_WHOLE)
 
     @model_validator(mode="after")
     def _check_ports(self) -> Self:

@@ -32,6 +32,10 @@ CONNECTOR_CLASS: Mapping[Connector, str] = {
 }
 
 
+# Fields left out of the extra config's JSON while unset.
+_OMITTED_UNSET = ("transfer_ports", "peer_tp_size")
+
+
 class ConnectorExtraConfig(KVTransferShared):
     """kv_connector_extra_config of this project's connectors: the settings vLLM has no field for.
 
@@ -44,10 +48,11 @@ class ConnectorExtraConfig(KVTransferShared):
     hold_seconds: PositiveInt = DEFAULT_HOLD_SECONDS
 
     @model_serializer(mode="wrap")
-    def _omit_unset_ports(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _omit_unset_newer_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
         dumped: dict[str, Any] = handler(self)
-        if dumped.get("transfer_ports", ()) is None:  # engines rendered before the range existed
-            del dumped["transfer_ports"]
+        for name in _OMITTED_UNSET:  # engines rendered before these existed print as they did
+            if dumped.get(name, ()) is None:
+                del dumped[name]
         return dumped
 
 

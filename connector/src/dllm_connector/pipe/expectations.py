@@ -89,11 +89,18 @@ class Expectations:
         self._deadlines: list[tuple[float, int, Expectation]] = []  # a heap; stale entries skipped
         self._order = itertools.count()
         self.wakeups = 0  # times a waiter woke (for tests: only the waiters of a changed id wake)
+        self._claims_waiting = 0
 
     @property
     def pending(self) -> set[str]:
         with self._lock:
             return set(self._expected)
+
+    @property
+    def claims_waiting(self) -> int:
+        """Offers waiting in `claim` for decode to expect their id."""
+        with self._lock:
+            return self._claims_waiting
 
     def add(
         self,
@@ -277,7 +284,11 @@ class Expectations:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransferTimeout(f"decode did not claim transfer {transfer_id} within {hold_s:.1f}s")
-                changed.wait(left)
+                self._claims_waiting += 1
+                try:
+                    changed.wait(left)
+                finally:
+                    self._claims_waiting -= 1
                 self.wakeups += 1
 
     def close(self, reason: str, timeout: float) -> list[str]:

@@ -51,15 +51,28 @@ class KVReceiver(PipeSide):
         *,
         engine_id: str | None = None,
         auth: sidechannel.PeerAuth | None = None,
+        max_connections: int = sidechannel.MIN_CONNECTIONS,
     ) -> None:
+        """`max_connections`: the side channel's connections past the handshake, each an offer waiting
+        for its claim or a part under way (sidechannel.connections_for sizes it)."""
         super().__init__(transport, kv, config)
         self.engine_id = engine_id
         self._expectations = Expectations(self.stats, config.prefill_wait_s)
-        self._server = sidechannel.Server(host, port, self._serve, auth=auth)
+        self._server = sidechannel.Server(host, port, self._serve, auth=auth, max_connections=max_connections)
 
     @property
     def port(self) -> int:
         return int(self._server.port)
+
+    @property
+    def side_channel(self) -> sidechannel.ServerStats:
+        """The side channel's counters: connections accepted, authenticated, answered full, refused."""
+        return self._server.stats
+
+    @property
+    def offers_waiting(self) -> int:
+        """Offers read and waiting for decode to expect their id (each holds a connection slot)."""
+        return self._expectations.claims_waiting
 
     @property
     def waiter_wakeups(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import socket
 import threading
 import time
@@ -28,6 +29,9 @@ from dllm_contract.kvconfig import Compression
 _log = logging.getLogger(__name__)
 # Connection attempts to a decode side channel that is not up yet are retried this often.
 _CONNECT_RETRY_S = 0.05
+# A side channel that answered "full" (NEW-7) is asked again after a pause that doubles from the first
+# to the last of these, jittered so that the sends a burst refused do not all come back at once.
+_FULL_RETRY_S = (0.02, 0.5)
 # Codec none writes block to block only where each run of memory is at least this long. A head
 # range on the NHD layout is one short run per token; those are gathered into staging instead
 # (short runs move far slower zero-copy: docs/kv-connector.md, "Head ranges").
@@ -213,16 +217,36 @@ class KVSender(PipeSide):
             raise TransferFailed(str(error)) from None
 
     def _connect(self, host: str, port: int) -> socket.socket:
-        deadline = time.monotonic() + self.config.transfer_timeout_s
+        """A connection to the decode rank at host:port within the transfer timeout, retrying a side
+        channel not up yet and one that is full; an authentication failure is final at once."""
+        timeout = self.config.transfer_timeout_s
+        deadline = time.monotonic() + timeout
+        pause = _FULL_RETRY_S[0]
         while True:
+            left = max(deadline - time.monotonic(), 0.001)
             try:
-                return sidechannel.connect(host, port, self.config.transfer_timeout_s, auth=self._auth)
+                sock = sidechannel.connect(host, port, left, auth=self._auth)
             except sidechannel.AuthenticationFailed:
                 raise  # a retry would only repeat the refusal until the timeout
+            except sidechannel.ServerFull as full:
+                if self._closing.is_set():
+                    raise
+                left = deadline - time.monotonic()
+                if left <= _CONNECT_RETRY_S:  # no time for another hello
+                    raise TransferTimeout(
+                        f"{full}, for the whole transfer timeout ({timeout:.1f}s)"
+                    ) from None
+                # the last try comes just before the deadline, with time left to say hello
+                self._closing.wait(min(pause * random.uniform(0.5, 1.0), left - _CONNECT_RETRY_S))
+                pause = min(2 * pause, _FULL_RETRY_S[1])
+                continue
             except TransportError:
                 if time.monotonic() + _CONNECT_RETRY_S > deadline or self._closing.is_set():
                     raise
-                time.sleep(_CONNECT_RETRY_S)
+                self._closing.wait(_CONNECT_RETRY_S)
+                continue
+            sock.settimeout(timeout)  # each later step has its own transfer timeout, not what was left
+            return sock
 
     def _chunk_blocks(self, count: int) -> int:
         """Blocks per chunk, at most the transfer's `count` (decode refuses more, L3)."""

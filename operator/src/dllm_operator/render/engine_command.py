@@ -48,6 +48,7 @@ def kv_settings(cr: DisaggregatedLLM, role: EngineRole) -> KVTransferSettings:
             extra_config=kv.custom.extra_config,
         )
     sends = role == "prefill"
+    peer: EngineRole = "decode" if sends else "prefill"
     return KVTransferSettings(
         connector=kv.connector,
         role=Role(role),
@@ -64,6 +65,7 @@ def kv_settings(cr: DisaggregatedLLM, role: EngineRole) -> KVTransferSettings:
         decode_host=labels.child_name(cr, "decode") if sends else None,
         decode_port=kv.port if sends else None,
         transfer_ports=transfer_port_range(kv.port),
+        peer_tp_size=role_spec(cr, peer).tensor_parallel_size,
         rdma_devices=cr.spec.rdma.devices if cr.spec.rdma.enabled else (),
         gid_index=cr.spec.rdma.gid_index if cr.spec.rdma.enabled else None,
         custom=custom,

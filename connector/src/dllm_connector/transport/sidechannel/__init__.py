@@ -21,20 +21,28 @@ Both nonces are fresh random bytes, so a recorded handshake cannot be replayed, 
 keep one side's MAC from being reflected as the other's. MACs are compared with
 `hmac.compare_digest`. Without a key on either end, nonce and MACs are zero. Status 0 is ok; 1 says
 the server has no key but the client has; 2 says the server speaks another version (its own is in
-the version byte); 3 says the server requires a key the client does not have. An engine of version 1
-without a key sends no hello: its first four bytes are a message length below 16 MiB, never "DLKV",
-so the server tells it apart, answers one `nack` naming both versions and closes. A wrong MAC on
+the version byte); 3 says the server requires a key the client does not have; 4 says the server is
+full (every slot busy: ServerFull, which the sender retries). An engine of version 1 without a key
+sends no hello: its first four bytes are a message length below 16 MiB, never "DLKV", so the
+server tells it apart, answers one `nack` naming both versions and closes. A wrong MAC on
 either side closes the connection; the server counts and logs it. The handshake authenticates the
 two ends, not each later message: an attacker on the network path could still take over an
 established connection, and nothing is encrypted (use the CNI's encryption for that).
 
-The server also caps concurrent connections (more are closed at once), puts one deadline on the whole
-handshake, bounds the first message of a connection without a key to PRE_AUTH_LIMIT bytes, and keeps
-accepting after transient errors (EMFILE etc.).
+The server keeps two pools (NEW-7): connections still in their handshake, a few, where a new one
+evicts the oldest; and connections past it, sized from what decode serves at once, where a hello that
+finds none free is answered status 4. It puts one deadline on the whole handshake, bounds the first
+message of a connection without a key to PRE_AUTH_LIMIT bytes, and keeps accepting after transient
+errors (EMFILE etc.).
 
 The messages themselves are typed models (dllm_connector.pipe.messages); this module frames them.
 """
 
+from dllm_connector.transport.sidechannel.capacity import (
+    MIN_CONNECTIONS,
+    PRE_AUTH_CONNECTIONS,
+    connections_for,
+)
 from dllm_connector.transport.sidechannel.framing import (
     ECHO_CHARS,
     MAX_MESSAGE_BYTES,
@@ -43,6 +51,7 @@ from dllm_connector.transport.sidechannel.framing import (
     KeyRequired,
     Message,
     PeerRefused,
+    ServerFull,
     VersionMismatch,
     clip,
     expect,
@@ -58,6 +67,7 @@ from dllm_connector.transport.sidechannel.handshake import (
     MAGIC,
     PROTOCOL_VERSION,
     STATUS_BAD_VERSION,
+    STATUS_FULL,
     STATUS_KEY_REQUIRED,
     STATUS_NO_AUTH,
     STATUS_OK,
@@ -67,7 +77,6 @@ from dllm_connector.transport.sidechannel.handshake import (
 )
 from dllm_connector.transport.sidechannel.server import (
     HANDSHAKE_TIMEOUT_S,
-    MAX_CONNECTIONS,
     Server,
     ServerStats,
 )
@@ -79,11 +88,13 @@ __all__ = [
     "HANDSHAKE_TIMEOUT_S",
     "HELLO",
     "MAGIC",
-    "MAX_CONNECTIONS",
     "MAX_MESSAGE_BYTES",
+    "MIN_CONNECTIONS",
+    "PRE_AUTH_CONNECTIONS",
     "PRE_AUTH_LIMIT",
     "PROTOCOL_VERSION",
     "STATUS_BAD_VERSION",
+    "STATUS_FULL",
     "STATUS_KEY_REQUIRED",
     "STATUS_NO_AUTH",
     "STATUS_OK",
@@ -93,11 +104,13 @@ __all__ = [
     "PeerAuth",
     "PeerRefused",
     "Server",
+    "ServerFull",
     "ServerStats",
     "VersionMismatch",
     "client_hello",
     "clip",
     "connect",
+    "connections_for",
     "expect",
     "read_exactly",
     "recv_message",

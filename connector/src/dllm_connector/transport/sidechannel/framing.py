@@ -55,6 +55,13 @@ class KeyRequired(AuthenticationFailed, PeerRefused):
     """The server requires a key (DLLM_KV_AUTH_TOKEN) this client does not have; it refused us."""
 
 
+class ServerFull(TransportError):
+    """Every connection slot of the side channel is busy (offers waiting for decode to claim them).
+
+    Unlike an authentication failure this passes: the sender retries it within its transfer timeout.
+    """
+
+
 class Accepted(socket.socket):
     """A connection the Server accepted: the size limit of the first message read from it."""
 

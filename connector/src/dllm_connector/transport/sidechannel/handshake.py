@@ -14,6 +14,7 @@ from dllm_connector.transport.base import TransferTimeout, TransportError
 from dllm_connector.transport.sidechannel.framing import (
     AuthenticationFailed,
     KeyRequired,
+    ServerFull,
     VersionMismatch,
     read_exactly,
 )
@@ -27,12 +28,14 @@ MAGIC = b"DLKV"
 #      end); the hello only where a key is configured.
 #   2: the hello on every connection, with a flags byte (bit 0: the client has a key); status 3
 #      (the server requires a key); the messages a tagged union on `type`.
+#      Later: status 4 (the server is full, NEW-7). No bump: a build of version 2 without it reads
+#      status 4 as a refusal, and says so; it misreads nothing.
 PROTOCOL_VERSION = 2
 NONCE_BYTES = MAC_BYTES = 32
 HELLO = struct.Struct(">4sBB2x32s")
 CHALLENGE = struct.Struct(">4sBB2x32s32s")
 FLAG_KEY = 1
-STATUS_OK, STATUS_NO_AUTH, STATUS_BAD_VERSION, STATUS_KEY_REQUIRED = 0, 1, 2, 3
+STATUS_OK, STATUS_NO_AUTH, STATUS_BAD_VERSION, STATUS_KEY_REQUIRED, STATUS_FULL = 0, 1, 2, 3, 4
 ZERO_NONCE = bytes(32)
 AUTH_REQUIRED = "this KV side channel requires authentication: both engines need the same DLLM_KV_AUTH_TOKEN"
 SERVER_LABEL = b"dllm-kv-side-channel/1 server"
@@ -114,6 +117,11 @@ def client_hello(sock: socket.socket, auth: PeerAuth | None, deadline: float, pe
         raise KeyRequired(
             f"the KV side channel at {peer} requires authentication, but this engine has no key: "
             "set the same DLLM_KV_AUTH_TOKEN on both engines"
+        )
+    if status == STATUS_FULL:
+        raise ServerFull(
+            f"the KV side channel at {peer} is full: every connection it serves is busy (offers "
+            "waiting for decode to claim them)"
         )
     if status != STATUS_OK:
         raise AuthenticationFailed(f"the KV side channel at {peer} refused the handshake (status {status})")

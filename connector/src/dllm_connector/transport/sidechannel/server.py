@@ -1,4 +1,11 @@
-"""The side channel's server: bounded connections, the server's half of the hello, a thread per exchange."""
+"""The side channel's server: bounded connections, the server's half of the hello, a thread per exchange.
+
+Two bounds (NEW-7): a few connections in their handshake at once (preauth.PreAuthPool, the oldest
+evicted for a new one), and the connections past it (capacity.Slots, sized by the receiver from what
+decode serves at once). A hello is answered "full" (status 4) when no slot is free, before any key
+is checked, so a sender can tell a busy decode from a refusal; the slot itself is taken only once the
+peer authenticated, so no unauthenticated peer holds one.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from dllm_connector.transport.base import TransportError
+from dllm_connector.transport.sidechannel.capacity import MIN_CONNECTIONS, PRE_AUTH_CONNECTIONS, Slots
 from dllm_connector.transport.sidechannel.framing import (
     PRE_AUTH_LIMIT,
     Accepted,
@@ -33,23 +41,26 @@ from dllm_connector.transport.sidechannel.handshake import (
     PROTOCOL_VERSION,
     SERVER_LABEL,
     STATUS_BAD_VERSION,
+    STATUS_FULL,
     STATUS_KEY_REQUIRED,
     STATUS_NO_AUTH,
     STATUS_OK,
     ZERO_NONCE,
     PeerAuth,
 )
+from dllm_connector.transport.sidechannel.preauth import PreAuthEntry, PreAuthPool
 
 _log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
-MAX_CONNECTIONS = 64
 
 
 @dataclass
 class ServerStats:
     accepted: int = 0  # connections handed a thread
-    over_capacity: int = 0  # closed at once: max_connections were busy
+    over_capacity: int = 0  # closed at once: no place in the handshake pool came free in time
+    evicted: int = 0  # closed in their handshake to make room for a newer connection
+    full: int = 0  # answered "full": every slot past the handshake was busy
     authenticated: int = 0
     refused: int = 0  # failed or mismatched handshakes
     timed_out: int = 0  # no complete hello (or first message) within the handshake timeout
@@ -79,8 +90,9 @@ class _RateLimitedLog:
 class Server:
     """Accepts side-channel connections and hands each to `handle` on its own thread.
 
-    At most `max_connections` run at once (more are closed at once). `handle` only ever sees
-    connections whose hello (of this protocol version) arrived within `handshake_timeout`; with
+    At most `pre_auth_connections` are in their handshake at once (a new one evicts the oldest) and
+    at most `max_connections` past it (a hello beyond them is answered "full"). `handle` only ever
+    sees connections whose hello (of this protocol version) arrived within `handshake_timeout`; with
     `auth`, only authenticated ones.
     """
 
@@ -91,15 +103,16 @@ class Server:
         handle: Callable[[socket.socket], None],
         *,
         auth: PeerAuth | None = None,
-        max_connections: int = MAX_CONNECTIONS,
+        max_connections: int = MIN_CONNECTIONS,
+        pre_auth_connections: int = PRE_AUTH_CONNECTIONS,
         handshake_timeout: float = HANDSHAKE_TIMEOUT_S,
     ) -> None:
-        if max_connections < 1:
-            raise ValueError("max_connections must be at least 1")
         self._handle = handle
         self._auth = auth
         self._handshake_timeout = handshake_timeout
-        self._slots = threading.BoundedSemaphore(max_connections)
+        self._slots = Slots(max_connections)
+        self._pre_auth = PreAuthPool(pre_auth_connections)
+        self.max_connections = max_connections
         self._stats = ServerStats()
         self._stats_lock = threading.Lock()
         self._warn = _RateLimitedLog()
@@ -147,37 +160,52 @@ class Server:
             backoff = 0.0
             sock = Accepted(conn.family, conn.type, conn.proto, fileno=conn.detach())
             sock.first_message_limit = None
-            if not self._slots.acquire(blocking=False):
+            entry = self._pre_auth.enter(sock)
+            if entry is None:
                 self._count("over_capacity")
-                self._warn.warning(f"closed a connection from {_address(address)}: too many connections")
+                self._warn.warning(f"closed a connection from {_address(address)}: too many handshakes")
                 sock.close()
                 continue
             self._count("accepted")
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 threading.Thread(
-                    target=self._serve, args=(sock, _address(address)), name="kv-side-conn", daemon=True
+                    target=self._serve,
+                    args=(sock, entry, _address(address)),
+                    name="kv-side-conn",
+                    daemon=True,
                 ).start()
             except (OSError, RuntimeError) as error:  # no thread to be had: drop this connection
-                self._slots.release()
+                self._pre_auth.leave(entry)
                 sock.close()
                 self._warn.warning(f"could not serve a connection: {error}")
 
-    def _serve(self, sock: Accepted, peer: str) -> None:
-        try:
-            with sock:
-                if self._admit(sock, peer):
-                    sock.settimeout(None)  # as accepted: the handle sets its own deadlines
-                    self._handle(sock)
-        finally:
-            self._slots.release()
+    def _serve(self, sock: Accepted, entry: PreAuthEntry, peer: str) -> None:
+        with sock:
+            try:
+                admitted = self._admit(sock, entry, peer)
+            finally:
+                self._pre_auth.leave(entry)
+            # Authenticated now. A slot was free at its hello; should a peer of the same moment have
+            # taken it since, the next one released within the handshake's time serves.
+            if not admitted or not self._slots.take(self._handshake_timeout):
+                if admitted:
+                    self._count("full")
+                    self._warn.warning(f"closed a connection from {peer}: no slot came free after its hello")
+                return
+            try:
+                sock.settimeout(None)  # as accepted: the handle sets its own deadlines
+                self._handle(sock)
+            finally:
+                self._slots.release()
 
     # the handshake ----------------------------------------------------------------------------------
 
-    def _admit(self, sock: Accepted, peer: str) -> bool:
+    def _admit(self, sock: Accepted, entry: PreAuthEntry, peer: str) -> bool:
         """Whether `handle` may have this connection; refusals are counted and logged here."""
         deadline = time.monotonic() + self._handshake_timeout
         read = 0
+        answered = False  # whether the peer was sent a status (a later refusal cannot be "full")
         try:
             first = read_exactly(sock, len(MAGIC), deadline)
             read += len(first)
@@ -194,8 +222,14 @@ class Server:
                 self._refused(peer, f"it speaks protocol version {version}, this engine {PROTOCOL_VERSION}")
                 self._answer(sock, STATUS_BAD_VERSION)
                 return False
+            if self._slots.free == 0:  # told before any key is checked: says nothing about the key
+                self._count("full")
+                self._warn.warning(f"answered a connection from {peer} full: every slot is busy")
+                self._answer(sock, STATUS_FULL)
+                return False
+            answered = True
             if self._auth is None:
-                return self._admit_without_key(sock, peer, flags)
+                return self._admit_without_key(sock, peer, flags) and self._pre_auth.leave(entry)
             if not flags & FLAG_KEY:
                 self._refused(peer, "the peer has no DLLM_KV_AUTH_TOKEN, this engine requires one")
                 self._answer(sock, STATUS_KEY_REQUIRED)
@@ -214,13 +248,26 @@ class Server:
             self._warn.warning(f"closed a connection from {peer}: no handshake within the timeout")
             return False
         except (TransportError, OSError):  # closed or reset mid-handshake: by a client that refused us
-            if read or self._auth is not None:  # without a key, a bare connect-and-close is no refusal
+            if entry.evicted:  # or shut by the pool, for a newer connection
+                self._evicted(sock, peer, answered)
+            elif read or self._auth is not None:  # without a key, a bare connect-and-close is no refusal
                 self._refused(peer, "closed during the handshake")
             return False
         finally:
             self._note_preauth(read)
+        if not self._pre_auth.leave(entry):  # evicted between its answer and here: it may not go on
+            self._evicted(sock, peer, answered=True)
+            return False
         self._count("authenticated")
         return True
+
+    def _evicted(self, sock: Accepted, peer: str, answered: bool) -> None:
+        """Made room for a newer connection: told "full" (the sender retries) unless already answered."""
+        self._count("evicted")
+        self._warn.warning(f"closed a connection from {peer} in its handshake to make room for a newer one")
+        if not answered:
+            with contextlib.suppress(OSError):
+                self._answer(sock, STATUS_FULL)
 
     def _admit_without_key(self, sock: Accepted, peer: str, flags: int) -> bool:
         """No key here: refuse a client that wants to authenticate; bound the first message."""
