@@ -8,6 +8,9 @@ path as in a pod), changed only by these local overrides (everything else is as 
 - `--model`: the tiny Llama made at test time (e2e/dataplane/tiny_model.py) instead of /models/tiny-llama
 - VLLM_CPU_OMP_THREADS_BIND: one core per engine; VLLM_CPU_KVCACHE_SPACE=1 (GiB, already in the sample)
 - VLLM_KV_COMPRESSION: set per test (none, fp8, int8)
+- the per-resource auth Secret: made here (random keys, as the operator makes them) and given to the
+  env names the rendered containers take from it, so authentication is on as the chart deploys it:
+  the side channel's HMAC key on both engines, the engine API key on the engines and the router
 `--block-size 32` and the 0.25 GB buffer come from the sample itself.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,16 +27,19 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from dllm_operator.api import parse
+from dllm_operator.api import DisaggregatedLLM, parse
 from dllm_operator.config import OperatorConfig
+from dllm_operator.render import auth
 from dllm_operator.render.engine import statefulset
 from dllm_operator.render.engine_command import EngineRole
+from dllm_operator.render.router import router_deployment
 from e2e.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,15 +47,42 @@ SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
 _PAUSE = threading.Event()
 
 
-def rendered_engine(role: EngineRole, compression: str = "none") -> tuple[dict[str, str], list[str]]:
-    """The env (plain values) and vLLM args of a role, exactly as the operator renders them."""
+def sample(compression: str = "none") -> DisaggregatedLLM:
     body = next(
         d for d in yaml.safe_load_all(SAMPLE.read_text()) if d and d.get("kind") == "DisaggregatedLLM"
     )
     body["spec"]["kvTransfer"]["compression"] = compression
-    cr = parse(body)
+    return parse(body)
+
+
+def new_auth_secret() -> dict[str, str]:
+    """The auth Secret's keys and values, random as the operator makes them (render/auth.py)."""
+    return {auth.KV_TOKEN_KEY: secrets.token_hex(32), auth.API_KEY_KEY: secrets.token_hex(32)}
+
+
+def container_env(
+    cr: DisaggregatedLLM, container: dict[str, Any], secret: Mapping[str, str] | None
+) -> dict[str, str]:
+    """A rendered container's plain values and, with `secret`, what it takes from the resource's auth
+    Secret (without: no authentication)."""
+    env = {var["name"]: var["value"] for var in container.get("env", []) if "value" in var}
+    if secret is None:
+        return env
+    for var in container.get("env", []):
+        ref = var.get("valueFrom", {}).get("secretKeyRef")
+        if ref is not None and ref["name"] == auth.secret_name(cr):
+            env[var["name"]] = secret[ref["key"]]
+    return env
+
+
+def rendered_engine(
+    role: EngineRole, compression: str = "none", secret: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], list[str]]:
+    """The env and vLLM args of a role, exactly as the operator renders them; without `secret`, the
+    plain values only (no authentication)."""
+    cr = sample(compression)
     container = statefulset(cr, role, OperatorConfig())["spec"]["template"]["spec"]["containers"][0]
-    env = {var["name"]: var["value"] for var in container["env"] if "value" in var}
+    env = container_env(cr, container, secret)
     args = list(container["args"])
     assert args[0] == "--", "the engine container runs dllm-serve -- <vLLM args>"
     return env, args[1:]
@@ -132,13 +166,19 @@ class Pipeline:
     compression: str = "none"
     ports: dict[str, int] = field(default_factory=dict)
     processes: dict[str, Process] = field(default_factory=dict)
+    secret: dict[str, str] = field(default_factory=new_auth_secret)
+
+    @property
+    def engine_key(self) -> dict[str, str]:
+        """The header the router sends the engines: the engine API key, as a Bearer token."""
+        return {"Authorization": f"Bearer {self.secret[auth.API_KEY_KEY]}"}
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "prefill-kv", "decode-kv", "router"):
             self.ports.setdefault(name, free_port())
 
     def engine_config(self, role: EngineRole) -> tuple[dict[str, str], list[str]]:
-        env, args = rendered_engine(role, self.compression)
+        env, args = rendered_engine(role, self.compression, self.secret)
         env |= {
             "VLLM_HOST_IP": "127.0.0.1",
             "DLLM_ENGINE_ID": f"{role}-0",
@@ -166,7 +206,11 @@ class Pipeline:
                 "--decode-url", f"http://127.0.0.1:{self.ports['decode']}",
                 "--decode-kv-port", str(self.ports["decode-kv"]),
                 "--health-interval-s", "0.5", "--connect-timeout-s", "2"]  # fmt: skip
-        process = spawn("router", argv, {}, self.logs / "router.log", self.ports["router"])
+        cr = sample(self.compression)
+        container = router_deployment(cr, OperatorConfig())["spec"]["template"]["spec"]["containers"][0]
+        env = container_env(cr, container, self.secret)
+        assert set(env) >= {auth.ROUTER_API_KEY_ENV}, "the router takes the engine key from the Secret"
+        process = spawn("router", argv, env, self.logs / "router.log", self.ports["router"])
         self.processes["router"] = process
         return process
 
