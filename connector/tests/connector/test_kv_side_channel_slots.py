@@ -8,6 +8,8 @@ OS); the prefill connection that holds a slot is a scripted double (peer_doubles
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -88,18 +90,21 @@ def test_100_offers_waiting_for_their_claims_are_all_loaded_once_decode_expects_
     assert all(torch.equal(receiver.kv.gather(blocks), sent) for blocks in targets.values())
 
 
-def _hold_the_only_slot(receiver: KVReceiver, transfer_id: str) -> sidechannel.Message:
-    """A prefill double's offer for an id decode does not expect yet: it waits, holding the slot."""
-    return offer_for(receiver.kv, transfer_id, HASH, len(SOURCE))
+@contextlib.contextmanager
+def the_only_slot_held(receiver: KVReceiver) -> Iterator[socket.socket]:
+    """A prefill double's offer for an id decode does not expect yet ("holder"): it waits, holding the
+    receiver's only slot, until the block ends."""
+    with sidechannel.connect(HOST, receiver.port, 10) as holder:
+        sidechannel.send_message(holder, offer_for(receiver.kv, "holder", HASH, len(SOURCE)))
+        assert wait_until(lambda: receiver.offers_waiting == 1, 10)
+        yield holder
 
 
 def test_a_full_side_channel_is_asked_again_and_the_send_succeeds_once_a_slot_frees(
     receivers: Receivers, senders: Senders
 ) -> None:
     receiver, sender = receivers(1), senders(20_000)
-    with sidechannel.connect(HOST, receiver.port, 10) as holder:
-        sidechannel.send_message(holder, _hold_the_only_slot(receiver, "holder"))
-        assert wait_until(lambda: receiver.offers_waiting == 1, 10)
+    with the_only_slot_held(receiver) as holder:
         receiver.expect("queued", [5, 6], prompt_hash=HASH)
         sender.submit(SendJob("queued", SOURCE, HOST, receiver.port, HASH))
         assert wait_until(lambda: receiver.side_channel.full >= 2, 10)  # refused, and asked again
@@ -118,9 +123,7 @@ def test_a_side_channel_full_for_the_whole_transfer_timeout_fails_the_send_sayin
     receivers: Receivers, senders: Senders
 ) -> None:
     receiver, sender = receivers(1), senders(1000)
-    with sidechannel.connect(HOST, receiver.port, 10) as holder:
-        sidechannel.send_message(holder, _hold_the_only_slot(receiver, "holder"))
-        assert wait_until(lambda: receiver.offers_waiting == 1, 10)
+    with the_only_slot_held(receiver):
         started = time.monotonic()
         outcome, took = send_and_wait(sender, SendJob("never-room", SOURCE, HOST, receiver.port, HASH), 10)
     assert outcome is not None
