@@ -8,6 +8,7 @@ request ends (the /metrics gauge is back at zero)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import logging
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 from router_engine_double import expected_text
-from router_harness import EngineFactory, RouterFactory, RunningRouter
+from router_harness import EngineFactory, RouterFactory, RunningRouter, wait_until
 
 from dllm_router.openai import COMPLETIONS
 
@@ -128,3 +129,44 @@ async def test_answers_of_a_failed_request_are_dropped_when_it_ends(
         assert cyclic_garbage_bytes(MIB // 4) == []
     finally:
         gc.enable()
+
+
+def held_at_least(r: RunningRouter, least: int) -> bool:
+    return r.router.budget.held >= least
+
+
+async def test_bodies_are_charged_as_they_arrive_so_slow_uploads_cannot_hold_memory_unseen(
+    engines: EngineFactory, start_router: RouterFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NEW-1: a body is held piece by piece while it is read, long before its handler charges it. Three
+    uploads each send 1.4 MiB of a declared 1.5 MiB and stop (within the body timeout): the third takes
+    the 4 MiB budget over and is refused 503 `memory_budget` at once; a normal request fits in what is
+    left and is served; what the stalled uploads held is given back when they leave."""
+    caplog.set_level(logging.INFO)
+    p, d = await engines("p0"), await engines("d0")
+    r = await start_router("dllm", [p], [d], memory_budget_mb=4, max_body_mb=2)
+    port = int(r.url.rsplit(":", 1)[1])
+    head = (
+        f"POST {COMPLETIONS} HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {3 * MIB // 2}\r\n\r\n"
+    ).encode()
+    stalled: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        for i in range(3):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(head + b'{"prompt": "' + b"x" * (14 * MIB // 10))
+            await writer.drain()
+            stalled.append((reader, writer))
+            if i < 2:
+                await wait_until(functools.partial(held_at_least, r, (i + 1) * 14 * MIB // 10), "charged")
+        refused = await asyncio.wait_for(stalled[2][0].read(), 10)  # answered, then closed
+        assert refused.startswith(b"HTTP/1.1 503"), refused[:200]
+        assert b'"type":"memory_budget"' in refused.replace(b" ", b""), refused[-300:]
+        status, text = await r.text_of(COMPLETIONS, {"prompt": "meanwhile", "max_tokens": 2})
+        assert status == 200, text
+        assert r.router.budget.held >= 2 * 14 * MIB // 10  # the two stalled uploads, still charged
+    finally:
+        for _, writer in stalled:
+            writer.close()
+    await wait_until(lambda: r.router.budget.held == 0, "the stalled uploads' bytes given back")
+    assert await held_bytes(r) == 0

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Callable
 from time import perf_counter
 
+from dllm_router import memory_budget
 from dllm_router import openai as oa
 from dllm_router.errors import RouterError, request_id_or_new
 from dllm_router.http_messages import Request, Response
@@ -65,6 +66,8 @@ class Accounting:
     def error_page(self, status: int, message: str, request: Request | None) -> Response:
         """The HTTP server's own refusals (malformed request 400, body over the limit 413, 404, ...)."""
         kind = _SERVER_ERROR_KINDS.get(status, "bad_request")
+        if status == 503 and message.startswith(memory_budget.SPENT):  # a body read past the budget
+            kind = "memory_budget"
         rid = request_id_or_new(request)
         if kind not in ("not_found", "method_not_allowed"):
             self.metrics.errors[kind] += 1

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 from dllm_router.upstream.errors import BadResponse
 
+# How a refusal for the spent budget begins: the HTTP server's refusals carry a status and a message
+# only, and this one is told apart from its other 503 (the connection cap) by it.
+SPENT = "the router's memory budget"
+
 
 class AnswerTooLarge(BadResponse):
     """An engine answer took this request over its cap."""
@@ -47,6 +51,14 @@ class RequestBytes:
     def charge_body(self, n: int) -> None:
         self._take(n)
 
+    def try_charge_body(self, n: int) -> str | None:
+        """As charge_body, for the HTTP server reading a body: why not, instead of raising."""
+        try:
+            self._take(n)
+        except BudgetSpent as error:
+            return str(error)
+        return None
+
     def charge(self, n: int) -> None:
         """Answer bytes as they arrive."""
         budget = self._budget
@@ -62,7 +74,7 @@ class RequestBytes:
         budget = self._budget
         if budget.held + n > budget.limit:
             raise BudgetSpent(
-                f"the router's memory budget ({budget.limit // 2**20} MiB, --memory-budget-mb) is "
+                f"{SPENT} ({budget.limit // 2**20} MiB, --memory-budget-mb) is "
                 "spent by requests in flight; retry shortly"
             )
         budget.held += n

@@ -163,6 +163,7 @@ async def serve(router: Router, host: str, port: int, *, drain_s: float = 30.0) 
         first_byte_timeout_s=router.config.first_byte_timeout_s,
         head_timeout_s=router.config.head_timeout_s,
         body_timeout_s=router.config.body_timeout_s,
+        body_ledger=router.budget.ledger,
     )
     await server.start(host, port)
     router.metrics.open_connections = lambda: len(server.connections)

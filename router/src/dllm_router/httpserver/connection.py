@@ -67,6 +67,7 @@ class Connection(ReadingConnection):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._give_back_body()
         if self._over_cap:
             self.server.lingering -= 1
         self.server.connections.discard(self)

@@ -1,5 +1,21 @@
 """The HTTP server's limits: sizes, and the time limits' defaults (HttpServer takes its own values)."""
 
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class BodyLedger(Protocol):
+    """Where a request body's bytes are charged while it is read (the router's memory budget, NEW-1):
+    a body is held in memory piece by piece long before its handler sees it."""
+
+    def try_charge_body(self, n: int) -> str | None:
+        """Charge `n` more bytes; None when charged, else why not (the client gets it in a 503)."""
+        ...
+
+    def release(self) -> None: ...
+
+
 MAX_HEAD = 64 * 1024  # request line and headers
 MAX_PIPELINE = 16  # requests queued on one connection before it stops reading
 KEEPALIVE_S = 75.0  # idle keep-alive connections are closed after this (aiohttp's default)

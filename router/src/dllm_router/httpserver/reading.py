@@ -147,6 +147,9 @@ class ReadingConnection(WritingConnection):
         request.query = query.decode("latin-1")
         self._queue.append(request)
         self._update_reading()
+        self._give_back_body()
+        if self.server.body_ledger is not None:
+            self._body_charge = self.server.body_ledger()
         length = request.headers.get(b"content-length")
         self._body_left = None
         if length is not None:
@@ -170,6 +173,8 @@ class ReadingConnection(WritingConnection):
             self._body_left -= len(body)
         if request._size > self.server.max_body:
             raise _Refusal(413, self.server.too_large)
+        if self._body_charge is not None and (why := self._body_charge.try_charge_body(len(body))):
+            raise _Refusal(503, why)
         request._pieces.append(body)
 
     def on_message_complete(self) -> None:
@@ -181,6 +186,7 @@ class ReadingConnection(WritingConnection):
         request.body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         request._pieces = []
         request.complete = True
+        self._give_back_body()  # whole now: its handler charges it (and holds it) from here
         self._advance()
 
     def _count_head(self, n: int) -> None:
@@ -191,6 +197,9 @@ class ReadingConnection(WritingConnection):
     def _refuse(self, status: int, message: str) -> None:
         """Stop reading this connection; the refusal is answered in turn, then the connection closes."""
         self._refused = True
+        self._give_back_body()
+        if self._current is not None:
+            self._current._pieces = []  # never read on: what was read of it is dropped now
         self.server.idle.pop(self, None)  # its refusal is answered first; lingering, it is idle again
         request = self._current
         if request is None or request not in self._queue:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from email.utils import formatdate
 from time import time
 
@@ -36,6 +36,7 @@ class HttpServer:
         head_timeout_s: float = limits.HEAD_TIMEOUT_S,
         body_timeout_s: float = limits.BODY_TIMEOUT_S,
         write_timeout_s: float = limits.WRITE_TIMEOUT_S,
+        body_ledger: Callable[[], limits.BodyLedger] | None = None,
     ) -> None:
         self.routes = dict(routes)
         for (method, path), handler in routes.items():
@@ -46,6 +47,10 @@ class HttpServer:
         for method, path in self.routes:
             self._methods.setdefault(path, []).append(method)
         self.max_body = max_body
+        # Bodies being read are charged here piece by piece and given back once whole (the handler
+        # charges the whole body again) or when the connection ends: slow uploads cannot hold
+        # --max-connections x the body limit unseen.
+        self.body_ledger = body_ledger
         self.too_large = too_large
         self.error_page = error_page
         self.drain_s = drain_s

@@ -15,6 +15,7 @@ import httptools
 
 from dllm_router.http_messages import Request
 from dllm_router.httpserver.handlers import Pending
+from dllm_router.httpserver.limits import BodyLedger
 
 if TYPE_CHECKING:
     from dllm_router.httpserver.server import HttpServer
@@ -47,11 +48,17 @@ class ConnectionState(asyncio.Protocol):
         self._head_bytes = 0
         self._in_body = False  # between a head's end and its message's end
         self._body_left: int | None = None  # declared body bytes not yet read (None: chunked)
+        self._body_charge: BodyLedger | None = None  # the body being read, as charged (NEW-1)
         self._head_began: float | None = None  # M1: when the pending head's first byte came
         self._body_began: float | None = None  # M1: when the pending body's head ended
         self._paused_since: float | None = None  # H3: when the transport paused our writes
         self._unfed: tuple[bytes, int] | None = None  # read but held back while not reading (H3)
         self._resuming = False
+
+    def _give_back_body(self) -> None:
+        charge, self._body_charge = self._body_charge, None
+        if charge is not None:
+            charge.release()
 
     def evict(self) -> bool:
         """Close to give the slot to a new connection, unless a request is in progress (connection.py)."""
