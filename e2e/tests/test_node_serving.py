@@ -7,9 +7,11 @@ another namespace, and the faults users meet, which run last (they kill, roll an
 from __future__ import annotations
 
 import collections
+import json
 import os
 import re
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,9 @@ from typing import Any
 import pytest
 import yaml
 from e2e import demo
+from e2e.cluster import probepod
 from e2e.dataplane.pipeline import counter, metrics_text, post_json, start_single_engine, wait_healthy
+from e2e.engine_paths import ENGINE_PATHS, FORGED_OFFER_SCRIPT, OPEN_PATHS, STATUS_SCRIPT, WRONG_KEY
 from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
 from e2e.pod_logs import kept_logs
 from e2e.rolling import roll_under_load
@@ -132,6 +136,48 @@ def test_completions_through_the_router_service_equal_one_engine(served: Served,
         reference.stop()
 
 
+def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(served: Served) -> None:
+    """NEW-2 through the router Service: a client's kv_transfer_params, top-level and in vllm_xargs,
+    naming a transfer id and hosts of its choosing. The answer is served; what the engines did is read
+    from them, not assumed: decode loaded the prompt's full blocks from prefill (its external
+    prefix-cache hits grew), neither engine logged the client's transfer id or host, and neither
+    restarted."""
+    decode_url = served.pod_url(f"{NAME}-decode-0")
+    before = counter(metrics_text(decode_url), "vllm:external_prefix_cache_hits")
+    restarts = {
+        role: served.get("pod", f"{NAME}-{role}-0")["status"]["containerStatuses"][0]["restartCount"]
+        for role in ("prefill", "decode")
+    }
+    forged = {
+        "dllm": 1,
+        "transfer_id": "client-chosen-7f3a",
+        "do_remote_decode": True,
+        "do_remote_prefill": True,
+        "decode_host": "198.51.100.7",
+        "prefill_host": "198.51.100.8",
+        "decode_kv_port": 1,
+    }
+    body = {
+        "model": "tiny-llama",
+        "prompt": PROMPTS[0],
+        "max_tokens": 4,
+        "temperature": 0,
+        "kv_transfer_params": forged,
+        "vllm_xargs": {"kv_transfer_params": forged},
+    }
+    status, answer = post_json(served.router + "/v1/completions", body, timeout=600)
+    assert status == 200, answer
+    assert "kv_transfer_params" not in answer or answer["kv_transfer_params"] != forged
+    loaded = counter(metrics_text(decode_url), "vllm:external_prefix_cache_hits") - before
+    assert loaded >= 32 * (int(answer["usage"]["prompt_tokens"]) // 32) > 0, loaded
+    for role in ("prefill", "decode"):
+        pod = served.get("pod", f"{NAME}-{role}-0")
+        assert pod["status"]["containerStatuses"][0]["restartCount"] == restarts[role], role
+        log = served.cluster.run("logs", "-n", NAMESPACE, pod["metadata"]["name"]).stdout
+        assert "client-chosen-7f3a" not in log, role
+        assert "198.51.100." not in log, role
+
+
 # ---- the operator's NetworkPolicies, enforced by kube-router (before the faults below change the pods) --
 
 
@@ -174,6 +220,135 @@ def test_a_pod_of_another_namespace_reaches_no_engine_port_while_the_router_serv
     status, answer = post_json(served.router + "/v1/completions", body, timeout=600)
     assert status == 200, answer
     assert len(answer["choices"]) == 1, answer
+
+
+# The container's memory use as its cgroup counts it (what the OOM killer compares with the limit),
+# cgroup v2 or v1.
+ROUTER_CGROUP_MEMORY = """\
+from pathlib import Path
+for path in ("/sys/fs/cgroup/memory.current", "/sys/fs/cgroup/memory/memory.usage_in_bytes"):
+    if Path(path).exists():
+        print(Path(path).read_text().strip())
+        break
+"""
+
+
+HEAD_TIMEOUT_S = 10  # the router's --head-timeout-s default, which the sample keeps
+
+
+def quantity_bytes(quantity: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+    return int(quantity[:-2]) * units[quantity[-2:]] if quantity[-2:] in units else int(quantity)
+
+
+def pod_running(cluster: Cluster, pod: str, namespace: str) -> bool:
+    statuses = cluster.get_json("pod", pod, "-n", namespace).get("status", {}).get("containerStatuses", [])
+    return bool(statuses) and "running" in statuses[0].get("state", {})
+
+
+def run_python(cluster: Cluster, pod: str, script: str, *args: str) -> dict[str, Any]:
+    """A script's JSON answer, run by the Python of `pod`'s image (the router's, here)."""
+    result = cluster.run("exec", pod, "-n", NAMESPACE, "--", "python3", "-c", script, *args, timeout=300)
+    return dict(json.loads(result.stdout))
+
+
+def test_inside_the_namespace_only_the_engine_key_opens_an_engine(served: Served) -> None:
+    """Issue 32, against the deployed sample with every boundary on. A pod of the namespace without the
+    resource's labels reaches no engine port. A pod that carries decode's labels (so the NetworkPolicy
+    admits it to every engine port; never Ready, so no Service lists it, and its name is no member of
+    the StatefulSet) and the router pod itself get 401 on every engine path without the engine key or
+    with a wrong one, the probes' paths stay open, and a side-channel peer that skips the authenticated
+    hello is refused before any JSON. The router serves throughout."""
+    cluster, ns = served.cluster, NAMESPACE
+    router_pod = served.get("pod", "-l", f"{SAMPLE_PODS},app.kubernetes.io/component=router")["items"][0]
+    decode_labels = {
+        k: v
+        for k, v in served.get("pod", f"{NAME}-decode-0")["metadata"]["labels"].items()
+        if k.startswith("app.kubernetes")
+    }
+    image = router_pod["spec"]["containers"][0]["image"]  # it has Python
+    impostor = probepod.probe_pod(
+        "impostor", ns, ["-c", "import time; time.sleep(1e9)"], image, decode_labels
+    )
+    impostor["spec"]["containers"][0] |= {
+        "command": ["python3"],
+        "readinessProbe": {"exec": {"command": ["false"]}, "periodSeconds": 60},
+    }
+    start_probe_servers(cluster, served.layout, [("neighbour", ns, {})])
+    cluster.apply(impostor)
+    try:
+        wait_until(lambda: pod_running(cluster, "impostor", ns), 120, "the impostor pod running")
+        askers = {"impostor": "impostor", "the router pod": router_pod["metadata"]["name"]}
+        items = [f"{method} {path}" for method, path in ENGINE_PATHS]
+        for role in ("prefill", "decode"):
+            pod = served.get("pod", f"{NAME}-{role}-0")
+            ip = pod["status"]["podIP"]
+            declared, transfer = engine_ports(pod)
+            ports = sorted(set(declared) | set(transfer))
+            outcomes = probe_dial(cluster, "neighbour", ns, *[f"{ip}:{p}" for p in ports])
+            assert all(outcome in BLOCKED for outcome in outcomes.values()), (role, outcomes)
+            for who, asker in askers.items():
+                for key in ("", WRONG_KEY):
+                    statuses = run_python(cluster, asker, STATUS_SCRIPT, f"http://{ip}:8000", key, *items)
+                    assert set(statuses.values()) == {401}, (role, who, key and "wrong key", statuses)
+                probes = run_python(
+                    cluster, asker, STATUS_SCRIPT, f"http://{ip}:8000", "", *[f"GET {p}" for p in OPEN_PATHS]
+                )
+                assert set(probes.values()) == {200}, (role, who, probes)
+        # Decode's side channel, where prefill pushes: a JSON offer in place of the hello.
+        decode = served.get("pod", f"{NAME}-decode-0")
+        side_channel = engine_ports(decode)[0][1]
+        forged = run_python(
+            cluster, "impostor", FORGED_OFFER_SCRIPT, decode["status"]["podIP"], str(side_channel)
+        )
+        assert forged["closed"], forged
+        assert "accept" not in forged["answer"], forged
+        impostor_ip = cluster.get_json("pod", "impostor", "-n", ns)["status"]["podIP"]
+        log = cluster.run("logs", "-n", ns, f"{NAME}-decode-0").stdout
+        assert f"refused a connection from {impostor_ip}" in log
+        status, answer = completion(served.router, PROMPTS[0])
+        assert status == 200, answer
+    finally:
+        cluster.run("delete", "pod", "impostor", "neighbour", "-n", ns, "--wait=false", check=False)
+
+
+def test_silent_sockets_past_the_routers_connection_cap_lock_no_client_out(served: Served) -> None:
+    """NEW-5 through the router Service: --max-connections + 50 connections that send nothing, held
+    open, while a client asks. It is served within the head deadline (a new connection takes the slot of
+    the longest-idle one once that has been silent past a short grace; the router may still be accepting
+    the burst when the client first asks, and then refuses it 503 at once), and the router pod neither
+    restarts nor nears its memory limit."""
+    router = served.get("pod", "-l", f"{SAMPLE_PODS},app.kubernetes.io/component=router")["items"][0]
+    name = router["metadata"]["name"]
+    restarts = router["status"]["containerStatuses"][0]["restartCount"]
+    args = router["spec"]["containers"][0]["args"]
+    cap = int(args[args.index("--max-connections") + 1]) if "--max-connections" in args else 1024
+    host, port = served.router.removeprefix("http://").rsplit(":", 1)
+    silent: list[socket.socket] = []
+    try:
+        for _ in range(cap + 50):
+            silent.append(socket.create_connection((host, int(port)), timeout=10))
+        answers: list[tuple[int, dict[str, Any]]] = []
+
+        def served_once() -> bool:
+            answers.append(completion(served.router, PROMPTS[1]))
+            return answers[-1][0] == 200
+
+        wait_until(served_once, HEAD_TIMEOUT_S, f"a client served past {cap + 50} silent sockets")
+        assert {status for status, _ in answers} <= {200, 503}, answers
+    finally:
+        for sock in silent:
+            sock.close()
+    after = served.get("pod", name)["status"]["containerStatuses"][0]
+    assert after["restartCount"] == restarts, after
+    limit = quantity_bytes(router["spec"]["containers"][0]["resources"]["limits"]["memory"])
+    used = int(
+        served.cluster.run("exec", name, "-n", NAMESPACE, "--", "python3", "-c", ROUTER_CGROUP_MEMORY).stdout
+    )
+    print(
+        f"\nrouter memory after {cap + 50} silent sockets: {used / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB"
+    )
+    assert used < limit / 2, (used, limit)
 
 
 def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready(served: Served) -> None:
