@@ -1,5 +1,7 @@
 """The seed's own shape: `render --format compose` of the CPU sample, run by podman-compose on the images
-built here, answers the CPU sample's chat request, with decode loading the prompt's KV over the wire.
+built here, answers the CPU sample's chat request, with decode loading the prompt's KV over the wire,
+authentication on (the keys exported to the compose run, as the file's header says); without them
+podman-compose refuses to start, naming them.
 
 The test adds a compose override file, as a user would: the local images' names, the tiny model (made
 here) mounted read-only at /models, and host ports drawn free (the file publishes on 127.0.0.1 only).
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -40,6 +43,7 @@ class Compose:
     def __init__(self, workdir: Path, project: str, ports: dict[str, int]) -> None:
         self.workdir, self.project, self.ports = workdir, project, ports
         self.env = {**ENV, **{f"DLLM_{role.upper()}_HOST_PORT": str(p) for role, p in ports.items()}}
+        self.env |= {"DLLM_KV_AUTH_TOKEN": secrets.token_hex(32), "VLLM_API_KEY": secrets.token_hex(32)}
 
     def run(self, *args: str) -> subprocess.CompletedProcess[str]:
         files = ["-f", "compose.yaml", "-f", "override.yaml"]
@@ -58,6 +62,27 @@ class Compose:
         return containers + networks
 
 
+def rendered_sample() -> str:
+    render = [sys.executable, "-m", "dllm_operator", "render", "--format", "compose"]
+    sample = ["-f", "crds/samples/cpu-tiny.yaml"]
+    return subprocess.run([*render, *sample], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+
+
+def test_without_the_keys_compose_refuses_to_start_naming_them(tmp_path: Path) -> None:
+    """NEW-10: authentication on in the resource never turns silently off in compose."""
+    (tmp_path / "compose.yaml").write_text(rendered_sample())
+    env = {k: v for k, v in ENV.items() if k not in ("DLLM_KV_AUTH_TOKEN", "VLLM_API_KEY")}
+    project = f"dllmnokeys{os.getpid()}"
+    result = subprocess.run(
+        ["podman-compose", "-p", project, "-f", "compose.yaml", "up", "-d"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert result.returncode != 0, result.stdout
+    assert "is unset: export it" in result.stdout + result.stderr
+    label = f"label=io.podman.compose.project={project}"
+    assert podman("ps", "-a", "--filter", label, "--format", "{{.Names}}").split() == []
+
+
 @pytest.fixture(scope="module")
 def compose() -> Iterator[Compose]:
     for image in ("vllm-cpu", "router"):
@@ -69,10 +94,7 @@ def compose() -> Iterator[Compose]:
     model = build(workdir / "models" / "tiny-llama")
     for path in (workdir / "models", model, *model.iterdir()):
         path.chmod(0o755 if path.is_dir() else 0o644)
-    render = [sys.executable, "-m", "dllm_operator", "render", "--format", "compose"]
-    sample = ["-f", "crds/samples/cpu-tiny.yaml"]
-    rendered = subprocess.run([*render, *sample], cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    (workdir / "compose.yaml").write_text(rendered)
+    (workdir / "compose.yaml").write_text(rendered_sample())
     engine = {"image": f"{PREFIX}/vllm-cpu:dev", "volumes": [f"{workdir / 'models'}:/models:ro"]}
     override = {"services": {"prefill-server": engine, "decode-server": engine,
                              "router": {"image": f"{PREFIX}/router:dev"}}}  # fmt: skip

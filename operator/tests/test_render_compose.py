@@ -98,10 +98,13 @@ def test_compose_takes_credentials_from_the_run_environment_and_holds_none() -> 
     compose = yaml.safe_load(text)
     for service in ("prefill-server", "decode-server"):
         env = compose["services"][service]["environment"]
-        assert (env["DLLM_KV_AUTH_TOKEN"], env["VLLM_API_KEY"]) == (None, None)  # passed through if set
+        for name in ("DLLM_KV_AUTH_TOKEN", "VLLM_API_KEY"):  # required from the run's environment
+            assert env[name].startswith("${" + name + ":?" + name + " is unset"), env[name]
         assert env["DLLM_KV_TRANSFER_PORTS"] == "61128-61255"
     router = compose["services"]["router"]
-    assert router["environment"] == {"DLLM_ENGINE_API_KEY": "${VLLM_API_KEY:-}"}
+    assert router["environment"] == {
+        "DLLM_ENGINE_API_KEY": compose["services"]["decode-server"]["environment"]["VLLM_API_KEY"]
+    }
     assert router["stop_grace_period"] == "630s"
     assert "--drain-seconds" in router["command"]
     off = merged(

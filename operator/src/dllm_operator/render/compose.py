@@ -17,9 +17,17 @@ from dllm_operator.render.engine_container import GPU_RESOURCE, engine_resources
 from dllm_operator.render.router import router_command_args
 
 # The compose file holds no secret: with authentication on, the engines take DLLM_KV_AUTH_TOKEN and
-# VLLM_API_KEY from the environment of the compose run (unset there: none), and the router gets the
-# same VLLM_API_KEY. A null value is compose's "pass this variable through".
-COMPOSE_API_KEY = "${VLLM_API_KEY:-}"
+# VLLM_API_KEY from the environment of the compose run, and the router gets the same VLLM_API_KEY. Both
+# are required there (compose's ${VAR:?message} refuses to start without them, NEW-10): authentication
+# that is on in the resource never turns silently off; render with it off to run without.
+_UNSET = "is unset: export it (e.g. $(openssl rand -hex 32)), or render with security.authentication false"
+
+
+def _required(name: str) -> str:
+    return "${" + name + ":?" + name + " " + _UNSET + "}"
+
+
+COMPOSE_API_KEY = _required(auth.ENGINE_API_KEY_ENV)
 
 # The seed's service names and host ports: both engines share one host, so decode moves to 8001.
 SERVICE = {"prefill": "prefill-server", "decode": "decode-server"}
@@ -33,7 +41,7 @@ HEADER = """\
 # it, e.g. DLLM_ROUTER_HOST_PORT=9100 podman-compose up. No secret is written here: with
 # spec.security.authentication, the engines take DLLM_KV_AUTH_TOKEN (the KV side channel's key) and
 # VLLM_API_KEY (vLLM's key on /v1) from the environment of the compose run, and the router sends that
-# VLLM_API_KEY; unset, they run without. E.g.
+# VLLM_API_KEY; compose refuses to start without them. E.g.
 #   export DLLM_KV_AUTH_TOKEN=$(openssl rand -hex 32) VLLM_API_KEY=$(openssl rand -hex 32); podman-compose up
 """
 
@@ -48,7 +56,7 @@ def _engine_service(
     env[ENV_HOST_IP] = SERVICE[role]
     env[ENV_ENGINE_ID] = SERVICE[role]
     if cr.spec.security.authentication:
-        env |= {auth.KV_TOKEN_ENV: None, auth.ENGINE_API_KEY_ENV: None}
+        env |= {auth.KV_TOKEN_ENV: _required(auth.KV_TOKEN_ENV), auth.ENGINE_API_KEY_ENV: COMPOSE_API_KEY}
     env |= {var.name: var.value for var in spec.env if var.value is not None}
     service: dict[str, Any] = {
         "image": spec.image or cr.spec.image or config.engine_image,
