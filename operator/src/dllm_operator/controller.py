@@ -23,6 +23,7 @@ from dllm_operator.kube import ApiError, KubeClient
 from dllm_operator.plan import MANAGED_KINDS, Key, key_of, only_replicas_changed, plan
 from dllm_operator.redact import redact_values
 from dllm_operator.render import auth, labels, render_all
+from dllm_operator.secret_missing import pods_wait_on_secret
 from dllm_operator.status import (
     Observed,
     compute_status,
@@ -191,10 +192,17 @@ class Controller:
         """Create the CR's auth Secret once (random values; never read back, never updated).
 
         Create-only RBAC: the operator can neither read nor change a Secret, so a user who wants new
-        keys deletes the Secret; the next resync creates a fresh one (and the pods need a restart).
+        keys deletes the Secret; the operator creates a fresh one as soon as a pod reports it missing,
+        else at the next resync (and the pods need a restart).
         """
         made = (key, cr.metadata.uid)
-        if not cr.spec.security.authentication or made in self._secrets_made:
+        if not cr.spec.security.authentication:
+            return
+        if made in self._secrets_made and pods_wait_on_secret(
+            self.store.pods[key].values(), auth.secret_name(cr)
+        ):
+            self._secrets_made.discard(made)  # deleted (a rotation): made again now, not at the next resync
+        if made in self._secrets_made:
             return
         try:
             await self.client.create(auth.new_secret(cr))

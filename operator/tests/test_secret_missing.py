@@ -1,0 +1,34 @@
+"""NEW-10: a deleted auth Secret (a key rotation) is made again as soon as a pod reports it missing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dllm_operator.secret_missing import pods_wait_on_secret
+
+
+def waiting(reason: str, message: str, *, init: bool = False) -> dict[str, Any]:
+    status = {"name": "vllm", "state": {"waiting": {"reason": reason, "message": message}}}
+    return {"status": {"initContainerStatuses" if init else "containerStatuses": [status]}}
+
+
+def test_a_pod_that_cannot_start_for_the_missing_auth_secret_is_seen() -> None:
+    missing = waiting("CreateContainerConfigError", 'secret "tiny-cpu-auth" not found')
+    assert pods_wait_on_secret([{"status": {}}, missing], "tiny-cpu-auth")
+    assert pods_wait_on_secret(
+        [waiting("CreateContainerConfigError", 'secret "tiny-cpu-auth" not found', init=True)],
+        "tiny-cpu-auth",
+    )
+
+
+def test_other_secrets_and_other_waits_are_not_the_auth_secret() -> None:
+    assert not pods_wait_on_secret(
+        [waiting("CreateContainerConfigError", 'secret "hf-token" not found')], "tiny-cpu-auth"
+    )
+    assert not pods_wait_on_secret(
+        [waiting("CreateContainerConfigError", 'secret "tiny-cpu-auth-x" not found')], "tiny-cpu-auth"
+    )
+    assert not pods_wait_on_secret(
+        [waiting("ContainerCreating", 'secret "tiny-cpu-auth" not found')], "tiny-cpu-auth"
+    )
+    assert not pods_wait_on_secret([], "tiny-cpu-auth")
