@@ -7,6 +7,7 @@ another namespace, and the faults users meet, which run last (they kill, roll an
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import re
@@ -349,6 +350,70 @@ def test_silent_sockets_past_the_routers_connection_cap_lock_no_client_out(serve
         f"\nrouter memory after {cap + 50} silent sockets: {used / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB"
     )
     assert used < limit / 2, (used, limit)
+
+
+def router_metric(served: Served, name: str) -> float:
+    """A sample of the router's own /metrics (a GET without a body: never charged to its budget)."""
+    text = metrics_text(served.router)
+    found = re.search(rf"^{re.escape(name)} ([0-9.eE+-]+)$", text, re.MULTILINE)
+    assert found is not None, f"{name} not in the router's /metrics"
+    return float(found.group(1))
+
+
+def test_uploads_past_the_routers_memory_budget_are_refused_and_it_stays_under_its_limit(
+    served: Served,
+) -> None:
+    """NEW-1 through the router Service: uploads that each send nearly --max-body-mb and stall, until
+    together they are past --memory-budget-mb. The ones past it are refused 503 `memory_budget` at once,
+    the router pod stays far under its memory limit and never restarts, and once the uploads go a
+    normal request is served. (While they hold the budget, new requests get 503 too: docs/router.md.)"""
+    router = served.get("pod", "-l", f"{SAMPLE_PODS},app.kubernetes.io/component=router")["items"][0]
+    name = router["metadata"]["name"]
+    restarts = router["status"]["containerStatuses"][0]["restartCount"]
+    args = router["spec"]["containers"][0]["args"]
+    body_mb, budget_mb = (int(args[args.index(flag) + 1]) for flag in ("--max-body-mb", "--memory-budget-mb"))
+    fit = budget_mb // body_mb  # uploads the budget holds
+    refused_metric = 'dllm_router_errors_total{kind="memory_budget"}'
+    refused_before = (
+        router_metric(served, refused_metric) if refused_metric in metrics_text(served.router) else 0
+    )
+    host, port = served.router.removeprefix("http://").rsplit(":", 1)
+    declared = body_mb * 2**20 - 1024
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {declared}\r\n\r\n"
+    ).encode()
+    sent = head + b'{"prompt": "' + b"x" * (declared - 4096)
+    stalled: list[socket.socket] = []
+    try:
+        for _ in range(fit + 8):
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            stalled.append(sock)
+            with contextlib.suppress(OSError):  # refused and closed while it was sending
+                sock.sendall(sent)
+        wait_until(
+            lambda: router_metric(served, refused_metric) - refused_before >= 8,
+            60,
+            "the uploads past the budget refused as memory_budget",
+        )
+        held = router_metric(served, 'dllm_router_memory_budget_bytes{state="held"}')
+        assert held >= (fit - 1) * body_mb * 2**20 * 0.9, held  # the stalled uploads are charged
+        script = ROUTER_CGROUP_MEMORY
+        used = int(served.cluster.run("exec", name, "-n", NAMESPACE, "--", "python3", "-c", script).stdout)
+    finally:
+        for sock in stalled:
+            sock.close()
+    limit = quantity_bytes(router["spec"]["containers"][0]["resources"]["limits"]["memory"])
+    mib = 2**20
+    print(
+        f"\nrouter memory with {fit + 8} uploads of {body_mb} MiB: {used / mib:.0f} of {limit / mib:.0f} MiB"
+    )
+    assert used < limit * 3 / 4, (used, limit)
+    wait_until(
+        lambda: completion(served.router, PROMPTS[1])[0] == 200, 30, "a request served after the uploads"
+    )
+    after = served.get("pod", name)["status"]["containerStatuses"][0]
+    assert after["restartCount"] == restarts, after
 
 
 def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready(served: Served) -> None:
