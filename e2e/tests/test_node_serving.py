@@ -364,9 +364,9 @@ def test_uploads_past_the_routers_memory_budget_are_refused_and_it_stays_under_i
     served: Served,
 ) -> None:
     """NEW-1 through the router Service: uploads that each send nearly --max-body-mb and stall, until
-    together they are past --memory-budget-mb. The ones past it are refused 503 `memory_budget` at once,
-    the router pod stays far under its memory limit and never restarts, and once the uploads go a
-    normal request is served. (While they hold the budget, new requests get 503 too: docs/router.md.)"""
+    together they are past --memory-budget-mb. As each new one needs room the oldest stalled one is
+    refused 503 `memory_budget`, a normal request is served meanwhile, the router pod stays far under
+    its memory limit and never restarts."""
     router = served.get("pod", "-l", f"{SAMPLE_PODS},app.kubernetes.io/component=router")["items"][0]
     name = router["metadata"]["name"]
     restarts = router["status"]["containerStatuses"][0]["restartCount"]
@@ -398,6 +398,8 @@ def test_uploads_past_the_routers_memory_budget_are_refused_and_it_stays_under_i
         )
         held = router_metric(served, 'dllm_router_memory_budget_bytes{state="held"}')
         assert held >= (fit - 1) * body_mb * 2**20 * 0.9, held  # the stalled uploads are charged
+        status, answer = completion(served.router, PROMPTS[1])  # with the budget full of them
+        assert status == 200, answer
         script = ROUTER_CGROUP_MEMORY
         used = int(served.cluster.run("exec", name, "-n", NAMESPACE, "--", "python3", "-c", script).stdout)
     finally:

@@ -135,13 +135,22 @@ def held_at_least(r: RunningRouter, least: int) -> bool:
     return r.router.budget.held >= least
 
 
-async def test_bodies_are_charged_as_they_arrive_so_slow_uploads_cannot_hold_memory_unseen(
+def oldest_upload_past_the_grace(r: RunningRouter) -> bool:
+    server = r.server
+    return (
+        bool(server.uploads)
+        and server.loop.time() - next(iter(server.uploads.values())) > server.evict_grace_s
+    )
+
+
+async def test_stalled_uploads_are_charged_and_the_oldest_gives_way_so_others_are_served(
     engines: EngineFactory, start_router: RouterFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """NEW-1: a body is held piece by piece while it is read, long before its handler charges it. Three
-    uploads each send 1.4 MiB of a declared 1.5 MiB and stop (within the body timeout): the third takes
-    the 4 MiB budget over and is refused 503 `memory_budget` at once; a normal request fits in what is
-    left and is served; what the stalled uploads held is given back when they leave."""
+    """NEW-1: a body is held piece by piece while it is read, long before its handler charges it, so it
+    is charged as it arrives. Uploads that each send 1.4 MiB of a declared 1.5 MiB and stall (within the
+    body timeout) fill the 4 MiB budget; when another upload needs room, the oldest stalled one is
+    refused 503 `memory_budget` and gives its bytes back, and a normal request is served meanwhile. What
+    the stalled uploads held is given back when they leave."""
     caplog.set_level(logging.INFO)
     p, d = await engines("p0"), await engines("d0")
     r = await start_router("dllm", [p], [d], memory_budget_mb=4, max_body_mb=2)
@@ -150,21 +159,26 @@ async def test_bodies_are_charged_as_they_arrive_so_slow_uploads_cannot_hold_mem
         f"POST {COMPLETIONS} HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
         f"Content-Length: {3 * MIB // 2}\r\n\r\n"
     ).encode()
+    part = 14 * MIB // 10
     stalled: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     try:
         for i in range(3):
+            if i == 2:  # the first is old enough to give way (the grace spares just-begun uploads)
+                await wait_until(functools.partial(oldest_upload_past_the_grace, r), "the grace to pass")
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(head + b'{"prompt": "' + b"x" * (14 * MIB // 10))
+            writer.write(head + b'{"prompt": "' + b"x" * part)
             await writer.drain()
             stalled.append((reader, writer))
             if i < 2:
-                await wait_until(functools.partial(held_at_least, r, (i + 1) * 14 * MIB // 10), "charged")
-        refused = await asyncio.wait_for(stalled[2][0].read(), 10)  # answered, then closed
+                await wait_until(functools.partial(held_at_least, r, (i + 1) * part), "charged")
+        refused = await asyncio.wait_for(stalled[0][0].read(), 10)  # the oldest: answered, then closed
         assert refused.startswith(b"HTTP/1.1 503"), refused[:200]
         assert b'"type":"memory_budget"' in refused.replace(b" ", b""), refused[-300:]
+        assert b"the oldest in progress, was given up to make room" in refused
+        await wait_until(functools.partial(held_at_least, r, 2 * part), "the newest upload charged")
         status, text = await r.text_of(COMPLETIONS, {"prompt": "meanwhile", "max_tokens": 2})
         assert status == 200, text
-        assert r.router.budget.held >= 2 * 14 * MIB // 10  # the two stalled uploads, still charged
+        assert r.server.evicted_uploads >= 1
     finally:
         for _, writer in stalled:
             writer.close()

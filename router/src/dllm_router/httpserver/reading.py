@@ -150,6 +150,7 @@ class ReadingConnection(WritingConnection):
         self._give_back_body()
         if self.server.body_ledger is not None:
             self._body_charge = self.server.body_ledger()
+            self.server.uploads[self] = self.loop.time()
         length = request.headers.get(b"content-length")
         self._body_left = None
         if length is not None:
@@ -173,8 +174,13 @@ class ReadingConnection(WritingConnection):
             self._body_left -= len(body)
         if request._size > self.server.max_body:
             raise _Refusal(413, self.server.too_large)
-        if self._body_charge is not None and (why := self._body_charge.try_charge_body(len(body))):
-            raise _Refusal(503, why)
+        charge = self._body_charge
+        if charge is not None:
+            why = charge.try_charge_body(len(body))
+            while why and self.server.evict_upload(self, why):
+                why = charge.try_charge_body(len(body))
+            if why:
+                raise _Refusal(503, why)
         request._pieces.append(body)
 
     def on_message_complete(self) -> None:
@@ -188,6 +194,10 @@ class ReadingConnection(WritingConnection):
         request.complete = True
         self._give_back_body()  # whole now: its handler charges it (and holds it) from here
         self._advance()
+
+    def refuse_upload(self, why: str) -> None:
+        if not self._refused and not self.closed:
+            self._refuse(503, f"{why}; this upload, the oldest in progress, was given up to make room")
 
     def _count_head(self, n: int) -> None:
         self._head_size += n

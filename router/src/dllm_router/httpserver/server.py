@@ -68,6 +68,11 @@ class HttpServer:
         # (when evictions come in a burst, the newest would otherwise go before being heard).
         self.evict_grace_s = min(limits.EVICT_GRACE_S, self.first_byte_timeout_s / 2)
         self.evicted_connections = 0
+        # Bodies being read and charged to body_ledger, by when each began, oldest first: when the
+        # budget cannot take a body's next bytes, the oldest upload (past the grace) is refused to make
+        # room, so uploads that stall cannot keep everyone else out until the body timeout (NEW-1).
+        self.uploads: OrderedDict[ConnectionState, float] = OrderedDict()
+        self.evicted_uploads = 0
         self.lingering = 0  # connections refused over the cap, still closing
         self.refused_connections = 0
         self.draining = False
@@ -123,6 +128,19 @@ class HttpServer:
             del self.idle[oldest]
             if oldest.evict():
                 self.evicted_connections += 1
+                return True
+        return False
+
+    def evict_upload(self, needing: ConnectionState, why: str) -> bool:
+        """Refuse (503 `why`) the upload that began longest ago, but `needing` and any within the grace,
+        giving its bytes back to the budget; False when there is none."""
+        young = self.loop.time() - self.evict_grace_s
+        for upload, began in self.uploads.items():
+            if began > young:
+                return False  # the rest began later still
+            if upload is not needing:
+                upload.refuse_upload(why)
+                self.evicted_uploads += 1
                 return True
         return False
 

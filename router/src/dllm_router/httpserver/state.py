@@ -58,7 +58,13 @@ class ConnectionState(asyncio.Protocol):
     def _give_back_body(self) -> None:
         charge, self._body_charge = self._body_charge, None
         if charge is not None:
+            self.server.uploads.pop(self, None)
             charge.release()
+
+    def refuse_upload(self, why: str) -> None:
+        """Give up the body being read to make room in the budget (server.evict_upload); `why` is the
+        budget's refusal, which the client gets."""
+        raise NotImplementedError
 
     def evict(self) -> bool:
         """Close to give the slot to a new connection, unless a request is in progress (connection.py)."""
