@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from dllm_operator.secret_missing import pods_wait_on_secret
@@ -19,6 +20,14 @@ def test_a_pod_that_cannot_start_for_the_missing_auth_secret_is_seen() -> None:
         [waiting("CreateContainerConfigError", 'secret "tiny-cpu-auth" not found', init=True)],
         "tiny-cpu-auth",
     )
+
+
+def test_the_pods_looked_at_are_left_as_they_were() -> None:
+    pod = waiting("CreateContainerConfigError", 'secret "hf-token" not found')
+    pod["status"]["initContainerStatuses"] = [{"name": "init", "state": {"running": {}}}]
+    before = copy.deepcopy(pod)
+    assert not pods_wait_on_secret([pod, pod], "tiny-cpu-auth")
+    assert pod == before
 
 
 def test_other_secrets_and_other_waits_are_not_the_auth_secret() -> None:

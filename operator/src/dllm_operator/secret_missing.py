@@ -12,8 +12,12 @@ def pods_wait_on_secret(pods: Iterable[dict[str, Any]], secret: str) -> bool:
     CreateContainerConfigError names it: `secret "<name>" not found`)."""
     wanted = f'secret "{secret}" not found'
     for pod in pods:
-        statuses = pod.get("status", {}).get("containerStatuses") or []
-        statuses += pod.get("status", {}).get("initContainerStatuses") or []
+        status_of = pod.get("status", {})
+        # A new list: the pods are the store's own, never to be changed here.
+        statuses = [
+            *(status_of.get("containerStatuses") or []),
+            *(status_of.get("initContainerStatuses") or []),
+        ]
         for status in statuses:
             waiting = status.get("state", {}).get("waiting") or {}
             if waiting.get("reason") == "CreateContainerConfigError" and wanted in waiting.get("message", ""):
