@@ -78,13 +78,14 @@ test-k8s: .venv/.ready cluster-build ## Tests on the local control plane
 	$(PY) -m pytest -m k8s -q
 
 test-node: .venv/.ready cluster-build images ## The real node: the chart, the CPU sample and its faults, in pods
-	$(PY) -m pytest -m node -q
+	DLLM_CP_REAL_NODE=1 $(PY) -m pytest -m node -q
 
 test-dataplane: .venv/.ready images ## The CPU PD pipeline with real vLLM engines (on the host, and in containers by compose)
 	$(PY) -m pytest -m dataplane -q
 
+# DLLM_CP_REAL_NODE=1: a real node that cannot start fails the run instead of skipping its tier.
 test: prepare lint typecheck ## Every test (installs and builds what it needs on a fresh machine)
-	$(PY) -m pytest -q -p no:cacheprovider --timeout=900
+	DLLM_CP_REAL_NODE=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900
 
 # ---- benchmarks (not run by CI; each prints ratios measured side by side) ----
 .PHONY: bench-reconcile bench-router bench-kv

@@ -25,7 +25,8 @@ from typing import Any
 
 from e2e import models_volume, node_images
 from e2e.cluster import controlplane as cp
-from e2e.dataplane.pipeline import DEMO_CHAT, counter, http_status, metrics_text, post_json
+from e2e.dataplane import kv_moved
+from e2e.dataplane.pipeline import DEMO_CHAT, http_status, metrics_text, post_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "dllm-operator"
@@ -126,14 +127,17 @@ def ask(layout: cp.Layout, namespace: str, model: Path) -> dict[str, Any]:
         _PAUSE.wait(0.5)
     decode_ip = kubectl_json(layout, "pod", f"{NAME}-decode-0", "-n", namespace)["status"]["podIP"]
     decode = f"http://{decode_ip}:{8000}"
-    before = counter(metrics_text(decode), "vllm:external_prefix_cache_hits")
+    before = kv_moved.moved(metrics_text(decode))
     status, body = post_json(f"{router}/v1/chat/completions", DEMO_CHAT)
     if status != 200:
         logs = engine_logs(layout, namespace)
         raise DemoError(f"the router answered {status}: {json.dumps(body)[:500]}\n{logs}")
-    loaded = counter(metrics_text(decode), "vllm:external_prefix_cache_hits") - before
-    return {"router": router, "body": body, "tokens": int(loaded),
-            "bytes": int(loaded) * models_volume.kv_bytes_per_token(model)}  # fmt: skip
+    want = kv_moved.for_sample(model, [int(body["usage"]["prompt_tokens"])])
+    try:
+        got = kv_moved.wait_for(decode, before, want)
+    except kv_moved.NotMoved as error:
+        raise DemoError(f"{error}\n{engine_logs(layout, namespace)}") from None
+    return {"router": router, "body": body, "moved": got}
 
 
 # Lines every engine prints by the dozen that never explain an error: its route table and the
@@ -160,8 +164,9 @@ def show_answer(result: dict[str, Any]) -> None:
     print(f"    question: {DEMO_CHAT['messages'][0]['content']}")
     answer = body["choices"][0]["message"]["content"]
     print(f"    answer:   {answer!r} (random weights: no words expected)")
-    print(f"    decode loaded {result['tokens']} prompt tokens of KV from prefill over Mooncake "
-          f"({result['bytes']} bytes) instead of computing them")  # fmt: skip
+    got = result["moved"]
+    print(f"    decode loaded {got.tokens:.0f} prompt tokens of KV from prefill instead of computing them:")
+    print(f"    {got.kv_bytes:.0f} bytes of KV, {got.wire_bytes:.0f} bytes on the wire (connector's count)")
     print("\n    Try another (from this machine: the ClusterIP is routed to the node):")
     request = json.dumps({"model": DEMO_CHAT["model"], "max_tokens": 16,
                           "messages": [{"role": "user", "content": "Tell me about KV caches."}]})  # fmt: skip

@@ -4,7 +4,6 @@ that crds/samples/cpu-tiny.yaml names."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -24,13 +23,6 @@ def make_model() -> Path:
     for path in (MODELS, model, *model.iterdir()):
         path.chmod(0o755 if path.is_dir() else 0o644)
     return model
-
-
-def kv_bytes_per_token(model: Path) -> int:
-    """K and V of every layer and KV head, in the model's dtype (bf16: 2 bytes)."""
-    config = json.loads((model / "config.json").read_text())
-    head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-    return 2 * int(config["num_hidden_layers"]) * int(config["num_key_value_heads"]) * head_dim * 2
 
 
 def volume_name(namespace: str) -> str:

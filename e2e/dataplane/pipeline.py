@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import signal
 import subprocess
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from dllm_operator.api import DisaggregatedLLM, parse
 from dllm_operator.config import OperatorConfig
@@ -262,10 +262,22 @@ DEMO_CHAT: dict[str, Any] = {
 }
 
 
-def counter(text: str, name: str) -> float:
-    """The sum of a Prometheus counter's samples (any labels) in a /metrics text."""
-    pattern = re.compile(rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})?\s+([0-9.eE+-]+)$", re.MULTILINE)
-    return sum(float(v) for v in pattern.findall(text))
+class MetricAbsent(AssertionError):
+    """A metric a test reads is not on the /metrics it read: a failure, never a 0."""
+
+
+def counter(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples (`name` or `name`_total) whose labels include `labels`, in a
+    /metrics text; MetricAbsent when no sample matches (a renamed or missing metric must not read 0)."""
+    found = [
+        point.value
+        for family in text_string_to_metric_families(text)
+        for point in family.samples
+        if point.name in (name, f"{name}_total") and labels.items() <= point.labels.items()
+    ]
+    if not found:
+        raise MetricAbsent(f"no sample of {name}{labels or ''} on this /metrics")
+    return float(sum(found))
 
 
 def metrics_text(url: str) -> str:

@@ -21,6 +21,7 @@ import pytest
 import yaml
 from e2e import demo
 from e2e.cluster import probepod
+from e2e.dataplane import kv_moved
 from e2e.dataplane.pipeline import counter, metrics_text, post_json, start_single_engine, wait_healthy
 from e2e.engine_paths import ENGINE_PATHS, FORGED_OFFER_SCRIPT, OPEN_PATHS, STATUS_SCRIPT, WRONG_KEY
 from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
@@ -65,11 +66,17 @@ def test_make_demo_answers_through_the_router_service(served: Served) -> None:
     assert re.search(r"dllm-dllm-operator-\S+\s+1/1\s+Running\s+\d+.*dllm-real-0", out), out
     assert re.search(r"answer:\s+'.+'", out), out
     loaded = re.search(
-        r"decode loaded (\d+) prompt tokens of KV from prefill over Mooncake \((\d+) bytes\)", out
+        r"decode loaded (\d+) prompt tokens of KV from prefill instead of computing them:\s+"
+        r"(\d+) bytes of KV, (\d+) bytes on the wire",
+        out,
     )
     assert loaded is not None, out
-    assert int(loaded.group(1)) >= 32  # at least one full block came over the wire
-    assert int(loaded.group(2)) == int(loaded.group(1)) * 1024  # 2 layers x 2 KV heads x 64 x K,V x bf16
+    # The demo itself fails unless decode's counters equal the layout's arithmetic; here, that what it
+    # printed is that arithmetic for its prompt: every token loaded, whole blocks of float32 KV.
+    tokens, kv, wire = (int(group) for group in loaded.groups())
+    want = kv_moved.for_sample(served.model, [tokens])
+    assert (tokens, kv, wire) == (want.tokens, want.kv_bytes, want.wire_bytes)
+    assert kv == -(-tokens // 32) * 32 * 2048  # 2 layers x 2 KV heads x 64 x K,V x float32, whole blocks
     assert re.search(r"curl -s http://10\.96\.\d+\.\d+:8000/v1/chat/completions", out), out
 
 
@@ -117,16 +124,16 @@ def test_the_router_runs_exactly_the_arguments_the_operator_rendered(served: Ser
 
 def test_completions_through_the_router_service_equal_one_engine(served: Served, tmp_path: Path) -> None:
     decode = served.pod_url(f"{NAME}-decode-0")
-    before = counter(metrics_text(decode), "vllm:external_prefix_cache_hits")
-    through_service = {}
+    before = kv_moved.moved(metrics_text(decode))
+    through_service, prompt_tokens = {}, []
     for prompt in PROMPTS:
         status, body = completion(served.router, prompt)
         assert status == 200, body
         through_service[prompt] = tokens(body)
-    loaded = counter(metrics_text(decode), "vllm:external_prefix_cache_hits") - before
-    # Decode's own counter: the prompts' full blocks came from prefill, none were recomputed there.
-    assert loaded >= 32 * len(PROMPTS)
-    assert counter(metrics_text(decode), "vllm:prefix_cache_hits") == 0
+        prompt_tokens.append(int(body["usage"]["prompt_tokens"]))
+    # Decode's own counters: every prompt token came from prefill (none computed there), in the
+    # bytes the layout gives for the prompts' blocks.
+    kv_moved.wait_for(decode, before, kv_moved.for_sample(served.model, prompt_tokens))
     reference = wait_healthy(start_single_engine(served.model, tmp_path))
     try:
         for prompt in PROMPTS:
@@ -144,7 +151,7 @@ def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(serve
     prefix-cache hits grew), neither engine logged the client's transfer id or host, and neither
     restarted."""
     decode_url = served.pod_url(f"{NAME}-decode-0")
-    before = counter(metrics_text(decode_url), "vllm:external_prefix_cache_hits")
+    before = kv_moved.moved(metrics_text(decode_url))
     restarts = {
         role: served.get("pod", f"{NAME}-{role}-0")["status"]["containerStatuses"][0]["restartCount"]
         for role in ("prefill", "decode")
@@ -169,8 +176,9 @@ def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(serve
     status, answer = post_json(served.router + "/v1/completions", body, timeout=600)
     assert status == 200, answer
     assert "kv_transfer_params" not in answer or answer["kv_transfer_params"] != forged
-    loaded = counter(metrics_text(decode_url), "vllm:external_prefix_cache_hits") - before
-    assert loaded >= 32 * (int(answer["usage"]["prompt_tokens"]) // 32) > 0, loaded
+    kv_moved.wait_for(
+        decode_url, before, kv_moved.for_sample(served.model, [int(answer["usage"]["prompt_tokens"])])
+    )
     for role in ("prefill", "decode"):
         pod = served.get("pod", f"{NAME}-{role}-0")
         assert pod["status"]["containerStatuses"][0]["restartCount"] == restarts[role], role
@@ -520,6 +528,7 @@ def test_scaling_decode_to_two_sends_requests_to_both(served: Served) -> None:
         )
 
     wait_until(both_served, 300, "both decode pods to serve a request through the router", interval=0.0)
+    assert kv_moved.moved(metrics_text(urls[1])).tokens > 0  # the new decode loaded its KV too
 
 
 def test_helm_test_passes_on_the_real_node(served: Served) -> None:

@@ -11,12 +11,10 @@ prompt) and keeps them until the send ends. Worker side (worker.ConnectorWorker)
 step's loads and sends, reports loaded and failed receives (failed blocks through
 get_block_ids_with_load_errors, so vLLM's kv_load_failure_policy applies).
 
-Metrics (M4): the scheduler side reports how many finished requests still hold their blocks for a
-KV push; vLLM's /metrics shows it as the gauge `SENDS_IN_FLIGHT_METRIC`
-(vllm:dllm_kv_sends_in_flight{model_name, engine}), which the preStop drain waits on. Each worker
-reports its KV data path once, in its first stats (vLLM's "KV Transfer metrics" log line:
-data_path=..., data_path_transport=..., data_path_reason=...), and /metrics shows it as
-`DATA_PATH_METRIC` (vllm:dllm_kv_data_path_info{model_name, engine, path, transport, reason} 1).
+Metrics: the scheduler side reports how many finished requests still hold their blocks for a KV
+push (the level the preStop drain waits on, M4); each worker reports its data path once, and its
+transfers, failures, bytes and seconds as they end. vLLM logs them ("KV Transfer metrics") and
+prom_metrics puts them on its /metrics.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dllm_connector.layout import Geometry
+from dllm_connector.prom_metrics import prom_metrics_class
 from dllm_connector.scheduler import SchedulerState, StepPlan, parse_extra_config, prompt_hash
 from dllm_connector.worker import ConnectorWorker, WorkerIdentity
 
@@ -34,12 +33,10 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger(__name__)
 
-SENDS_IN_FLIGHT_METRIC = "vllm:dllm_kv_sends_in_flight"
-# The KV data path in use (transport.placement), as an info gauge: 1, labelled with the path, the
-# transport and the reason in words.
-DATA_PATH_METRIC = "vllm:dllm_kv_data_path_info"
 # Stats keys that are levels, not counts: aggregating keeps the latest, not the sum.
 _GAUGES = frozenset({"sends_in_flight", "data_path", "data_path_transport", "data_path_reason"})
+# Stats keys that are lists of observations: aggregating joins them.
+_SERIES = frozenset({"transfer_seconds"})
 
 
 class _VllmMissing:
@@ -72,77 +69,37 @@ _ConnectorBase, _MetadataBase, _Role, _StatsBase = _vllm_bases()
 
 @dataclass
 class DllmConnectorStats(_StatsBase):  # type: ignore[misc,valid-type]
-    """Counters since the last interval (transfers, failures, timeouts, checksum failures, bytes)
-    and levels (sends_in_flight, the data path and its reason: the latest reading wins)."""
+    """Counters since the last interval (transfers, failures, timeouts, checksum failures, bytes),
+    levels (sends_in_flight, the data path and its reason: the latest reading wins) and the seconds
+    of each transfer (transfer_seconds: joined)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
 
     def aggregate(self, other: Any) -> DllmConnectorStats:
         for key, value in other.data.items():
-            self.data[key] = value if key in _GAUGES else self.data.get(key, 0) + value
+            if key in _GAUGES:
+                self.data[key] = value
+            elif key in _SERIES:
+                self.data[key] = [*self.data.get(key, ()), *value]
+            else:
+                self.data[key] = self.data.get(key, 0) + value
         return self
 
     def reduce(self) -> dict[str, int | float | str]:
-        return dict(self.data)
+        """For vLLM's log line: the series as their count and longest."""
+        reduced: dict[str, int | float | str] = {}
+        for key, value in self.data.items():
+            if key in _SERIES:
+                if value:
+                    reduced[f"{key}_count"], reduced[f"{key}_max"] = len(value), round(max(value), 4)
+            else:
+                reduced[key] = value
+        return reduced
 
     def is_empty(self) -> bool:
         """A level is news even at 0 (the drain must see it drop); a counter only when it moved."""
         return not any(key in _GAUGES or value for key, value in self.data.items())
-
-
-def _prom_metrics_class() -> Any:
-    """vLLM's per-connector Prometheus hook, subclassed where vLLM is installed."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
-    from vllm.v1.metrics.utils import create_metric_per_engine
-
-    class DllmPromMetrics(KVConnectorPromMetrics):
-        """Exports the sends-in-flight level as a gauge per engine, and the data path as an info gauge."""
-
-        def __init__(
-            self,
-            vllm_config: Any,
-            metric_types: Any,
-            labelnames: list[str],
-            per_engine_labelvalues: dict[int, list[object]],
-        ) -> None:
-            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            gauge_cls: Any = self._gauge_cls  # vLLM's Gauge class (prometheus or Ray's)
-            gauge = gauge_cls(
-                name=SENDS_IN_FLIGHT_METRIC,
-                documentation=(
-                    "Finished requests whose KV cache blocks are held until their push to decode "
-                    "ends (the dllm connector's in-flight sends)."
-                ),
-                labelnames=self._labelnames,
-                multiprocess_mode="mostrecent",
-            )
-            self._sends_in_flight: dict[int, Any] = create_metric_per_engine(gauge, per_engine_labelvalues)
-            self._data_path = gauge_cls(
-                name=DATA_PATH_METRIC,
-                documentation=(
-                    "The dllm connector's KV data path (device, pinned-host or host), its transport "
-                    "and why it was chosen: 1 for the path in use."
-                ),
-                labelnames=[*self._labelnames, "path", "transport", "reason"],
-                multiprocess_mode="mostrecent",
-            )
-
-        def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-            value = transfer_stats_data.get("sends_in_flight")
-            if value is not None and engine_idx in self._sends_in_flight:
-                self._sends_in_flight[engine_idx].set(value)
-            path = transfer_stats_data.get("data_path")
-            if path is not None and engine_idx in self.per_engine_labelvalues:
-                labels = [
-                    *self.per_engine_labelvalues[engine_idx],
-                    path,
-                    transfer_stats_data.get("data_path_transport", ""),
-                    transfer_stats_data.get("data_path_reason", ""),
-                ]
-                self._data_path.labels(*labels).set(1)
-
-    return DllmPromMetrics
 
 
 class DllmConnectorMetadata(_MetadataBase):  # type: ignore[misc,valid-type]
@@ -281,6 +238,8 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
         delta = {key: value - reported.get(key, 0) for key, value in totals.items()}
         self._stats_reported = totals
         data: dict[str, Any] = {key: value for key, value in delta.items() if value}
+        if self._worker is not None and (seconds := self._worker.take_durations()):
+            data["transfer_seconds"] = seconds
         if not getattr(self, "_path_reported", False) and self._worker is not None:
             levels = self._worker.data_path_levels()  # once, as soon as the caches came
             self._path_reported = bool(levels)
@@ -300,7 +259,7 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
         labelnames: list[str],
         per_engine_labelvalues: dict[int, list[object]],
     ) -> Any:
-        return _prom_metrics_class()(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return prom_metrics_class()(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ---- scheduler side -------------------------------------------------------------------------
 

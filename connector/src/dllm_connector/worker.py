@@ -275,6 +275,15 @@ class ConnectorWorker:
                     totals[key] = totals.get(key, 0) + value
         return totals
 
+    def take_durations(self) -> list[float]:
+        """Seconds of each transfer that ended with the KV in place since the last call."""
+        return [
+            seconds
+            for pipe in (self.sender, self.receiver)
+            if pipe is not None
+            for seconds in pipe.durations.take()
+        ]
+
     def close(self) -> None:
         sends_ended = self.sender.close() if self.sender is not None else True
         loads_ended = self.receiver.close() if self.receiver is not None else True

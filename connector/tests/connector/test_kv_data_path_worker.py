@@ -12,9 +12,11 @@ from typing import Any
 import pytest
 import torch
 from kv_peer import GEOMETRY, NUM_BLOCKS, make_caches
+from private_prom import metric_types
 from vllm_plugin_cases import settings, vllm_config
 
-from dllm_connector.connector import DATA_PATH_METRIC, DllmConnectorStats, DllmMooncakeConnector
+from dllm_connector.connector import DllmConnectorStats, DllmMooncakeConnector
+from dllm_connector.prom_metrics import DATA_PATH_METRIC
 from dllm_connector.transport.placement import PathSetting
 from dllm_connector.transport.torchdist import TorchDistTransport
 from dllm_connector.tuning import ENV_NAMES, TuningInvalid
@@ -74,22 +76,16 @@ def test_an_unknown_codec_kernel_set_stops_the_worker_by_name(monkeypatch: pytes
 
 
 def test_the_data_path_is_a_level_in_the_stats_and_an_info_gauge() -> None:
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, generate_latest
 
     registry = CollectorRegistry()
-
-    class PrivateGauge(Gauge):
-        """Gauge on this test's registry (vLLM's is process-wide)."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **(kwargs | {"registry": registry}))
 
     levels = {"data_path": "pinned-host", "data_path_transport": "mooncake (tcp)", "data_path_reason": "why"}
     workers = DllmConnectorStats(data={"sent": 2}).aggregate(DllmConnectorStats(data={"sent": 1} | levels))
     assert workers.reduce() == {"sent": 3} | levels  # the levels are kept, not summed
     metrics = DllmMooncakeConnector.build_prom_metrics(
         vllm_config(kv_transfer_config(settings(Connector.MOONCAKE, Role.PREFILL), "engine-a")),
-        {Gauge: PrivateGauge, Counter: Counter, Histogram: Histogram},
+        metric_types(registry),
         ["model_name", "engine"],
         {0: ["tiny", "0"]},
     )

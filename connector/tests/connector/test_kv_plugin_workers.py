@@ -5,17 +5,18 @@ the side channel's token."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 from typing import Any
 
 import pytest
-import torch
-from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, consecutive_free_ports, make_caches
-from vllm_plugin_cases import extra
+from kv_peer import GEOMETRY, HOST, LAYERS, NUM_BLOCKS, consecutive_free_ports, make_caches
+from private_prom import metric_types
+from vllm_plugin_cases import extra, settings, vllm_config
 
+from dllm_connector.connector import DllmConnectorStats, DllmMooncakeConnector
 from dllm_connector.layout import PagedKV
 from dllm_connector.scheduler import SchedulerState, StepPlan
 from dllm_connector.worker import ConnectorWorker, WorkerIdentity
+from dllm_contract.kvconfig import Connector, Role, kv_transfer_config
 from dllm_contract.pd_params import DecodeParams, PrefillParams
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
@@ -80,7 +81,55 @@ def test_workers_move_kv_and_report_each_receive_once(
     assert decode.stats()["raw_bytes"] > decode.stats()["bytes_on_wire"]  # fp8 on the wire
 
 
-def test_a_prefill_that_never_sends_fails_the_load_with_its_blocks(
+def prom_text(role: Role, reports: list[dict[str, Any]]) -> str:
+    """The connector's metrics after these stats reports, as vLLM's /metrics prints them (on a
+    registry of this test's own: vLLM's is process-wide)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    config = vllm_config(kv_transfer_config(settings(Connector.MOONCAKE, role), "engine-a"))
+    metrics = DllmMooncakeConnector.build_prom_metrics(
+        config, metric_types(registry), ["model_name", "engine"], {0: ["tiny", "0"]}
+    )
+    for report in reports:
+        metrics.observe(report, 0)
+    return str(generate_latest(registry).decode())
+
+
+def report(worker: ConnectorWorker) -> dict[str, Any]:
+    """What the worker side of the connector reports to vLLM (its stats since the last report)."""
+    data: dict[str, Any] = {key: value for key, value in worker.stats().items() if value}
+    if seconds := worker.take_durations():
+        data["transfer_seconds"] = seconds
+    return DllmConnectorStats(data=data).aggregate(DllmConnectorStats(data={})).data
+
+
+def test_each_side_counts_the_transfer_its_kv_bytes_wire_bytes_and_seconds_on_metrics(
+    workers: tuple[ConnectorWorker, ConnectorWorker, int],
+) -> None:
+    prefill, decode, port = workers
+    prefill_plan, decode_plan = plans(70, [40, 3, 77, 12, 5], [200, 100, 9, 401, 64, 1], port)
+    decode.start(decode_plan)
+    prefill.start(prefill_plan)
+    assert decode.receiver is not None
+    assert prefill.sender is not None
+    assert decode.receiver.wait_settled("tx-w", timeout=30)
+    assert prefill.sender.wait_idle(timeout=30)
+    # 5 blocks x 16 tokens x 2 heads x (K and V of 64) x bf16 x LAYERS layers: the cache's bytes
+    kv_bytes = 5 * GEOMETRY.block_size * 2 * 2 * 64 * 2 * LAYERS
+    for worker, role, way in ((prefill, Role.PREFILL, "send"), (decode, Role.DECODE, "receive")):
+        text = prom_text(role, [report(worker)])
+        wire = worker.stats()["bytes_on_wire"]
+        assert 0 < wire < kv_bytes  # fp8: one byte a value, plus each block's scales
+        assert sample(text, "vllm:dllm_kv_transfers_total", direction=way) == 1
+        assert sample(text, "vllm:dllm_kv_bytes_total", direction=way, kind="kv") == kv_bytes
+        assert sample(text, "vllm:dllm_kv_bytes_total", direction=way, kind="wire") == wire
+        assert sample(text, "vllm:dllm_kv_transfer_seconds_count", direction=way) == 1
+        assert sample(text, "vllm:dllm_kv_transfer_failures_total", direction=way, reason="timeout") == 0
+        assert worker.take_durations() == []  # taken once
+
+
+def test_a_load_that_times_out_is_a_timeout_failure_on_metrics(
     workers: tuple[ConnectorWorker, ConnectorWorker, int],
 ) -> None:
     _, decode, port = workers
@@ -88,128 +137,24 @@ def test_a_prefill_that_never_sends_fails_the_load_with_its_blocks(
     decode.start(decode_plan)
     assert decode.receiver is not None
     assert decode.receiver.wait_settled("tx-w", timeout=10)
-    results = decode.results()
-    assert results.finished_recving == {"d-1"}
-    assert results.failed_recving == {"d-1"}
-    assert decode.take_load_errors() == {10, 11, 12, 13, 14}
-    assert decode.take_load_errors() == set()
-    assert decode.stats()["timeouts"] == 1
-    assert not decode.receiver.pending
-    assert decode.receiver.staging.in_use == 0
-    assert decode.kv is not None
-    assert int(torch.count_nonzero(decode.kv.gather([10, 11]))) == 0
+    text = prom_text(Role.DECODE, [report(decode)])
+    way = "receive"
+    assert sample(text, "vllm:dllm_kv_transfer_failures_total", direction=way, reason="timeout") == 1
+    assert sample(text, "vllm:dllm_kv_transfer_failures_total", direction=way, reason="other") == 0
+    assert sample(text, "vllm:dllm_kv_transfers_total", direction=way) == 0
+    assert sample(text, "vllm:dllm_kv_transfer_seconds_count", direction=way) == 0
 
 
-@pytest.mark.parametrize(
-    ("prefill_identity", "decode_identity", "named_engine", "message"),
-    [
-        ({"tp_size": 2}, {}, None, "prefill TP size 2 offered, decode (TP 1) expects prefill TP 1"),
-        (
-            {},
-            {"engine_id": "decode-b"},
-            "decode-a",
-            "prefill was sent to decode engine 'decode-a', this is 'decode-b'",
-        ),
-    ],
-)
-def test_handshake_refuses_mismatched_parallelism_and_engines(
-    prefill_identity: dict[str, Any], decode_identity: dict[str, Any], named_engine: str | None, message: str
-) -> None:
-    config = extra(prefill_wait_ms=5000)
-    prefill = ConnectorWorker(
-        config, GEOMETRY, WorkerIdentity(0, receives=False, **prefill_identity), "mooncake"
-    )
-    decode = ConnectorWorker(config, GEOMETRY, WorkerIdentity(0, sends=False, **decode_identity), "mooncake")
-    try:
-        prefill.register_kv_caches(make_caches(7), NUM_BLOCKS)
-        decode.register_kv_caches(make_caches(None), NUM_BLOCKS)
-        assert decode.receiver is not None
-        assert prefill.sender is not None
-        prefill_plan, decode_plan = plans(40, [1, 2, 3], [4, 5, 6], decode.receiver.port)
-        prefill_plan.sends[0] = replace(prefill_plan.sends[0], engine_id=named_engine)
-        decode.start(decode_plan)
-        prefill.start(prefill_plan)
-        assert decode.receiver.wait_settled("tx-w", timeout=30)
-        assert prefill.sender.wait_idle(timeout=30)
-        results = decode.results()
-        assert results.failed_recving == {"d-1"}
-        assert decode.take_load_errors() == {4, 5, 6}
-        assert prefill.results().finished_sending == {"p-1"}  # the send ended (failed): blocks freed
-        assert message in prefill.failures["tx-w"]
-        assert message in decode.failures["tx-w"]
-    finally:
-        prefill.close()
-        decode.close()
+def sample(text: str, name: str, **labels: str) -> float:
+    """The one sample of `name` with these labels (and the engine's); absent is an error, not 0."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-
-def test_a_reused_transfer_id_fails_only_the_second_request(
-    workers: tuple[ConnectorWorker, ConnectorWorker, int],
-) -> None:
-    _, decode, port = workers
-    _, first = plans(70, [1, 2, 3, 4, 5], [10, 11, 12, 13, 14], port)
-    _, second = plans(40, [1, 2, 3], [20, 21, 22], port)
-    second.loads[0] = replace(second.loads[0], request_id="d-2")
-    decode.start(first)
-    decode.start(second)  # same transfer id "tx-w": refused, the engine step goes on
-    results = decode.results()
-    assert (results.finished_recving, results.failed_recving) == ({"d-2"}, {"d-2"})
-    assert decode.take_load_errors() == {20, 21, 22}
-    assert decode.receiver is not None
-    assert decode.receiver.pending == {"tx-w"}  # the first request still waits for its KV
-
-
-def test_out_of_range_blocks_fail_the_load_not_the_engine(
-    workers: tuple[ConnectorWorker, ConnectorWorker, int],
-) -> None:
-    _, decode, port = workers
-    _, plan = plans(40, [1, 2, 3], [20, 21, NUM_BLOCKS + 5], port)
-    decode.start(plan)
-    results = decode.results()
-    assert results.failed_recving == {"d-1"}
-    assert decode.take_load_errors() == {20, 21, NUM_BLOCKS + 5}
-
-
-def token_workers(
-    monkeypatch: pytest.MonkeyPatch, prefill_token: str, decode_token: str
-) -> tuple[ConnectorWorker, ConnectorWorker, int]:
-    """Workers that read DLLM_KV_AUTH_TOKEN from their environment, as in an engine pod (C2, H4)."""
-    decode_kv_port = consecutive_free_ports(1)
-    prefill = ConnectorWorker(extra(), GEOMETRY, WorkerIdentity(0, receives=False), "mooncake")
-    decode = ConnectorWorker(
-        extra(prefill_wait_ms=3000), GEOMETRY, WorkerIdentity(decode_kv_port, sends=False), "mooncake"
-    )
-    monkeypatch.setenv("DLLM_KV_AUTH_TOKEN", prefill_token)
-    prefill.register_kv_caches(make_caches(7), NUM_BLOCKS)
-    monkeypatch.setenv("DLLM_KV_AUTH_TOKEN", decode_token)
-    decode.register_kv_caches(make_caches(None), NUM_BLOCKS)
-    return prefill, decode, decode_kv_port
-
-
-def test_workers_sharing_the_token_move_kv_and_a_stranger_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    token = "k" * 40
-    prefill, decode, port = token_workers(monkeypatch, token, token)
-    try:
-        prefill_plan, decode_plan = plans(70, [1, 2, 3, 4, 5], [10, 11, 12, 13, 14], port)
-        decode.start(decode_plan)
-        prefill.start(prefill_plan)
-        assert decode.receiver is not None
-        assert decode.receiver.wait_settled("tx-w", timeout=30)
-        assert decode.results().failed_recving == set()
-    finally:
-        prefill.close()
-        decode.close()
-
-    prefill, decode, port = token_workers(monkeypatch, "s" * 40, token)
-    try:
-        prefill_plan, decode_plan = plans(70, [1, 2, 3, 4, 5], [10, 11, 12, 13, 14], port)
-        decode.start(decode_plan)
-        prefill.start(prefill_plan)
-        assert prefill.sender is not None
-        assert prefill.sender.wait_idle(timeout=30)
-        assert prefill.results().finished_sending == {"p-1"}
-        assert any("authentic" in reason.lower() for reason in prefill.failures.values())
-        assert decode.receiver is not None
-        assert "tx-w" in decode.receiver.pending, "nothing reached the expectation"
-    finally:
-        prefill.close()
-        decode.close()
+    want = labels | {"model_name": "tiny", "engine": "0"}
+    found = [
+        point.value
+        for family in text_string_to_metric_families(text)
+        for point in family.samples
+        if point.name == name and point.labels == want
+    ]
+    assert len(found) == 1, f"{name}{want}: {len(found)} samples in\n{text}"
+    return float(found[0])

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 from kv_peer import HOST, NUM_BLOCKS
+from private_prom import metric_types
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -202,22 +203,16 @@ def test_the_scheduler_reports_its_sends_in_flight_as_a_level() -> None:
 
 
 def test_the_sends_in_flight_gauge_is_on_vllms_metrics() -> None:
-    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+    from prometheus_client import CollectorRegistry, generate_latest
 
-    from dllm_connector.connector import SENDS_IN_FLIGHT_METRIC
+    from dllm_connector.prom_metrics import SENDS_IN_FLIGHT_METRIC
 
     registry = CollectorRegistry()
-
-    class PrivateGauge(Gauge):
-        """Gauge on this test's registry (vLLM's is process-wide)."""
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **(kwargs | {"registry": registry}))
 
     config = vllm_config(kv_transfer_config(settings(Connector.MOONCAKE, Role.PREFILL), "engine-a"))
     metrics = DllmMooncakeConnector.build_prom_metrics(
         config,
-        {Gauge: PrivateGauge, Counter: Counter, Histogram: Histogram},
+        metric_types(registry),
         ["model_name", "engine"],
         {0: ["tiny", "0"]},
     )

@@ -3,7 +3,8 @@ kv_transfer_params that used to kill it, and keeps serving (security review C1).
 
 dllm-serve starts vLLM as the operator would for a prefill pod, on 127.0.0.1, with a tiny
 random-weight Llama. Each hostile body is sent straight to the engine's HTTP port (as any pod could),
-then a normal request must still succeed, and the sends-in-flight gauge (M4) is on /metrics at 0.
+then a normal request must still succeed, the sends-in-flight gauge (M4) is on /metrics at 0, and
+the one send a hostile body started is counted there as a failure.
 Slow: vLLM takes a minute or more to start on two shared cores.
 """
 
@@ -19,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from e2e.dataplane.pipeline import counter
 from e2e.dataplane.tiny_model import build as build_tiny_llama
+from e2e.fixtures import wait_until
 from e2e.ports import free_port
 from real_engine import base_env, dllm_serve, engine_args, wait_healthy
 
@@ -111,3 +114,19 @@ def test_hostile_kv_transfer_params_leave_the_prefill_engine_serving(
     assert re.search(r"^vllm:dllm_kv_sends_in_flight\{[^}]*\} 0\.0$", metrics[1], re.MULTILINE), metrics[1][
         -2000:
     ]
+    # The one send a hostile body started (to the stranger) is on /metrics as a failure; nothing moved.
+    failed = wait_until(
+        lambda: counter(_metrics(port), "vllm:dllm_kv_transfer_failures", direction="send", reason="other"),
+        30,
+        "the refused send to be counted on /metrics",
+    )
+    text = _metrics(port)
+    assert failed == 1
+    assert counter(text, "vllm:dllm_kv_transfers", direction="send") == 0
+    assert counter(text, "vllm:dllm_kv_bytes", direction="send", kind="wire") == 0
+
+
+def _metrics(port: int) -> str:
+    got = _get(f"http://127.0.0.1:{port}/metrics")
+    assert got is not None
+    return got[1]

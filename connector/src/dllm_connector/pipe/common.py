@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 from dllm_connector import codec
 from dllm_connector.layout import LayoutError, PagedKV
 from dllm_connector.pipe.device_copy import Copies, Scratch
+from dllm_connector.pipe.durations import Durations
 from dllm_connector.pipe.messages import (
     Accept,
     Chunk,
@@ -141,6 +142,7 @@ class PipeSide:
         self.kv = kv
         self.config = config
         self.stats = PipeStats()
+        self.durations = Durations()  # seconds per transfer that ended with the KV in place
         effective = codec.effective_codec(config.compression, kv.dtype)
         traits = transport.traits()
         self.placement: Placement = choose_path(kv.device.type, effective, traits, config.data_path)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Sequence
 
 import torch
@@ -165,6 +166,7 @@ class KVReceiver(PipeSide):
 
     def _receive(self, sock: socket.socket, offer: Offer, part: Part) -> None:
         expectation, heads = part.expectation, part.heads
+        started = time.monotonic()
         with nack_on_error(sock):
             window, dst, sizes = self._reserve(offer, part)
         count = len(expectation.block_ids)
@@ -226,6 +228,7 @@ class KVReceiver(PipeSide):
                 window.release()
         self.stats.bytes_on_wire += sum(sizes)
         self.stats.raw_bytes += self.kv.batch_nbytes(count, heads)
+        self.durations.add(time.monotonic() - started)
         self._expectations.end(expectation.transfer_id, part, "")
         send(sock, Ack(type="ack"))
 

@@ -198,6 +198,7 @@ class KVSender(PipeSide):
         port = job.port + target.decode_rank
         heads = None if target.model_heads is None else self.kv.local_heads(target.model_heads)
         host = self._allowed_address(job)
+        started = time.monotonic()
         with self._connect(host, port) as sock:
             offer = self._offer(job, target, port, heads)
             encoding = Encoding(self.codec, self.piece_bytes, self.zero_copy_piece_bytes, self._before_write)
@@ -206,6 +207,7 @@ class KVSender(PipeSide):
             self.stats.sent += 1
             self.stats.bytes_on_wire += wire
             self.stats.raw_bytes += raw
+        self.durations.add(time.monotonic() - started)
 
     def _allowed_address(self, job: SendJob) -> str:
         """The address to connect to for the job's decode peer (C1); TransferFailed if refused."""
