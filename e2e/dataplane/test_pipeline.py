@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from e2e import dashboard
 from e2e.dataplane import kv_moved
 from e2e.dataplane.pipeline import (
     Pipeline,
@@ -77,6 +78,21 @@ def test_decode_loaded_the_prompt_externally(pipeline: Pipeline) -> None:
     want = kv_moved.for_sample(pipeline.model, [int(body["usage"]["prompt_tokens"])])
     got = kv_moved.wait_for(decode.url, before, want)
     assert got.tokens == body["usage"]["prompt_tokens"] > 32  # more than one block
+
+
+def test_every_query_of_the_charts_dashboard_names_a_series_the_engines_or_the_router_export(
+    pipeline: Pipeline,
+) -> None:
+    """The dashboard against the real /metrics of prefill, decode and the router, after traffic (a
+    transfer happened in the tests before): a renamed or missing metric is a panel with no data."""
+    texts = [metrics_text(pipeline.processes[name].url) for name in ("prefill", "decode", "router")]
+    missing = {
+        name
+        for expr in dashboard.queries(dashboard.load())
+        for name in dashboard.metric_names(expr)
+        if not dashboard.on_metrics(name, texts)
+    }
+    assert missing == set()
 
 
 def test_one_token_prompt(pipeline: Pipeline, reference: dict[str, Any]) -> None:

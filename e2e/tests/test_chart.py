@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import yaml
+from e2e import dashboard
 from e2e.fixtures import Cluster, wait_until
 from e2e.operator_process import OperatorProcess
 from e2e.samples import cpu_sample_on_kwok
@@ -96,6 +97,40 @@ def test_a_disruption_budget_only_with_two_replicas_and_a_service_monitor_only_w
     [endpoint] = service_monitor["spec"]["endpoints"]
     assert endpoint["path"] == "/metrics"
     assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]}
+
+
+def test_the_dashboard_and_the_pod_monitor_are_opt_in_and_match_what_the_operator_renders(
+    cluster: Cluster,
+) -> None:
+    default = rendered_kinds(cluster)
+    assert "ConfigMap" not in default
+    assert "PodMonitor" not in default
+    [config_map] = rendered_kinds(cluster, "--set", "metrics.dashboard.enabled=true")["ConfigMap"]
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"  # Grafana's sidecar picks it up
+    assert json.loads(config_map["data"]["dllm.json"]) == dashboard.load()
+    monitor = ("--set", "metrics.podMonitor.enabled=true")
+    assert "PodMonitor" not in rendered_kinds(cluster, *monitor)  # no Prometheus operator: none
+    api = ("--api-versions", "monitoring.coreos.com/v1/PodMonitor")
+    [pod_monitor] = rendered_kinds(cluster, *monitor, *api)["PodMonitor"]
+    assert pod_monitor["spec"]["namespaceSelector"] == {"any": True}
+    [endpoint] = pod_monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    # It selects every pod the operator renders for a resource (engines and router), by their own
+    # labels and port name, and keeps the labels the dashboard filters on.
+    children = render_all(parse(cpu_sample_on_kwok()))
+    templates = [c["spec"]["template"] for c in children if c["kind"] in ("StatefulSet", "Deployment")]
+    assert len(templates) == 3
+    for template in templates:
+        labels = template["metadata"]["labels"]
+        assert pod_monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert endpoint["port"] in {port["name"] for port in template["spec"]["containers"][0]["ports"]}
+        assert set(pod_monitor["spec"]["podTargetLabels"]) <= labels.keys()
+    assert set(pod_monitor["spec"]["podTargetLabels"]) == {
+        "app.kubernetes.io/instance",
+        "app.kubernetes.io/component",
+    }
+    scoped = rendered_kinds(cluster, *monitor, *api, "--set", "watchNamespaces={team-a,team-b}")
+    assert scoped["PodMonitor"][0]["spec"]["namespaceSelector"] == {"matchNames": ["team-a", "team-b"]}
 
 
 def leaf_paths(values: dict[str, Any], prefix: str = "") -> list[str]:
