@@ -6,6 +6,11 @@ an accept that never comes. The router then posts `{"transfer_id": "..."}` here,
 tells every TP rank of this engine's own side channel (kv port + rank) to `end` the id, so prefill's
 offer is refused at once. An id decode does expect is left alone (pipe/end.py).
 
+`POST /v1/dllm/transfer_record` with the same body answers decode's own account of that transfer
+(pipe/records.py), asked of every TP rank's side channel and merged: whether the KV was loaded, how
+many blocks and bytes came, in how long, over which transport, or why it failed. The router uses it to
+prove that a request's KV moved rather than being recomputed.
+
 It adds no trust: the router already calls this port with the engine API key, and only the router may
 reach it (NetworkPolicy); the router never learns the side channel's token, this engine uses its own.
 dllm-serve adds it with vLLM's `--middleware` for the decode role; vLLM builds the app in each API
@@ -28,6 +33,8 @@ from dataclasses import dataclass
 from dllm_connector.end_route_names import ENV_END_ROUTE_TP_SIZE
 from dllm_connector.key_guard import ASGIApp, Receive, Scope, Send, engine_keys
 from dllm_connector.pipe.end import EndRefused, end_transfer
+from dllm_connector.pipe.messages import TransferRecord
+from dllm_connector.pipe.record_query import RecordUnavailable, query_record
 from dllm_connector.transport.sidechannel import PeerAuth
 from dllm_contract import kvconfig
 from dllm_contract.pd_params import MAX_TRANSFER_ID
@@ -35,6 +42,9 @@ from dllm_contract.pd_params import MAX_TRANSFER_ID
 log = logging.getLogger(__name__)
 
 END_PATH = "/v1/dllm/end_transfer"
+RECORD_PATH = "/v1/dllm/transfer_record"
+# The worst state of any rank is the transfer's: a failure on one rank fails it.
+_STATE_ORDER = ("failed", "pending", "unknown", "loaded")
 MAX_BODY = 1024  # {"transfer_id": <at most 256 characters>} fits with room
 MAX_IN_FLIGHT = 64  # ends being sent at once; beyond: 503 (the router bounds its own too)
 MAX_TP_SIZE = 1024
@@ -106,6 +116,23 @@ def parse_body(body: bytes) -> str:
     return tid
 
 
+def merge_records(records: list[TransferRecord]) -> dict[str, object]:
+    """One transfer's record over decode's TP ranks (rank order): the worst state and the first reason;
+    blocks as each rank holds them (the same blocks, its own heads), bytes summed, the longest time."""
+    state = min((r.state for r in records), key=_STATE_ORDER.index)
+    reason = next((r.reason for r in records if r.state == state and r.reason), "")
+    return {
+        "state": state,
+        "reason": reason,
+        "blocks": max(r.blocks for r in records),
+        "kv_bytes": sum(r.kv_bytes for r in records),
+        "wire_bytes": sum(r.wire_bytes for r in records),
+        "seconds": max(r.seconds for r in records),
+        "transport": records[0].transport,
+        "ranks": len(records),
+    }
+
+
 def key_matches(authorization: bytes | None, keys: tuple[str, ...]) -> bool:
     """`Authorization: Bearer <one of keys>`, compared in constant time (digests: the length leaks
     nothing; every key is compared)."""
@@ -154,30 +181,39 @@ class EndTransferRoute:
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         # behind vLLM's --root-path, Starlette's scope path may carry the prefix
-        if scope["type"] != "http" or scope["path"].removeprefix(scope.get("root_path", "")) != END_PATH:
+        if scope["type"] != "http":
             return self.app(scope, receive, send)
-        return self._serve(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path not in (END_PATH, RECORD_PATH):
+            return self.app(scope, receive, send)
+        return self._serve(scope, receive, send, path)
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
         try:
-            tid = await self._accept(scope, receive)
+            tid = await self._accept(scope, receive, path)
             if self._in_flight >= MAX_IN_FLIGHT:
                 raise BadEnd(503, f"over {MAX_IN_FLIGHT} ends in flight; try again later")
             self._in_flight += 1
             try:
-                refusals = await self._end_everywhere(tid)
+                if path == RECORD_PATH:
+                    record = await self._record_everywhere(tid)
+                else:
+                    refusals = await self._end_everywhere(tid)
             finally:
                 self._in_flight -= 1
-            if refusals:
+            if path == END_PATH and refusals:
                 raise BadEnd(502, "; ".join(refusals))
         except BadEnd as bad:
             await _answer(send, bad.status, str(bad))
             return
-        await _answer(send, 204, None)
+        if path == RECORD_PATH:
+            await _answer_json(send, {"transfer_id": tid, **record})
+        else:
+            await _answer(send, 204, None)
 
-    async def _accept(self, scope: Scope, receive: Receive) -> str:
+    async def _accept(self, scope: Scope, receive: Receive, path: str) -> str:
         if scope.get("method") != "POST":
-            raise BadEnd(405, f"{END_PATH} takes POST")
+            raise BadEnd(405, f"{path} takes POST")
         keys = self.target.api_keys
         if keys and not key_matches(_header(scope, b"authorization"), keys):
             raise BadEnd(401, "Unauthorized")
@@ -200,6 +236,22 @@ class EndTransferRoute:
         results = await asyncio.gather(*(asyncio.to_thread(end, r) for r in range(target.tp_size)))
         return [r for r in results if r is not None]
 
+    async def _record_everywhere(self, tid: str) -> dict[str, object]:
+        """Every TP rank's account of `tid`, merged; BadEnd(502) naming a rank that could not answer."""
+        target = self.target
+
+        def ask(rank: int) -> TransferRecord | str:
+            try:
+                return query_record(target.host, target.port + rank, tid, target.timeout_s, auth=target.auth)
+            except RecordUnavailable as error:
+                return f"rank {rank}: {error}"
+
+        answers = await asyncio.gather(*(asyncio.to_thread(ask, r) for r in range(target.tp_size)))
+        refusals = [a for a in answers if isinstance(a, str)]
+        if refusals:
+            raise BadEnd(502, "; ".join(refusals))
+        return merge_records([a for a in answers if isinstance(a, TransferRecord)])
+
 
 async def _read_body(receive: Receive) -> bytes:
     """The request body, refused past MAX_BODY without reading further."""
@@ -213,6 +265,13 @@ async def _read_body(receive: Receive) -> bytes:
             raise BadEnd(413, f"the body must be at most {MAX_BODY} bytes")
         if not message.get("more_body", False):
             return bytes(body)
+
+
+async def _answer_json(send: Send, body: dict[str, object]) -> None:
+    payload = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
 
 
 async def _answer(send: Send, status: int, reason: str | None) -> None:

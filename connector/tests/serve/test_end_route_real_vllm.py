@@ -28,6 +28,7 @@ START_TIMEOUT_S = 420.0
 KEY = "real-engine-key-0123456789abcdef"
 TOKEN = "real-side-channel-token-0123456789abcdef"
 END = "/v1/dllm/end_transfer"
+RECORD_PATH = "/v1/dllm/transfer_record"
 
 
 def _call(port: int, path: str, body: Any = None, key: str | None = KEY) -> tuple[int, str]:
@@ -83,6 +84,21 @@ def test_a_real_decode_engine_serves_the_end_route_and_its_own_routes(
     status, text = _call(port, END, b"not json")
     assert status == 400
     assert "must be JSON" in json.loads(text)["error"]["message"]
+    # decode's account of a transfer, from its side channel: an id it never saw is unknown
+    status, text = _call(port, RECORD_PATH, {"transfer_id": "rid-0-0123456789ab"})
+    assert status == 200, text
+    assert json.loads(text) | {"seconds": 0.0} == {
+        "transfer_id": "rid-0-0123456789ab",
+        "state": "unknown",
+        "reason": "",
+        "blocks": 0,
+        "kv_bytes": 0,
+        "wire_bytes": 0,
+        "seconds": 0.0,
+        "transport": "mooncake (tcp)",
+        "ranks": 1,
+    }
+    assert _call(port, RECORD_PATH, {"transfer_id": "rid-0-0123456789ab"}, key=None)[0] == 401
 
     # vLLM's own routes still answer, with vLLM's own key check
     assert _call(port, "/health", key=None)[0] == 200

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from dllm_connector.layout import HeadRange
 from dllm_connector.pipe.common import POLL_S, PipeStats, TransferFailed
+from dllm_connector.pipe.records import TransferRecords
 from dllm_connector.transport.base import TransferTimeout
 
 # Ended transfers remembered, so a late part's offer is refused at once, not held.
@@ -77,8 +78,11 @@ class _Watch:
 class Expectations:
     """The expectations of one receiver, keyed by transfer id, and the outcomes not yet collected."""
 
-    def __init__(self, stats: PipeStats, prefill_wait_s: float) -> None:
+    def __init__(
+        self, stats: PipeStats, prefill_wait_s: float, records: TransferRecords | None = None
+    ) -> None:
         self._stats = stats
+        self._records = records
         self._prefill_wait_s = prefill_wait_s
         self._lock = threading.Lock()
         self._settled = threading.Condition(self._lock)  # close() waits on it for parts to end
@@ -245,6 +249,8 @@ class Expectations:
         expectation.failure = expectation.failure or reason  # parts still streaming stop loading
         self._results[transfer_id] = reason
         self._remember_ended_locked(transfer_id)
+        if self._records is not None:
+            self._records.end(transfer_id, reason)
         if reason:
             self._stats.failed_receives += 1
             self._stats.timeouts += timed_out

@@ -104,6 +104,26 @@ class EndTransfer(WireMessage):
     transfer_id: _TransferId
 
 
+class RecordQuery(WireMessage):
+    """What decode knows of one transfer id: asked by its own engine's record route for the router."""
+
+    type: Literal["record?"]
+    transfer_id: _TransferId
+
+
+class TransferRecord(WireMessage):
+    """Decode's answer to a RecordQuery (pipe/records.py): the outcome and what came, on this rank."""
+
+    type: Literal["record"]
+    state: Literal["loaded", "failed", "pending", "unknown"]
+    reason: Annotated[str, Field(max_length=MAX_ECHO)] = ""
+    blocks: Annotated[int, Field(ge=0, le=1 << 40)] = 0
+    kv_bytes: Annotated[int, Field(ge=0, le=1 << 60)] = 0
+    wire_bytes: Annotated[int, Field(ge=0, le=1 << 60)] = 0
+    seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.0
+    transport: Annotated[str, Field(max_length=64)] = ""
+
+
 class Done(WireMessage):
     """The sender wrote everything (a one-sided transport's writes have all returned)."""
 
@@ -131,7 +151,7 @@ class Abort(WireMessage):
 
 
 SideMessage = Annotated[
-    Offer | Accept | Slot | Piece | Chunk | Done | Ack | Nack | Abort | EndTransfer,
+    Offer | Accept | Slot | Piece | Chunk | Done | Ack | Nack | Abort | EndTransfer | RecordQuery,
     Field(discriminator="type"),
 ]
 _ANY: TypeAdapter[SideMessage] = TypeAdapter(SideMessage)

@@ -27,9 +27,19 @@ from dllm_connector.pipe.common import (
     send,
 )
 from dllm_connector.pipe.expectations import Expectations, Part
-from dllm_connector.pipe.messages import Accept, Ack, EndTransfer, Offer, Slot, bounded
+from dllm_connector.pipe.messages import (
+    Accept,
+    Ack,
+    EndTransfer,
+    Offer,
+    RecordQuery,
+    Slot,
+    TransferRecord,
+    bounded,
+)
 from dllm_connector.pipe.offer_check import check_caches, check_claim
 from dllm_connector.pipe.part_channel import PartChannel, nack_on_error, send_nack
+from dllm_connector.pipe.records import TransferRecords
 from dllm_connector.pipe.staging_window import StagingWindow
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import TransferTimeout, Transport, TransportError
@@ -58,7 +68,8 @@ class KVReceiver(PipeSide):
         for its claim or a part under way (sidechannel.connections_for sizes it)."""
         super().__init__(transport, kv, config)
         self.engine_id = engine_id
-        self._expectations = Expectations(self.stats, config.prefill_wait_s)
+        self.records = TransferRecords()  # decode's own account of each recent transfer
+        self._expectations = Expectations(self.stats, config.prefill_wait_s, self.records)
         self._server = sidechannel.Server(host, port, self._serve, auth=auth, max_connections=max_connections)
 
     @property
@@ -117,6 +128,20 @@ class KVReceiver(PipeSide):
         """
         self._expectations.cancel(transfer_id)
 
+    def record(self, transfer_id: str) -> TransferRecord:
+        """This rank's account of a transfer id, as the side channel answers a RecordQuery."""
+        found = self.records.get(transfer_id, expected=transfer_id in self._expectations.pending)
+        return TransferRecord(
+            type="record",
+            state=found.state,
+            reason=bounded(found.reason),
+            blocks=found.blocks,
+            kv_bytes=found.kv_bytes,
+            wire_bytes=found.wire_bytes,
+            seconds=found.seconds,
+            transport=bounded(self.transport.traits().kind, 64),
+        )
+
     def results(self) -> dict[str, str]:
         """Expectations that ended since the last call: id -> "" when loaded, else the failure reason."""
         return self._expectations.results()
@@ -140,6 +165,9 @@ class KVReceiver(PipeSide):
             if isinstance(message, EndTransfer):
                 self._expectations.end_id(message.transfer_id)
                 send(sock, Ack(type="ack"))
+                return
+            if isinstance(message, RecordQuery):
+                send(sock, self.record(message.transfer_id))
                 return
             if not isinstance(message, Offer):
                 raise sidechannel.unexpected(quoted(first), "offer")
@@ -228,7 +256,15 @@ class KVReceiver(PipeSide):
                 window.release()
         self.stats.bytes_on_wire += sum(sizes)
         self.stats.raw_bytes += self.kv.batch_nbytes(count, heads)
-        self.durations.add(time.monotonic() - started)
+        seconds = time.monotonic() - started
+        self.durations.add(seconds)
+        self.records.add_part(
+            expectation.transfer_id,
+            blocks=count,
+            kv_bytes=self.kv.batch_nbytes(count, heads),
+            wire_bytes=sum(sizes),
+            seconds=seconds,
+        )
         self._expectations.end(expectation.transfer_id, part, "")
         send(sock, Ack(type="ack"))
 
