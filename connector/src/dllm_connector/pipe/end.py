@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dllm_connector.pipe.messages import Ack, EndTransfer, MalformedMessage, bounded, dump, parse
-from dllm_connector.transport import sidechannel
-from dllm_connector.transport.base import TransportError
+from dllm_connector.pipe.messages import Ack, EndTransfer
+from dllm_connector.pipe.side_request import ask
 from dllm_connector.transport.sidechannel import PeerAuth
 
 _REPLY_LIMIT = 4096  # an ack is a few bytes
@@ -24,13 +23,15 @@ def end_transfer(
     decode does expect is left alone. The connection says hello as every one does (with `auth`,
     authenticated). Blocking, bounded by `timeout`; raises EndRefused.
     """
-    try:
-        with sidechannel.connect(host, port, timeout, auth=auth) as sock:
-            sidechannel.send_message(sock, dump(EndTransfer(type="end", transfer_id=transfer_id)))
-            reply = sidechannel.recv_message(sock, timeout, limit=_REPLY_LIMIT)
-    except TransportError as error:
-        raise EndRefused(f"cannot end transfer at {host}:{port}: {bounded(str(error))}") from None
-    try:
-        parse(Ack, reply)
-    except MalformedMessage:
-        raise EndRefused(f"decode answered {bounded(reply)} to an end") from None
+    question = EndTransfer(type="end", transfer_id=transfer_id)
+    ask(
+        host,
+        port,
+        question,
+        Ack,
+        timeout,
+        auth=auth,
+        limit=_REPLY_LIMIT,
+        refused=EndRefused,
+        doing="end transfer",
+    )

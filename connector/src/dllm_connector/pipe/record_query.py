@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dllm_connector.pipe.messages import MalformedMessage, RecordQuery, TransferRecord, bounded, dump, parse
-from dllm_connector.transport import sidechannel
-from dllm_connector.transport.base import TransportError
+from dllm_connector.pipe.messages import RecordQuery, TransferRecord
+from dllm_connector.pipe.side_request import ask
 from dllm_connector.transport.sidechannel import PeerAuth
 
 _REPLY_LIMIT = 4096  # a record is a few hundred bytes
@@ -19,13 +18,15 @@ def query_record(
 ) -> TransferRecord:
     """What the side channel at host:port (kv port + rank) knows of `transfer_id`. It says hello as
     every connection does (with `auth`, authenticated). Blocking, bounded by `timeout`."""
-    try:
-        with sidechannel.connect(host, port, timeout, auth=auth) as sock:
-            sidechannel.send_message(sock, dump(RecordQuery(type="record?", transfer_id=transfer_id)))
-            reply = sidechannel.recv_message(sock, timeout, limit=_REPLY_LIMIT)
-    except TransportError as error:
-        raise RecordUnavailable(f"cannot ask {host}:{port}: {bounded(str(error))}") from None
-    try:
-        return parse(TransferRecord, reply)
-    except MalformedMessage:
-        raise RecordUnavailable(f"decode answered {bounded(reply)} to a record query") from None
+    question = RecordQuery(type="record?", transfer_id=transfer_id)
+    return ask(
+        host,
+        port,
+        question,
+        TransferRecord,
+        timeout,
+        auth=auth,
+        limit=_REPLY_LIMIT,
+        refused=RecordUnavailable,
+        doing="ask for the transfer's record",
+    )
