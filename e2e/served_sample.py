@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -20,8 +21,9 @@ from dllm_operator.render.ports import TRANSFER_PORTS_ENV
 from e2e import demo, models_volume
 from e2e.cluster import controlplane as cp
 from e2e.cluster import node, nodehost
-from e2e.dataplane.pipeline import post_json
-from e2e.fixtures import Cluster, wait_until
+from e2e.dataplane.pipeline import counter, metrics_text, post_json
+from e2e.fixtures import Cluster, WaitTimeout, wait_until
+from e2e.processes import descendants
 
 NAMESPACE = "node-serving"
 NAME = demo.NAME
@@ -179,6 +181,32 @@ def stream_first_event(url: str) -> tuple[Any, bytes]:
     )
     response = urllib.request.urlopen(request, timeout=120)  # noqa: S310
     return response, response.readline()
+
+
+def stream_frozen_mid_way(served: Served, pid: int, attempts: int = 5) -> tuple[Any, bytes]:
+    """A stream from the router whose decode (engine main process `pid`) is frozen, every process of
+    it stopped, after the first event while the stream is still open: a kill that follows lands
+    mid-stream. On a loaded host decode may finish all its tokens before the freeze (the router relays
+    the first event late); such an attempt is let go (decode thawed, the stream read out) and another
+    made. Decode's stream is open while the router counts a decode call in flight."""
+    for _ in range(attempts):
+        response, first = stream_first_event(served.router)
+        frozen = [pid, *descendants(pid)]
+        for process in frozen:
+            os.kill(process, signal.SIGSTOP)
+        try:  # a finished stream leaves the router's count within moments; a frozen one never
+            wait_until(lambda: decode_calls_in_flight(served.router) == 0, 2, "decode's stream to end")
+        except WaitTimeout:
+            return response, first
+        for process in frozen:
+            os.kill(process, signal.SIGCONT)
+        response.read()
+        response.close()
+    raise AssertionError(f"decode finished every stream before it could be frozen, {attempts} times")
+
+
+def decode_calls_in_flight(router: str) -> float:
+    return counter(metrics_text(router), "dllm_router_inflight", role="decode")
 
 
 def engine_pid(served: Served, pod_name: str) -> int:

@@ -167,6 +167,7 @@ class Pipeline:
     ports: dict[str, int] = field(default_factory=dict)
     processes: dict[str, Process] = field(default_factory=dict)
     secret: dict[str, str] = field(default_factory=new_auth_secret)
+    router_extra: tuple[str, ...] = ()  # more router flags (the KV check's, say)
 
     @property
     def engine_key(self) -> dict[str, str]:
@@ -192,26 +193,33 @@ class Pipeline:
         args = replace_flag(replace_flag(args, "--host", "127.0.0.1"), "--port", str(self.ports[role]))
         return env, args
 
-    def start_engine(self, role: EngineRole) -> Process:
+    def start_engine(self, role: EngineRole, changes: Mapping[str, str] | None = None) -> Process:
+        """Start a role as rendered, with `changes` to its vLLM flags (flag -> value) if given."""
         env, args = self.engine_config(role)
+        for flag, value in (changes or {}).items():
+            args = replace_flag(args, flag, value)
         argv = [sys.executable, "-m", "dllm_connector.serve", "--", *args]
         process = spawn(role, argv, env, self.logs / f"{role}.log", self.ports[role])
         self.processes[role] = process
         return process
 
-    def start_router(self) -> Process:
+    def start_router(self, name: str = "router", extra: tuple[str, ...] = ()) -> Process:
+        """The router as `name` (another name: a second router, on a port of its own), with the
+        pipeline's router flags and `extra`."""
+        port = self.ports.setdefault(name, free_port())
         argv = [sys.executable, "-m", "dllm_router", "--host", "127.0.0.1",
-                "--port", str(self.ports["router"]), "--flow", "dllm",
+                "--port", str(port), "--flow", "dllm",
                 "--prefill-url", f"http://127.0.0.1:{self.ports['prefill']}",
                 "--decode-url", f"http://127.0.0.1:{self.ports['decode']}",
                 "--decode-kv-port", str(self.ports["decode-kv"]),
                 "--health-interval-s", "0.5", "--connect-timeout-s", "2"]  # fmt: skip
+        argv += [*self.router_extra, *extra]
         cr = sample(self.compression)
         container = router_deployment(cr, OperatorConfig())["spec"]["template"]["spec"]["containers"][0]
         env = container_env(cr, container, self.secret)
         assert set(env) >= {auth.ROUTER_API_KEY_ENV}, "the router takes the engine key from the Secret"
-        process = spawn("router", argv, env, self.logs / "router.log", self.ports["router"])
-        self.processes["router"] = process
+        process = spawn(name, argv, env, self.logs / f"{name}.log", port)
+        self.processes[name] = process
         return process
 
     def start(self) -> Pipeline:

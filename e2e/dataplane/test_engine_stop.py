@@ -22,6 +22,7 @@ import pytest
 from e2e.dataplane.pipeline import Pipeline, counter, metrics_text, rendered_engine, wait_healthy
 from e2e.dataplane.prompts import PIPELINE_MARKS, PROMPTS, completion, run_pipeline
 from e2e.fixtures import wait_until
+from e2e.processes import descendants
 
 pytestmark = PIPELINE_MARKS
 
@@ -76,27 +77,6 @@ def test_prefill_stopped_with_a_push_in_flight_finishes_it_and_the_client_is_ans
     # Then prefill exited by itself, well within its grace period.
     assert prefill.process.wait(timeout=60) is not None
     assert "aborting in-flight requests" not in prefill.tail(400)
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Every process under `pid`, with its name (/proc/PID/comm: vLLM's process titles)."""
-    parents: dict[int, int] = {}
-    names: dict[int, str] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError):
-            text = stat.read_text()
-            child = int(stat.parent.name)
-            parents[child] = int(text.rsplit(")", 1)[1].split()[1])
-            names[child] = (stat.parent / "comm").read_text().strip()
-    found: dict[int, str] = {}
-    frontier = [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, its_parent in parents.items():
-            if its_parent == parent and child not in found:
-                found[child] = names.get(child, "")
-                frontier.append(child)
-    return found
 
 
 def engine_workers(pid: int) -> list[int]:

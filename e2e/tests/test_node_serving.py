@@ -40,7 +40,7 @@ from e2e.served_sample import (
     engine_ports,
     faulty_cr,
     listening_ports,
-    stream_first_event,
+    stream_frozen_mid_way,
     tokens,
 )
 
@@ -428,7 +428,7 @@ def test_uploads_past_the_routers_memory_budget_are_refused_and_it_stays_under_i
 
 def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready(served: Served) -> None:
     pid = engine_pid(served, f"{NAME}-decode-0")
-    response, first = stream_first_event(served.router)
+    response, first = stream_frozen_mid_way(served, pid)
     os.kill(pid, signal.SIGKILL)  # as a crash would: no graceful delete, no drain
     assert first.startswith(b"data: ")
     rest = response.read().decode()

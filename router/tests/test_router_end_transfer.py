@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(30)
 
 KEY = "engine-key-for-the-end-route"
 END_PATH = "/v1/dllm/end_transfer"
+RECORD_PATH = "/v1/dllm/transfer_record"
 # The fast path takes a non-streamed single prompt; a stream, or several prompts, the coroutine path.
 PATHS = {
     "fast": {"prompt": "tell me", "max_tokens": 4},
@@ -33,8 +34,9 @@ PATHS = {
 
 
 class EndRouteEngineDouble(FakeVllmEngine):
-    """TEST DOUBLE of a decode engine with dllm-serve's end route: records each end's body and
-    Authorization. Knobs: `end_status` (the answer), `end_hold` (an Event every end waits on)."""
+    """TEST DOUBLE of a decode engine with dllm-serve's end and record routes: records each end's body
+    and Authorization, and each record asked. Knobs: `end_status` (the answer), `end_hold` (an Event
+    every end waits on), `record_answer` (the record route's JSON, with the asked transfer id)."""
 
     def __init__(self, name: str, **kwargs: Any) -> None:
         super().__init__(name, **kwargs)
@@ -42,12 +44,15 @@ class EndRouteEngineDouble(FakeVllmEngine):
         self.end_arrived = asyncio.Event()
         self.end_status = 204
         self.end_hold: asyncio.Event | None = None
+        self.record_answer: JsonBody = {"state": "unknown"}
+        self.records_asked: list[tuple[JsonBody, str | None]] = []
 
     async def start(self, port: int = 0) -> EndRouteEngineDouble:
         app = web.Application(middlewares=[self._auth])
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_post(END_PATH, self._end)
+        app.router.add_post(RECORD_PATH, self._record)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.2)
@@ -67,6 +72,11 @@ class EndRouteEngineDouble(FakeVllmEngine):
         if self.end_hold is not None:
             await self.end_hold.wait()
         return web.Response(status=self.end_status)
+
+    async def _record(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.records_asked.append((body, request.headers.get("Authorization")))
+        return web.json_response({"transfer_id": body["transfer_id"], **self.record_answer})
 
 
 JsonBody = dict[str, Any]

@@ -210,6 +210,26 @@ def test_mismatched_cache_geometry_is_refused_clearly(
     assert "KV cache mismatch" in prefill.report()[0]["error"]
 
 
+def test_a_mismatched_offer_before_decode_expects_its_id_fails_the_expectation_when_it_comes(
+    decode: tuple[KVReceiver, PagedKV], prefill: Prefill
+) -> None:
+    """Prefill is often first: its offer is refused for the layout, and decode, expecting the id a
+    moment later, fails at once with that reason instead of waiting prefill_wait for KV that never
+    comes (prefill sends once)."""
+    receiver, _ = decode
+    other = vars(GEOMETRY) | {"model": "another-model"}
+    prefill.send(receiver.port, [{"transfer_id": "t-early", "block_ids": SRC_BLOCKS[:4]}], geometry=other)
+    assert "KV cache mismatch" in prefill.report()[0]["error"]
+    started = time.monotonic()
+    receiver.expect("t-early", DST_BLOCKS[:4])
+    outcome = receiver.wait_for("t-early", timeout=60)
+    assert time.monotonic() - started < 1
+    assert outcome is not None
+    assert "model: ours 'tiny-test', peer 'another-model'" in outcome
+    assert receiver.record("t-early").state == "failed"
+    assert receiver.pending == set()
+
+
 def test_tokenization_mismatch_is_refused(decode: tuple[KVReceiver, PagedKV], prefill: Prefill) -> None:
     receiver, _ = decode
     receiver.expect("t-tok", DST_BLOCKS[:4], prompt_hash=prompt_hash([1, 2]))

@@ -242,6 +242,12 @@ class RouterConfig(_Frozen):
     drain_seconds: Annotated[float, _seconds(zero=True)] = Field(
         25.0, description="seconds in-flight requests get after SIGTERM"
     )
+    kv_check_interval_s: Annotated[float, _seconds(zero=True)] = Field(
+        0.0, description="seconds between two KV checks of a prefill/decode pair, dllm flow (0: no checks)"
+    )
+    kv_check_rdma: bool = Field(
+        False, description="the KV check expects RDMA: KV over TCP is RDMAFallbackToTCP"
+    )
     # sent as `Authorization: Bearer` on every engine call instead of the client's; never shown
     engine_api_key: Annotated[str | None, BeforeValidator(_api_key)] = Field(None, repr=False)
 

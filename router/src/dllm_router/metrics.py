@@ -74,6 +74,7 @@ class Metrics:
         self.evicted_connections: Callable[[], int] = lambda: 0  # the same
         self.budget_held: Callable[[], int] = lambda: 0  # NEW-1: bytes held of the memory budget
         self.budget_limit = 0
+        self.kv_check: Callable[[], Iterable[Metric]] = lambda: ()  # the KV check's families (kv_check.py)
 
     def families(self, pools: Iterable[Pool]) -> Iterator[Metric]:
         requests = CounterMetricFamily(
@@ -135,6 +136,7 @@ class Metrics:
                 ready.add_metric([pool.role, ep.name], int(ep.healthy))
         yield inflight
         yield ready
+        yield from self.kv_check()
 
 
 class Collector(prometheus_client.registry.Collector):

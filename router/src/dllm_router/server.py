@@ -10,6 +10,7 @@ coroutine path (`coroutine_path.py`). Both paths drive a request against the sam
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from functools import partial
 from time import perf_counter
@@ -25,6 +26,7 @@ from dllm_router.errors import RouterError, header_value, request_id, request_id
 from dllm_router.fastpath import FastExchange
 from dllm_router.http_messages import Request, Response, StreamWriter
 from dllm_router.httpserver import Connection, FastHandler, Handler, HttpServer
+from dllm_router.kv_check import KVCheck
 from dllm_router.memory_budget import BudgetSpent, MemoryBudget
 from dllm_router.metrics import Metrics
 from dllm_router.pairing import Pairing
@@ -73,6 +75,12 @@ class Router:
         self.transfer_ends = TransferEnds(self.metrics)
         self.end_transfer = self.transfer_ends.end
         self.coroutine_path = CoroutinePath(self, self.engine_auth, self.limits, self.budget)
+        pods = self.pods
+        self.kv_check = KVCheck(
+            config, self.prefill, self.decode, self.plan, lambda: pods.session, self.engine_auth.probe_headers
+        )
+        self.metrics.kv_check = self.kv_check.families
+        self._kv_check_task: asyncio.Task[None] | None = None
         admin = AdminRoutes(self, self.pods, self.engine_auth)
         generate = self.coroutine_path.generate
         self.routes: dict[tuple[str, str], Handler] = {
@@ -82,6 +90,7 @@ class Router:
             ("GET", "/health"): admin.health,
             ("GET", "/ready"): admin.ready,
             ("GET", "/metrics"): admin.metrics_page,
+            ("GET", "/dllm/kv-check"): self.kv_check_page,
         }
         self._fast = config.flow in FAST_FLOWS
         self.fast_routes: dict[tuple[str, str], FastHandler] = {
@@ -104,8 +113,17 @@ class Router:
     async def start(self, *, background: bool = True) -> None:
         """Discover and probe pods once, then keep doing so in the background."""
         await self.pods.start(background=background)
+        if background and self.kv_check.enabled:
+            self._kv_check_task = asyncio.get_running_loop().create_task(self.kv_check.run())
+
+    async def kv_check_page(self, _: Request) -> Response:
+        """GET /dllm/kv-check: the KV check's verdict for the resource and for each pair (kv_check.py)."""
+        return Response(oa.dumps(self.kv_check.summary()))
 
     async def close(self) -> None:
+        if self._kv_check_task is not None:
+            self._kv_check_task.cancel()
+            await asyncio.wait((self._kv_check_task,))
         await self.transfer_ends.close()
         await self.pods.close()
         self.deadlines.close()

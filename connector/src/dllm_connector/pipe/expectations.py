@@ -89,6 +89,7 @@ class Expectations:
         self._expected: dict[str, Expectation] = {}
         self._results: dict[str, str] = {}  # transfer id -> "" loaded, else reason
         self._ended: dict[str, None] = {}  # the latest _ENDED_KEPT ids that ended
+        self._refused: dict[str, str] = {}  # ids whose offer was refused before they were expected
         self._watches: dict[str, _Watch] = {}
         self._deadlines: list[tuple[float, int, Expectation]] = []  # a heap; stale entries skipped
         self._order = itertools.count()
@@ -127,6 +128,10 @@ class Expectations:
             self._ended.pop(transfer_id, None)
             self._notify_locked(transfer_id)
             self._expire_due_locked()  # the heap stays bounded where `results` is never called
+            refused = self._refused.pop(transfer_id, None)
+            if refused is not None:  # its offer came first and was refused: prefill sends nothing more
+                expectation.failure = refused
+                self._settle_locked(expectation)
 
     def cancel(self, transfer_id: str) -> None:
         """The expectation fails, and ends once no part writes into its blocks any more (H5)."""
@@ -223,6 +228,8 @@ class Expectations:
         """A part ended (or an offer failed before claiming one): settle its expectation."""
         with self._lock:
             expectation = self._expected.get(transfer_id)
+            if expectation is None and part is None and reason:
+                self._remember_refused_locked(transfer_id, reason)  # its expectation fails as it comes
             if expectation is None or (part is not None and part.expectation is not expectation):
                 return
             if part is not None:
@@ -258,6 +265,13 @@ class Expectations:
             self._stats.received += 1
         self._notify_locked(transfer_id)
         self._settled.notify_all()
+
+    def _remember_refused_locked(self, transfer_id: str, reason: str) -> None:
+        """An offer refused before decode expected its id (a layout that differs, say): kept, bounded,
+        so the expectation fails with that reason when it comes instead of waiting for prefill."""
+        self._refused[transfer_id] = reason
+        while len(self._refused) > _ENDED_KEPT:
+            del self._refused[next(iter(self._refused))]
 
     def _remember_ended_locked(self, transfer_id: str) -> None:
         self._ended[transfer_id] = None
