@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from dllm_operator.render.ports import TRANSFER_PORTS_ENV
-from e2e import demo, models_volume
+from e2e import demo, models_volume, node_leftovers
 from e2e.cluster import controlplane as cp
 from e2e.cluster import node, nodehost
 from e2e.dataplane.pipeline import counter, metrics_text, post_json
@@ -82,6 +82,8 @@ def deployed(cluster: Cluster) -> Iterator[Served]:
         pytest.fail(f"the real node is not running: {node.why_not(layout)}")
     # What an interrupted run left: a model PV still terminating would leave the claim unbound.
     demo.undeploy(layout, NAMESPACE)
+    namespaces = (NAMESPACE, demo.SYSTEM_NAMESPACE)
+    node_before = node_leftovers.snapshot(layout, namespaces)
     try:
         up = run_demo("up", "--timeout", "900")
         assert up.returncode == 0, up.stdout[-8000:] + up.stderr[-8000:]
@@ -97,11 +99,29 @@ def deployed(cluster: Cluster) -> Iterator[Served]:
         down = run_demo("down", "--keep-cluster")
     assert down.returncode == 0, down.stderr
     assert cluster.helm("list", "-n", demo.SYSTEM_NAMESPACE, "-q").stdout.strip() == ""
-    # Deleting the CR and uninstalling leaves no pod, Service or kube-proxy rule of ours on the node.
-    leftover = cluster.run("get", "pods,svc", "-n", NAMESPACE, "--ignore-not-found", "-o", "name").stdout
-    assert leftover.strip() == ""
+    # Deleting the CR and uninstalling leaves nothing of ours: the namespace, its model volume, the
+    # chart's cluster-scoped objects, the operator's pods, and on the node containers, sandboxes, veths,
+    # IP allocations, kube-proxy's rules and kube-router's chains and ipsets.
+    gone = cluster.run("get", "namespace", NAMESPACE, "--ignore-not-found", "-o", "name").stdout
+    assert gone.strip() == ""
+    volume = ("get", "pv", models_volume.volume_name(NAMESPACE), "--ignore-not-found", "-o", "name")
+    assert cluster.run(*volume).stdout.strip() == ""
+    chart_kinds = "clusterrole,clusterrolebinding,validatingadmissionpolicy,validatingadmissionpolicybinding"
+    release = f"app.kubernetes.io/instance={demo.RELEASE}"
+    assert cluster.run("get", chart_kinds, "-l", release, "-o", "name").stdout.strip() == ""
     operator_pods = ("get", "pods", "-n", demo.SYSTEM_NAMESPACE, "-o", "name")
     wait_until(lambda: cluster.run(*operator_pods).stdout.strip() == "", 120, "the operator pod to go")
+
+    left: list[dict[str, list[str]]] = []
+
+    def nothing_left_on_the_node() -> bool:
+        left.append(node_leftovers.added(node_before, node_leftovers.snapshot(layout, namespaces)))
+        return not left[-1]
+
+    try:
+        wait_until(nothing_left_on_the_node, 120, "the node to hold nothing of the deployment")
+    except WaitTimeout:
+        raise AssertionError(f"left on the node after the deployment was removed: {left[-1]}") from None
 
     def rules_of_ours() -> list[str]:
         rules = nodehost.in_netns("iptables-save").stdout.splitlines()
