@@ -15,7 +15,7 @@ from router_engine_double import FakeVllmEngine, expected_text
 from router_harness import EngineFactory, MutableSource, RouterFactory, RunningRouter, wait_event, wait_until
 
 from dllm_contract.pd_params import DecodeParams, PrefillParams
-from dllm_router.metrics import Histogram
+from dllm_router.histogram import Histogram
 from dllm_router.openai import CHAT, COMPLETIONS
 from dllm_router.server import Router
 

@@ -22,7 +22,8 @@ from dllm_router.errors import RouterError, request_id, request_id_or_new
 from dllm_router.exchange import ExchangeHost
 from dllm_router.http_messages import Request, Response, StreamWriter
 from dllm_router.memory_budget import BudgetSpent, MemoryBudget, RequestBytes
-from dllm_router.prompt_exchange import Answer, Prompt, PromptExchange
+from dllm_router.metrics import Metrics
+from dllm_router.prompt_exchange import Answer, Prompt, PromptExchange, decode_name
 from dllm_router.stream_relay import relay_many, relay_one
 
 log = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class CoroutinePath:
             answers += await self._exchange_all(route, prompts, rid, headers, not stream, ledger)
         if not stream:
             payload = _joined_body(answers, body)
-            metrics.ttft_seconds.observe(perf_counter() - started)
+            observe_ttft(metrics, answers, perf_counter() - started)
             return Response(payload, headers={"X-Request-Id": rid})
         response = request.stream({**SSE_HEADERS, "X-Request-Id": rid})
         if len(answers) == 1:
@@ -117,7 +118,7 @@ class CoroutinePath:
             async for chunk in chunks:
                 await response.write(chunk)
                 if first:
-                    metrics.ttft_seconds.observe(perf_counter() - started)
+                    observe_ttft(metrics, answers, perf_counter() - started)
                     first = False
             await response.finish()
         except ConnectionResetError:
@@ -175,3 +176,10 @@ def _parts(data: bytes | None) -> EngineAnswer:
         raise RouterError(502, "decode_error", "decode answered a non-object") from None
     except ValueError:
         raise RouterError(502, "decode_error", "decode answered non-JSON") from None
+
+
+def observe_ttft(metrics: Metrics, answers: list[Answer], seconds: float) -> None:
+    """The request's time to first byte; per pair for a single prompt (several prompts have several)."""
+    metrics.ttft_seconds.observe(seconds)
+    if len(answers) == 1:
+        metrics.pairs.observe("ttft", answers[0].prefill.name, decode_name(answers[0]), seconds)

@@ -141,6 +141,7 @@ class FastExchange(Pending):
         self._raise_unless_ok(call, p)
         now = perf_counter()
         router.metrics.prefill_seconds.observe(now - self._prefill_at)
+        router.metrics.pairs.observe("prefill", p.name, self._decode_name, now - self._prefill_at)
         try:
             finished = prefill_answer(call.body, p)
         except Unreachable:
@@ -171,11 +172,19 @@ class FastExchange(Pending):
         self._dcall = None
         self._raise_unless_ok(call, ep)
         self._decode_ok = True
-        router.metrics.decode_first_byte_seconds.observe(max(perf_counter() - self._prefill_done, 0.0))
+        first_byte = max(perf_counter() - self._prefill_done, 0.0)
+        router.metrics.decode_first_byte_seconds.observe(first_byte)
+        assert self._p is not None
+        router.metrics.pairs.observe("decode_first_byte", self._p.name, ep.name, first_byte)
         if self._pcall is not None:
             self._decoded = call.body  # prefill has not answered yet: its answer decides
         else:
             self._answer(call.body)
+
+    @property
+    def _decode_name(self) -> str:
+        """The decode pod of this attempt, "-" when prefill answered alone."""
+        return self._d.name if self._d is not None else "-"
 
     def _raise_unless_ok(self, call: Call, ep: Endpoint) -> None:
         """A call that failed or answered an error status ends the attempt (Unreachable: retried)."""
@@ -188,9 +197,11 @@ class FastExchange(Pending):
 
     def _answer(self, payload: bytes) -> None:
         router = self._router
-        router.metrics.ttft_seconds.observe(perf_counter() - self.started)
+        ttft = perf_counter() - self.started
+        router.metrics.ttft_seconds.observe(ttft)
         assert self._p is not None
-        decode = self._d.name if self._d is not None else "-"
+        decode = self._decode_name
+        router.metrics.pairs.observe("ttft", self._p.name, decode, ttft)
         self._reply(Response(payload, header_lines=self.rid_line), self._p.name, decode)
 
     def _reply(self, response: Response, prefill: str, decode: str) -> None:

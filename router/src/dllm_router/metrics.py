@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 
 import prometheus_client
 import prometheus_client.registry
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dllm_router.endpoints import Pool
-
-BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+from dllm_router.histogram import Histogram
+from dllm_router.pair_latency import PairLatency
 
 ERROR_KINDS = (
     "bad_request",
@@ -35,27 +34,6 @@ ERROR_KINDS = (
 TRANSFER_END_OUTCOMES = ("sent", "failed", "dropped")
 
 
-class Histogram:
-    """Counts per bucket and a sum: one list increment per observation on the request path."""
-
-    def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS) + 1)
-        self.total = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect_left(BUCKETS, seconds)] += 1
-        self.total += seconds
-
-    def family(self, name: str, documentation: str) -> HistogramMetricFamily:
-        running, buckets = 0, []
-        for bound, count in zip((*BUCKETS, float("inf")), self.counts, strict=True):
-            running += count
-            buckets.append(("+Inf" if bound == float("inf") else repr(bound), running))
-        family = HistogramMetricFamily(name, documentation)
-        family.add_metric([], buckets, self.total)
-        return family
-
-
 class Metrics:
     """The router's counters: plain integers on the request path (the router's per-request budget is
     tens of microseconds); prometheus_client writes the exposition at scrape time (`Collector`)."""
@@ -75,6 +53,7 @@ class Metrics:
         self.budget_held: Callable[[], int] = lambda: 0  # NEW-1: bytes held of the memory budget
         self.budget_limit = 0
         self.kv_check: Callable[[], Iterable[Metric]] = lambda: ()  # the KV check's families (kv_check.py)
+        self.pairs = PairLatency()  # the latencies above, per prefill/decode pair
 
     def families(self, pools: Iterable[Pool]) -> Iterator[Metric]:
         requests = CounterMetricFamily(
@@ -136,6 +115,7 @@ class Metrics:
                 ready.add_metric([pool.role, ep.name], int(ep.healthy))
         yield inflight
         yield ready
+        yield from self.pairs.families({ep.name for pool in pools for ep in pool.endpoints.values()})
         yield from self.kv_check()
 
 

@@ -63,7 +63,14 @@ class Prompt:
 
 
 def observe_first_byte(metrics: Metrics, answer: Answer) -> None:
-    metrics.decode_first_byte_seconds.observe(max(perf_counter() - answer.prefill_done, 0.0))
+    seconds = max(perf_counter() - answer.prefill_done, 0.0)
+    metrics.decode_first_byte_seconds.observe(seconds)
+    metrics.pairs.observe("decode_first_byte", answer.prefill.name, decode_name(answer), seconds)
+
+
+def decode_name(answer: Answer) -> str:
+    """The answer's decode pod, "-" when prefill answered alone."""
+    return answer.decode.name if answer.decode is not None else "-"
 
 
 class PromptExchange:
@@ -211,7 +218,9 @@ class PromptExchange:
         if response.status != 200:
             answer.prefill_refused = True
             raise pod_error(ep, response.status, data)
-        host.metrics.prefill_seconds.observe(perf_counter() - started)
+        took = perf_counter() - started
+        host.metrics.prefill_seconds.observe(took)
+        host.metrics.pairs.observe("prefill", ep.name, decode_name(answer), took)
         try:
             return prefill_answer(data, ep)
         except Unreachable:

@@ -10,11 +10,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator
+from time import perf_counter
 from typing import Any
 
 from dllm_router import openai as oa
 from dllm_router.metrics import Metrics
-from dllm_router.prompt_exchange import Answer, observe_first_byte
+from dllm_router.prompt_exchange import Answer, decode_name, observe_first_byte
 from dllm_router.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
@@ -27,12 +28,16 @@ async def relay_one(route: str, answer: Answer, body: JsonObject, metrics: Metri
         yield oa.sse(oa.answer_as_events(route, answer.finished, body))
         return
     assert answer.stream is not None
-    first = True
+    last: float | None = None
     try:
         async for chunk in answer.stream.chunks():
-            if first:
+            now = perf_counter()
+            if last is None:
                 observe_first_byte(metrics, answer)
-                first = False
+            elif events := chunk.count(b"data: "):  # the gap shared by the events (tokens) it brings
+                pair = (answer.prefill.name, decode_name(answer))
+                metrics.pairs.observe("inter_token", *pair, (now - last) / events, count=events)
+            last = now
             yield chunk
     except (UpstreamError, TimeoutError) as e:
         yield broken_stream(answer, e, metrics)
