@@ -26,7 +26,7 @@ from typing import Any
 from e2e import models_volume, node_images
 from e2e.cluster import controlplane as cp
 from e2e.dataplane import kv_moved
-from e2e.dataplane.pipeline import DEMO_CHAT, http_status, metrics_text, post_json
+from e2e.dataplane.pipeline import DEMO_CHAT, http_status, post_json
 
 ROOT = Path(__file__).resolve().parents[1]
 CHART = ROOT / "charts" / "dllm-operator"
@@ -127,14 +127,14 @@ def ask(layout: cp.Layout, namespace: str, model: Path) -> dict[str, Any]:
         _PAUSE.wait(0.5)
     decode_ip = kubectl_json(layout, "pod", f"{NAME}-decode-0", "-n", namespace)["status"]["podIP"]
     decode = f"http://{decode_ip}:{8000}"
-    before = kv_moved.moved(metrics_text(decode))
+    before = kv_moved.at(decode, router)
     status, body = post_json(f"{router}/v1/chat/completions", DEMO_CHAT)
     if status != 200:
         logs = engine_logs(layout, namespace)
         raise DemoError(f"the router answered {status}: {json.dumps(body)[:500]}\n{logs}")
     want = kv_moved.for_sample(model, [int(body["usage"]["prompt_tokens"])])
     try:
-        got = kv_moved.wait_for(decode, before, want)
+        got = kv_moved.wait_for(decode, before, want, router_url=router)
     except kv_moved.NotMoved as error:
         raise DemoError(f"{error}\n{engine_logs(layout, namespace)}") from None
     return {"router": router, "body": body, "moved": got}

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from e2e.dataplane import kv_moved
-from e2e.dataplane.pipeline import DEMO_CHAT, http_status, metrics_text, post_json
+from e2e.dataplane.pipeline import DEMO_CHAT, http_status, post_json
 from e2e.dataplane.tiny_model import build
 from e2e.fixtures import wait_until
 from e2e.ports import free_port
@@ -128,7 +128,7 @@ def compose() -> Iterator[Compose]:
 
 def test_the_rendered_compose_file_answers_a_chat_completion(compose: Compose) -> None:
     decode = compose.url("decode")
-    before = kv_moved.moved(metrics_text(decode))
+    before = kv_moved.at(decode, compose.url("router"), one_decode=True)  # a published port
     status, body = post_json(compose.url("router") + "/v1/chat/completions", DEMO_CHAT)
     assert status == 200, json.dumps(body)[:2000]
     assert body["choices"][0]["message"]["content"]
@@ -137,4 +137,4 @@ def test_the_rendered_compose_file_answers_a_chat_completion(compose: Compose) -
     # the layout gives for its blocks.
     model = compose.workdir / "models" / "tiny-llama"
     want = kv_moved.for_sample(model, [int(body["usage"]["prompt_tokens"])])
-    kv_moved.wait_for(decode, before, want)
+    kv_moved.wait_for(decode, before, want, router_url=compose.url("router"), one_decode=True)

@@ -16,7 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from e2e.dataplane.pipeline import counter, metrics_text, sample
+from prometheus_client.parser import text_string_to_metric_families
+
+from e2e.dataplane.pipeline import MetricAbsent, counter, metrics_text, sample
 
 _PAUSE = threading.Event()
 
@@ -69,15 +71,70 @@ def for_sample(model: Path, prompt_tokens: list[int], compression: str = "none")
     return expected(prompt_tokens, spec.block_size, kv_bytes_per_token(model, spec.dtype))
 
 
+def canary_totals(router_metrics: str, role: str, pod: str | None = None) -> dict[str, float]:
+    """What the router's KV check added to the counters of the engines of `role` (or of one `pod`,
+    host:port) so far, by kind; the router must export the family, even empty (absent is an error)."""
+    families = {family.name: family for family in text_string_to_metric_families(router_metrics)}
+    family = families.get("dllm_router_kv_check_engine")
+    if family is None:
+        raise MetricAbsent("no dllm_router_kv_check_engine on the router's /metrics")
+    totals = {"requests": 0.0, "loaded_tokens": 0.0, "kv_bytes": 0.0, "wire_bytes": 0.0}
+    for point in family.samples:
+        labels = point.labels
+        if labels.get("role") == role and pod in (None, labels.get("pod")) and labels.get("kind") in totals:
+            totals[labels["kind"]] += point.value
+    return totals
+
+
+def canaries(router_metrics: str, pod: str | None = None) -> Moved:
+    """What the router's canaries loaded into decode (one pod, or all): they count in its counters too."""
+    totals = canary_totals(router_metrics, "decode", pod)
+    return Moved(totals["loaded_tokens"], totals["kv_bytes"], totals["wire_bytes"])
+
+
+def at(decode_url: str, router_url: str | None = None, *, one_decode: bool = False, tries: int = 50) -> Moved:
+    """Decode's counters, less what the router's canaries put there: read while no canary runs and
+    its totals hold still, so the two readings agree. The router names decode by its pod address,
+    which is `decode_url`'s, unless decode is reached through another address (a published port):
+    `one_decode` then counts the canaries of every decode pod the router knows, the one there is."""
+    pod = None if one_decode else decode_url.split("://", 1)[-1]
+    if router_url is None:
+        return moved(metrics_text(decode_url))
+    for _ in range(tries):
+        first = metrics_text(router_url)
+        decode = moved(metrics_text(decode_url))
+        second = metrics_text(router_url)
+        idle = (
+            counter(first, "dllm_router_kv_check_in_flight")
+            == counter(second, "dllm_router_kv_check_in_flight")
+            == 0
+        )
+        if idle and canaries(first, pod) == canaries(second, pod):
+            return decode - canaries(second, pod)
+        _PAUSE.wait(0.2)  # poll interval of a bounded wait: a canary is a few tokens
+    raise NotMoved(f"the router's KV check never held still over {tries} readings")
+
+
 class NotMoved(AssertionError):
     """Decode's counters did not move by what the layout says (the message gives both)."""
 
 
-def wait_for(decode_url: str, before: Moved, want: Moved, timeout: float = 10) -> Moved:
-    """Decode's counters, moved since `before` by exactly `want`: vLLM publishes an engine's stats a
-    moment after they change, so this polls for at most `timeout` seconds; NotMoved if they never do."""
+def wait_for(
+    decode_url: str,
+    before: Moved,
+    want: Moved,
+    timeout: float = 10,
+    router_url: str | None = None,
+    *,
+    one_decode: bool = False,
+) -> Moved:
+    """Decode's counters (less the router's canaries, given `router_url`: see `at`), moved since
+    `before` by exactly `want`: vLLM publishes an engine's stats a moment after they change, so this
+    polls for at most `timeout` seconds; NotMoved if they never do."""
     deadline = time.monotonic() + timeout
-    while (got := moved(metrics_text(decode_url)) - before) != want and time.monotonic() < deadline:
+    while (
+        got := at(decode_url, router_url, one_decode=one_decode) - before
+    ) != want and time.monotonic() < deadline:
         _PAUSE.wait(0.2)  # poll interval of a bounded wait
     if got != want:
         raise NotMoved(f"decode's own counters show {got}, where the prompts' KV is {want}")

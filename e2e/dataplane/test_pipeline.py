@@ -72,12 +72,13 @@ def test_decode_loaded_the_prompt_externally(pipeline: Pipeline) -> None:
     """Decode's own counters: every prompt token came from prefill (none computed on decode), in
     exactly the bytes the layout gives for the prompt's blocks, on the wire as in the cache."""
     decode = pipeline.processes["decode"]
-    before = kv_moved.moved(metrics_text(decode.url))
+    router = pipeline.processes["router"].url
+    before = kv_moved.at(decode.url, router)  # the router names decode 127.0.0.1:<port> too
     prompt = "external KV, not recomputed: " * 4
     status, body = completion(pipeline.processes["router"].url, prompt)
     assert status == 200, body
     want = kv_moved.for_sample(pipeline.model, [int(body["usage"]["prompt_tokens"])])
-    got = kv_moved.wait_for(decode.url, before, want)
+    got = kv_moved.wait_for(decode.url, before, want, router_url=router)
     assert got.tokens == body["usage"]["prompt_tokens"] > 32  # more than one block
 
 

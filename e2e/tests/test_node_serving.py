@@ -124,7 +124,7 @@ def test_the_router_runs_exactly_the_arguments_the_operator_rendered(served: Ser
 
 def test_completions_through_the_router_service_equal_one_engine(served: Served, tmp_path: Path) -> None:
     decode = served.pod_url(f"{NAME}-decode-0")
-    before = kv_moved.moved(metrics_text(decode))
+    before = kv_moved.at(decode, served.router)
     through_service, prompt_tokens = {}, []
     for prompt in PROMPTS:
         status, body = completion(served.router, prompt)
@@ -133,7 +133,8 @@ def test_completions_through_the_router_service_equal_one_engine(served: Served,
         prompt_tokens.append(int(body["usage"]["prompt_tokens"]))
     # Decode's own counters: every prompt token came from prefill (none computed there), in the
     # bytes the layout gives for the prompts' blocks.
-    kv_moved.wait_for(decode, before, kv_moved.for_sample(served.model, prompt_tokens))
+    want = kv_moved.for_sample(served.model, prompt_tokens)
+    kv_moved.wait_for(decode, before, want, router_url=served.router)
     reference = wait_healthy(start_single_engine(served.model, tmp_path))
     try:
         for prompt in PROMPTS:
@@ -151,7 +152,7 @@ def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(serve
     prefix-cache hits grew), neither engine logged the client's transfer id or host, and neither
     restarted."""
     decode_url = served.pod_url(f"{NAME}-decode-0")
-    before = kv_moved.moved(metrics_text(decode_url))
+    before = kv_moved.at(decode_url, served.router)
     restarts = {
         role: served.get("pod", f"{NAME}-{role}-0")["status"]["containerStatuses"][0]["restartCount"]
         for role in ("prefill", "decode")
@@ -176,9 +177,8 @@ def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(serve
     status, answer = post_json(served.router + "/v1/completions", body, timeout=600)
     assert status == 200, answer
     assert "kv_transfer_params" not in answer or answer["kv_transfer_params"] != forged
-    kv_moved.wait_for(
-        decode_url, before, kv_moved.for_sample(served.model, [int(answer["usage"]["prompt_tokens"])])
-    )
+    want = kv_moved.for_sample(served.model, [int(answer["usage"]["prompt_tokens"])])
+    kv_moved.wait_for(decode_url, before, want, router_url=served.router)
     for role in ("prefill", "decode"):
         pod = served.get("pod", f"{NAME}-{role}-0")
         assert pod["status"]["containerStatuses"][0]["restartCount"] == restarts[role], role
@@ -518,17 +518,21 @@ def test_scaling_decode_to_two_sends_requests_to_both(served: Served) -> None:
     )
     wait_until(lambda: served.condition("Ready").get("status") == "True", 120, "Ready with two decodes")
     urls = [served.pod_url(f"{NAME}-decode-{i}") for i in range(2)]
-    before = [counter(metrics_text(url), "vllm:request_success") for url in urls]
+
+    def users_served(url: str) -> float:
+        """The pod's finished requests, less the router's KV check canaries it answered."""
+        canaries = kv_moved.canary_totals(metrics_text(served.router), "decode", url.split("://", 1)[-1])
+        return counter(metrics_text(url), "vllm:request_success") - canaries["requests"]
+
+    before = [users_served(url) for url in urls]
 
     def both_served() -> bool:
         status, body = completion(served.router, PROMPTS[1], timeout=600)  # decode-1's first compile
         assert status == 200, body
-        return all(
-            counter(metrics_text(u), "vllm:request_success") > b for u, b in zip(urls, before, strict=True)
-        )
+        return all(users_served(u) > b for u, b in zip(urls, before, strict=True))
 
     wait_until(both_served, 300, "both decode pods to serve a request through the router", interval=0.0)
-    assert kv_moved.moved(metrics_text(urls[1])).tokens > 0  # the new decode loaded its KV too
+    assert kv_moved.at(urls[1], served.router).tokens > 0  # the new decode loaded users' KV too
 
 
 def test_helm_test_passes_on_the_real_node(served: Served) -> None:

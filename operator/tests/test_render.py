@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -150,6 +151,29 @@ def test_router_lands_where_its_spec_says() -> None:
     unplaced = of_kind(rendered(minimal()), "Deployment")[0]["spec"]["template"]["spec"]
     assert "nodeSelector" not in unplaced
     assert "tolerations" not in unplaced
+
+
+def router_argv(body: dict[str, Any]) -> list[str]:
+    deployment = of_kind(rendered(body), "Deployment")[0]
+    return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+@pytest.mark.parametrize(
+    ("patch", "check"),
+    [
+        ({}, ["--kv-check-interval-s", "300"]),  # tcp unless RDMA is on
+        ({"rdma": {"enabled": True}}, ["--kv-check-interval-s", "300", "--kv-check-rdma", "true"]),
+        ({"rdma": {"enabled": True}, "kvTransfer": {"protocol": "tcp"}}, ["--kv-check-interval-s", "300"]),
+        ({"router": {"flow": "nixl"}}, []),  # vLLM's own connectors keep no record to read
+        ({"kvTransfer": {"connector": "custom", "custom": {"connectorClass": "NixlConnector"}}}, []),
+    ],
+)
+def test_the_router_checks_kv_on_our_connector_expecting_rdma_where_mooncake_uses_it(
+    patch: dict[str, Any], check: list[str]
+) -> None:
+    argv = router_argv(merged(minimal(), {"spec": patch}))
+    found = argv[argv.index("--kv-check-interval-s") :] if "--kv-check-interval-s" in argv else []
+    assert found == check
 
 
 def test_user_labels_never_reach_selectors() -> None:

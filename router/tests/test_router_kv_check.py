@@ -73,6 +73,13 @@ async def test_a_canary_moves_through_the_pair_under_one_transfer_id_and_is_veri
     assert f"dllm_router_kv_check{{{labels}}} 1.0" in text
     assert 'dllm_router_kv_checks_total{reason="Verified"} 1.0' in text
     assert "dllm_router_requests_total{" not in text  # the canary is no user request
+    # what it added to the engines' own counters, so a reader can tell it from users' traffic
+    totals = r.router.kv_check.engine_totals
+    decode, prefill = f"127.0.0.1:{d.port}", f"127.0.0.1:{p.port}"
+    assert totals[("prefill", prefill, "requests")] == totals[("decode", decode, "requests")] == 1
+    assert totals[("decode", decode, "kv_bytes")] == totals[("decode", decode, "wire_bytes")] == 4096
+    assert totals[("decode", decode, "loaded_tokens")] > 0
+    assert f'dllm_router_kv_check_engine_total{{kind="kv_bytes",pod="{decode}",role="decode"}} 4096.0' in text
     assert r.router.metrics.prefill_seconds.counts == [0] * len(r.router.metrics.prefill_seconds.counts)
 
 
@@ -91,6 +98,7 @@ async def test_a_decode_that_fails_gets_the_transfer_ended_and_the_pair_fails_wi
     assert pair is not None
     verdict = await r.router.kv_check.check(*pair)
     [(end_body, _)] = d.ends
+    assert ("decode", f"127.0.0.1:{d.port}", "kv_bytes") not in r.router.kv_check.engine_totals
     assert end_body == {"transfer_id": p.generations[0].kv["transfer_id"]}
     assert verdict.reason == "TransferFailed"
     assert verdict.message.startswith(

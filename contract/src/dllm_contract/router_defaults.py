@@ -17,3 +17,7 @@ DEFAULT_MAX_ANSWER_MB = 64
 DEFAULT_HTTP_PORT = 8000
 # How long the router lets one upstream request run, streams included (dllm-router --request-timeout-s).
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
+# How often the router re-checks that each prefill/decode pair moves KV (dllm-router
+# --kv-check-interval-s; a new pair is checked at once). One canary of a few tokens per pair per
+# interval: small next to any real load, frequent enough to see a broken path within minutes.
+KV_CHECK_INTERVAL_S = 300.0

@@ -69,6 +69,10 @@ class KVCheck:
         self._models: dict[str, str] = {}  # decode pod -> the model it serves
         self.verdicts: dict[tuple[str, str], Verdict] = {}
         self.checks: dict[str, int] = dict.fromkeys(REASONS, 0)
+        # (role, pod, kind) -> what the canaries added to that engine's own counters: requests it
+        # answered, and on decode the prompt tokens, KV bytes and wire bytes it loaded
+        self.engine_totals: dict[tuple[str, str, str], float] = {}
+        self.in_flight = 0  # canaries under way (at most one)
 
     @property
     def enabled(self) -> bool:
@@ -109,6 +113,13 @@ class KVCheck:
 
     async def check(self, p: Endpoint, d: Endpoint) -> Verdict:
         """One canary through prefill `p` and decode `d`; its verdict is kept and returned."""
+        self.in_flight += 1
+        try:
+            return await self._check(p, d)
+        finally:
+            self.in_flight -= 1
+
+    async def _check(self, p: Endpoint, d: Endpoint) -> Verdict:
         rid = f"{REQUEST_PREFIX}-{secrets.token_hex(6)}"
         plan = self._plan(rid, 0, p, d)
         tid = plan.transfer_id or new_transfer_id(rid, 0)
@@ -127,11 +138,19 @@ class KVCheck:
                 self._post(d, oa.COMPLETIONS, decode_body, rid),
             )
             failure = _first_failure(zip(("prefill", "decode"), (p, d), answers, strict=True))
+            for role, ep, (status, _) in zip(("prefill", "decode"), (p, d), answers, strict=True):
+                if status == 200:
+                    self._add(role, ep, "requests", 1)
+            prompt_tokens = _prompt_tokens(answers[0][1]) if answers[0][0] == 200 else 0
         except (aiohttp.ClientError, TimeoutError, ValueError) as error:
             failure = f"the check's calls failed: {error!r}"[:300]
         if failure is not None:
             await self._quietly(self._post(d, END_PATH, json.dumps({"transfer_id": tid}).encode(), rid))
         record = await self._record(d, tid, rid)
+        if record is not None and record.get("state") == "loaded":
+            self._add("decode", d, "loaded_tokens", prompt_tokens)
+            self._add("decode", d, "kv_bytes", float(record.get("kv_bytes", 0)))
+            self._add("decode", d, "wire_bytes", float(record.get("wire_bytes", 0)))
         reason, message = judge(record, want_rdma=self._config.kv_check_rdma, failure=failure)
         verdict = Verdict(p.name, d.name, reason, message, self._clock())
         self.verdicts[(p.name, d.name)] = verdict
@@ -174,6 +193,22 @@ class KVCheck:
         for reason, count in self.checks.items():
             checks.add_metric([reason], count)
         yield checks
+        engines = CounterMetricFamily(
+            "dllm_router_kv_check_engine",
+            "What the KV check's canaries added to each engine's own counters: requests answered, and "
+            "on decode prompt tokens loaded, KV bytes and wire bytes (to tell them from users' traffic)",
+            labels=["role", "pod", "kind"],
+        )
+        for (role, pod, kind), total in sorted(self.engine_totals.items()):
+            engines.add_metric([role, pod, kind], total)
+        yield engines
+        yield GaugeMetricFamily(
+            "dllm_router_kv_check_in_flight", "KV check canaries under way", value=self.in_flight
+        )
+
+    def _add(self, role: str, ep: Endpoint, kind: str, amount: float) -> None:
+        key = (role, ep.name, kind)
+        self.engine_totals[key] = self.engine_totals.get(key, 0.0) + amount
 
     async def _model(self, d: Endpoint) -> str:
         if d.name not in self._models:
@@ -217,3 +252,12 @@ def _first_failure(answers: Any) -> str | None:
             text = data[:200].decode("utf-8", "replace")
             return f"{role} {ep.name} answered {status}: {text}"
     return None
+
+
+def _prompt_tokens(prefill_answer: bytes) -> int:
+    """The prompt's tokens as prefill counted them (its answer's usage); 0 when it does not say."""
+    try:
+        usage = json.loads(prefill_answer).get("usage") or {}
+        return int(usage.get("prompt_tokens", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 0

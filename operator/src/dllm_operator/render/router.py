@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from dllm_contract.kvconfig import Connector
+from dllm_contract.kvconfig import Connector, Protocol
 from dllm_contract.router_defaults import (  # when no memory limit is set
     DEFAULT_MAX_ANSWER_MB,
     DEFAULT_MAX_BODY_MB,
     DEFAULT_MEMORY_BUDGET_MB,
+    KV_CHECK_INTERVAL_S,
 )
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import auth, labels
+from dllm_operator.render.engine_command import transfer_protocol
 from dllm_operator.render.quantity import to_bytes
 
 # vLLM built-in connectors whose PD protocol the router speaks.
@@ -69,7 +71,18 @@ def router_command_args(cr: DisaggregatedLLM, port: int, endpoints: list[str]) -
         "--memory-budget-mb", str(memory_budget_mb(cr)),
         "--max-answer-mb", str(max_answer_mb(cr)),
         "--drain-seconds", str(drain_seconds(cr)),
+        *kv_check_args(cr),
     ]  # fmt: skip
+
+
+def kv_check_args(cr: DisaggregatedLLM) -> list[str]:
+    """The router's KV check (dllm flow): every pair checked as it comes, then each interval; expecting
+    RDMA where Mooncake is told to use it."""
+    if router_flow(cr) != "dllm" or cr.spec.kv_transfer.connector is Connector.CUSTOM:
+        return []  # the check reads our connector's record of each transfer
+    args = ["--kv-check-interval-s", f"{KV_CHECK_INTERVAL_S:g}"]
+    rdma = cr.spec.kv_transfer.connector == Connector.MOONCAKE and transfer_protocol(cr) == Protocol.RDMA
+    return [*args, "--kv-check-rdma", "true"] if rdma else args
 
 
 def router_resources(cr: DisaggregatedLLM) -> dict[str, Any]:
