@@ -138,3 +138,19 @@ async def test_off_by_default_and_for_vllms_own_connectors(
     nixl = await start_router("nixl", [p], [d], engine_api_key=KEY, kv_check_interval_s=INTERVAL_S)
     assert not nixl.router.kv_check.enabled
     assert (await kv_check_page(nixl))["enabled"] is False
+
+
+async def test_an_engine_answer_past_the_bound_is_not_read_and_fails_the_check(
+    engines: tuple[FakeVllmEngine, EndRouteEngineDouble], start_router: RouterFactory
+) -> None:
+    """An engine's answer is read, never trusted: a record of a megabyte is cut at the bound."""
+    p, d = engines
+    r = await checking_router(start_router, p, d)
+    d.record_answer = dict(LOADED) | {"reason": "x" * (1 << 20)}
+    pair = r.router.kv_check.due()
+    assert pair is not None
+    verdict = await r.router.kv_check.check(*pair)
+    assert (verdict.reason, verdict.message) == (
+        "TransferFailed",
+        "decode's record of the transfer could not be read",
+    )

@@ -114,3 +114,42 @@ def test_slots_past_the_handshake_follow_max_num_seqs_times_prefill_tp_above_a_f
     max_num_seqs: int | None, prefill_tp: int, slots: int
 ) -> None:
     assert connections_for(max_num_seqs, prefill_tp) == slots
+
+
+def test_an_end_asked_of_a_full_side_channel_is_asked_again_until_a_slot_frees(
+    sockets: list[socket.socket],
+) -> None:
+    """The router's end (and the KV check's record query) reach decode's side channel through the
+    same slots as offers: one that finds them all busy waits for a slot within its timeout instead of
+    failing at once (NEW-7), and one that never gets one fails naming the full side channel."""
+    from dllm_connector.pipe.end import EndRefused, end_transfer
+    from dllm_connector.pipe.messages import Ack, dump
+
+    release = threading.Event()
+    ended: list[str] = []
+
+    def serve_one(sock: socket.socket) -> None:
+        message = sidechannel.recv_message(sock, 5)
+        if message["type"] == "end":
+            ended.append(str(message["transfer_id"]))
+            sidechannel.send_message(sock, dump(Ack(type="ack")))
+            return
+        sidechannel.send_message(sock, {"type": "accept", "id": "held"})
+        release.wait(30)
+
+    server = Server(HOST, 0, serve_one, auth=KEY, max_connections=1)
+    try:
+        sockets.append(sidechannel.connect(HOST, server.port, 5, auth=KEY))
+        sidechannel.send_message(sockets[0], {"type": "hold"})
+        assert sidechannel.expect(sockets[0], "accept", 5)["id"] == "held"
+        with pytest.raises(EndRefused, match="is full"):
+            end_transfer(HOST, server.port, "never-0-0123456789ab", 0.3, auth=KEY)
+        threading.Timer(0.3, release.set).start()
+        started = time.monotonic()
+        end_transfer(HOST, server.port, "tid-0-0123456789ab", 10, auth=KEY)
+        assert ended == ["tid-0-0123456789ab"]
+        assert 0.3 <= time.monotonic() - started < 5
+        assert server.stats.full >= 2  # the first end's tries, and the second's before the slot freed
+    finally:
+        release.set()
+        server.close()

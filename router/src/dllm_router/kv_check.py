@@ -42,6 +42,8 @@ END_PATH = "/v1/dllm/end_transfer"
 REQUEST_PREFIX = "dllm-kv-check"
 MIN_GAP_S = 1.0  # between two canaries
 CANARY_WORDS = 24  # a few tokens: enough for a block of most models' caches to move
+# An engine's answer to the check is a few hundred bytes (one token, a record); more is not read.
+MAX_ANSWER_BYTES = 64 * 1024
 
 JsonObject = dict[str, Any]
 Planner = Callable[[str, int, Endpoint, Endpoint], PairPlan]
@@ -211,12 +213,16 @@ class KVCheck:
         self.engine_totals[key] = self.engine_totals.get(key, 0.0) + amount
 
     async def _model(self, d: Endpoint) -> str:
+        """The model decode serves (its /v1/models), asked once per pod; ValueError if it does not say."""
         if d.name not in self._models:
             async with self._session().get(
                 d.url + "/v1/models", headers=self._headers, timeout=self._timeout
             ) as r:
-                data = await r.json(content_type=None)
-            self._models[d.name] = str(data["data"][0]["id"])
+                data = await _bounded(r, d)
+            try:
+                self._models[d.name] = str(json.loads(data)["data"][0]["id"])
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise ValueError(f"decode {d.name}'s /v1/models names no model: {data[:200]!r}") from None
         return self._models[d.name]
 
     async def _post(self, ep: Endpoint, path: str, payload: bytes, rid: str) -> tuple[int, bytes]:
@@ -224,12 +230,12 @@ class KVCheck:
         async with self._session().post(
             ep.url + path, data=payload, headers=headers, timeout=self._timeout
         ) as r:
-            return r.status, await r.read()
+            return r.status, await _bounded(r, ep)
 
     async def _record(self, d: Endpoint, tid: str, rid: str) -> JsonObject | None:
         try:
             status, data = await self._post(d, RECORD_PATH, json.dumps({"transfer_id": tid}).encode(), rid)
-        except (aiohttp.ClientError, TimeoutError):
+        except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
         if status != 200:
             return None
@@ -241,7 +247,7 @@ class KVCheck:
 
     @staticmethod
     async def _quietly(call: Any) -> None:
-        with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
             await call
 
 
@@ -261,3 +267,13 @@ def _prompt_tokens(prefill_answer: bytes) -> int:
         return int(usage.get("prompt_tokens", 0))
     except (ValueError, AttributeError, TypeError):
         return 0
+
+
+async def _bounded(response: aiohttp.ClientResponse, ep: Endpoint) -> bytes:
+    """The whole answer, or ValueError past MAX_ANSWER_BYTES (an engine's answer is read, not trusted)."""
+    data = bytearray()
+    async for chunk in response.content.iter_chunked(16 * 1024):
+        data += chunk
+        if len(data) > MAX_ANSWER_BYTES:
+            raise ValueError(f"{ep.name} answered more than {MAX_ANSWER_BYTES} bytes")
+    return bytes(data)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from dllm_connector import codec
 from dllm_connector.layout import HeadRange, PagedKV, plan_tp_mapping
 from dllm_connector.pipe.chunk_encoder import Encoding
-from dllm_connector.pipe.common import EXPECTED_ERRORS, PipeConfig, PipeSide, TransferFailed
+from dllm_connector.pipe.common import EXPECTED_ERRORS, FULL_RETRY_S, PipeConfig, PipeSide, TransferFailed
 from dllm_connector.pipe.messages import Offer, TPPart, bounded
 from dllm_connector.pipe.rank_send import RankSend
 from dllm_connector.transport import sidechannel
@@ -29,9 +29,6 @@ from dllm_contract.kvconfig import Compression
 _log = logging.getLogger(__name__)
 # Connection attempts to a decode side channel that is not up yet are retried this often.
 _CONNECT_RETRY_S = 0.05
-# A side channel that answered "full" (NEW-7) is asked again after a pause that doubles from the first
-# to the last of these, jittered so that the sends a burst refused do not all come back at once.
-_FULL_RETRY_S = (0.02, 0.5)
 # Codec none writes block to block only where each run of memory is at least this long. A head
 # range on the NHD layout is one short run per token; those are gathered into staging instead
 # (short runs move far slower zero-copy: docs/kv-connector.md, "Head ranges").
@@ -223,7 +220,7 @@ class KVSender(PipeSide):
         channel not up yet and one that is full; an authentication failure is final at once."""
         timeout = self.config.transfer_timeout_s
         deadline = time.monotonic() + timeout
-        pause = _FULL_RETRY_S[0]
+        pause = FULL_RETRY_S[0]
         while True:
             left = max(deadline - time.monotonic(), 0.001)
             try:
@@ -240,7 +237,7 @@ class KVSender(PipeSide):
                     ) from None
                 # the last try comes just before the deadline, with time left to say hello
                 self._closing.wait(min(pause * random.uniform(0.5, 1.0), left - _CONNECT_RETRY_S))
-                pause = min(2 * pause, _FULL_RETRY_S[1])
+                pause = min(2 * pause, FULL_RETRY_S[1])
                 continue
             except TransportError:
                 if time.monotonic() + _CONNECT_RETRY_S > deadline or self._closing.is_set():
