@@ -158,7 +158,8 @@ def test_apiserver_restart_keeps_the_data(cluster: Cluster, namespace: str) -> N
 
 
 def _run_cluster_cli(state: Path, port_base: int, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, DLLM_CP_STATE=str(state), DLLM_CP_PORT_BASE=str(port_base))
+    # no real node: the machine's one belongs to the first cluster (make test asks for it with =1)
+    env = dict(os.environ, DLLM_CP_STATE=str(state), DLLM_CP_PORT_BASE=str(port_base), DLLM_CP_REAL_NODE="0")
     return subprocess.run(
         [sys.executable, "-m", "e2e.cluster", *args],
         cwd=ROOT,
