@@ -16,26 +16,45 @@ from collections.abc import Iterator
 import end_route_cases
 import httpx
 import pytest
+from e2e.ports import free_consecutive_ports
 from end_route_cases import (
+    GEOMETRY,
     HOST,
+    NUM_BLOCKS,
     TID,
     TIMEOUT,
+    TOKEN,
     FakeEngineApp,
     authorized,
+    caches,
     end_target,
+    pipe_config,
     send_outcome,
     waiting_send,
 )
 
 from dllm_connector.end_route import END_PATH, EndTransferRoute
+from dllm_connector.layout import PagedKV
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender
+from dllm_connector.transport.mooncake import MooncakeTransport
+from dllm_connector.transport.sidechannel import PeerAuth
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 
 transports = end_route_cases.transports  # the shared fixtures, collected from this module's names
-receiver = end_route_cases.receiver
 sender = end_route_cases.sender
+
+
+@pytest.fixture
+def receiver(transports: tuple[MooncakeTransport, MooncakeTransport]) -> Iterator[KVReceiver]:
+    """Decode's rank 0 on the first of two ports outside the ephemeral range that were both free, so
+    that rank 1's port is not some other test's listener (which would answer in its place)."""
+    base = free_consecutive_ports(2)
+    kv = PagedKV(caches(), NUM_BLOCKS, GEOMETRY)
+    receiver = KVReceiver(transports[0], kv, pipe_config(), HOST, base, auth=PeerAuth.from_token(TOKEN))
+    yield receiver
+    receiver.close()
 
 
 @contextlib.contextmanager
@@ -81,8 +100,7 @@ async def test_every_tp_rank_is_told(receiver: KVReceiver, sender: KVSender) -> 
     """TP 2 where only rank 0 listens: rank 0's send ends, and the 502 names rank 1 alone."""
     app = EndTransferRoute(FakeEngineApp(), end_target(receiver.port, tp_size=2))
     with _bound_not_listening(receiver.port + 1) as held:
-        if not held:  # another listener has it: rank 1 might answer
-            pytest.skip(f"port {receiver.port + 1} is in use by another listener")
+        assert held, f"port {receiver.port + 1}, free a moment ago, was taken meanwhile"
         await waiting_send(sender, receiver, TID)
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://d") as client:
             answer = await client.post(END_PATH, json={"transfer_id": TID}, headers=authorized())
