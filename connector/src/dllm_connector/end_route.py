@@ -27,8 +27,9 @@ import json
 import logging
 import os
 import re
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from dllm_connector.end_route_names import ENV_END_ROUTE_TP_SIZE
 from dllm_connector.key_guard import ASGIApp, Receive, Scope, Send, engine_keys
@@ -40,6 +41,7 @@ from dllm_contract import kvconfig
 from dllm_contract.pd_params import MAX_TRANSFER_ID
 
 log = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 END_PATH = "/v1/dllm/end_transfer"
 RECORD_PATH = "/v1/dllm/transfer_record"
@@ -189,27 +191,29 @@ class EndTransferRoute:
         return self._serve(scope, receive, send, path)
 
     async def _serve(self, scope: Scope, receive: Receive, send: Send, path: str) -> None:
+        target = self.target
         try:
             tid = await self._accept(scope, receive, path)
             if self._in_flight >= MAX_IN_FLIGHT:
                 raise BadEnd(503, f"over {MAX_IN_FLIGHT} ends in flight; try again later")
             self._in_flight += 1
             try:
+                body: dict[str, object] | None = None
                 if path == RECORD_PATH:
-                    record = await self._record_everywhere(tid)
+                    records = await self._on_every_rank(
+                        lambda port: query_record(target.host, port, tid, target.timeout_s, auth=target.auth)
+                    )
+                    body = {"transfer_id": tid, **merge_records(records)}
                 else:
-                    refusals = await self._end_everywhere(tid)
+                    await self._on_every_rank(
+                        lambda port: end_transfer(target.host, port, tid, target.timeout_s, auth=target.auth)
+                    )
             finally:
                 self._in_flight -= 1
-            if path == END_PATH and refusals:
-                raise BadEnd(502, "; ".join(refusals))
         except BadEnd as bad:
             await _answer(send, bad.status, str(bad))
             return
-        if path == RECORD_PATH:
-            await _answer_json(send, {"transfer_id": tid, **record})
-        else:
-            await _answer(send, 204, None)
+        await (_answer(send, 204, None) if body is None else _answer_json(send, body))
 
     async def _accept(self, scope: Scope, receive: Receive, path: str) -> str:
         if scope.get("method") != "POST":
@@ -222,35 +226,22 @@ class EndTransferRoute:
             raise BadEnd(413, f"the body must be at most {MAX_BODY} bytes")
         return parse_body(await _read_body(receive))
 
-    async def _end_everywhere(self, tid: str) -> list[str]:
-        """End `tid` on every TP rank at once, off the event loop; the ranks' refusals, in words."""
+    async def _on_every_rank(self, call: Callable[[int], _R]) -> list[_R]:
+        """`call(port)` for every TP rank's side channel at once, off the event loop, in rank order;
+        BadEnd(502) naming each rank that could not be reached or answered wrong."""
         target = self.target
 
-        def end(rank: int) -> str | None:
+        def one(rank: int) -> tuple[_R | None, str | None]:
             try:
-                end_transfer(target.host, target.port + rank, tid, target.timeout_s, auth=target.auth)
-            except EndRefused as error:
-                return f"rank {rank}: {error}"
-            return None
+                return call(target.port + rank), None
+            except (EndRefused, RecordUnavailable) as error:
+                return None, f"rank {rank}: {error}"
 
-        results = await asyncio.gather(*(asyncio.to_thread(end, r) for r in range(target.tp_size)))
-        return [r for r in results if r is not None]
-
-    async def _record_everywhere(self, tid: str) -> dict[str, object]:
-        """Every TP rank's account of `tid`, merged; BadEnd(502) naming a rank that could not answer."""
-        target = self.target
-
-        def ask(rank: int) -> TransferRecord | str:
-            try:
-                return query_record(target.host, target.port + rank, tid, target.timeout_s, auth=target.auth)
-            except RecordUnavailable as error:
-                return f"rank {rank}: {error}"
-
-        answers = await asyncio.gather(*(asyncio.to_thread(ask, r) for r in range(target.tp_size)))
-        refusals = [a for a in answers if isinstance(a, str)]
+        answers = await asyncio.gather(*(asyncio.to_thread(one, r) for r in range(target.tp_size)))
+        refusals = [refusal for _, refusal in answers if refusal is not None]
         if refusals:
             raise BadEnd(502, "; ".join(refusals))
-        return merge_records([a for a in answers if isinstance(a, TransferRecord)])
+        return [answer for answer, _ in answers if answer is not None]
 
 
 async def _read_body(receive: Receive) -> bytes:

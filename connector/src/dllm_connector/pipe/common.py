@@ -42,6 +42,8 @@ CHUNK_BYTES = 32 << 20
 # A thread waiting on a peer wakes this often to see whether its transfer was cancelled or its
 # side is closing (a wait is never one long blocking recv).
 POLL_S = 0.05
+# Connection attempts to a side channel that is not up yet are retried this often.
+CONNECT_RETRY_S = 0.05
 # A side channel that answered "full" (NEW-7) is asked again after a pause that doubles from the first
 # to the last of these, jittered so that the connections a burst refused do not all come back at once.
 FULL_RETRY_S = (0.02, 0.5)

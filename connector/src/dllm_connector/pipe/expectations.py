@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from dllm_connector.layout import HeadRange
 from dllm_connector.pipe.common import POLL_S, PipeStats, TransferFailed
@@ -269,14 +270,10 @@ class Expectations:
     def _remember_refused_locked(self, transfer_id: str, reason: str) -> None:
         """An offer refused before decode expected its id (a layout that differs, say): kept, bounded,
         so the expectation fails with that reason when it comes instead of waiting for prefill."""
-        self._refused[transfer_id] = reason
-        while len(self._refused) > _ENDED_KEPT:
-            del self._refused[next(iter(self._refused))]
+        _remember(self._refused, transfer_id, reason)
 
     def _remember_ended_locked(self, transfer_id: str) -> None:
-        self._ended[transfer_id] = None
-        while len(self._ended) > _ENDED_KEPT:
-            del self._ended[next(iter(self._ended))]
+        _remember(self._ended, transfer_id, None)
 
     def end_id(self, transfer_id: str) -> None:
         """Decode will never expect this id: a waiting or later offer for it is refused at once."""
@@ -326,3 +323,13 @@ class Expectations:
             for transfer_id in list(self._expected):
                 self._finish_locked(transfer_id, reason)
         return sorted(active)
+
+
+_V = TypeVar("_V")
+
+
+def _remember(kept: dict[str, _V], transfer_id: str, value: _V) -> None:
+    """Keep `value` for the id, forgetting the oldest past _ENDED_KEPT ids."""
+    kept[transfer_id] = value
+    while len(kept) > _ENDED_KEPT:
+        del kept[next(iter(kept))]

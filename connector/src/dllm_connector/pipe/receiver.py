@@ -254,16 +254,13 @@ class KVReceiver(PipeSide):
         finally:
             if window is not None:
                 window.release()
-        self.stats.bytes_on_wire += sum(sizes)
-        self.stats.raw_bytes += self.kv.batch_nbytes(count, heads)
+        wire_bytes, kv_bytes = sum(sizes), self.kv.batch_nbytes(count, heads)
+        self.stats.bytes_on_wire += wire_bytes
+        self.stats.raw_bytes += kv_bytes
         seconds = time.monotonic() - started
         self.durations.add(seconds)
         self.records.add_part(
-            expectation.transfer_id,
-            blocks=count,
-            kv_bytes=self.kv.batch_nbytes(count, heads),
-            wire_bytes=sum(sizes),
-            seconds=seconds,
+            expectation.transfer_id, blocks=count, kv_bytes=kv_bytes, wire_bytes=wire_bytes, seconds=seconds
         )
         self._expectations.end(expectation.transfer_id, part, "")
         send(sock, Ack(type="ack"))

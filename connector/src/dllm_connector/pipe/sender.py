@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import random
 import socket
 import threading
 import time
@@ -18,17 +17,16 @@ from dataclasses import dataclass
 from dllm_connector import codec
 from dllm_connector.layout import HeadRange, PagedKV, plan_tp_mapping
 from dllm_connector.pipe.chunk_encoder import Encoding
-from dllm_connector.pipe.common import EXPECTED_ERRORS, FULL_RETRY_S, PipeConfig, PipeSide, TransferFailed
+from dllm_connector.pipe.common import EXPECTED_ERRORS, PipeConfig, PipeSide, TransferFailed
 from dllm_connector.pipe.messages import Offer, TPPart, bounded
 from dllm_connector.pipe.rank_send import RankSend
+from dllm_connector.pipe.side_request import connect_when_free
 from dllm_connector.transport import sidechannel
-from dllm_connector.transport.base import Source, TransferTimeout, Transport, TransportError
+from dllm_connector.transport.base import Source, TransferTimeout, Transport
 from dllm_connector.transport.torchdist import TorchDistTransport
 from dllm_contract.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
-# Connection attempts to a decode side channel that is not up yet are retried this often.
-_CONNECT_RETRY_S = 0.05
 # Codec none writes block to block only where each run of memory is at least this long. A head
 # range on the NHD layout is one short run per token; those are gathered into staging instead
 # (short runs move far slower zero-copy: docs/kv-connector.md, "Head ranges").
@@ -219,33 +217,11 @@ class KVSender(PipeSide):
         """A connection to the decode rank at host:port within the transfer timeout, retrying a side
         channel not up yet and one that is full; an authentication failure is final at once."""
         timeout = self.config.transfer_timeout_s
-        deadline = time.monotonic() + timeout
-        pause = FULL_RETRY_S[0]
-        while True:
-            left = max(deadline - time.monotonic(), 0.001)
-            try:
-                sock = sidechannel.connect(host, port, left, auth=self._auth)
-            except sidechannel.AuthenticationFailed:
-                raise  # a retry would only repeat the refusal until the timeout
-            except sidechannel.ServerFull as full:
-                if self._closing.is_set():
-                    raise
-                left = deadline - time.monotonic()
-                if left <= _CONNECT_RETRY_S:  # no time for another hello
-                    raise TransferTimeout(
-                        f"{full}, for the whole transfer timeout ({timeout:.1f}s)"
-                    ) from None
-                # the last try comes just before the deadline, with time left to say hello
-                self._closing.wait(min(pause * random.uniform(0.5, 1.0), left - _CONNECT_RETRY_S))
-                pause = min(2 * pause, FULL_RETRY_S[1])
-                continue
-            except TransportError:
-                if time.monotonic() + _CONNECT_RETRY_S > deadline or self._closing.is_set():
-                    raise
-                self._closing.wait(_CONNECT_RETRY_S)
-                continue
-            sock.settimeout(timeout)  # each later step has its own transfer timeout, not what was left
-            return sock
+        sock = connect_when_free(
+            host, port, timeout, auth=self._auth, stop=self._closing, retry_unreachable=True
+        )
+        sock.settimeout(timeout)  # each later step has its own transfer timeout, not what was left
+        return sock
 
     def _chunk_blocks(self, count: int) -> int:
         """Blocks per chunk, at most the transfer's `count` (decode refuses more, L3)."""

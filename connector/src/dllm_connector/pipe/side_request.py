@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 import time
 from typing import TypeVar
 
-from dllm_connector.pipe.common import FULL_RETRY_S
+from dllm_connector.pipe.common import CONNECT_RETRY_S, FULL_RETRY_S
 from dllm_connector.pipe.messages import MalformedMessage, WireMessage, bounded, dump, parse
 from dllm_connector.transport import sidechannel
-from dllm_connector.transport.base import TransportError
+from dllm_connector.transport.base import TransferTimeout, TransportError
 from dllm_connector.transport.sidechannel import PeerAuth
 
 _A = TypeVar("_A", bound=WireMessage)
@@ -33,7 +34,7 @@ def ask(
     again until `timeout` (NEW-7). Blocking, bounded by `timeout`; `refused` ("cannot <doing> at ...:
     why") when the side channel cannot be reached or answers anything else."""
     try:
-        with _connect_when_free(host, port, timeout, auth) as sock:
+        with connect_when_free(host, port, timeout, auth=auth) as sock:
             sidechannel.send_message(sock, dump(question))
             reply = sidechannel.recv_message(sock, timeout, limit=limit)
     except TransportError as error:
@@ -44,16 +45,39 @@ def ask(
         raise refused(f"cannot {doing} at {host}:{port}: it answered {bounded(reply)}") from None
 
 
-def _connect_when_free(host: str, port: int, timeout: float, auth: PeerAuth | None) -> socket.socket:
-    """A connection within `timeout`, asking again after a doubling, jittered pause while it is full."""
+def connect_when_free(
+    host: str,
+    port: int,
+    timeout: float,
+    *,
+    auth: PeerAuth | None,
+    stop: threading.Event | None = None,
+    retry_unreachable: bool = False,
+) -> socket.socket:
+    """A connection to a side channel within `timeout` (hello answered; with `auth`, authenticated).
+
+    One that is full (NEW-7) is asked again after a doubling, jittered pause, the last try just before
+    the deadline with time left to say hello; past it, TransferTimeout naming it. With
+    `retry_unreachable`, one not up yet is asked again too. An authentication failure is final at
+    once, and `stop` (a closing side) ends the waiting with the last error."""
+    stop = stop if stop is not None else threading.Event()
     deadline = time.monotonic() + timeout
     pause = FULL_RETRY_S[0]
     while True:
+        left = max(deadline - time.monotonic(), 0.001)
         try:
-            return sidechannel.connect(host, port, max(deadline - time.monotonic(), 0.001), auth=auth)
-        except sidechannel.ServerFull:
-            left = deadline - time.monotonic()
-            if left <= pause:
+            return sidechannel.connect(host, port, left, auth=auth)
+        except sidechannel.AuthenticationFailed:
+            raise  # a retry would only repeat the refusal until the timeout
+        except sidechannel.ServerFull as full:
+            if stop.is_set():
                 raise
-            time.sleep(pause * random.uniform(0.5, 1.0))
+            left = deadline - time.monotonic()
+            if left <= CONNECT_RETRY_S:  # no time for another hello
+                raise TransferTimeout(f"{full}, for the whole transfer timeout ({timeout:.1f}s)") from None
+            stop.wait(min(pause * random.uniform(0.5, 1.0), left - CONNECT_RETRY_S))
             pause = min(2 * pause, FULL_RETRY_S[1])
+        except TransportError:
+            if not retry_unreachable or time.monotonic() + CONNECT_RETRY_S > deadline or stop.is_set():
+                raise
+            stop.wait(CONNECT_RETRY_S)
