@@ -109,8 +109,9 @@ def at(decode_url: str, router_url: str | None = None, *, one_decode: bool = Fal
             == counter(second, "dllm_router_kv_check_in_flight")
             == 0
         )
-        if idle and canaries(first, pod) == canaries(second, pod):
-            return decode - canaries(second, pod)
+        settled = canaries(second, pod)
+        if idle and canaries(first, pod) == settled:
+            return decode - settled
         _PAUSE.wait(0.2)  # poll interval of a bounded wait: a canary is a few tokens
     raise NotMoved(f"the router's KV check never held still over {tries} readings")
 

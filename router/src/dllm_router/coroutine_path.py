@@ -180,6 +180,7 @@ def _parts(data: bytes | None) -> EngineAnswer:
 
 def observe_ttft(metrics: Metrics, answers: list[Answer], seconds: float) -> None:
     """The request's time to first byte; per pair for a single prompt (several prompts have several)."""
-    metrics.ttft_seconds.observe(seconds)
     if len(answers) == 1:
-        metrics.pairs.observe("ttft", answers[0].prefill.name, decode_name(answers[0]), seconds)
+        metrics.observe("ttft", answers[0].prefill.name, decode_name(answers[0]), seconds)
+    else:
+        metrics.ttft_seconds.observe(seconds)

@@ -140,8 +140,7 @@ class FastExchange(Pending):
         self._prefill_refused = isinstance(error, ConnectFailed) or (error is None and call.status != 200)
         self._raise_unless_ok(call, p)
         now = perf_counter()
-        router.metrics.prefill_seconds.observe(now - self._prefill_at)
-        router.metrics.pairs.observe("prefill", p.name, self._decode_name, now - self._prefill_at)
+        router.metrics.observe("prefill", p.name, self._decode_name, now - self._prefill_at)
         try:
             finished = prefill_answer(call.body, p)
         except Unreachable:
@@ -172,10 +171,10 @@ class FastExchange(Pending):
         self._dcall = None
         self._raise_unless_ok(call, ep)
         self._decode_ok = True
-        first_byte = max(perf_counter() - self._prefill_done, 0.0)
-        router.metrics.decode_first_byte_seconds.observe(first_byte)
         assert self._p is not None
-        router.metrics.pairs.observe("decode_first_byte", self._p.name, ep.name, first_byte)
+        router.metrics.observe(
+            "decode_first_byte", self._p.name, ep.name, max(perf_counter() - self._prefill_done, 0.0)
+        )
         if self._pcall is not None:
             self._decoded = call.body  # prefill has not answered yet: its answer decides
         else:
@@ -197,11 +196,9 @@ class FastExchange(Pending):
 
     def _answer(self, payload: bytes) -> None:
         router = self._router
-        ttft = perf_counter() - self.started
-        router.metrics.ttft_seconds.observe(ttft)
         assert self._p is not None
         decode = self._decode_name
-        router.metrics.pairs.observe("ttft", self._p.name, decode, ttft)
+        router.metrics.observe("ttft", self._p.name, decode, perf_counter() - self.started)
         self._reply(Response(payload, header_lines=self.rid_line), self._p.name, decode)
 
     def _reply(self, response: Response, prefill: str, decode: str) -> None:

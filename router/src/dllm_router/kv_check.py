@@ -34,11 +34,11 @@ from dllm_router.config import RouterConfig
 from dllm_router.endpoints import Endpoint, Pool
 from dllm_router.flows import PairPlan
 from dllm_router.kv_verdict import REASONS, Verdict, judge, overall
+from dllm_router.transfer_end import END_PATH
 
 log = logging.getLogger(__name__)
 
 RECORD_PATH = "/v1/dllm/transfer_record"
-END_PATH = "/v1/dllm/end_transfer"
 REQUEST_PREFIX = "dllm-kv-check"
 MIN_GAP_S = 1.0  # between two canaries
 CANARY_WORDS = 24  # a few tokens: enough for a block of most models' caches to move

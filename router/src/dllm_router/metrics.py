@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from typing import Literal
 
 import prometheus_client
 import prometheus_client.registry
@@ -54,6 +55,18 @@ class Metrics:
         self.budget_limit = 0
         self.kv_check: Callable[[], Iterable[Metric]] = lambda: ()  # the KV check's families (kv_check.py)
         self.pairs = PairLatency()  # the latencies above, per prefill/decode pair
+        self._over_all_pairs = {
+            "prefill": self.prefill_seconds,
+            "decode_first_byte": self.decode_first_byte_seconds,
+            "ttft": self.ttft_seconds,
+        }
+
+    def observe(
+        self, kind: Literal["prefill", "decode_first_byte", "ttft"], prefill: str, decode: str, seconds: float
+    ) -> None:
+        """One latency of a request, over all pairs and for its own pair of pods."""
+        self._over_all_pairs[kind].observe(seconds)
+        self.pairs.observe(kind, prefill, decode, seconds)
 
     def families(self, pools: Iterable[Pool]) -> Iterator[Metric]:
         requests = CounterMetricFamily(

@@ -64,8 +64,7 @@ class Prompt:
 
 def observe_first_byte(metrics: Metrics, answer: Answer) -> None:
     seconds = max(perf_counter() - answer.prefill_done, 0.0)
-    metrics.decode_first_byte_seconds.observe(seconds)
-    metrics.pairs.observe("decode_first_byte", answer.prefill.name, decode_name(answer), seconds)
+    metrics.observe("decode_first_byte", answer.prefill.name, decode_name(answer), seconds)
 
 
 def decode_name(answer: Answer) -> str:
@@ -218,9 +217,7 @@ class PromptExchange:
         if response.status != 200:
             answer.prefill_refused = True
             raise pod_error(ep, response.status, data)
-        took = perf_counter() - started
-        host.metrics.prefill_seconds.observe(took)
-        host.metrics.pairs.observe("prefill", ep.name, decode_name(answer), took)
+        host.metrics.observe("prefill", ep.name, decode_name(answer), perf_counter() - started)
         try:
             return prefill_answer(data, ep)
         except Unreachable:
