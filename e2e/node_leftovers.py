@@ -26,11 +26,8 @@ def snapshot(layout: cp.Layout, namespaces: Iterable[str]) -> State:
         ).split()
     )
     allocations = node.paths_of(layout).cni_ipam / nc.CNI_NETWORK
-    leaked = frozenset(
-        path.name
-        for path in allocations.glob("*.*.*.*")
-        if path.read_text().split()[0:1] and path.read_text().split()[0] not in containers
-    )
+    owners = {path.name: path.read_text().split()[:1] for path in allocations.glob("*.*.*.*")}
+    leaked = frozenset(ip for ip, owner in owners.items() if owner and owner[0] not in containers)
     links = nodehost.in_netns("ip", "-o", "link", "show", "type", "veth").stdout.splitlines()
     veths = frozenset(line.split(":")[1].strip().split("@")[0] for line in links if ":" in line)
     rules = nodehost.in_netns("iptables-save").stdout.splitlines()
