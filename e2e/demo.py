@@ -111,6 +111,25 @@ def wait_ready(layout: cp.Layout, namespace: str, timeout: float) -> None:
         _PAUSE.wait(1.0)
 
 
+# The operator reads the router's KV check every 15 s (the chart's kvCheck.pollSeconds); the router
+# checks a new pair at once, in a second or two on this host.
+KV_CHECK_WAIT_S = 120
+
+
+def wait_kv_verified(layout: cp.Layout, namespace: str) -> dict[str, Any]:
+    """The CR's KVTransferVerified condition once it says Verified; a DemoError for any other verdict
+    that stays, or none within KV_CHECK_WAIT_S."""
+    deadline, condition = time.monotonic() + KV_CHECK_WAIT_S, dict[str, Any]()
+    while time.monotonic() < deadline:
+        cr = kubectl_json(layout, "dllm", NAME, "-n", namespace)
+        found = [c for c in cr.get("status", {}).get("conditions", []) if c["type"] == "KVTransferVerified"]
+        condition = found[0] if found else {}
+        if condition.get("reason") == "Verified":
+            return condition
+        _PAUSE.wait(1.0)
+    raise DemoError(f"KVTransferVerified is not Verified after {KV_CHECK_WAIT_S}s: {condition}")
+
+
 def answers(url: str) -> bool:
     return http_status(url) == 200
 
@@ -216,6 +235,10 @@ def up(namespace: str, timeout: float) -> None:
     print(tool(layout, "kubectl", "get", "dllm,pods,svc", "-n", namespace, "-o", "wide").rstrip())
     step("one chat completion through the router Service", started)
     show_answer(ask(layout, namespace, model))
+    step("the router's KV check: a canary through each pair, proven by decode's own record", started)
+    verified = wait_kv_verified(layout, namespace)
+    print(f"    KVTransferVerified={verified['status']} ({verified['reason']}): {verified['message']}")
+    print(tool(layout, "kubectl", "get", "dllm", NAME, "-n", namespace).rstrip())
     step('done. eval "$(make -s cluster-env)" gives you kubectl; make demo-down stops it all', started)
 
 

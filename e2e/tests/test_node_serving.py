@@ -6,6 +6,7 @@ another namespace, and the faults users meet, which run last (they kill, roll an
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import json
@@ -78,6 +79,11 @@ def test_make_demo_answers_through_the_router_service(served: Served) -> None:
     assert (tokens, kv, wire) == (want.tokens, want.kv_bytes, want.wire_bytes)
     assert kv == -(-tokens // 32) * 32 * 2048  # 2 layers x 2 KV heads x 64 x K,V x float32, whole blocks
     assert re.search(r"curl -s http://10\.96\.\d+\.\d+:8000/v1/chat/completions", out), out
+    # The router's KV check, read by the operator: the condition, and `kubectl get dllm`'s KV column.
+    assert re.search(r"KVTransferVerified=True \(Verified\): 1 pairs verified; latest: decode loaded", out), (
+        out
+    )
+    assert re.search(rf"^{NAME}\s+1/1\s+1/1\s+True\s+mooncake\s+Verified\s", out, re.MULTILINE), out
 
 
 def test_the_operator_runs_as_a_pod_from_its_image_with_the_charts_identity(served: Served) -> None:
@@ -145,46 +151,94 @@ def test_completions_through_the_router_service_equal_one_engine(served: Served,
         reference.stop()
 
 
+def forged_params(transfer_id: str, decode_host: str) -> dict[str, Any]:
+    """A client's kv_transfer_params naming a transfer id and a decode host of its own choosing."""
+    return {
+        "dllm": 1,
+        "transfer_id": transfer_id,
+        "do_remote_decode": True,
+        "do_remote_prefill": True,
+        "decode_host": decode_host,
+        "prefill_host": "198.51.100.8",
+        "decode_kv_port": 1,
+    }
+
+
+def engine_api_key(served: Served) -> str:
+    secret = served.get("secret", f"{NAME}-auth")
+    return base64.b64decode(secret["data"]["api-key"]).decode()
+
+
 def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(served: Served) -> None:
-    """NEW-2 through the router Service: a client's kv_transfer_params, top-level and in vllm_xargs,
-    naming a transfer id and hosts of its choosing. The answer is served; what the engines did is read
-    from them, not assumed: decode loaded the prompt's full blocks from prefill (its external
-    prefix-cache hits grew), neither engine logged the client's transfer id or host, and neither
-    restarted."""
+    """NEW-2 through the router Service: a client's kv_transfer_params naming a transfer id and hosts
+    of its choosing, top-level and in vllm_xargs on a PD request, and in vllm_xargs alone on a one-token
+    request (prefill answers it alone, with no params of the router's to override the client's). The
+    answers are served; what the engines did is read from them, not assumed: decode loaded the PD
+    prompt's full blocks from prefill, neither engine logged the client's ids or hosts, and neither
+    restarted. The control: the same params sent to prefill directly, with the engines' key, are acted
+    on (prefill's connector tries the send, and refuses the client's peer in a log line naming the
+    transfer id), so the absence of the client's ids means something."""
     decode_url = served.pod_url(f"{NAME}-decode-0")
     before = kv_moved.at(decode_url, served.router)
     restarts = {
         role: served.get("pod", f"{NAME}-{role}-0")["status"]["containerStatuses"][0]["restartCount"]
         for role in ("prefill", "decode")
     }
-    forged = {
-        "dllm": 1,
-        "transfer_id": "client-chosen-7f3a",
-        "do_remote_decode": True,
-        "do_remote_prefill": True,
-        "decode_host": "198.51.100.7",
-        "prefill_host": "198.51.100.8",
-        "decode_kv_port": 1,
-    }
+    pd = forged_params("client-chosen-7f3a", "198.51.100.7")
     body = {
         "model": "tiny-llama",
         "prompt": PROMPTS[0],
         "max_tokens": 4,
         "temperature": 0,
-        "kv_transfer_params": forged,
-        "vllm_xargs": {"kv_transfer_params": forged},
+        "kv_transfer_params": pd,
+        "vllm_xargs": {"kv_transfer_params": pd},
     }
     status, answer = post_json(served.router + "/v1/completions", body, timeout=600)
     assert status == 200, answer
-    assert "kv_transfer_params" not in answer or answer["kv_transfer_params"] != forged
+    assert "kv_transfer_params" not in answer or answer["kv_transfer_params"] != pd
     want = kv_moved.for_sample(served.model, [int(answer["usage"]["prompt_tokens"])])
     kv_moved.wait_for(decode_url, before, want, router_url=served.router)
+    one_token = forged_params("client-chosen-one-token", "198.51.100.6")
+    one_token_body = {**body, "max_tokens": 1, "vllm_xargs": {"kv_transfer_params": one_token}}
+    del one_token_body["kv_transfer_params"]
+    status, answer = post_json(served.router + "/v1/completions", one_token_body, timeout=600)
+    assert status == 200, answer
+    # The control, straight to prefill with the engines' key: its connector acts on the params.
+    control = {
+        **one_token_body,
+        "vllm_xargs": {"kv_transfer_params": forged_params("control-1", "198.51.100.9")},
+    }
+    status, answer = post_json(
+        served.pod_url(f"{NAME}-prefill-0") + "/v1/completions",
+        control,
+        timeout=600,
+        headers={"Authorization": f"Bearer {engine_api_key(served)}"},
+    )
+    assert status == 200, answer
+
+    def prefill_log() -> str:
+        return str(served.cluster.run("logs", "-n", NAMESPACE, f"{NAME}-prefill-0").stdout)
+
+    seen = wait_until(
+        lambda: (log := prefill_log()) and "KV send control-1 failed" in log and log,
+        60,
+        "the control's log line",
+    )
     for role in ("prefill", "decode"):
         pod = served.get("pod", f"{NAME}-{role}-0")
         assert pod["status"]["containerStatuses"][0]["restartCount"] == restarts[role], role
-        log = served.cluster.run("logs", "-n", NAMESPACE, pod["metadata"]["name"]).stdout
-        assert "client-chosen-7f3a" not in log, role
-        assert "198.51.100." not in log, role
+        log = (
+            seen
+            if role == "prefill"
+            else served.cluster.run("logs", "-n", NAMESPACE, pod["metadata"]["name"]).stdout
+        )
+        for chosen in (
+            "client-chosen-7f3a",
+            "client-chosen-one-token",
+            "198.51.100.7",
+            "198.51.100.6",
+        ):
+            assert chosen not in log, (role, chosen)
 
 
 # ---- the operator's NetworkPolicies, enforced by kube-router (before the faults below change the pods) --
@@ -424,6 +478,52 @@ def test_uploads_past_the_routers_memory_budget_are_refused_and_it_stays_under_i
     )
     after = served.get("pod", name)["status"]["containerStatuses"][0]
     assert after["restartCount"] == restarts, after
+
+
+def kv_condition(served: Served) -> dict[str, Any]:
+    return served.condition("KVTransferVerified")
+
+
+def test_a_decode_that_cannot_load_kv_fails_kv_transfer_verified_until_it_can(served: Served) -> None:
+    """The router's KV check, read by the operator's pod through a router policy closed to all but
+    this machine: decode with 64-token KV blocks against prefill's 32 (it can load nothing prefill
+    sends) turns KVTransferVerified to TransferFailed, the resource Degraded and not Ready; decode back
+    as it was turns it Verified and Ready again. Each is a decode roll plus one canary and one read."""
+    wait_until(lambda: kv_condition(served).get("reason") == "Verified", 120, "KVTransferVerified Verified")
+    pairs = served.get("dllm", NAME)["status"]["kvTransfer"]["pairs"]
+    assert [(p["prefill"], p["decode"], p["reason"]) for p in pairs] == [
+        (f"{NAME}-prefill-0", f"{NAME}-decode-0", "Verified")
+    ]
+    decode_args = served.get("dllm", NAME)["spec"]["decode"]["extraArgs"]
+    closed = {"routerAllowedFrom": [{"ipBlock": {"cidr": "10.250.0.1/32"}}]}
+
+    def patch(spec: dict[str, Any]) -> None:
+        served.cluster.run(
+            "patch", "dllm", NAME, "-n", NAMESPACE, "--type=merge", "-p", json.dumps({"spec": spec})
+        )
+
+    patch({"decode": {"extraArgs": [*decode_args, "--block-size", "64"]}, "security": closed})
+    try:
+
+        def failed() -> dict[str, Any] | None:
+            kv = kv_condition(served)
+            return kv if kv.get("reason") == "TransferFailed" else None
+
+        kv = wait_until(failed, 600, "KVTransferVerified TransferFailed after decode's roll")
+        assert kv["status"] == "False", kv
+        assert kv["message"].startswith(f"{NAME}-prefill-0 -> {NAME}-decode-0: "), kv
+        assert (served.condition("Ready")["status"], served.condition("Ready")["reason"]) == (
+            "False",
+            "TransferFailed",
+        )
+        degraded = served.condition("Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("True", "TransferFailed"), degraded
+    finally:
+        patch({"decode": {"extraArgs": decode_args}, "security": {"routerAllowedFrom": None}})
+    wait_until(
+        lambda: kv_condition(served).get("reason") == "Verified", 600, "Verified after decode's return"
+    )
+    wait_until(lambda: served.condition("Ready").get("status") == "True", 120, "Ready again")
 
 
 def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready(served: Served) -> None:

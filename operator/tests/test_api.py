@@ -146,6 +146,7 @@ def test_crd_shape() -> None:
         "Decode",
         "Ready",
         "Connector",
+        "KV",
         "Age",
     ]
     text = CRD_PATH.read_text()

@@ -83,6 +83,36 @@ def test_network_policy_peers_and_the_mooncake_bootstrap_port() -> None:
     assert policy(manifests, "minimal-router")["spec"]["ingress"][0]["from"] == [clients]
 
 
+IN_CLUSTER = OperatorConfig(
+    pod_namespace="dllm-system", pod_labels={"app.kubernetes.io/name": "dllm-operator"}
+)
+OPERATOR_PODS = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "dllm-system"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "dllm-operator"}},
+}
+
+
+def router_peers(body: dict[str, Any], config: OperatorConfig) -> list[dict[str, Any]] | None:
+    manifests = render_all(parse(body), config)
+    peers: list[dict[str, Any]] | None = policy(manifests, f"{body['metadata']['name']}-router")["spec"][
+        "ingress"
+    ][0].get("from")
+    return peers
+
+
+def test_a_router_closed_to_all_but_its_clients_admits_the_operator_pods_that_read_its_kv_check() -> None:
+    clients = {"podSelector": {"matchLabels": {"role": "client"}}}
+    body = merged(minimal(), {"spec": {"security": {"routerAllowedFrom": [clients]}}})
+    assert router_peers(body, IN_CLUSTER) == [clients, OPERATOR_PODS]
+    # Off-cluster, with the reading off, or where the router runs no check: only the clients.
+    assert router_peers(body, OperatorConfig()) == [clients]
+    assert router_peers(body, IN_CLUSTER.model_copy(update={"kv_check_poll_seconds": 0})) == [clients]
+    custom = {"connector": "custom", "custom": {"connectorClass": "MooncakeConnector"}}
+    assert router_peers(merged(body, {"spec": {"kvTransfer": custom}}), IN_CLUSTER) == [clients]
+    # Open to all: nothing to add.
+    assert router_peers(minimal(), IN_CLUSTER) is None
+
+
 def test_without_a_router_the_engines_http_port_is_the_endpoint() -> None:
     manifests = rendered(merged(minimal(), {"spec": {"router": {"enabled": False}}}))
     assert [m["metadata"]["name"] for m in of_kind(manifests, "NetworkPolicy")] == ["minimal-engines"]

@@ -6,21 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_cases import minimal
+from status_cases import pod, role_pod, workload
 
 from dllm_operator.api import parse
 from dllm_operator.render import render_all
 from dllm_operator.status import Observed, compute_status, pod_problem, workloads_by_component
-
-
-def pod(*container_statuses: dict[str, Any], ready: bool = False) -> dict[str, Any]:
-    return {
-        "metadata": {"name": "tiny-cpu-decode-0"},
-        "status": {
-            "phase": "Running",
-            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
-            "containerStatuses": list(container_statuses),
-        },
-    }
 
 
 def test_a_pod_loading_its_model_is_not_a_problem() -> None:
@@ -43,16 +33,6 @@ def test_a_crash_loop_is_named_with_its_reason() -> None:
     looping = {"name": "engine", "ready": False, "restartCount": 3,
                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}}}  # fmt: skip
     assert pod_problem(pod(looping)) == "tiny-cpu-decode-0 CrashLoopBackOff: back-off 40s"
-
-
-def workload(ready: int) -> dict[str, Any]:
-    counts = {"observedGeneration": 1, "replicas": 1, "readyReplicas": ready, "updatedReplicas": 1}
-    return {"metadata": {"generation": 1}, "spec": {"replicas": 1}, "status": counts}
-
-
-def role_pod(name: str, ready: bool) -> dict[str, Any]:
-    running = {"name": "engine", "ready": ready, "started": True, "restartCount": 0}
-    return {**pod(running, ready=ready), "metadata": {"name": name}}
 
 
 def status_of(decode_pod_ready: bool) -> dict[str, Any]:

@@ -43,6 +43,17 @@ def _comma_list(raw: Any) -> Any:
 CommaList = Annotated[tuple[str, ...], BeforeValidator(_comma_list)]
 
 
+def _label_pairs(raw: Any) -> Any:
+    """ "a=1, b=2" as {"a": "1", "b": "2"}; an item without "=" is an error."""
+    if not isinstance(raw, str):
+        return raw
+    pairs = _comma_list(raw)
+    bad = [item for item in pairs if "=" not in item]
+    if bad:
+        raise ValueError(f"{bad[0]!r} is not key=value")
+    return dict(item.split("=", 1) for item in pairs)
+
+
 class OperatorConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -72,6 +83,13 @@ class OperatorConfig(BaseModel):
     # identity and, unless --lease-namespace says otherwise, the lease's namespace. Unset off-cluster.
     pod_name: str | None = None
     pod_namespace: str | None = None
+    # The operator pod's labels, "k=v,k=v" (the chart passes its selector labels): with pod_namespace, the
+    # router's NetworkPolicy admits the operator to read the KV check. Unset off-cluster.
+    pod_labels: Annotated[dict[str, str], BeforeValidator(_label_pairs)] = Field(default_factory=dict)
+    # How often the operator reads each ready router pod's KV check page (kv_poll.py); 0: never (then
+    # KVTransferVerified stays Unknown). The router checks a new pair at once, so a rollout's verdict
+    # shows within this.
+    kv_check_poll_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 15.0
 
     @field_validator("allow_privileged_engines", mode="before")
     @classmethod
@@ -113,6 +131,8 @@ ENV_NAMES: Mapping[str, str] = {
     "resync_seconds": "DLLM_RESYNC_SECONDS",
     "pod_name": "POD_NAME",
     "pod_namespace": "POD_NAMESPACE",
+    "pod_labels": "DLLM_OPERATOR_POD_LABELS",
+    "kv_check_poll_seconds": "DLLM_KV_CHECK_POLL_SECONDS",
 }
 # field -> the `dllm-operator run` flag that also sets it.
 FLAGS: Mapping[str, str] = {"log_level": logs.LOG_LEVEL_FLAG, "namespaces": "--namespace"}

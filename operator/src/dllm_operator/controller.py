@@ -20,9 +20,12 @@ from dllm_operator.api import KIND, DisaggregatedLLM, SpecInvalid, parse
 from dllm_operator.config import OperatorConfig
 from dllm_operator.events import cr_event, now_iso
 from dllm_operator.kube import ApiError, KubeClient
+from dllm_operator.kv_poll import KVPoller, Page, RouterPod, router_pods
+from dllm_operator.kv_transfer import KVCheckView, engine_pod_names
 from dllm_operator.plan import MANAGED_KINDS, Key, key_of, only_replicas_changed, plan
 from dllm_operator.redact import redact_values
 from dllm_operator.render import auth, labels, render_all
+from dllm_operator.render.router import kv_check_args
 from dllm_operator.secret_missing import pods_wait_on_secret
 from dllm_operator.status import (
     Observed,
@@ -59,6 +62,7 @@ class Controller:
     _event_tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _secrets_made: set[tuple[CRKey, str]] = field(default_factory=set)
     _rechecks: set[CRKey] = field(default_factory=set)  # keys with a FailedCreate recheck scheduled
+    _kv_pages: dict[CRKey, dict[str, Page]] = field(default_factory=dict)  # router pods' KV check pages
 
     # ---- inputs ----
 
@@ -84,6 +88,7 @@ class Controller:
         self.store.pods.pop(key, None)
         self._apply_errors.pop(key, None)
         self._rendered.pop(key, None)
+        self._kv_pages.pop(key, None)
 
     async def seed(self, namespaces: tuple[str, ...]) -> None:
         """Fill the caches before the first reconcile, so a restart makes no needless writes."""
@@ -121,7 +126,30 @@ class Controller:
     # ---- workers ----
 
     async def run_workers(self, count: int = 4) -> None:
-        await asyncio.gather(*(self._worker() for _ in range(count)), self._resync())
+        background = [self._resync()]
+        if self.config.kv_check_poll_seconds > 0:
+            poller = KVPoller(self.config.kv_check_poll_seconds, self._kv_targets, self._on_kv_pages)
+            background.append(poller.run())
+        await asyncio.gather(*(self._worker() for _ in range(count)), *background)
+
+    # ---- the KV check (kv_poll.py reads the routers' pages; kv_transfer.py says what they mean) ----
+
+    def _kv_checked(self, cr: DisaggregatedLLM) -> bool:
+        return self.config.kv_check_poll_seconds > 0 and cr.spec.router.enabled and bool(kv_check_args(cr))
+
+    def _kv_targets(self) -> dict[CRKey, list[RouterPod]]:
+        """The ready router pods of each resource whose router runs the check (the leader's work)."""
+        if not self.is_leader():
+            return {}
+        return {
+            key: router_pods(pods_by_component(self.store.pods[key].values()).get("router", []))
+            for key, (_, cr, _) in self._rendered.items()
+            if key in self.store.resources and self._kv_checked(cr)
+        }
+
+    def _on_kv_pages(self, key: CRKey, pages: dict[str, Page]) -> None:
+        self._kv_pages[key] = pages
+        self.queue.add(key)
 
     async def _resync(self) -> None:
         while True:
@@ -285,6 +313,7 @@ class Controller:
             pods=pods,
             apply_errors=self._apply_errors.get(key, ()),
             create_failures=await self._create_failures(key, workloads, pods),
+            kv_check=KVCheckView(self._kv_checked(cr), self._kv_pages.get(key, {}), engine_pod_names(pods)),
         )
         status = compute_status(cr, observed, body.get("status"), now_iso())
         await self._write_status(body, status)

@@ -35,6 +35,11 @@ PRINTER_COLUMNS: list[Schema] = [
     {"name": "Decode", "type": "string", "jsonPath": ".status.decode.ready"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
     {"name": "Connector", "type": "string", "jsonPath": ".spec.kvTransfer.connector"},
+    {
+        "name": "KV",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="KVTransferVerified")].reason',
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 SCALE = {

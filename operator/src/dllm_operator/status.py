@@ -10,11 +10,21 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dllm_operator import kv_transfer
 from dllm_operator.api import DisaggregatedLLM
+from dllm_operator.kv_transfer import KVCheckView, KVFinding
 from dllm_operator.render import labels
 from dllm_operator.render.router import endpoint
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "PrefillReady", "DecodeReady", "RouterReady")
+CONDITION_TYPES = (
+    "Ready",
+    "Progressing",
+    "Degraded",
+    "PrefillReady",
+    "DecodeReady",
+    "RouterReady",
+    kv_transfer.CONDITION,
+)
 _WAITING_FAILURES = (
     "CrashLoopBackOff",
     "ImagePullBackOff",
@@ -28,7 +38,7 @@ _WAITING_FAILURES = (
 @dataclass(frozen=True)
 class Condition:
     type: str
-    status: bool
+    status: bool | None  # None: Unknown
     reason: str
     message: str = ""
 
@@ -41,6 +51,7 @@ class Observed:
     pods: Mapping[str, list[dict[str, Any]]]
     apply_errors: tuple[str, ...] = ()
     create_failures: tuple[str, ...] = ()  # why a workload's controller could not create its pods
+    kv_check: KVCheckView | None = None  # what the router pods' KV checks say (kv_transfer.py)
 
 
 def missing_pods(workload: dict[str, Any] | None, pods: list[dict[str, Any]]) -> bool:
@@ -146,19 +157,27 @@ def role_condition(kind: str, component: str, observed: Observed) -> Condition:
     )
 
 
-def _degraded(observed: Observed) -> Condition:
+def _degraded(observed: Observed, kv: KVFinding) -> Condition:
     problems = [*observed.apply_errors, *observed.create_failures]
     for component in ("prefill", "decode", "router"):
         problems += [p for pod in observed.pods.get(component, []) if (p := pod_problem(pod))]
+    if kv.failed:
+        problems.append(f"KV transfer {kv.reason}: {kv.message}")
     if not problems:
         return Condition("Degraded", False, "AsExpected")
     if observed.apply_errors:
         reason = "ApplyFailed"
     elif observed.create_failures:
         reason = "FailedCreate"
+    elif len(problems) == 1 and kv.failed:
+        reason = kv.reason
     else:
         reason = "Unschedulable" if any("Unschedulable" in p for p in problems) else "PodsNotHealthy"
     return Condition("Degraded", True, reason, "; ".join(problems)[:4000])
+
+
+def kv_condition(found: KVFinding) -> Condition:
+    return Condition(kv_transfer.CONDITION, found.status, found.reason, found.message)
 
 
 def conditions(cr: DisaggregatedLLM, observed: Observed) -> list[Condition]:
@@ -168,26 +187,28 @@ def conditions(cr: DisaggregatedLLM, observed: Observed) -> list[Condition]:
         router = role_condition("RouterReady", "router", observed)
     else:
         router = Condition("RouterReady", True, "Disabled", "router.enabled is false")
-    degraded = _degraded(observed)
+    kv = kv_transfer.finding(observed.kv_check)
+    degraded = _degraded(observed, kv)
     not_ready = [c for c in (prefill, decode, router) if not c.status]
-    ready = (
-        Condition("Ready", True, "AllRolesReady", "prefill, decode and router are ready")
-        if not not_ready
-        else Condition("Ready", False, not_ready[0].reason, "; ".join(c.message for c in not_ready))
-    )
+    if not_ready:
+        ready = Condition("Ready", False, not_ready[0].reason, "; ".join(c.message for c in not_ready))
+    elif kv.failed:  # every pod is ready, and the KV check shows the path broken
+        ready = Condition("Ready", False, kv.reason, f"every role is ready; KV transfer: {kv.message}")
+    else:
+        ready = Condition("Ready", True, "AllRolesReady", "prefill, decode and router are ready")
     if ready.status:
         progressing = Condition("Progressing", False, "Complete", "every role is at the current spec")
     elif degraded.status:
         progressing = Condition("Progressing", False, "Stalled", degraded.message)
     else:
         progressing = Condition("Progressing", True, "RollingOut", ready.message)
-    return [ready, progressing, degraded, prefill, decode, router]
+    return [ready, progressing, degraded, prefill, decode, router, kv_condition(kv)]
 
 
 def _as_dict(
     condition: Condition, generation: int, previous: Mapping[str, dict[str, Any]], now: str
 ) -> dict[str, Any]:
-    status = "True" if condition.status else "False"
+    status = {True: "True", False: "False", None: "Unknown"}[condition.status]
     before = previous.get(condition.type)
     flipped = before is None or before.get("status") != status
     return {
@@ -213,6 +234,8 @@ def compute_status(
         "endpoint": endpoint(cr) if cr.spec.router.enabled else "",
         "conditions": [_as_dict(c, generation, before, now) for c in conditions(cr, observed)],
     }
+    if observed.kv_check is not None and observed.kv_check.checked:
+        status["kvTransfer"] = kv_transfer.status_of(kv_transfer.finding(observed.kv_check))
     return status
 
 

@@ -16,18 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-Reason = Literal["Verified", "RDMAFallbackToTCP", "Recomputed", "TransferFailed", "NoCompletePair"]
-REASONS: tuple[Reason, ...] = (
-    "Verified",
-    "RDMAFallbackToTCP",
-    "Recomputed",
-    "TransferFailed",
-    "NoCompletePair",
-)
-# The resource's reason is its worst pair's: a failure anywhere is what a user must see.
-_WORST_FIRST: tuple[Reason, ...] = ("TransferFailed", "Recomputed", "RDMAFallbackToTCP", "Verified")
+from dllm_contract.kv_check import REASONS, WORST_FIRST, Reason
+
+__all__ = ["REASONS", "Reason", "Verdict", "judge", "overall"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +69,7 @@ def overall(verdicts: Sequence[Verdict], complete_pairs: int) -> tuple[Reason, s
         return "NoCompletePair", "no ready prefill and decode pod to check"
     if not verdicts:
         return "NoCompletePair", "no pair checked yet"
-    worst = min(verdicts, key=lambda v: _WORST_FIRST.index(v.reason))
+    worst = min(verdicts, key=lambda v: WORST_FIRST.index(v.reason))
     if worst.ok:
         return "Verified", f"{len(verdicts)} of {complete_pairs} pairs verified; {worst.message}"
     return worst.reason, f"{worst.prefill} -> {worst.decode}: {worst.message}"

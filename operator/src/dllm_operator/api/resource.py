@@ -126,7 +126,8 @@ class StatusCondition(BaseModel):
         str,
         Field(
             max_length=64,
-            description="Ready, Progressing, Degraded, PrefillReady, DecodeReady or RouterReady.",
+            description="Ready, Progressing, Degraded, PrefillReady, DecodeReady, RouterReady or "
+            "KVTransferVerified.",
         ),
     ]
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
@@ -157,6 +158,33 @@ class RoleStatus(RouterStatus):
     )
 
 
+class KVPairStatus(BaseModel):
+    """One prefill/decode pair's latest KV check."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    prefill: Annotated[str, Field(max_length=253)] = Field(description="The prefill pod.")
+    decode: Annotated[str, Field(max_length=253)] = Field(description="The decode pod.")
+    reason: Annotated[str, Field(max_length=64)] = Field(description="This pair's KV check reason.")
+    message: Annotated[str, Field(max_length=1024)] | None = Field(None, description="What the check saw.")
+    checked_at: datetime | None = Field(None, description="When the router last checked this pair.")
+
+
+class KVTransferStatus(BaseModel):
+    """The router's KV check: a canary through each ready pair, proven by decode's own record."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    reason: Annotated[str, Field(max_length=64)] = Field(
+        description="Verified, RDMAFallbackToTCP, Recomputed, TransferFailed, NoCompletePair, Pending or "
+        "RouterUnreachable (as the KVTransferVerified condition)."
+    )
+    message: Annotated[str, Field(max_length=4096)] | None = Field(None, description="Detail.")
+    pairs: Annotated[tuple[KVPairStatus, ...], Field(max_length=32)] | None = Field(
+        None, description="The latest verdict of each checked pair, failures first."
+    )
+
+
 class Status(BaseModel):
     """Observed state, written by the operator."""
 
@@ -168,6 +196,9 @@ class Status(BaseModel):
     router: RouterStatus | None = Field(None, description="Observed state of the router.")
     endpoint: Annotated[str, Field(max_length=512)] | None = Field(
         None, description="URL of the router Service."
+    )
+    kv_transfer: KVTransferStatus | None = Field(
+        None, description="Whether KV really moves between prefill and decode (the router's KV check)."
     )
     conditions: Annotated[tuple[StatusCondition, ...], Field(max_length=16)] | None = Field(
         None,

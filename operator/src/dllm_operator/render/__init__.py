@@ -37,7 +37,7 @@ def render_all(cr: DisaggregatedLLM, config: OperatorConfig | None = None) -> li
     refused = policy.refused(cr, config)
     if refused:
         raise SpecInvalid(refused)
-    children: list[dict[str, Any] | None] = [*netpol.network_policies(cr)]
+    children: list[dict[str, Any] | None] = [*netpol.network_policies(cr, config)]
     for role in ROLES:
         children += [
             engine.headless_service(cr, role),

@@ -17,8 +17,12 @@ from typing import Any
 
 from dllm_contract.router_defaults import MOONCAKE_BOOTSTRAP_PORT
 from dllm_operator.api import DisaggregatedLLM
+from dllm_operator.config import OperatorConfig
 from dllm_operator.render import labels
-from dllm_operator.render.router import router_flow
+from dllm_operator.render.router import kv_check_args, router_flow
+
+# The label every namespace carries with its own name (Kubernetes 1.22 and later).
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 
 ENGINE_COMPONENTS = ("prefill", "decode")
 
@@ -60,10 +64,24 @@ def engines_policy(cr: DisaggregatedLLM) -> dict[str, Any]:
     }
 
 
-def router_policy(cr: DisaggregatedLLM) -> dict[str, Any]:
+def operator_peer(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any] | None:
+    """The operator's pods, where they read this resource's KV check (None off-cluster or unchecked)."""
+    if not (config.pod_namespace and config.pod_labels and config.kv_check_poll_seconds > 0):
+        return None
+    if not kv_check_args(cr):
+        return None
+    return {
+        "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: config.pod_namespace}},
+        "podSelector": {"matchLabels": dict(config.pod_labels)},
+    }
+
+
+def router_policy(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any]:
     rule: dict[str, Any] = {"ports": [{"port": "http", "protocol": "TCP"}]}
     if cr.spec.security.router_allowed_from:
         rule["from"] = [dict(peer) for peer in cr.spec.security.router_allowed_from]
+        if (operator := operator_peer(cr, config)) is not None:
+            rule["from"].append(operator)
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -76,10 +94,10 @@ def router_policy(cr: DisaggregatedLLM) -> dict[str, Any]:
     }
 
 
-def network_policies(cr: DisaggregatedLLM) -> list[dict[str, Any]]:
+def network_policies(cr: DisaggregatedLLM, config: OperatorConfig) -> list[dict[str, Any]]:
     if not cr.spec.security.network_policy:
         return []
     policies = [engines_policy(cr)]
     if cr.spec.router.enabled:
-        policies.append(router_policy(cr))
+        policies.append(router_policy(cr, config))
     return policies
