@@ -190,7 +190,8 @@ def test_operator_identity_takes_over_nothing_and_widens_no_pod(
     """NEW-6, as the operator's ServiceAccount: a patch that adds the label and an ownerRef to an object
     that was not the operator's is refused (the old object is judged too), and so are an init container
     that is privileged, an added capability other than IPC_LOCK, privilege escalation, uid 0, secret
-    and projected volumes, and Secrets other than an Opaque `<resource>-auth`."""
+    and projected volumes, a Secret read into env other than the resource's own keys and a listed hub
+    token (or a whole one, envFrom), and Secrets other than an Opaque `<resource>-auth`."""
     docs = chart_policies(cluster, f"w{namespace[-8:]}", namespace)
     user = re.search(r"username == '([^']+)'", json.dumps(docs))
     assert user is not None
@@ -216,6 +217,11 @@ def test_operator_identity_takes_over_nothing_and_widens_no_pod(
         return pod_with({"volumes": [*sts["spec"]["template"]["spec"]["volumes"], volume]})
 
     escalating = {"securityContext": {"allowPrivilegeEscalation": True}}
+
+    def env_from_secret(secret: str) -> dict[str, Any]:
+        ref = {"name": "FROM_SECRET", "valueFrom": {"secretKeyRef": {"name": secret, "key": "k"}}}
+        return pod_with({}, {"env": [*engine["env"], ref]})
+
     refused = {
         "privileged init container": pod_with(
             {
@@ -239,11 +245,15 @@ def test_operator_identity_takes_over_nothing_and_widens_no_pod(
             },
         ),
         "foreign Secret name": merged(auth.new_secret(cr), {"metadata": {"name": "payments-db"}}),
+        "another Secret in env": env_from_secret("payments-db"),
+        "another resource's keys in env": env_from_secret("other-auth"),
+        "a whole Secret as env": pod_with({}, {"envFrom": [{"secretRef": {"name": "payments-db"}}]}),
     }
     allowed = {
         "the rendered StatefulSet": sts,
         "the auth Secret": auth.new_secret(cr),
         "IPC_LOCK for RDMA": pod_with({}, {"securityContext": {"capabilities": {"add": ["IPC_LOCK"]}}}),
+        "a listed hub token Secret in env": env_from_secret("hf-token"),
     }
     bystander = {
         "apiVersion": "apps/v1",

@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-from kv_peer import GEOMETRY, NUM_BLOCKS, make_caches
+from kv_peer import GEOMETRY, NUM_BLOCKS, consecutive_free_ports, make_caches
 from private_prom import metric_types
 from vllm_plugin_cases import settings, vllm_config
 
 from dllm_connector.connector import DllmConnectorStats, DllmMooncakeConnector
 from dllm_connector.prom_metrics import DATA_PATH_METRIC
 from dllm_connector.transport.placement import PathSetting
+from dllm_connector.transport.sidechannel import connections_for
 from dllm_connector.transport.torchdist import TorchDistTransport
 from dllm_connector.tuning import ENV_NAMES, TuningInvalid
 from dllm_connector.worker import ConnectorWorker, WorkerIdentity, make_transport
@@ -137,5 +138,27 @@ def test_the_connector_reports_its_data_path_in_its_first_stats_only(monkeypatch
         assert first.data["data_path_transport"] == "torch.distributed (gloo)"
         assert "pinned-host staging" in first.data["data_path_reason"]
         assert connector.get_kv_connector_stats() is None  # once: nothing else changed
+    finally:
+        worker.close()
+
+
+def test_decodes_side_channel_is_sized_from_vllms_max_num_seqs() -> None:
+    """NEW-7's wiring: vLLM's --max-num-seqs reaches decode's side channel through the connector vLLM
+    makes (an engine running 300 requests at once has room for 300 offers waiting for their claims)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    config = vllm_config(kv_transfer_config(settings(Connector.MOONCAKE, Role.DECODE), "engine-d"))
+    assert config.kv_transfer_config is not None
+    config.kv_transfer_config.kv_port = consecutive_free_ports(1)
+    config.scheduler_config.max_num_seqs = 300
+    cache = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[])
+    connector: Any = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, cache)
+    worker = ConnectorWorker(worker_extra(), GEOMETRY, connector._identity, "mooncake")
+    worker.register_kv_caches(make_caches(None), NUM_BLOCKS)
+    try:
+        assert worker.receiver is not None
+        assert worker.receiver.slots == connections_for(300, 1) == 300
     finally:
         worker.close()

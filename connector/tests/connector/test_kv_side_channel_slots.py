@@ -1,6 +1,7 @@
 """Prefill offers waiting for decode to claim them fit decode's side channel, and a full one delays a
 send instead of failing it (NEW-7): the slots are sized from max_num_seqs x prefill TP, and a sender
-told "full" asks again with backoff until the transfer timeout, then fails saying so.
+told "full" asks again with backoff until the transfer timeout, then fails saying so. Both ends hold
+the side channel's key, as deployed: every offer is authenticated before it takes a slot.
 
 Real KVSender and KVReceiver over real Mooncake transports and sockets on 127.0.0.1 (ports from the
 OS); the prefill connection that holds a slot is a scripted double (peer_doubles.fake_prefill's kind).
@@ -9,6 +10,7 @@ OS); the prefill connection that holds a slot is a scripted double (peer_doubles
 from __future__ import annotations
 
 import contextlib
+import secrets
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +30,7 @@ from dllm_connector.transport.mooncake import MooncakeTransport
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(180)]
 
 BURST = 100  # more than the 64 slots the side channel had before it was sized
+KEY = sidechannel.PeerAuth.from_token(secrets.token_hex(32))  # the per-CR Secret's kv-token
 SOURCE = (1, 2)
 
 Receivers = Callable[[int], KVReceiver]
@@ -41,7 +44,7 @@ def receivers(transports: tuple[MooncakeTransport, MooncakeTransport]) -> Iterat
 
     def start(max_connections: int) -> KVReceiver:
         kv = PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY)
-        receiver = KVReceiver(transports[0], kv, config(), HOST, 0, max_connections=max_connections)
+        receiver = KVReceiver(transports[0], kv, config(), HOST, 0, auth=KEY, max_connections=max_connections)
         started.append(receiver)
         return receiver
 
@@ -60,6 +63,7 @@ def senders(transports: tuple[MooncakeTransport, MooncakeTransport]) -> Iterator
             transports[1],
             PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY),
             config(transfer_timeout_ms=timeout_ms),
+            auth=KEY,
         )
         started.append(sender)
         return sender
@@ -85,6 +89,7 @@ def test_100_offers_waiting_for_their_claims_are_all_loaded_once_decode_expects_
     assert outcomes == dict.fromkeys(targets)
     assert all(receiver.wait_for(transfer_id, 10) == "" for transfer_id in targets)
     assert receiver.side_channel.full == 0
+    assert receiver.side_channel.authenticated >= BURST
     assert sender.stats.failed_sends == 0
     sent = sender.kv.gather(SOURCE)
     assert all(torch.equal(receiver.kv.gather(blocks), sent) for blocks in targets.values())
@@ -94,7 +99,7 @@ def test_100_offers_waiting_for_their_claims_are_all_loaded_once_decode_expects_
 def the_only_slot_held(receiver: KVReceiver) -> Iterator[socket.socket]:
     """A prefill double's offer for an id decode does not expect yet ("holder"): it waits, holding the
     receiver's only slot, until the block ends."""
-    with sidechannel.connect(HOST, receiver.port, 10) as holder:
+    with sidechannel.connect(HOST, receiver.port, 10, auth=KEY) as holder:
         sidechannel.send_message(holder, offer_for(receiver.kv, "holder", HASH, len(SOURCE)))
         assert wait_until(lambda: receiver.offers_waiting == 1, 10)
         yield holder

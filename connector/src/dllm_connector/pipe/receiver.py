@@ -77,6 +77,11 @@ class KVReceiver(PipeSide):
         return int(self._server.port)
 
     @property
+    def slots(self) -> int:
+        """The side channel's connections past the handshake, at most (`max_connections`)."""
+        return int(self._server.max_connections)
+
+    @property
     def side_channel(self) -> sidechannel.ServerStats:
         """The side channel's counters: connections accepted, authenticated, answered full, refused."""
         return self._server.stats
