@@ -168,6 +168,8 @@ class Pipeline:
     processes: dict[str, Process] = field(default_factory=dict)
     secret: dict[str, str] = field(default_factory=new_auth_secret)
     router_extra: tuple[str, ...] = ()  # more router flags (the KV check's, say)
+    engine_extra: tuple[str, ...] = ()  # more vLLM flags for both engines (tracing's, say)
+    engine_env: Mapping[str, str] = field(default_factory=dict)  # more environment for both engines
 
     @property
     def engine_key(self) -> dict[str, str]:
@@ -191,7 +193,7 @@ class Pipeline:
             env |= {"VLLM_KV_DECODE_IP": "127.0.0.1", "VLLM_KV_DECODE_PORT": str(self.ports["decode-kv"])}
         args = replace_flag(args, "--model", str(self.model))
         args = replace_flag(replace_flag(args, "--host", "127.0.0.1"), "--port", str(self.ports[role]))
-        return env, args
+        return env | dict(self.engine_env), [*args, *self.engine_extra]
 
     def start_engine(self, role: EngineRole, changes: Mapping[str, str] | None = None) -> Process:
         """Start a role as rendered, with `changes` to its vLLM flags (flag -> value) if given."""

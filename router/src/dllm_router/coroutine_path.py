@@ -25,6 +25,7 @@ from dllm_router.memory_budget import BudgetSpent, MemoryBudget, RequestBytes
 from dllm_router.metrics import Metrics
 from dllm_router.prompt_exchange import Answer, Prompt, PromptExchange, decode_name
 from dllm_router.stream_relay import relay_many, relay_one
+from dllm_router.trace_context import trace_lines
 
 log = logging.getLogger(__name__)
 JsonObject = dict[str, Any]
@@ -98,7 +99,7 @@ class CoroutinePath:
         metrics = self._host.metrics
         stream = bool(body.get("stream"))
         prompts = oa.split_prompts(route, body)
-        headers = self._auth.call_headers(request)
+        headers = self._auth.call_headers(request) + trace_lines(request)
         if len(prompts) == 1:
             prompt = Prompt(body, raw, rid, 0)
             answers.append(await self._prompts.exchange(route, prompt, headers, not stream, ledger))

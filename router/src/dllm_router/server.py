@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from time import perf_counter
 
+from dllm_contract.kv_check import PAGE_PATH
 from dllm_router import openai as oa
 from dllm_router.accounting import Accounting
 from dllm_router.admin_routes import AdminRoutes
@@ -31,6 +32,7 @@ from dllm_router.memory_budget import BudgetSpent, MemoryBudget
 from dllm_router.metrics import Metrics
 from dllm_router.pairing import Pairing
 from dllm_router.pod_watch import PodWatch
+from dllm_router.trace_context import trace_lines
 from dllm_router.transfer_end import TransferEnds
 from dllm_router.upstream import Deadlines
 
@@ -90,7 +92,7 @@ class Router:
             ("GET", "/health"): admin.health,
             ("GET", "/ready"): admin.ready,
             ("GET", "/metrics"): admin.metrics_page,
-            ("GET", "/dllm/kv-check"): self.kv_check_page,
+            ("GET", PAGE_PATH): self.kv_check_page,
         }
         self._fast = config.flow in FAST_FLOWS
         self.fast_routes: dict[tuple[str, str], FastHandler] = {
@@ -153,7 +155,7 @@ class Router:
             conn.reply(request, self.error_response(e, rid))
             self.account(route, rid, e.status, "-", "-", started, sent=True)
             return None
-        headers = self.engine_auth.call_headers(request) + rid_line
+        headers = self.engine_auth.call_headers(request) + trace_lines(request) + rid_line
         ledger = self.budget.ledger()
         try:
             ledger.charge_body(len(request.body))
