@@ -36,7 +36,7 @@ _log = logging.getLogger(__name__)
 # Stats keys that are levels, not counts: aggregating keeps the latest, not the sum.
 _GAUGES = frozenset({"sends_in_flight", "data_path", "data_path_transport", "data_path_reason"})
 # Stats keys that are lists of observations: aggregating joins them.
-_SERIES = frozenset({"transfer_seconds"})
+_SERIES = frozenset({"transfer_seconds", "queue_seconds"})
 
 
 class _VllmMissing:
@@ -218,7 +218,7 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
         if self._worker is not None:
             self._worker.close()
 
-    def connector_stats(self) -> dict[str, int]:
+    def connector_stats(self) -> dict[str, float]:
         """Transfers, failures, timeouts, checksum failures and bytes, summed over this worker."""
         return self._worker.stats() if self._worker is not None else {}
 
@@ -240,6 +240,8 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
         data: dict[str, Any] = {key: value for key, value in delta.items() if value}
         if self._worker is not None and (seconds := self._worker.take_durations()):
             data["transfer_seconds"] = seconds
+        if self._worker is not None and (waits := self._worker.take_queued()):
+            data["queue_seconds"] = waits
         if not getattr(self, "_path_reported", False) and self._worker is not None:
             levels = self._worker.data_path_levels()  # once, as soon as the caches came
             self._path_reported = bool(levels)

@@ -13,6 +13,12 @@ Names carry vLLM's `vllm:` prefix; prometheus_client adds `_total` to counters.
 - `vllm:dllm_kv_transfer_seconds{direction}` (histogram): one observation per transfer and decode
   rank, from connecting to decode's ack (send) or from the accepted offer to the ack (receive).
   GB/s is `rate(..._bytes_total{kind="kv"}) / rate(..._transfer_seconds_sum)`.
+- `vllm:dllm_kv_codec_seconds_total{direction}`: seconds spent gathering and encoding the KV (send) or
+  decoding and placing it (receive), summed over transfers; its rate over the transfer seconds' is the
+  share of a transfer the codec takes. On a GPU this is the host's time to issue the work.
+- `vllm:dllm_kv_queue_seconds{direction}` (histogram, prefill): one observation per send and decode
+  rank, from the request's end at prefill (its blocks held for the send) to the side channel taking
+  the send (decode's slot free).
 
 `direction` is the engine's KV role: `send` (prefill), `receive` (decode) or `both`.
 """
@@ -27,6 +33,8 @@ TRANSFERS_METRIC = "vllm:dllm_kv_transfers"
 FAILURES_METRIC = "vllm:dllm_kv_transfer_failures"
 BYTES_METRIC = "vllm:dllm_kv_bytes"
 SECONDS_METRIC = "vllm:dllm_kv_transfer_seconds"
+CODEC_METRIC = "vllm:dllm_kv_codec_seconds"
+QUEUE_METRIC = "vllm:dllm_kv_queue_seconds"
 
 # From a millisecond (a few blocks on one host) to a minute (the largest transfer timeout).
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -110,6 +118,23 @@ def prom_metrics_class() -> Any:
                 labelnames=[*self._labelnames, "direction"],
                 buckets=list(SECONDS_BUCKETS),
             )
+            self._codec = counter_cls(
+                name=CODEC_METRIC,
+                documentation=(
+                    "Seconds the dllm connector spent in its codec: gathering and encoding KV (send), "
+                    "decoding and placing it (receive)."
+                ),
+                labelnames=[*self._labelnames, "direction"],
+            )
+            self._queue = histogram_cls(
+                name=QUEUE_METRIC,
+                documentation=(
+                    "Seconds a KV send waited, from the request's end at prefill to decode's side "
+                    "channel taking it (per decode rank)."
+                ),
+                labelnames=[*self._labelnames, "direction"],
+                buckets=list(SECONDS_BUCKETS),
+            )
             for engine_idx in per_engine_labelvalues:  # at 0 from the start: absent means no connector
                 way = self._direction
                 self._transfers.labels(*self._labels(engine_idx, way))
@@ -118,6 +143,8 @@ def prom_metrics_class() -> Any:
                 for kind in ("kv", "wire"):
                     self._bytes.labels(*self._labels(engine_idx, way, kind))
                 self._seconds.labels(*self._labels(engine_idx, way))
+                self._codec.labels(*self._labels(engine_idx, way))
+                self._queue.labels(*self._labels(engine_idx, way))
 
         def _labels(self, engine_idx: int, *extra: str) -> list[object]:
             return [*self.per_engine_labelvalues[engine_idx], *extra]
@@ -144,5 +171,9 @@ def prom_metrics_class() -> Any:
                     self._bytes.labels(*self._labels(engine_idx, way, kind)).inc(moved)
             for seconds in data.get("transfer_seconds", ()):
                 self._seconds.labels(*self._labels(engine_idx, way)).observe(float(seconds))
+            if codec_seconds := float(data.get("codec_seconds", 0.0)):
+                self._codec.labels(*self._labels(engine_idx, way)).inc(codec_seconds)
+            for seconds in data.get("queue_seconds", ()):
+                self._queue.labels(*self._labels(engine_idx, way)).observe(float(seconds))
 
     return DllmPromMetrics

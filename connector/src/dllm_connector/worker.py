@@ -267,12 +267,14 @@ class ConnectorWorker:
             "data_path_reason": self.data_path_reason,
         }
 
-    def stats(self) -> dict[str, int]:
-        totals: dict[str, int] = {}
+    def stats(self) -> dict[str, float]:
+        """The pipes' counters summed, and the seconds spent in the codec (codec_seconds)."""
+        totals: dict[str, float] = {}
         for pipe in (self.sender, self.receiver):
             if pipe is not None:
                 for key, value in pipe.stats.snapshot().items():
                     totals[key] = totals.get(key, 0) + value
+                totals["codec_seconds"] = totals.get("codec_seconds", 0.0) + pipe.codec_time.total
         return totals
 
     def take_durations(self) -> list[float]:
@@ -283,6 +285,10 @@ class ConnectorWorker:
             if pipe is not None
             for seconds in pipe.durations.take()
         ]
+
+    def take_queued(self) -> list[float]:
+        """Seconds each send waited for its connection, since the last call (prefill only)."""
+        return self.sender.queued.take() if self.sender is not None else []
 
     def close(self) -> None:
         sends_ended = self.sender.close() if self.sender is not None else True

@@ -101,6 +101,8 @@ def report(worker: ConnectorWorker) -> dict[str, Any]:
     data: dict[str, Any] = {key: value for key, value in worker.stats().items() if value}
     if seconds := worker.take_durations():
         data["transfer_seconds"] = seconds
+    if waits := worker.take_queued():
+        data["queue_seconds"] = waits
     return DllmConnectorStats(data=data).aggregate(DllmConnectorStats(data={})).data
 
 
@@ -126,6 +128,12 @@ def test_each_side_counts_the_transfer_its_kv_bytes_wire_bytes_and_seconds_on_me
         assert sample(text, "vllm:dllm_kv_bytes_total", direction=way, kind="wire") == wire
         assert sample(text, "vllm:dllm_kv_transfer_seconds_count", direction=way) == 1
         assert sample(text, "vllm:dllm_kv_transfer_failures_total", direction=way, reason="timeout") == 0
+        # the codec's share of the transfer: fp8 both ways, within the transfer's own time
+        codec_seconds = sample(text, "vllm:dllm_kv_codec_seconds_total", direction=way)
+        assert 0 < codec_seconds <= sample(text, "vllm:dllm_kv_transfer_seconds_sum", direction=way)
+        # prefill's one send waited for its connection once; decode sends nothing
+        queued = sample(text, "vllm:dllm_kv_queue_seconds_count", direction=way)
+        assert queued == (1 if way == "send" else 0)
         assert worker.take_durations() == []  # taken once
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -94,6 +95,7 @@ class ChunkEncoder:
             if pieces is not None:
                 pieces.add(ranges, ready[0])
 
+        began = time.perf_counter()
         try:
             out = staged if mirror is None else mirror.work
             # none: each layer is gathered straight into its place in a payload on the cache's device
@@ -118,6 +120,7 @@ class ChunkEncoder:
             else:
                 side.staging.release(staged)
             raise
+        side.codec_time.add(time.perf_counter() - began)  # with a one-sided transport's writes issued
         if pieces is None:  # two-sided: only the size counts
             return PreparedChunk(index, header, [staged[:nbytes]], [Span(0, nbytes)], staged, ready[0])
         src, dst = pieces.rest()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -36,7 +37,14 @@ class ChunkReader:
         mirror = None if view is None else self._mirror(view)
         if load and view is not None and side.transport.one_sided:
             stream = LayerStream(
-                side.kv, draft, view, blocks, heads, lambda: expectation.failure, mirror=mirror
+                side.kv,
+                draft,
+                view,
+                blocks,
+                heads,
+                lambda: expectation.failure,
+                mirror=mirror,
+                clock=side.codec_time,
             )
         announced = self._chunk_message(index, stream)
         header = codec.KVHeader.from_dict(announced.header)
@@ -65,7 +73,9 @@ class ChunkReader:
             if mirror is not None:  # pinned-host: the whole batch to the device, then decoded there
                 mirror.to_device([(0, view.numel())])
                 payload = mirror.work
+            began = time.perf_counter()
             side.kv.scatter_layers(blocks, codec.decode_parts(header, payload, side.kv.num_layers), heads)
+            side.codec_time.add(time.perf_counter() - began)
             return
         stream.finish(header)
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from dllm_connector import codec
 from dllm_connector.layout import LayoutError, PagedKV
 from dllm_connector.pipe.device_copy import Copies, Scratch
-from dllm_connector.pipe.durations import Durations
+from dllm_connector.pipe.durations import Durations, SecondsTotal
 from dllm_connector.pipe.messages import (
     Accept,
     Chunk,
@@ -148,6 +148,8 @@ class PipeSide:
         self.config = config
         self.stats = PipeStats()
         self.durations = Durations()  # seconds per transfer that ended with the KV in place
+        self.queued = Durations()  # seconds each send waited, from the request's end to its connection
+        self.codec_time = SecondsTotal()  # seconds gathering and encoding, or decoding and placing
         effective = codec.effective_codec(config.compression, kv.dtype)
         traits = transport.traits()
         self.placement: Placement = choose_path(kv.device.type, effective, traits, config.data_path)

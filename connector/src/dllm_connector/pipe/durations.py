@@ -1,4 +1,5 @@
-"""How long each transfer took, kept until the connector's next stats report takes them.
+"""How long each transfer took (and waited), kept until the connector's next stats report takes them;
+and the seconds spent in the codec, summed.
 
 vLLM asks every worker for its stats once per engine step, so between two reports only a few
 transfers end; the cap only matters if nobody asks (an idle engine whose stats are never read),
@@ -30,3 +31,20 @@ class Durations:
             taken = list(self._seconds)
             self._seconds.clear()
         return taken
+
+
+class SecondsTotal:
+    """Seconds summed across threads (the codec's time in every transfer of one side)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0.0
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._total += seconds
+
+    @property
+    def total(self) -> float:
+        with self._lock:
+            return self._total

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -11,6 +12,7 @@ from dllm_connector import codec
 from dllm_connector.layout import HeadRange, LayoutError, PagedKV
 from dllm_connector.pipe.common import TransferFailed
 from dllm_connector.pipe.device_copy import HostMirror
+from dllm_connector.pipe.durations import SecondsTotal
 from dllm_connector.pipe.messages import bounded
 
 
@@ -32,13 +34,16 @@ class LayerStream:
         failed: Callable[[], str],
         *,
         mirror: HostMirror | None = None,
+        clock: SecondsTotal | None = None,
     ) -> None:
         """`mirror` (pinned-host path): `view` is host staging, decoded from the mirror's device
-        scratch once each piece's layers were copied there."""
+        scratch once each piece's layers were copied there; `clock` is given the seconds spent
+        decoding and placing."""
         self._kv, self._draft, self._blocks, self._heads = kv, draft, blocks, heads
         self._failed = failed  # the expectation's failure: once set, nothing more is placed (H5)
         self._error: Exception | None = None
         self._mirror = mirror
+        self._clock = clock
         try:
             self._decode = codec.StreamingDecode(
                 draft, view if mirror is None else mirror.work, kv.num_layers
@@ -51,6 +56,7 @@ class LayerStream:
             self._error = TransferFailed(f"the load failed elsewhere: {self._failed()}")
         if self._error is not None:
             return
+        began = time.perf_counter()
         try:
             done = self._decode.decoded
             if self._mirror is not None and layers > done:
@@ -60,6 +66,8 @@ class LayerStream:
             self._kv.scatter_layers(self._blocks, parts, self._heads, layers=range(done, layers))
         except (codec.CodecError, LayoutError) as error:
             self._error = error
+        if self._clock is not None:
+            self._clock.add(time.perf_counter() - began)
 
     def finish(self, header: codec.KVHeader) -> None:
         """The rest of the chunk placed, then the whole of it verified against its header."""

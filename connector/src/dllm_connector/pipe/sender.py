@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dllm_connector import codec
 from dllm_connector.layout import HeadRange, PagedKV, plan_tp_mapping
@@ -49,6 +49,8 @@ class SendJob:
     prompt_hash: str = ""
     engine_id: str | None = None  # the decode engine the router named; checked at the handshake
     decode_tp_size: int | None = None  # None: the sender's own TP size (rank r sends to rank r)
+    # when the job was made: the request ended at prefill and its blocks wait for this send
+    made_at: float = field(default_factory=time.monotonic, compare=False)
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ class KVSender(PipeSide):
         host = self._allowed_address(job)
         started = time.monotonic()
         with self._connect(host, port) as sock:
+            self.queued.add(time.monotonic() - job.made_at)
             offer = self._offer(job, target, port, heads)
             encoding = Encoding(self.codec, self.piece_bytes, self.zero_copy_piece_bytes, self._before_write)
             wire, raw = RankSend(self, sock, encoding, self._closing).run(offer, job.block_ids, heads)
