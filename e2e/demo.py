@@ -182,12 +182,12 @@ def show_answer(result: dict[str, Any]) -> None:
     body = result["body"]
     print(f"    question: {DEMO_CHAT['messages'][0]['content']}")
     answer = body["choices"][0]["message"]["content"]
-    print(f"    answer:   {answer!r} (random weights: no words expected)")
+    print(f"    answer:   {answer!r} (a tiny model trained here for a minute on a few chats)")
     got = result["moved"]
     print(f"    decode loaded {got.tokens:.0f} prompt tokens of KV from prefill instead of computing them:")
     print(f"    {got.kv_bytes:.0f} bytes of KV, {got.wire_bytes:.0f} bytes on the wire (connector's count)")
     print("\n    Try another (from this machine: the ClusterIP is routed to the node):")
-    request = json.dumps({"model": DEMO_CHAT["model"], "max_tokens": 16,
+    request = json.dumps({"model": DEMO_CHAT["model"], "max_tokens": 128, "stop": ["\n"],
                           "messages": [{"role": "user", "content": "Tell me about KV caches."}]})  # fmt: skip
     headers = "-H 'Content-Type: application/json'"
     print(f"    curl -s {result['router']}/v1/chat/completions {headers} -d '{request}'")

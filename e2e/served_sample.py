@@ -193,7 +193,7 @@ def stream_first_event(url: str) -> tuple[Any, bytes]:
         "prompt": "stream " * 20,
         "max_tokens": 400,
         "temperature": 0,
-        "ignore_eos": True,  # the random model's end token must not end the stream before the kill
+        "ignore_eos": True,  # the model's end token must not end the stream before the kill
         "stream": True,
     }
     request = urllib.request.Request(  # noqa: S310 (a ClusterIP of the local cluster)

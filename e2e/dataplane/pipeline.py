@@ -40,6 +40,7 @@ from dllm_operator.render import auth
 from dllm_operator.render.engine import statefulset
 from dllm_operator.render.engine_command import EngineRole
 from dllm_operator.render.router import router_deployment
+from e2e.dataplane import tiny_corpus
 from e2e.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,10 +265,13 @@ def post_json(
 
 
 # The one chat request every way of running the CPU sample answers: make demo, the compose file, the node.
+# The tiny model learnt its answer (tiny_corpus.py); it ends at the line's end.
+DEMO_QUESTION, DEMO_ANSWER = tiny_corpus.CHATS[0]
 DEMO_CHAT: dict[str, Any] = {
     "model": "tiny-llama",
-    "messages": [{"role": "user", "content": "Prefill computes the prompt's KV; decode loads it. Hello!"}],
-    "max_tokens": 12,
+    "messages": [{"role": "user", "content": DEMO_QUESTION}],
+    "max_tokens": 128,
+    "stop": ["\n"],
     "temperature": 0,
 }
 

@@ -23,7 +23,14 @@ import yaml
 from e2e import demo
 from e2e.cluster import probepod
 from e2e.dataplane import kv_moved
-from e2e.dataplane.pipeline import counter, metrics_text, post_json, start_single_engine, wait_healthy
+from e2e.dataplane.pipeline import (
+    DEMO_ANSWER,
+    counter,
+    metrics_text,
+    post_json,
+    start_single_engine,
+    wait_healthy,
+)
 from e2e.engine_paths import ENGINE_PATHS, FORGED_OFFER_SCRIPT, OPEN_PATHS, STATUS_SCRIPT, WRONG_KEY
 from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
 from e2e.pod_logs import kept_logs
@@ -66,6 +73,7 @@ def test_make_demo_answers_through_the_router_service(served: Served) -> None:
     assert "Ready=True" in out
     assert re.search(r"dllm-dllm-operator-\S+\s+1/1\s+Running\s+\d+.*dllm-real-0", out), out
     assert re.search(r"answer:\s+'.+'", out), out
+    assert f"answer:   {DEMO_ANSWER[:20]}" in out.replace("'", ""), out  # the tiny model's learnt answer
     loaded = re.search(
         r"decode loaded (\d+) prompt tokens of KV from prefill instead of computing them:\s+"
         r"(\d+) bytes of KV, (\d+) bytes on the wire",
@@ -175,9 +183,9 @@ def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(serve
     request (prefill answers it alone, with no params of the router's to override the client's). The
     answers are served; what the engines did is read from them, not assumed: decode loaded the PD
     prompt's full blocks from prefill, neither engine logged the client's ids or hosts, and neither
-    restarted. The control: the same params sent to prefill directly, with the engines' key, are acted
-    on (prefill's connector tries the send, and refuses the client's peer in a log line naming the
-    transfer id), so the absence of the client's ids means something."""
+    restarted. The controls, sent to prefill directly with the engines' key, show what the router kept
+    from the engines: vLLM refuses the one-token body as the client wrote it, and acts on top-level
+    params (its connector tries the send and logs the transfer id)."""
     decode_url = served.pod_url(f"{NAME}-decode-0")
     before = kv_moved.at(decode_url, served.router)
     restarts = {
@@ -203,17 +211,18 @@ def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(serve
     del one_token_body["kv_transfer_params"]
     status, answer = post_json(served.router + "/v1/completions", one_token_body, timeout=600)
     assert status == 200, answer
-    # The control, straight to prefill with the engines' key: its connector acts on the params.
-    control = {
-        **one_token_body,
-        "vllm_xargs": {"kv_transfer_params": forged_params("control-1", "198.51.100.9")},
-    }
-    status, answer = post_json(
-        served.pod_url(f"{NAME}-prefill-0") + "/v1/completions",
-        control,
-        timeout=600,
-        headers={"Authorization": f"Bearer {engine_api_key(served)}"},
-    )
+    # The controls, straight to prefill with the engines' key. The one-token body as the client sent
+    # it: vLLM refuses an object in vllm_xargs (400), so the 200 above is the router's removal seen.
+    key = {"Authorization": f"Bearer {engine_api_key(served)}"}
+    prefill_url = served.pod_url(f"{NAME}-prefill-0") + "/v1/completions"
+    status, answer = post_json(prefill_url, one_token_body, timeout=600, headers=key)
+    assert status == 400, answer
+    assert "vllm_xargs.kv_transfer_params" in json.dumps(answer), answer
+    # Top-level params: prefill's connector acts on them (tries the send, refuses the client's peer in a
+    # log line naming the transfer id), so the absence of the client's ids below means something.
+    control = {**body, "max_tokens": 1, "kv_transfer_params": forged_params("control-1", "198.51.100.9")}
+    del control["vllm_xargs"]
+    status, answer = post_json(prefill_url, control, timeout=600, headers=key)
     assert status == 200, answer
 
     def prefill_log() -> str:
