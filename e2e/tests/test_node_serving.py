@@ -493,6 +493,37 @@ def kv_condition(served: Served) -> dict[str, Any]:
     return served.condition("KVTransferVerified")
 
 
+def test_deleting_the_auth_secret_and_restarting_the_pods_rotates_every_key(served: Served) -> None:
+    """The documented rotation (NEW-10): delete `<name>-auth` and restart the pods. The new pods wait on
+    the missing Secret; the operator, which may create but never read Secrets, sees them wait and
+    makes a new one at once (not at its next resync); every pod starts with the new keys, the KV path
+    is verified again under the new side-channel key, and the old engine key opens nothing."""
+    old_key = engine_api_key(served)
+    old_uid = served.get("secret", f"{NAME}-auth")["metadata"]["uid"]
+    served.cluster.run("delete", "secret", f"{NAME}-auth", "-n", NAMESPACE)
+    pods = [
+        p["metadata"]["name"] for p in served.get("pods", "-l", f"app.kubernetes.io/instance={NAME}")["items"]
+    ]
+    served.cluster.run("delete", "pod", *pods, "-n", NAMESPACE, "--wait=false")
+
+    def remade() -> bool:
+        if not served.cluster.exists("secret", f"{NAME}-auth", "-n", NAMESPACE):
+            return False
+        return bool(served.get("secret", f"{NAME}-auth")["metadata"]["uid"] != old_uid)
+
+    wait_until(remade, 300, f"a new {NAME}-auth made by the operator")
+    wait_until(lambda: served.condition("Ready").get("status") == "True", 600, "Ready with the new keys")
+    wait_until(lambda: kv_condition(served).get("reason") == "Verified", 120, "the KV path verified anew")
+    assert engine_api_key(served) != old_key
+    status, body = completion(served.router, PROMPTS[2], timeout=600)
+    assert status == 200, body
+    for role in ("prefill", "decode"):
+        url = served.pod_url(f"{NAME}-{role}-0") + "/v1/completions"
+        body = {"model": "tiny-llama", "prompt": "k", "max_tokens": 1}
+        refused, _ = post_json(url, body, timeout=60, headers={"Authorization": f"Bearer {old_key}"})
+        assert refused == 401, role
+
+
 def test_a_decode_that_cannot_load_kv_fails_kv_transfer_verified_until_it_can(served: Served) -> None:
     """The router's KV check, read by the operator's pod through a router policy closed to all but
     this machine: decode with 64-token KV blocks against prefill's 32 (it can load nothing prefill

@@ -125,6 +125,17 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         spec(prefill={"env": [{"name": "VLLM_API_KEY", "value": "guessable"}]}),
         "spec.prefill.env",
     ),
+    # NEW-4: where the hub token goes is the administrator's (huggingFaceEndpoint), never a resource's
+    (
+        "env-sets-hub-endpoint",
+        spec(prefill={"env": [{"name": "HF_ENDPOINT", "value": "https://hub.attacker.example"}]}),
+        "spec.prefill.env",
+    ),
+    (
+        "env-sets-hub-variable",
+        spec(decode={"env": [{"name": "HF_HUB_ENDPOINT", "value": "https://hub.attacker.example"}]}),
+        "spec.decode.env",
+    ),
     ("host-network-without-rdma", spec(rdma={"hostNetwork": True}), "spec.rdma.hostNetwork"),
     (
         "router-grace-below-prestop-and-margin",
