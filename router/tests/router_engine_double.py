@@ -83,6 +83,7 @@ class FakeVllmEngine:
         self.padding: object = ""  # see the class docstring (any JSON value)
         self.seen: list[Seen] = []
         self.api_key: str | None = None
+        self.fingerprint: str | None = None  # its KV fingerprint, on /health as dllm-serve says it
         self.active = self.max_active = 0  # generations being answered now, and the most at once
         self.authorizations: list[tuple[str, str | None]] = []
         self.record = True  # False: keep no history (benchmarks)
@@ -132,7 +133,8 @@ class FakeVllmEngine:
         return response
 
     async def _health(self, _: web.Request) -> web.Response:
-        return web.Response(status=200 if self.healthy else 503)
+        headers = {"X-Dllm-Kv-Fingerprint": self.fingerprint} if self.fingerprint is not None else None
+        return web.Response(status=200 if self.healthy else 503, headers=headers)
 
     async def _models(self, _: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})

@@ -15,7 +15,8 @@ A decode engine of our connector also gets `--middleware dllm_connector.end_rout
 (the router's `POST /v1/dllm/end_transfer`, security review M2) and the TP size that route ends ids on
 (DLLM_END_ROUTE_TP_SIZE, from --tensor-parallel-size); prefill's command line has neither. Every engine
 gets `--middleware dllm_connector.key_guard.EngineKeyGuard` after its args (the engine key on every
-path but the probes, NEW-3).
+path but the probes, NEW-3), and, where the operator gave it DLLM_KV_FINGERPRINT, before that
+`--middleware dllm_connector.kv_identity.KVIdentityHeader` (the fingerprint on /health's answers).
 
 Everything up to `main` is pure (env and args in, a command out); `main` does the I/O.
 """
@@ -42,7 +43,9 @@ from dllm_connector.end_route_names import (
     ENV_END_ROUTE_API_KEY,
     ENV_END_ROUTE_TP_SIZE,
     KEY_GUARD_MIDDLEWARE,
+    KV_IDENTITY_MIDDLEWARE,
 )
+from dllm_connector.kv_identity import fingerprint_of
 from dllm_contract import kvconfig, logs
 
 log = logging.getLogger("dllm_connector.serve")  # by name: this module also runs as __main__
@@ -173,6 +176,11 @@ def end_route(
     }
 
 
+def kv_identity(env: Mapping[str, str]) -> list[str]:
+    """The fingerprint header's flag (issue 34), where the operator gave the pod a fingerprint."""
+    return [MIDDLEWARE_FLAG, KV_IDENTITY_MIDDLEWARE] if fingerprint_of(env) is not None else []
+
+
 def key_guard(engine_args: Sequence[str]) -> tuple[list[str], dict[str, str]]:
     """The key guard's flag (NEW-3), on every engine, and the keys it and the end route check: vLLM's
     --api-key values, which win over VLLM_API_KEY there too. Its flag goes after the engine args, so
@@ -216,6 +224,7 @@ def build_command(
         *launcher_argv(launcher, python),
         *route_args,
         *engine_args,
+        *kv_identity(env),
         *guard_args,
         KV_TRANSFER_FLAG,
         config_json,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
@@ -25,6 +25,12 @@ AddressSource = Callable[[], Awaitable[frozenset[Address]]]
 Resolver = Callable[[str], Awaitable[frozenset[str]]]
 
 
+def fits(fingerprint: str | None, partners: Collection[str | None]) -> bool:
+    """Whether a pod with `fingerprint` may pair with a pod of one of `partners`: equal ones, or where
+    either side names none (a pod from before fingerprints, as every pod paired then)."""
+    return fingerprint is None or None in partners or fingerprint in partners
+
+
 @dataclass(eq=False)
 class Endpoint:
     """One engine pod. `healthy` is False until its first health check passes."""
@@ -37,6 +43,9 @@ class Endpoint:
     healthy: bool = False
     last_pick: int = 0
     engine_ids: tuple[str, ...] = ()  # mooncake: engine id per data-parallel rank
+    # its KV-compatibility fingerprint, from its /health answer (None: it names none); a prefill pod
+    # and a decode pod pair only when theirs are equal
+    fingerprint: str | None = None
     next_dp_rank: int = 0
     upstream: UpstreamPool | None = None  # keep-alive connections, attached by the router
     url: str = field(init=False)
@@ -71,17 +80,22 @@ class Pool:
     def ready(self) -> list[Endpoint]:
         return [ep for ep in self.endpoints.values() if ep.healthy]
 
-    def pick(self, exclude: Iterable[Endpoint] = ()) -> Endpoint | None:
-        """The ready pod with the fewest outstanding requests; ties go to the least recently picked."""
+    def pick(
+        self, exclude: Iterable[Endpoint] = (), fingerprints: Collection[str | None] | None = None
+    ) -> Endpoint | None:
+        """The ready pod with the fewest outstanding requests, among those that fit one of
+        `fingerprints` when given; ties go to the least recently picked."""
         skip = set(exclude)
         best: Endpoint | None = None
         for ep in self.endpoints.values():
             if not ep.healthy or ep in skip:
                 continue
+            if fingerprints is not None and not fits(ep.fingerprint, fingerprints):
+                continue
             if best is None or (ep.inflight, ep.last_pick) < (best.inflight, best.last_pick):
                 best = ep
         if best is None and skip:
-            return self.pick()  # every other pod is out: the excluded one beats a 503
+            return self.pick((), fingerprints)  # every other pod is out: the excluded one beats a 503
         if best is not None:
             self._picks += 1
             best.last_pick = self._picks

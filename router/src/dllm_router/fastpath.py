@@ -106,13 +106,13 @@ class FastExchange(Pending):
         router, body = self._router, self.body
         self._decoded = self._end_id = None
         self._decode_ok = self._prefill_refused = False
-        p = router.pick(router.prefill, self._tried)
+        p = router.pick(router.prefill, self._tried, router.decode)
         if oa.asks_one_token(body):  # prefill alone answers; no KV moves
             router.metrics.prefill_answers += 1
             self._p = self._d = p
             self._dcall = self._call(p, self.headers, oa.decode_payload(body, self._request.body, None), True)
             return
-        d = router.pick(router.decode, self._tried)
+        d = router.pick(router.decode, self._tried, p)
         plan = router.plan(self.rid, 0, p, d)
         self._p, self._d, self._end_id = p, d, plan.end_id
         self._prefill_done = self._prefill_at = perf_counter()

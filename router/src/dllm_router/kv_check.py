@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from dllm_contract.pd_params import new_transfer_id
 from dllm_router import openai as oa
 from dllm_router.config import RouterConfig
-from dllm_router.endpoints import Endpoint, Pool
+from dllm_router.endpoints import Endpoint, Pool, fits
 from dllm_router.flows import PairPlan
 from dllm_router.kv_verdict import REASONS, Verdict, judge, overall
 from dllm_router.transfer_end import END_PATH
@@ -81,7 +81,11 @@ class KVCheck:
         return self._config.flow == "dllm" and self._config.kv_check_interval_s > 0
 
     def pairs(self) -> list[tuple[Endpoint, Endpoint]]:
-        return [(p, d) for p in self._prefill.ready() for d in self._decode.ready()]
+        """The ready pairs the router would send a request through (their KV fingerprints fit)."""
+        decodes = self._decode.ready()
+        return [
+            (p, d) for p in self._prefill.ready() for d in decodes if fits(p.fingerprint, (d.fingerprint,))
+        ]
 
     def due(self) -> tuple[Endpoint, Endpoint] | None:
         """The ready pair to check next (never checked first, then the oldest past the interval); the

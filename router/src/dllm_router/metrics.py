@@ -122,12 +122,20 @@ class Metrics:
         ready = GaugeMetricFamily(
             "dllm_router_pod_ready", "1 if the pod answers /health", labels=["role", "pod"]
         )
+        fingerprint = GaugeMetricFamily(
+            "dllm_router_pod_kv_fingerprint",
+            "1 under the KV fingerprint each pod's /health names (pods pair only within one)",
+            labels=["role", "pod", "fingerprint"],
+        )
         for pool in pools:
             for ep in pool.endpoints.values():
                 inflight.add_metric([pool.role, ep.name], ep.inflight)
                 ready.add_metric([pool.role, ep.name], int(ep.healthy))
+                if ep.fingerprint is not None:
+                    fingerprint.add_metric([pool.role, ep.name, ep.fingerprint], 1)
         yield inflight
         yield ready
+        yield fingerprint
         yield from self.pairs.families({ep.name for pool in pools for ep in pool.endpoints.values()})
         yield from self.kv_check()
 

@@ -18,6 +18,15 @@ from dllm_router.upstream import ConnectFailed
 log = logging.getLogger(__name__)
 
 
+def fingerprints(pool: Pool) -> set[str | None]:
+    """The KV fingerprints of a pool's ready pods."""
+    return {ep.fingerprint for ep in pool.ready()}
+
+
+def _role(partner: Pool | Endpoint) -> str:
+    return partner.role
+
+
 class Pairing:
     def __init__(self, config: RouterConfig) -> None:
         # the settings read per prompt, as plain attributes: a pydantic model's attribute read costs
@@ -27,9 +36,24 @@ class Pairing:
         self._timeout_s = config.request_timeout_s
         self._dllm_plans = flows.DllmPlans(config)
 
-    def pick(self, pool: Pool, tried: list[Endpoint]) -> Endpoint:
-        """The pool's least busy ready pod not tried yet for this prompt; 503 when it has none."""
-        ep = pool.pick(tried)
+    def pick(self, pool: Pool, tried: list[Endpoint], partner: Pool | Endpoint | None = None) -> Endpoint:
+        """The pool's least busy ready pod not tried yet for this prompt; 503 when it has none.
+
+        With a `partner`, only a pod whose KV fingerprint fits the partner's (a pool: any of its ready
+        pods'; a pod: its own; endpoints.fits): during a rollout, a prefill pod sends its KV only to a
+        decode pod that reads it, and each fingerprint takes requests as its pairs come (issue 34)."""
+        if partner is None or (isinstance(partner, Pool) and not partner.ready()):
+            ep = pool.pick(tried)  # no partner to fit yet: the partner's own pick says what is missing
+        else:
+            kinds = {partner.fingerprint} if isinstance(partner, Endpoint) else fingerprints(partner)
+            ep = pool.pick(tried, kinds)
+            if ep is None and pool.ready() and kinds:
+                raise RouterError(
+                    503,
+                    "no_compatible_pair",
+                    f"no ready {pool.role} pod shares a KV fingerprint with a ready {_role(partner)} pod",
+                    None,
+                )
         if ep is None:
             raise RouterError(503, f"no_{pool.role}", f"no ready {pool.role} pod", None)
         return ep

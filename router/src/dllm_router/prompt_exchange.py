@@ -110,7 +110,7 @@ class PromptExchange:
         host, body = self._host, prompt.body
         # answers read whole are charged to the request (NEW-1); a stream is relayed as it comes
         whole = ledger if read_all else None
-        p = host.pick(host.prefill, tried)
+        p = host.pick(host.prefill, tried, host.decode)
         up_headers = headers + b"X-Request-Id: " + header_value(prompt.rid) + b"\r\n"
         if oa.asks_one_token(body):  # prefill alone answers; no KV moves
             host.metrics.prefill_answers += 1
@@ -119,7 +119,7 @@ class PromptExchange:
                 answer, p, route, oa.decode_payload(body, prompt.raw, None), up_headers, read_all, whole
             )
             return answer
-        d = host.pick(host.decode, tried)
+        d = host.pick(host.decode, tried, p)
         plan = host.plan(prompt.rid, prompt.index, p, d)
         answer = Answer(prefill=p, decode=d)
         prefill_call = self._call_prefill(

@@ -20,12 +20,14 @@ KIND = "DisaggregatedLLM"
 PLURAL = "disaggregatedllms"
 
 # Env names the operator sets beside the KV-transfer contract: the auth Secret's keys (render/auth.py)
-# and Mooncake's port range (render/ports.py). A role's `env` may not use them either.
+# Mooncake's port range (render/ports.py) and the KV fingerprint (render/fingerprint.py). A role's `env`
+# may not use them either.
 OPERATOR_ENV_NAMES: tuple[str, ...] = (
     "DLLM_KV_AUTH_TOKEN",
     "VLLM_API_KEY",
     "DLLM_ENGINE_API_KEY",
     "DLLM_KV_TRANSFER_PORTS",
+    "DLLM_KV_FINGERPRINT",
 )
 # Where huggingface_hub sends its requests, HF_TOKEN attached (NEW-4): a resource naming the address
 # could send the hub token anywhere. A mirror is the operator's setting (DLLM_HF_ENDPOINT), not a

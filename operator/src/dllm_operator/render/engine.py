@@ -10,6 +10,7 @@ from dllm_operator.config import OperatorConfig
 from dllm_operator.render import labels
 from dllm_operator.render.engine_command import EngineRole, role_spec
 from dllm_operator.render.engine_container import engine_container, runs_as_root, volumes_and_mounts
+from dllm_operator.render.fingerprint import kv_fingerprint
 
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 # The images' numeric non-root user (images/vllm, images/vllm-cpu); engines run as it unless RDMA needs
@@ -89,7 +90,11 @@ def pod_template(cr: DisaggregatedLLM, role: EngineRole, config: OperatorConfig)
     pod |= {key: value for key, value in optional.items() if value}
     if cr.spec.rdma.host_network:
         pod |= {"hostNetwork": True, "dnsPolicy": "ClusterFirstWithHostNet"}
-    template_metadata: dict[str, Any] = {"labels": {**spec.pod_labels, **labels.labels(cr, role)}}
+    fingerprint = kv_fingerprint(cr, config)
+    kv_labels = {labels.KV_FINGERPRINT: fingerprint, labels.DS_REVISION: fingerprint}
+    template_metadata: dict[str, Any] = {
+        "labels": {**spec.pod_labels, **kv_labels, **labels.labels(cr, role)}
+    }
     annotations = pod_annotations(cr, role)
     if annotations:
         template_metadata["annotations"] = annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dllm_contract.env import ENV_KV_FINGERPRINT
 from dllm_operator.api import DisaggregatedLLM, RDMAMode, RoleSpec
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render.engine_command import (
@@ -17,6 +18,7 @@ from dllm_operator.render.engine_command import (
     engine_env,
     role_spec,
 )
+from dllm_operator.render.fingerprint import kv_fingerprint
 from dllm_operator.render.ports import side_channel_ports
 from dllm_operator.render.quantity import gigabytes_to_bytes, mebibytes, to_bytes
 
@@ -141,7 +143,10 @@ def engine_container(cr: DisaggregatedLLM, role: EngineRole, config: OperatorCon
         "command": ["dllm-serve"],
         "args": ["--", *engine_args(cr, role)],
         "ports": engine_ports(cr, role),
-        "env": engine_env(cr, role, config.hub_endpoint),
+        "env": [
+            *engine_env(cr, role, config.hub_endpoint),
+            {"name": ENV_KV_FINGERPRINT, "value": kv_fingerprint(cr, config)},
+        ],
         "resources": engine_resources(cr, role),
         "securityContext": security_context(cr),
         "volumeMounts": mounts,

@@ -17,6 +17,11 @@ COMPONENT = "app.kubernetes.io/component"
 PART_OF = "app.kubernetes.io/part-of"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 
+# On both roles' pods: the KV-compatibility fingerprint (render/fingerprint.py), under our name and
+# under the LWS DisaggregatedSet's revision label, which llm-d-router's revision screener pairs by.
+KV_FINGERPRINT = "disagg.dev/kv-fingerprint"
+DS_REVISION = "disaggregatedset.x-k8s.io/revision"
+
 APP_NAME = "dllm"
 MANAGER = "dllm-operator"
 # Longest child name: StatefulSet pods get a controller-revision-hash label of name + 11 characters.
