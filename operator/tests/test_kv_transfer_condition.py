@@ -7,10 +7,8 @@ import json
 from typing import Any
 
 import pytest
-from dllm_cases import minimal
-from status_cases import role_pod, workload
+from status_cases import sample_status
 
-from dllm_operator.api import parse
 from dllm_operator.kv_transfer import (
     MAX_MESSAGE,
     MAX_PAGE_BYTES,
@@ -21,7 +19,6 @@ from dllm_operator.kv_transfer import (
     finding,
     parse_page,
 )
-from dllm_operator.status import Observed, compute_status
 
 
 def pair(prefill: str, decode: str, reason: str, at: float, message: str = "") -> dict[str, Any]:
@@ -142,16 +139,7 @@ def test_pairs_are_named_by_their_pods_where_the_operator_knows_the_address() ->
 
 
 def status_with(kv: KVCheckView) -> dict[str, Any]:
-    observed = Observed(
-        workloads={"prefill": workload(1), "decode": workload(1), "router": workload(1)},
-        pods={
-            "prefill": [role_pod("tiny-cpu-prefill-0", True)],
-            "decode": [role_pod("tiny-cpu-decode-0", True)],
-            "router": [role_pod("tiny-cpu-router-x", True)],
-        },
-        kv_check=kv,
-    )
-    return compute_status(parse(minimal("tiny-cpu")), observed, None, "2026-12-06T00:00:00Z")
+    return sample_status(kv_check=kv)
 
 
 def conditions(status: dict[str, Any]) -> dict[str, tuple[str, str]]:

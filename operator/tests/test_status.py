@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_cases import minimal
-from status_cases import pod, role_pod, workload
+from status_cases import pod, sample_status
 
 from dllm_operator.api import parse
 from dllm_operator.render import render_all
-from dllm_operator.status import Observed, compute_status, pod_problem, workloads_by_component
+from dllm_operator.status import pod_problem, workloads_by_component
 
 
 def test_a_pod_loading_its_model_is_not_a_problem() -> None:
@@ -36,15 +36,7 @@ def test_a_crash_loop_is_named_with_its_reason() -> None:
 
 
 def status_of(decode_pod_ready: bool) -> dict[str, Any]:
-    observed = Observed(
-        workloads={"prefill": workload(1), "decode": workload(1), "router": workload(1)},
-        pods={
-            "prefill": [role_pod("tiny-cpu-prefill-0", True)],
-            "decode": [role_pod("tiny-cpu-decode-0", decode_pod_ready)],
-            "router": [role_pod("tiny-cpu-router-x", True)],
-        },
-    )
-    return compute_status(parse(minimal("tiny-cpu")), observed, None, "2026-12-03T00:00:00Z")
+    return sample_status(decode_pod_ready)
 
 
 def test_a_pod_not_ready_before_its_statefulset_counted_it_makes_its_role_not_ready() -> None:

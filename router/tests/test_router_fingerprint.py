@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from router_engine_double import FakeVllmEngine
-from router_harness import EngineFactory, RouterFactory
+from router_harness import EngineFactory, RouterFactory, RunningRouter
 
 from dllm_router.endpoints import fits
 from dllm_router.openai import COMPLETIONS
@@ -25,6 +25,15 @@ async def engine(engines: EngineFactory, name: str, fingerprint: str | None) -> 
     pod = await engines(name)
     pod.fingerprint = fingerprint
     return pod
+
+
+async def half_rolled(
+    engines: EngineFactory, start_router: RouterFactory
+) -> tuple[RunningRouter, FakeVllmEngine, FakeVllmEngine, FakeVllmEngine]:
+    """Prefill at both fingerprints, decode at the new one only: the router, old and new prefill, decode."""
+    p_old, p_new = await engine(engines, "p-old", OLD), await engine(engines, "p-new", NEW)
+    d_new = await engine(engines, "d-new", NEW)
+    return await start_router("dllm", [p_old, p_new], [d_new]), p_old, p_new, d_new
 
 
 def test_pods_fit_when_equal_or_when_either_names_none() -> None:
@@ -61,9 +70,7 @@ async def test_mid_rollout_every_request_goes_through_a_pair_of_one_fingerprint(
 async def test_a_fingerprint_without_a_complete_pair_gets_no_request(
     engines: EngineFactory, start_router: RouterFactory
 ) -> None:
-    p_old, p_new = await engine(engines, "p-old", OLD), await engine(engines, "p-new", NEW)
-    d_new = await engine(engines, "d-new", NEW)
-    r = await start_router("dllm", [p_old, p_new], [d_new])
+    r, p_old, p_new, _ = await half_rolled(engines, start_router)
     for body in [*BODIES, {"prompt": "f", "max_tokens": 1}] * 4:  # the one-token path too
         async with await r.post(COMPLETIONS, body) as answer:
             assert answer.status == 200, await answer.text()
@@ -99,8 +106,6 @@ async def test_pods_that_name_no_fingerprint_pair_as_before(
 async def test_the_kv_check_checks_only_pairs_of_one_fingerprint(
     engines: EngineFactory, start_router: RouterFactory
 ) -> None:
-    p_old, p_new = await engine(engines, "p-old", OLD), await engine(engines, "p-new", NEW)
-    d_new = await engine(engines, "d-new", NEW)
-    r = await start_router("dllm", [p_old, p_new], [d_new])
+    r, _, p_new, d_new = await half_rolled(engines, start_router)
     pairs = {(p.name, d.name) for p, d in r.router.kv_check.pairs()}
     assert pairs == {(f"127.0.0.1:{p_new.port}", f"127.0.0.1:{d_new.port}")}
