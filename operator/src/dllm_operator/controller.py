@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dllm_operator import metrics
+from dllm_operator import metrics, rollout
 from dllm_operator.api import KIND, DisaggregatedLLM, SpecInvalid, parse
 from dllm_operator.config import OperatorConfig
 from dllm_operator.events import cr_event, now_iso
@@ -24,7 +24,7 @@ from dllm_operator.kv_poll import KVPoller, Page, RouterPod, router_pods
 from dllm_operator.kv_transfer import KVCheckView, engine_pod_names
 from dllm_operator.plan import MANAGED_KINDS, Key, key_of, only_replicas_changed, plan
 from dllm_operator.redact import redact_values
-from dllm_operator.render import auth, labels, render_all
+from dllm_operator.render import auth, labels, render_all, with_hash
 from dllm_operator.render.router import kv_check_args
 from dllm_operator.secret_missing import pods_wait_on_secret
 from dllm_operator.status import (
@@ -197,6 +197,7 @@ class Controller:
             return
         await self._ensure_auth_secret(key, body, cr)
         actual = self.store.children[key]
+        desired = self._at_rollout_step(key, cr, desired, actual)
         writes = plan(desired, actual, cr.metadata.uid)
         # Children are independent objects: apply them at once (a StatefulSet may precede its Service).
         created: list[str] = []
@@ -239,6 +240,30 @@ class Controller:
             if error.status != 409:  # 409: it exists already, made by an earlier run
                 raise
         self._secrets_made.add(made)
+
+    def _at_rollout_step(
+        self,
+        key: CRKey,
+        cr: DisaggregatedLLM,
+        desired: list[dict[str, Any]],
+        actual: dict[Key, dict[str, Any]],
+    ) -> list[dict[str, Any]]:
+        """The engine StatefulSets at their surge rollout's step (rollout.py); the rest as rendered."""
+        if cr.spec.rollout.max_surge == 0:
+            return desired
+        pods = pods_by_component(self.store.pods[key].values())
+        stepped: list[dict[str, Any]] = []
+        for obj in desired:
+            role = obj["metadata"].get("labels", {}).get(labels.COMPONENT)
+            if obj["kind"] != "StatefulSet" or role not in ("prefill", "decode"):
+                stepped.append(obj)
+                continue
+            partner = "decode" if role == "prefill" else "prefill"
+            at = rollout.step(
+                obj, actual.get(key_of(obj)), pods.get(role, []), pods.get(partner, []), cr.spec.rollout
+            )
+            stepped.append(obj if at is obj else with_hash(at))
+        return stepped
 
     def _desired(self, key: CRKey, body: dict[str, Any]) -> tuple[DisaggregatedLLM, list[dict[str, Any]]]:
         """The parsed CR and its rendered children, reused while the spec's generation stays the same.

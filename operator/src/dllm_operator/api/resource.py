@@ -12,6 +12,7 @@ from pydantic.config import JsonDict
 from dllm_operator.api.common import DNS_1035, MAX_NAME_LENGTH, OPTED_IN, Name, _Model, cel, rules
 from dllm_operator.api.model_spec import ModelSpec
 from dllm_operator.api.roles import DecodeSpec, LocalObjectReference, PrefillSpec, RouterSpec, SecuritySpec
+from dllm_operator.api.rollout import RolloutSpec
 from dllm_operator.api.transfer import KVTransferSpec, RDMASpec
 
 RDMA_PROTOCOL_NEEDS_RDMA = "kvTransfer.protocol rdma requires rdma.enabled: true"
@@ -105,6 +106,9 @@ class Spec(_Model):
         RouterSpec(),
         description="The PD router: the OpenAI-compatible endpoint that sends each request through prefill "
         "then decode.",
+    )
+    rollout: RolloutSpec = Field(
+        RolloutSpec(), description="How a change to the engines' pods rolls out (surge, pause)."
     )
     security: SecuritySpec = Field(
         SecuritySpec(),

@@ -3,6 +3,8 @@ around the container (engine_container), which runs what engine_command says. Pu
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from dllm_operator.api import DisaggregatedLLM
@@ -13,6 +15,7 @@ from dllm_operator.render.engine_container import engine_container, runs_as_root
 from dllm_operator.render.fingerprint import kv_fingerprint
 
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
+TEMPLATE_HASH = "disagg.dev/template-hash"
 # The images' numeric non-root user (images/vllm, images/vllm-cpu); engines run as it unless RDMA needs
 # a capability, which Kubernetes gives only to root.
 ENGINE_UID = 10001
@@ -101,23 +104,27 @@ def pod_template(cr: DisaggregatedLLM, role: EngineRole, config: OperatorConfig)
     return {"metadata": template_metadata, "spec": pod}
 
 
+def template_hash(template: dict[str, Any]) -> str:
+    """A short hash of a pod template: the operator's surge rollout (rollout.py) starts when it moves."""
+    canonical = json.dumps(template, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+
+
 def statefulset(cr: DisaggregatedLLM, role: EngineRole, config: OperatorConfig) -> dict[str, Any]:
     spec = role_spec(cr, role)
+    template = pod_template(cr, role, config)
     body: dict[str, Any] = {
         "serviceName": labels.child_name(cr, role),
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": labels.selector(cr, role)},
-        "template": pod_template(cr, role, config),
+        "template": template,
         "updateStrategy": {"type": "RollingUpdate"},
     }
     if spec.replicas is not None:  # unset: the replica count belongs to an autoscaler
         body = {"replicas": spec.replicas, **body}
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": labels.metadata(cr, role),
-        "spec": body,
-    }
+    metadata = labels.metadata(cr, role)
+    metadata["annotations"] = {**metadata.get("annotations", {}), TEMPLATE_HASH: template_hash(template)}
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata, "spec": body}
 
 
 def headless_service(cr: DisaggregatedLLM, role: EngineRole) -> dict[str, Any]:

@@ -1,0 +1,23 @@
+"""spec.rollout: how a change to the engines' pods is rolled out."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from dllm_operator.api.common import _Model
+
+
+class RolloutSpec(_Model):
+    max_surge: Annotated[int, Field(ge=0, le=16)] = Field(
+        0,
+        description="Pods each engine role may run above its replicas while its pods are replaced: the "
+        "new pods come up first, then the old ones go one at a time, a role's old pods only once the "
+        "other role has a ready pod of the new KV fingerprint, so a complete pair serves throughout. 0: "
+        "the StatefulSets' own rolling update (a role with one replica has no pod while it restarts). "
+        "Ignored for a role whose replicas are left to an autoscaler.",
+    )
+    paused: bool = Field(
+        False, description="Hold a surge rollout where it is (pods neither added nor replaced) until false."
+    )

@@ -1,0 +1,114 @@
+"""Surge rollouts of the engine StatefulSets (spec.rollout.maxSurge, issue 34). Pure.
+
+A StatefulSet cannot surge by itself: its rolling update takes a pod down before its replacement is up,
+and a role with one replica has no pod meanwhile. With maxSurge S, the operator rolls a role of N
+replicas through its StatefulSet's replicas and partition instead, one step per reconcile, each step
+read from what the cluster shows (so a restarted operator goes on where it was):
+
+1. the pod template changed: replicas N+S, partition N. The S new ordinals start from the new template;
+   the N old pods keep serving.
+2. while pods remain at the old revision: when every ordinal from the partition up is at the new revision
+   and ready, and the other role has a ready pod of the new KV fingerprint, the partition goes down by
+   one, so the StatefulSet replaces one old pod (its preStop drains it). A complete pair of the new
+   fingerprint serves before either role's old pods go, and the router pairs only equal fingerprints,
+   so no request meets a pod that cannot read its KV.
+3. every pod at the new revision: replicas N, partition 0; the surge ordinals go (drained the same way).
+
+A change back (a rollback) is a template change like any other. `paused` holds the current step.
+Replicas left to an autoscaler are never surged (the count is not the operator's to raise).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any
+
+from dllm_operator.api.rollout import RolloutSpec
+from dllm_operator.render import labels
+from dllm_operator.render.engine import TEMPLATE_HASH
+
+REVISION_LABEL = "controller-revision-hash"
+
+
+def _annotation(obj: dict[str, Any], name: str) -> str | None:
+    value = obj.get("metadata", {}).get("annotations", {}).get(name)
+    return str(value) if value is not None else None
+
+
+def partition_of(sts: dict[str, Any]) -> int:
+    rolling = sts.get("spec", {}).get("updateStrategy", {}).get("rollingUpdate") or {}
+    return int(rolling.get("partition") or 0)
+
+
+def ordinal_of(pod: dict[str, Any]) -> int | None:
+    suffix = pod.get("metadata", {}).get("name", "").rsplit("-", 1)[-1]
+    return int(suffix) if suffix.isdigit() else None
+
+
+def is_ready(pod: dict[str, Any]) -> bool:
+    if pod.get("metadata", {}).get("deletionTimestamp"):
+        return False
+    conditions = pod.get("status", {}).get("conditions", [])
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def ready_fingerprints(pods: Iterable[dict[str, Any]]) -> set[str]:
+    """The KV fingerprints of the ready pods among `pods`."""
+    return {
+        str(fingerprint)
+        for pod in pods
+        if is_ready(pod)
+        and (fingerprint := pod.get("metadata", {}).get("labels", {}).get(labels.KV_FINGERPRINT))
+    }
+
+
+def with_steps(desired: dict[str, Any], replicas: int, partition: int) -> dict[str, Any]:
+    """`desired` at this step: its replicas and its rolling update's partition."""
+    out = copy.deepcopy(desired)
+    out["spec"]["replicas"] = replicas
+    out["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
+    return out
+
+
+def step(
+    desired: dict[str, Any],
+    actual: dict[str, Any] | None,
+    pods: list[dict[str, Any]],
+    partner_pods: list[dict[str, Any]],
+    rollout: RolloutSpec,
+) -> dict[str, Any]:
+    """The StatefulSet to apply for one role now: `desired` as rendered, at the rollout's current step.
+    `pods` are the role's, `partner_pods` the other role's."""
+    n = desired["spec"].get("replicas")
+    surge = rollout.max_surge
+    if surge == 0 or n is None or n == 0 or actual is None:
+        return desired
+    replicas = int(actual.get("spec", {}).get("replicas") or n)
+    held = with_steps(desired, replicas, partition_of(actual))
+    if _annotation(actual, TEMPLATE_HASH) != _annotation(desired, TEMPLATE_HASH):
+        if rollout.paused:  # the template is kept, and no pod takes it yet
+            return with_steps(desired, replicas, max(partition_of(actual), replicas))
+        return with_steps(desired, n + surge, n)
+    status = actual.get("status", {})
+    if int(status.get("observedGeneration") or 0) < int(actual.get("metadata", {}).get("generation") or 0):
+        return held  # its controller has not acted on the last step yet
+    current, update = status.get("currentRevision"), status.get("updateRevision")
+    rolling = current != update
+    if rollout.paused and (rolling or partition_of(actual) > 0 or held["spec"]["replicas"] > n):
+        return held
+    if not rolling:
+        return with_steps(desired, n, 0)  # every pod is at the template: any surge ordinals go
+    total, partition = n + surge, partition_of(actual)
+    fresh = {
+        ordinal
+        for pod in pods
+        if pod.get("metadata", {}).get("labels", {}).get(REVISION_LABEL) == update
+        and is_ready(pod)
+        and (ordinal := ordinal_of(pod)) is not None
+    }
+    fingerprint = desired["spec"]["template"]["metadata"]["labels"].get(labels.KV_FINGERPRINT)
+    pair_ready = fingerprint is None or fingerprint in ready_fingerprints(partner_pods)
+    if partition > 0 and pair_ready and all(o in fresh for o in range(partition, total)):
+        partition -= 1
+    return with_steps(desired, total, partition)

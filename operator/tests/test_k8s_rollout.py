@@ -1,0 +1,208 @@
+"""Surge rollouts on the real control plane (the StatefulSet controller, the scheduler, kwok's nodes):
+a change of the KV fingerprint (compression none to fp8) rolls both roles with new pods first, and at
+every moment observed there is a ready prefill pod and a ready decode pod of one fingerprint; at the
+end every pod is new and each role has its replicas again. A rollback rolls back the same way; a paused
+rollout adds and replaces nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dllm_cases import ROOT, load_cr, merged
+from e2e.fixtures import Cluster, holds_for, wait_until
+from e2e.operator_process import OperatorProcess
+from e2e.samples import on_kwok_nodes
+
+from dllm_operator.render import labels
+
+pytestmark = pytest.mark.k8s
+CPU_SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
+
+
+@pytest.fixture
+def operator(cluster: Cluster, crd: str, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
+    process = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "operator.log", namespace).start()
+    yield process
+    process.stop()
+
+
+def surge_cr(prefill: int, decode: int, **rollout: Any) -> dict[str, Any]:
+    spec = {
+        "prefill": {"replicas": prefill},
+        "decode": {"replicas": decode},
+        "rollout": {"maxSurge": 1, **rollout},
+    }
+    return merged(on_kwok_nodes(load_cr(CPU_SAMPLE)), {"metadata": {"name": "surge"}, "spec": spec})
+
+
+def pods(cluster: Cluster, namespace: str) -> dict[str, list[dict[str, Any]]]:
+    items = cluster.get_json("pods", "-n", namespace, "-l", "app.kubernetes.io/instance=surge")["items"]
+    by_role: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
+    for pod in items:
+        role = pod["metadata"]["labels"].get(labels.COMPONENT)
+        if role in by_role:
+            by_role[role].append(pod)
+    return by_role
+
+
+def ready_fingerprints(role_pods: list[dict[str, Any]]) -> set[str]:
+    return {
+        p["metadata"]["labels"].get(labels.KV_FINGERPRINT, "")
+        for p in role_pods
+        if not p["metadata"].get("deletionTimestamp")
+        and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+    }
+
+
+def fingerprint_of(cluster: Cluster, namespace: str) -> str:
+    sts = cluster.get_json("statefulset", "surge-prefill", "-n", namespace)
+    return str(sts["spec"]["template"]["metadata"]["labels"][labels.KV_FINGERPRINT])
+
+
+def settled(cluster: Cluster, namespace: str, prefill: int, decode: int, fingerprint: str) -> bool:
+    now = pods(cluster, namespace)
+    for role, count in (("prefill", prefill), ("decode", decode)):
+        live = [p for p in now[role] if not p["metadata"].get("deletionTimestamp")]
+        if (
+            len(live) != count
+            or ready_fingerprints(live) != {fingerprint}
+            or len(ready_fingerprints(live)) != 1
+        ):
+            return False
+        sts = cluster.get_json("statefulset", f"surge-{role}", "-n", namespace)
+        if sts["spec"]["replicas"] != count or sts["status"].get("readyReplicas") != count:
+            return False
+    return True
+
+
+def up(cluster: Cluster, namespace: str, cr: dict[str, Any], prefill: int, decode: int) -> str:
+    """The resource created and every pod ready: its fingerprint."""
+    cluster.apply(cr, "-n", namespace)
+    wait_until(
+        lambda: cluster.exists("statefulset", "surge-prefill", "-n", namespace), 60, "the StatefulSets"
+    )
+    first = fingerprint_of(cluster, namespace)
+    wait_until(lambda: settled(cluster, namespace, prefill, decode, first), 120, "the resource up")
+    return first
+
+
+def events(text: str) -> Iterator[dict[str, Any]]:
+    """The watch events `kubectl get -w -o json --output-watch-events` printed, one JSON value each
+    (those printed whole)."""
+    decoder, at = json.JSONDecoder(), 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            return
+        try:
+            event, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            return  # the rest is still being printed
+        yield event
+
+
+def roll_watching_pairs(
+    cluster: Cluster, namespace: str, patch: dict[str, Any], prefill: int, decode: int
+) -> tuple[str, dict[str, int]]:
+    """Patch the resource and watch every pod event until the rollout settles; after each event, some
+    ready prefill pod and some ready decode pod must share a fingerprint. The new fingerprint, and the
+    most pods of each role alive at once."""
+    before = fingerprint_of(cluster, namespace)
+    existing = {p["metadata"]["name"] for role in pods(cluster, namespace).values() for p in role}
+    watch = subprocess.Popen(
+        [cluster.kubectl_path, "get", "pods", "-n", namespace, "-l", "app.kubernetes.io/instance=surge",
+         "--watch", "--output-watch-events", "-o", "json"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=cluster.env(),
+    )  # fmt: skip
+    printed: list[str] = []
+    stdout = watch.stdout
+    assert stdout is not None
+    reader = threading.Thread(target=lambda: printed.extend(iter(stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        # the patch only once the watch has listed what is there: no event of the rollout is missed
+        wait_until(lambda: len(list(events("".join(printed)))) >= len(existing), 30, "the watch's listing")
+        cluster.run(
+            "patch", "dllm", "surge", "-n", namespace, "--type=merge", "-p", json.dumps({"spec": patch})
+        )
+        wait_until(lambda: fingerprint_of(cluster, namespace) != before, 30, "the new template applied")
+        after = fingerprint_of(cluster, namespace)
+        wait_until(lambda: settled(cluster, namespace, prefill, decode, after), 180, f"every pod at {after}")
+    finally:
+        watch.terminate()
+        watch.wait(timeout=30)
+        reader.join(timeout=30)
+    out = "".join(printed)
+    state: dict[str, dict[str, Any]] = {}
+    most = {"prefill": 0, "decode": 0}
+    for number, event in enumerate(events(out)):
+        pod = event["object"]
+        if event["type"] == "DELETED":
+            state.pop(pod["metadata"]["name"], None)
+        else:
+            state[pod["metadata"]["name"]] = pod
+        if not existing <= state.keys():
+            continue  # the watch's first listing is not complete yet
+        by_role = {role: [p for p in state.values() if p["metadata"]["labels"].get(labels.COMPONENT) == role]
+                   for role in most}  # fmt: skip
+        for role, role_pods in by_role.items():
+            most[role] = max(most[role], sum(not p["metadata"].get("deletionTimestamp") for p in role_pods))
+        shared = ready_fingerprints(by_role["prefill"]) & ready_fingerprints(by_role["decode"])
+        assert shared, f"no complete pair after event {number}: {event['type']} {pod['metadata']['name']}"
+    return after, most
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (2, 4), (4, 2)])
+def test_a_fingerprint_change_rolls_both_roles_with_a_complete_pair_throughout(
+    cluster: Cluster, namespace: str, operator: OperatorProcess, prefill: int, decode: int
+) -> None:
+    first = up(cluster, namespace, surge_cr(prefill, decode), prefill, decode)
+    fp8, most = roll_watching_pairs(
+        cluster, namespace, {"kvTransfer": {"compression": "fp8"}}, prefill, decode
+    )
+    assert fp8 != first
+    assert most == {"prefill": prefill + 1, "decode": decode + 1}  # the surge pod, and no more
+    back, most = roll_watching_pairs(
+        cluster, namespace, {"kvTransfer": {"compression": "none"}}, prefill, decode
+    )
+    assert back == first  # a rollback is the same template, so the same fingerprint
+    assert most == {"prefill": prefill + 1, "decode": decode + 1}
+
+
+def test_a_paused_rollout_adds_and_replaces_nothing(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    first = up(cluster, namespace, surge_cr(1, 1, paused=True), 1, 1)
+    names = {p["metadata"]["uid"] for role in pods(cluster, namespace).values() for p in role}
+    patch = {"kvTransfer": {"compression": "fp8"}}
+    cluster.run("patch", "dllm", "surge", "-n", namespace, "--type=merge", "-p", json.dumps({"spec": patch}))
+
+    def changed() -> bool:
+        return {p["metadata"]["uid"] for role in pods(cluster, namespace).values() for p in role} != names
+
+    assert not holds_for(changed, 5), "a paused rollout changed the pods"
+    cluster.run(
+        "patch",
+        "dllm",
+        "surge",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"rollout":{"paused":false}}}',
+    )
+    wait_until(
+        lambda: (
+            settled(cluster, namespace, 1, 1, fingerprint_of(cluster, namespace))
+            and fingerprint_of(cluster, namespace) != first
+        ),
+        120,
+        "the rollout done once resumed",
+    )

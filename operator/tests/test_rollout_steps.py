@@ -1,0 +1,115 @@
+"""The surge rollout's steps (rollout.py), one reconcile at a time, from what the cluster shows: the new
+pods first, an old pod replaced only once everything above the partition is new and ready and the
+other role has a ready pod of the new fingerprint, the surge taken away at the end; pause, an
+autoscaled role and maxSurge 0 leave the StatefulSet's own rolling update alone."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from dllm_operator.api.rollout import RolloutSpec
+from dllm_operator.render import labels
+from dllm_operator.render.engine import TEMPLATE_HASH
+from dllm_operator.rollout import partition_of, step
+
+SURGE = RolloutSpec(max_surge=1)
+OLD_FP, NEW_FP = "0ld", "1ew"
+
+
+def sts(replicas: int | None, template: str, fingerprint: str = NEW_FP) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "template": {"metadata": {"labels": {labels.KV_FINGERPRINT: fingerprint}}},
+        "updateStrategy": {"type": "RollingUpdate"},
+    }
+    if replicas is not None:
+        spec["replicas"] = replicas
+    return {
+        "kind": "StatefulSet",
+        "metadata": {"name": "x-prefill", "annotations": {TEMPLATE_HASH: template}, "generation": 3},
+        "spec": spec,
+    }
+
+
+def live(
+    template: str, replicas: int, partition: int, current: str, update: str, observed: int = 3
+) -> dict[str, Any]:
+    """The StatefulSet as the API server shows it."""
+    obj = sts(replicas, template)
+    obj["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
+    obj["status"] = {"observedGeneration": observed, "currentRevision": current, "updateRevision": update}
+    return obj
+
+
+def pod(ordinal: int, revision: str, ready: bool = True, fingerprint: str = NEW_FP) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": f"x-prefill-{ordinal}",
+            "labels": {"controller-revision-hash": revision, labels.KV_FINGERPRINT: fingerprint},
+        },
+        "status": {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
+
+
+PARTNER_NEW = [pod(0, "d-old", fingerprint=OLD_FP), pod(1, "d-new")]  # decode: its surge pod ready
+PARTNER_OLD = [pod(0, "d-old", fingerprint=OLD_FP)]
+
+
+def at(result: dict[str, Any]) -> tuple[int, int]:
+    return result["spec"]["replicas"], partition_of(result)
+
+
+def test_a_template_change_starts_with_the_surge_pods_only() -> None:
+    result = step(
+        sts(2, "t2"), live("t1", 2, 0, "r1", "r1"), [pod(0, "r1"), pod(1, "r1")], PARTNER_OLD, SURGE
+    )
+    assert at(result) == (3, 2)
+
+
+def test_an_old_pod_goes_only_when_all_above_the_partition_is_new_and_ready_and_the_partner_paired() -> None:
+    actual = live("t2", 3, 2, "r1", "r2")
+    ready_surge = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2")]
+    assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_NEW, SURGE)) == (3, 1)
+    # the surge pod not ready yet: hold
+    starting = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2", ready=False)]
+    assert at(step(sts(2, "t2"), actual, starting, PARTNER_NEW, SURGE)) == (3, 2)
+    # the other role has no ready pod of the new fingerprint: hold, old pairs keep serving
+    assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_OLD, SURGE)) == (3, 2)
+
+
+def test_the_partition_walks_down_to_zero_then_the_surge_goes() -> None:
+    actual = live("t2", 3, 1, "r1", "r2")
+    pods = [pod(0, "r1"), pod(1, "r2"), pod(2, "r2")]
+    assert at(step(sts(2, "t2"), actual, pods, PARTNER_NEW, SURGE)) == (3, 0)
+    done = live("t2", 3, 0, "r2", "r2")  # every pod new and ready: the controller says so
+    assert at(step(sts(2, "t2"), done, [pod(i, "r2") for i in range(3)], PARTNER_NEW, SURGE)) == (2, 0)
+
+
+def test_a_step_the_controller_has_not_seen_is_held() -> None:
+    actual = live("t2", 3, 2, "r1", "r2", observed=2)
+    assert at(step(sts(2, "t2"), actual, [pod(2, "r2")], PARTNER_NEW, SURGE)) == (3, 2)
+
+
+def test_pause_holds_every_step() -> None:
+    paused = RolloutSpec(max_surge=1, paused=True)
+    before = live("t1", 2, 0, "r1", "r1")
+    assert at(step(sts(2, "t2"), before, [], PARTNER_OLD, paused)) == (2, 2)  # no pod takes the template
+    mid = live("t2", 3, 2, "r1", "r2")
+    pods = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2")]
+    assert at(step(sts(2, "t2"), mid, pods, PARTNER_NEW, paused)) == (3, 2)
+
+
+def test_no_surge_an_autoscaled_role_or_a_new_statefulset_is_rendered_as_is() -> None:
+    desired = sts(2, "t2")
+    actual = live("t1", 2, 0, "r1", "r1")
+    assert step(desired, actual, [], PARTNER_OLD, RolloutSpec()) is desired
+    autoscaled = sts(None, "t2")
+    assert step(autoscaled, actual, [], PARTNER_OLD, SURGE) is autoscaled
+    assert step(desired, None, [], PARTNER_OLD, SURGE) is desired
+
+
+def test_a_settled_role_sets_partition_zero_and_its_replicas() -> None:
+    actual = live("t2", 2, 0, "r2", "r2")
+    assert at(step(sts(2, "t2"), actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE)) == (2, 0)
+    scaled = copy.deepcopy(sts(4, "t2"))
+    assert at(step(scaled, actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE)) == (4, 0)
