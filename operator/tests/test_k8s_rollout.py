@@ -81,6 +81,13 @@ def settled(cluster: Cluster, namespace: str, prefill: int, decode: int, fingerp
     return True
 
 
+def rollout_condition(cluster: Cluster, namespace: str) -> dict[str, Any]:
+    cr = cluster.get_json("dllm", "surge", "-n", namespace)
+    return next(
+        (c for c in cr.get("status", {}).get("conditions", []) if c["type"] == "RolloutProgressing"), {}
+    )
+
+
 def up(cluster: Cluster, namespace: str, cr: dict[str, Any], prefill: int, decode: int) -> str:
     """The resource created and every pod ready: its fingerprint."""
     cluster.apply(cr, "-n", namespace)
@@ -174,6 +181,7 @@ def test_a_fingerprint_change_rolls_both_roles_with_a_complete_pair_throughout(
     )
     assert back == first  # a rollback is the same template, so the same fingerprint
     assert most == {"prefill": prefill + 1, "decode": decode + 1}
+    wait_until(lambda: rollout_condition(cluster, namespace).get("reason") == "Complete", 30, "Complete said")
 
 
 def test_a_paused_rollout_adds_and_replaces_nothing(
@@ -188,6 +196,7 @@ def test_a_paused_rollout_adds_and_replaces_nothing(
         return {p["metadata"]["uid"] for role in pods(cluster, namespace).values() for p in role} != names
 
     assert not holds_for(changed, 5), "a paused rollout changed the pods"
+    wait_until(lambda: rollout_condition(cluster, namespace).get("reason") == "Paused", 30, "Paused said")
     cluster.run(
         "patch",
         "dllm",

@@ -8,10 +8,14 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from dllm_cases import merged, minimal
+
+from dllm_operator.api import parse
 from dllm_operator.api.rollout import RolloutSpec
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
 from dllm_operator.rollout import partition_of, step
+from dllm_operator.status import Observed, rollout_condition
 
 SURGE = RolloutSpec(max_surge=1)
 OLD_FP, NEW_FP = "0ld", "1ew"
@@ -113,3 +117,39 @@ def test_a_settled_role_sets_partition_zero_and_its_replicas() -> None:
     assert at(step(sts(2, "t2"), actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE)) == (2, 0)
     scaled = copy.deepcopy(sts(4, "t2"))
     assert at(step(scaled, actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE)) == (4, 0)
+
+
+def role_workload(name: str, replicas: int, current: str, update: str, updated: int) -> dict[str, Any]:
+    obj = live("t2", replicas, 1, current, update)
+    obj["metadata"]["name"] = name
+    obj["status"]["updatedReplicas"] = updated
+    return obj
+
+
+def rollout_of(workloads: dict[str, dict[str, Any]], paused: bool = False) -> tuple[bool | None, str, str]:
+    spec = {
+        "rollout": {"maxSurge": 1, "paused": paused},
+        "prefill": {"replicas": 1},
+        "decode": {"replicas": 1},
+    }
+    cr = parse(merged(minimal("x"), {"spec": spec}))
+    found = rollout_condition(cr, Observed(workloads=workloads, pods={}))
+    return found.status, found.reason, found.message
+
+
+def test_rollout_progressing_says_which_role_moves_and_where() -> None:
+    moving = {
+        "prefill": role_workload("x-prefill", 2, "r1", "r2", 1),
+        "decode": role_workload("x-decode", 1, "d", "d", 1),
+    }
+    status, reason, message = rollout_of(moving)
+    assert (status, reason) == (True, "RollingOut")
+    assert message == "x-prefill: 1/2 pods at the new template (partition 1)"
+    assert rollout_of(moving, paused=True)[:2] == (False, "Paused")
+    surge_left = {"prefill": role_workload("x-prefill", 2, "r2", "r2", 2)}  # 1 replica wanted
+    assert rollout_of(surge_left) == (True, "RollingOut", "x-prefill: 1 surge pods to go")
+    done = {
+        "prefill": role_workload("x-prefill", 1, "r2", "r2", 1),
+        "decode": role_workload("x-decode", 1, "d", "d", 1),
+    }
+    assert rollout_of(done)[:2] == (False, "Complete")

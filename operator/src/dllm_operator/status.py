@@ -24,6 +24,7 @@ CONDITION_TYPES = (
     "DecodeReady",
     "RouterReady",
     kv_transfer.CONDITION,
+    "RolloutProgressing",
 )
 _WAITING_FAILURES = (
     "CrashLoopBackOff",
@@ -176,6 +177,38 @@ def _degraded(observed: Observed, kv: KVFinding) -> Condition:
     return Condition("Degraded", True, reason, "; ".join(problems)[:4000])
 
 
+def _rolling(workload: dict[str, Any] | None, desired: int | None) -> str | None:
+    """What a role's StatefulSet still has to do to be at its template, in words; None when nothing."""
+    if workload is None:
+        return None
+    spec, status = workload.get("spec", {}), workload.get("status", {})
+    name = workload.get("metadata", {}).get("name", "?")
+    replicas = int(spec.get("replicas") or 0)
+    updated = int(status.get("updatedReplicas") or 0)
+    if status.get("currentRevision") != status.get("updateRevision"):
+        partition = (spec.get("updateStrategy", {}).get("rollingUpdate") or {}).get("partition", 0)
+        return f"{name}: {updated}/{replicas} pods at the new template (partition {partition})"
+    if desired is not None and replicas > desired:
+        return f"{name}: {replicas - desired} surge pods to go"
+    return None
+
+
+def rollout_condition(cr: DisaggregatedLLM, observed: Observed) -> Condition:
+    """RolloutProgressing: True while an engine role's pods move to its template (issue 34)."""
+    steps = [
+        step
+        for role, spec in (("prefill", cr.spec.prefill), ("decode", cr.spec.decode))
+        if (step := _rolling(observed.workloads.get(role), spec.replicas))
+    ]
+    if not steps:
+        return Condition(
+            "RolloutProgressing", False, "Complete", "every engine pod is at its role's template"
+        )
+    if cr.spec.rollout.paused:
+        return Condition("RolloutProgressing", False, "Paused", "; ".join(steps))
+    return Condition("RolloutProgressing", True, "RollingOut", "; ".join(steps))
+
+
 def kv_condition(found: KVFinding) -> Condition:
     return Condition(kv_transfer.CONDITION, found.status, found.reason, found.message)
 
@@ -202,7 +235,16 @@ def conditions(cr: DisaggregatedLLM, observed: Observed) -> list[Condition]:
         progressing = Condition("Progressing", False, "Stalled", degraded.message)
     else:
         progressing = Condition("Progressing", True, "RollingOut", ready.message)
-    return [ready, progressing, degraded, prefill, decode, router, kv_condition(kv)]
+    return [
+        ready,
+        progressing,
+        degraded,
+        prefill,
+        decode,
+        router,
+        kv_condition(kv),
+        rollout_condition(cr, observed),
+    ]
 
 
 def _as_dict(

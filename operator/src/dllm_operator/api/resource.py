@@ -130,8 +130,8 @@ class StatusCondition(BaseModel):
         str,
         Field(
             max_length=64,
-            description="Ready, Progressing, Degraded, PrefillReady, DecodeReady, RouterReady or "
-            "KVTransferVerified.",
+            description="Ready, Progressing, Degraded, PrefillReady, DecodeReady, RouterReady, "
+            "KVTransferVerified or RolloutProgressing.",
         ),
     ]
     status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
