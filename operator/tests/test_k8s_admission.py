@@ -89,4 +89,4 @@ def test_kubectl_explain_reads_well(cluster: Cluster, crd: str) -> None:
 def test_printer_columns(cluster: Cluster, crd: str, namespace: str) -> None:
     cluster.run("create", "-n", namespace, "-f", "-", input_text=json.dumps(minimal("cols")))
     header = cluster.run("get", "dllm", "-n", namespace).stdout.splitlines()[0].split()
-    assert header == ["NAME", "PREFILL", "DECODE", "READY", "CONNECTOR", "AGE"]
+    assert header == ["NAME", "PREFILL", "DECODE", "READY", "CONNECTOR", "KV", "AGE"]
