@@ -25,8 +25,12 @@ class Outcome:
     message: str
 
     @property
+    def refused(self) -> bool:
+        return self.status == 503 and self.kind in REFUSED
+
+    @property
     def accepted_and_failed(self) -> bool:
-        return self.status != 200 and not (self.status == 503 and self.kind in REFUSED)
+        return self.status != 200 and not self.refused
 
 
 @dataclass
@@ -66,11 +70,17 @@ class Trickle:
 
 
 def rolled(served: Served, generation: int) -> bool:
-    """Both engine roles at the new spec (their controllers saw it, the pods replaced) and Ready."""
+    """Both engine roles at the new spec (their controllers saw it, the pods replaced, a surge's extra
+    pods gone) and Ready."""
     status = served.get("dllm", NAME).get("status", {})
-    done = all(status.get(role, {}).get("updatedReplicas") == 1 for role in ("prefill", "decode"))
-    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
-    return done and ready and status.get("observedGeneration") == generation
+    done = all(
+        status.get(role, {}).get("updatedReplicas") == status.get(role, {}).get("replicas") == 1
+        for role in ("prefill", "decode")
+    )
+    said = {c["type"]: c for c in status.get("conditions", [])}
+    ready = said.get("Ready", {}).get("status") == "True"
+    complete = said.get("RolloutProgressing", {}).get("reason") == "Complete"
+    return done and ready and complete and status.get("observedGeneration") == generation
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,10 @@ class RollOutcomes:
 
     def failed(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.accepted_and_failed]
+
+    def refused(self) -> list[Outcome]:
+        """503s naming a role without a ready pod: none while a surge keeps a pod of each role up."""
+        return [o for o in self.outcomes if o.refused]
 
     def served_count(self) -> int:
         return sum(o.status == 200 for o in self.outcomes)
