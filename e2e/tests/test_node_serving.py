@@ -546,12 +546,14 @@ def test_a_decode_that_cannot_load_kv_fails_kv_transfer_verified_until_it_can(se
     try:
 
         def failed() -> dict[str, Any] | None:
+            # the rollout done (its surge pods gone), and the pair that is left checked
             kv = kv_condition(served)
-            return kv if kv.get("reason") == "TransferFailed" else None
+            pair = str(kv.get("message", "")).startswith(f"{NAME}-prefill-0 -> {NAME}-decode-0: ")
+            done = served.condition("RolloutProgressing").get("reason") == "Complete"
+            return kv if kv.get("reason") == "TransferFailed" and pair and done else None
 
-        kv = wait_until(failed, 600, "KVTransferVerified TransferFailed after decode's roll")
+        kv = wait_until(failed, 900, "KVTransferVerified TransferFailed once the roll is done")
         assert kv["status"] == "False", kv
-        assert kv["message"].startswith(f"{NAME}-prefill-0 -> {NAME}-decode-0: "), kv
         assert (served.condition("Ready")["status"], served.condition("Ready")["reason"]) == (
             "False",
             "TransferFailed",
@@ -563,7 +565,7 @@ def test_a_decode_that_cannot_load_kv_fails_kv_transfer_verified_until_it_can(se
     wait_until(
         lambda: kv_condition(served).get("reason") == "Verified", 600, "Verified after decode's return"
     )
-    wait_until(lambda: served.condition("Ready").get("status") == "True", 120, "Ready again")
+    wait_until(lambda: served.condition("Ready").get("status") == "True", 600, "Ready again")
 
 
 def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready(served: Served) -> None:
