@@ -215,3 +215,36 @@ def test_a_paused_rollout_adds_and_replaces_nothing(
         120,
         "the rollout done once resumed",
     )
+
+
+def test_a_rollout_whose_new_pods_never_come_up_stops_at_its_deadline_and_undoing_it_heals(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """A change no node can take (prefill's new pods unschedulable): the surge pod stays Pending, the
+    old pods serve on, and past progressDeadlineSeconds the rollout is stopped and says so; undoing
+    the change brings the resource back to Complete with its old pods untouched."""
+    up(cluster, namespace, surge_cr(1, 1, progressDeadlineSeconds=30), 1, 1)
+    old = {p["metadata"]["uid"] for role in pods(cluster, namespace).values() for p in role}
+    nowhere = {"prefill": {"nodeSelector": {"dllm.dev/no-such-node": "x"}}}
+    cluster.run(
+        "patch", "dllm", "surge", "-n", namespace, "--type=merge", "-p", json.dumps({"spec": nowhere})
+    )
+    stopped = wait_until(
+        lambda: (
+            (c := rollout_condition(cluster, namespace)).get("reason") == "ProgressDeadlineExceeded" and c
+        ),
+        120,
+        "the rollout stopped at its deadline",
+    )
+    assert "surge-prefill" in stopped["message"], stopped
+    cr = cluster.get_json("dllm", "surge", "-n", namespace)
+    degraded = next(c for c in cr["status"]["conditions"] if c["type"] == "Degraded")
+    assert degraded["status"] == "True", degraded
+    live = {p["metadata"]["uid"] for role in pods(cluster, namespace).values() for p in role}
+    assert old <= live  # the old pods serve on
+    undo = {"prefill": {"nodeSelector": {"dllm.dev/no-such-node": None}}}
+    cluster.run("patch", "dllm", "surge", "-n", namespace, "--type=merge", "-p", json.dumps({"spec": undo}))
+    wait_until(
+        lambda: rollout_condition(cluster, namespace).get("reason") == "Complete", 120, "Complete again"
+    )
+    assert {p["metadata"]["uid"] for role in pods(cluster, namespace).values() for p in role} == old

@@ -14,10 +14,11 @@ from dllm_operator.api import parse
 from dllm_operator.api.rollout import RolloutSpec
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
-from dllm_operator.rollout import partition_of, step
-from dllm_operator.status import Observed, rollout_condition
+from dllm_operator.rollout import STEP_AT, partition_of, step
+from dllm_operator.status import Observed, conditions, rollout_condition
 
 SURGE = RolloutSpec(max_surge=1)
+NOW = 2_000_000_000.0
 OLD_FP, NEW_FP = "0ld", "1ew"
 
 
@@ -36,10 +37,17 @@ def sts(replicas: int | None, template: str, fingerprint: str = NEW_FP) -> dict[
 
 
 def live(
-    template: str, replicas: int, partition: int, current: str, update: str, observed: int = 3
+    template: str,
+    replicas: int,
+    partition: int,
+    current: str,
+    update: str,
+    observed: int = 3,
+    stepped: float = NOW - 60,
 ) -> dict[str, Any]:
-    """The StatefulSet as the API server shows it."""
+    """The StatefulSet as the API server shows it, its last step `stepped`."""
     obj = sts(replicas, template)
+    obj["metadata"]["annotations"][STEP_AT] = f"{stepped:.0f}"
     obj["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
     obj["status"] = {"observedGeneration": observed, "currentRevision": current, "updateRevision": update}
     return obj
@@ -65,7 +73,7 @@ def at(result: dict[str, Any]) -> tuple[int, int]:
 
 def test_a_template_change_starts_with_the_surge_pods_only() -> None:
     result = step(
-        sts(2, "t2"), live("t1", 2, 0, "r1", "r1"), [pod(0, "r1"), pod(1, "r1")], PARTNER_OLD, SURGE
+        sts(2, "t2"), live("t1", 2, 0, "r1", "r1"), [pod(0, "r1"), pod(1, "r1")], PARTNER_OLD, SURGE, NOW
     )
     assert at(result) == (3, 2)
 
@@ -73,50 +81,50 @@ def test_a_template_change_starts_with_the_surge_pods_only() -> None:
 def test_an_old_pod_goes_only_when_all_above_the_partition_is_new_and_ready_and_the_partner_paired() -> None:
     actual = live("t2", 3, 2, "r1", "r2")
     ready_surge = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2")]
-    assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_NEW, SURGE)) == (3, 1)
+    assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_NEW, SURGE, NOW)) == (3, 1)
     # the surge pod not ready yet: hold
     starting = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2", ready=False)]
-    assert at(step(sts(2, "t2"), actual, starting, PARTNER_NEW, SURGE)) == (3, 2)
+    assert at(step(sts(2, "t2"), actual, starting, PARTNER_NEW, SURGE, NOW)) == (3, 2)
     # the other role has no ready pod of the new fingerprint: hold, old pairs keep serving
-    assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_OLD, SURGE)) == (3, 2)
+    assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_OLD, SURGE, NOW)) == (3, 2)
 
 
 def test_the_partition_walks_down_to_zero_then_the_surge_goes() -> None:
     actual = live("t2", 3, 1, "r1", "r2")
     pods = [pod(0, "r1"), pod(1, "r2"), pod(2, "r2")]
-    assert at(step(sts(2, "t2"), actual, pods, PARTNER_NEW, SURGE)) == (3, 0)
+    assert at(step(sts(2, "t2"), actual, pods, PARTNER_NEW, SURGE, NOW)) == (3, 0)
     done = live("t2", 3, 0, "r2", "r2")  # every pod new and ready: the controller says so
-    assert at(step(sts(2, "t2"), done, [pod(i, "r2") for i in range(3)], PARTNER_NEW, SURGE)) == (2, 0)
+    assert at(step(sts(2, "t2"), done, [pod(i, "r2") for i in range(3)], PARTNER_NEW, SURGE, NOW)) == (2, 0)
 
 
 def test_a_step_the_controller_has_not_seen_is_held() -> None:
     actual = live("t2", 3, 2, "r1", "r2", observed=2)
-    assert at(step(sts(2, "t2"), actual, [pod(2, "r2")], PARTNER_NEW, SURGE)) == (3, 2)
+    assert at(step(sts(2, "t2"), actual, [pod(2, "r2")], PARTNER_NEW, SURGE, NOW)) == (3, 2)
 
 
 def test_pause_holds_every_step() -> None:
     paused = RolloutSpec(max_surge=1, paused=True)
     before = live("t1", 2, 0, "r1", "r1")
-    assert at(step(sts(2, "t2"), before, [], PARTNER_OLD, paused)) == (2, 2)  # no pod takes the template
+    assert at(step(sts(2, "t2"), before, [], PARTNER_OLD, paused, NOW)) == (2, 2)  # no pod takes the template
     mid = live("t2", 3, 2, "r1", "r2")
     pods = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2")]
-    assert at(step(sts(2, "t2"), mid, pods, PARTNER_NEW, paused)) == (3, 2)
+    assert at(step(sts(2, "t2"), mid, pods, PARTNER_NEW, paused, NOW)) == (3, 2)
 
 
 def test_no_surge_an_autoscaled_role_or_a_new_statefulset_is_rendered_as_is() -> None:
     desired = sts(2, "t2")
     actual = live("t1", 2, 0, "r1", "r1")
-    assert step(desired, actual, [], PARTNER_OLD, RolloutSpec()) is desired
+    assert step(desired, actual, [], PARTNER_OLD, RolloutSpec(), NOW) is desired
     autoscaled = sts(None, "t2")
-    assert step(autoscaled, actual, [], PARTNER_OLD, SURGE) is autoscaled
-    assert step(desired, None, [], PARTNER_OLD, SURGE) is desired
+    assert step(autoscaled, actual, [], PARTNER_OLD, SURGE, NOW) is autoscaled
+    assert step(desired, None, [], PARTNER_OLD, SURGE, NOW) is desired
 
 
 def test_a_settled_role_sets_partition_zero_and_its_replicas() -> None:
     actual = live("t2", 2, 0, "r2", "r2")
-    assert at(step(sts(2, "t2"), actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE)) == (2, 0)
+    assert at(step(sts(2, "t2"), actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE, NOW)) == (2, 0)
     scaled = copy.deepcopy(sts(4, "t2"))
-    assert at(step(scaled, actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE)) == (4, 0)
+    assert at(step(scaled, actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE, NOW)) == (4, 0)
 
 
 def role_workload(name: str, replicas: int, current: str, update: str, updated: int) -> dict[str, Any]:
@@ -126,14 +134,16 @@ def role_workload(name: str, replicas: int, current: str, update: str, updated: 
     return obj
 
 
-def rollout_of(workloads: dict[str, dict[str, Any]], paused: bool = False) -> tuple[bool | None, str, str]:
+def rollout_of(
+    workloads: dict[str, dict[str, Any]], paused: bool = False, overdue: tuple[str, ...] = ()
+) -> tuple[bool | None, str, str]:
     spec = {
         "rollout": {"maxSurge": 1, "paused": paused},
         "prefill": {"replicas": 1},
         "decode": {"replicas": 1},
     }
     cr = parse(merged(minimal("x"), {"spec": spec}))
-    found = rollout_condition(cr, Observed(workloads=workloads, pods={}))
+    found = rollout_condition(cr, Observed(workloads=workloads, pods={}, rollouts_overdue=overdue))
     return found.status, found.reason, found.message
 
 
@@ -153,3 +163,41 @@ def test_rollout_progressing_says_which_role_moves_and_where() -> None:
         "decode": role_workload("x-decode", 1, "d", "d", 1),
     }
     assert rollout_of(done)[:2] == (False, "Complete")
+
+
+def test_a_step_is_stamped_and_a_rollout_without_one_past_its_deadline_stops() -> None:
+    pods = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2")]
+    moved = step(sts(2, "t2"), live("t2", 3, 2, "r1", "r2"), pods, PARTNER_NEW, SURGE, NOW)
+    assert at(moved) == (3, 1)
+    assert moved["metadata"]["annotations"][STEP_AT] == f"{NOW:.0f}"
+    starting = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2", ready=False)]
+    held = step(sts(2, "t2"), live("t2", 3, 2, "r1", "r2"), starting, PARTNER_NEW, SURGE, NOW)
+    assert held["metadata"]["annotations"][STEP_AT] == f"{NOW - 60:.0f}"  # no step: the clock runs on
+    stale = live("t2", 3, 2, "r1", "r2", stepped=NOW - SURGE.progress_deadline_seconds - 1)
+    assert at(step(sts(2, "t2"), stale, pods, PARTNER_NEW, SURGE, NOW)) == (3, 2)  # failed: stopped
+
+
+def test_a_paused_rollout_runs_no_clock() -> None:
+    paused = RolloutSpec(max_surge=1, paused=True)
+    mid = live("t2", 3, 2, "r1", "r2", stepped=NOW - 10_000)
+    held = step(sts(2, "t2"), mid, [pod(2, "r2")], PARTNER_NEW, paused, NOW)
+    assert held["metadata"]["annotations"][STEP_AT] == "paused"
+    resumed = step(
+        sts(2, "t2"),
+        held | {"status": mid["status"]},
+        [pod(0, "r1"), pod(1, "r1"), pod(2, "r2")],
+        PARTNER_NEW,
+        SURGE,
+        NOW,
+    )
+    assert at(resumed) == (3, 1)  # not overdue: the pause stopped its clock
+
+
+def test_a_rollout_past_its_deadline_says_so_and_degrades_the_resource() -> None:
+    moving = {"prefill": role_workload("x-prefill", 2, "r1", "r2", 0)}
+    status, reason, message = rollout_of(moving, overdue=("x-prefill",))
+    assert (status, reason) == (False, "ProgressDeadlineExceeded")
+    assert message.startswith("x-prefill: no step in 1800s; stopped, the old pods serving")
+    cr = parse(merged(minimal("x"), {"spec": {"rollout": {"maxSurge": 1}, "prefill": {"replicas": 2}}}))
+    found = {c.type: c for c in conditions(cr, Observed(moving, {}, rollouts_overdue=("x-prefill",)))}
+    assert (found["Degraded"].status, found["Degraded"].reason) == (True, "ProgressDeadlineExceeded")

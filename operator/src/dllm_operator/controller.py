@@ -260,7 +260,12 @@ class Controller:
                 continue
             partner = "decode" if role == "prefill" else "prefill"
             at = rollout.step(
-                obj, actual.get(key_of(obj)), pods.get(role, []), pods.get(partner, []), cr.spec.rollout
+                obj,
+                actual.get(key_of(obj)),
+                pods.get(role, []),
+                pods.get(partner, []),
+                cr.spec.rollout,
+                time.time(),
             )
             stepped.append(obj if at is obj else with_hash(at))
         return stepped
@@ -339,8 +344,18 @@ class Controller:
             apply_errors=self._apply_errors.get(key, ()),
             create_failures=await self._create_failures(key, workloads, pods),
             kv_check=KVCheckView(self._kv_checked(cr), self._kv_pages.get(key, {}), engine_pod_names(pods)),
+            rollouts_overdue=tuple(
+                name
+                for role in ("prefill", "decode")
+                if (workload := workloads.get(role)) is not None
+                and cr.spec.rollout.max_surge > 0
+                and rollout.overdue(workload, cr.spec.rollout, time.time())
+                and (name := workload["metadata"]["name"])
+            ),
         )
         status = compute_status(cr, observed, body.get("status"), now_iso())
+        if cr.spec.rollout.max_surge > 0 and any(rollout.rolling(w) for w in workloads.values()):
+            self._recheck_later(key)  # a rollout's deadline passes with no event to say so
         await self._write_status(body, status)
 
     async def _create_failures(
@@ -365,7 +380,8 @@ class Controller:
         return tuple(failures)
 
     def _recheck_later(self, key: CRKey) -> None:
-        """One pending recheck per CR, however many reconciles ran meanwhile (no timer chains)."""
+        """One pending recheck per CR, however many reconciles ran meanwhile (no timer chains): while
+        pods are missing, and while a surge rollout runs."""
         if key in self._rechecks:
             return
         self._rechecks.add(key)

@@ -15,7 +15,9 @@ read from what the cluster shows (so a restarted operator goes on where it was):
 3. every pod at the new revision: replicas N, partition 0; the surge ordinals go (drained the same way).
 
 A change back (a rollback) is a template change like any other. `paused` holds the current step.
-Replicas left to an autoscaler are never surged (the count is not the operator's to raise).
+Replicas left to an autoscaler are never surged (the count is not the operator's to raise). Each step
+stamps the StatefulSet (STEP_AT, seconds since the epoch); a rollout whose last step is older than its
+progressDeadlineSeconds is failed and held there, the old pods serving, until the template changes.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
 
 REVISION_LABEL = "controller-revision-hash"
+STEP_AT = "disagg.dev/rollout-step-at"
+PAUSED = "paused"
 
 
 def _annotation(obj: dict[str, Any], name: str) -> str | None:
@@ -63,12 +67,35 @@ def ready_fingerprints(pods: Iterable[dict[str, Any]]) -> set[str]:
     }
 
 
-def with_steps(desired: dict[str, Any], replicas: int, partition: int) -> dict[str, Any]:
-    """`desired` at this step: its replicas and its rolling update's partition."""
+def with_steps(desired: dict[str, Any], replicas: int, partition: int, at: float | None) -> dict[str, Any]:
+    """`desired` at this step: its replicas, its rolling update's partition, and when it was taken
+    (None: paused, so no deadline runs; the first step after the pause starts it again)."""
     out = copy.deepcopy(desired)
     out["spec"]["replicas"] = replicas
     out["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
+    stamp = PAUSED if at is None else f"{at:.0f}"
+    out["metadata"]["annotations"] = {**out["metadata"].get("annotations", {}), STEP_AT: stamp}
     return out
+
+
+def step_at(sts: dict[str, Any]) -> float | None:
+    """When the rollout last took a step, from the StatefulSet's stamp."""
+    value = _annotation(sts, STEP_AT)
+    if value is None or not value.isdigit():
+        return None  # none yet, or paused
+    return float(value)
+
+
+def rolling(sts: dict[str, Any]) -> bool:
+    """Pods of the StatefulSet are not at its template yet."""
+    status = sts.get("status", {})
+    return bool(status.get("currentRevision") != status.get("updateRevision"))
+
+
+def overdue(sts: dict[str, Any], rollout: RolloutSpec, now: float) -> bool:
+    """A rollout under way whose last step is older than its deadline."""
+    at = step_at(sts)
+    return rolling(sts) and at is not None and now - at > rollout.progress_deadline_seconds
 
 
 def step(
@@ -77,28 +104,36 @@ def step(
     pods: list[dict[str, Any]],
     partner_pods: list[dict[str, Any]],
     rollout: RolloutSpec,
+    now: float,
 ) -> dict[str, Any]:
     """The StatefulSet to apply for one role now: `desired` as rendered, at the rollout's current step.
-    `pods` are the role's, `partner_pods` the other role's."""
+    `pods` are the role's, `partner_pods` the other role's; `now` in seconds since the epoch."""
     n = desired["spec"].get("replicas")
     surge = rollout.max_surge
     if surge == 0 or n is None or n == 0 or actual is None:
         return desired
-    replicas = int(actual.get("spec", {}).get("replicas") or n)
-    held = with_steps(desired, replicas, partition_of(actual))
+    replicas, last = int(actual.get("spec", {}).get("replicas") or n), step_at(actual) or now
+    held = with_steps(desired, replicas, partition_of(actual), last)
+
+    def moved(to_replicas: int, to_partition: int) -> dict[str, Any]:
+        same = (to_replicas, to_partition) == (replicas, partition_of(actual))
+        return held if same else with_steps(desired, to_replicas, to_partition, now)
+
     if _annotation(actual, TEMPLATE_HASH) != _annotation(desired, TEMPLATE_HASH):
         if rollout.paused:  # the template is kept, and no pod takes it yet
-            return with_steps(desired, replicas, max(partition_of(actual), replicas))
-        return with_steps(desired, n + surge, n)
+            return with_steps(desired, replicas, max(partition_of(actual), replicas), None)
+        return with_steps(desired, n + surge, n, now)  # a new rollout: its clock starts now
     status = actual.get("status", {})
     if int(status.get("observedGeneration") or 0) < int(actual.get("metadata", {}).get("generation") or 0):
         return held  # its controller has not acted on the last step yet
     current, update = status.get("currentRevision"), status.get("updateRevision")
-    rolling = current != update
-    if rollout.paused and (rolling or partition_of(actual) > 0 or held["spec"]["replicas"] > n):
-        return held
-    if not rolling:
-        return with_steps(desired, n, 0)  # every pod is at the template: any surge ordinals go
+    moving = current != update
+    if rollout.paused and (moving or partition_of(actual) > 0 or replicas > n):
+        return with_steps(desired, replicas, partition_of(actual), None)
+    if not moving:
+        return moved(n, 0)  # every pod is at the template: any surge ordinals go
+    if overdue(actual, rollout, now):
+        return held  # failed: stopped where it is until the template changes
     total, partition = n + surge, partition_of(actual)
     fresh = {
         ordinal
@@ -111,4 +146,4 @@ def step(
     pair_ready = fingerprint is None or fingerprint in ready_fingerprints(partner_pods)
     if partition > 0 and pair_ready and all(o in fresh for o in range(partition, total)):
         partition -= 1
-    return with_steps(desired, total, partition)
+    return moved(total, partition)

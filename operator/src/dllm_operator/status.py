@@ -53,6 +53,7 @@ class Observed:
     apply_errors: tuple[str, ...] = ()
     create_failures: tuple[str, ...] = ()  # why a workload's controller could not create its pods
     kv_check: KVCheckView | None = None  # what the router pods' KV checks say (kv_transfer.py)
+    rollouts_overdue: tuple[str, ...] = ()  # StatefulSets whose surge rollout passed its deadline
 
 
 def missing_pods(workload: dict[str, Any] | None, pods: list[dict[str, Any]]) -> bool:
@@ -164,6 +165,8 @@ def _degraded(observed: Observed, kv: KVFinding) -> Condition:
         problems += [p for pod in observed.pods.get(component, []) if (p := pod_problem(pod))]
     if kv.failed:
         problems.append(f"KV transfer {kv.reason}: {kv.message}")
+    for name in observed.rollouts_overdue:
+        problems.append(f"{name}: rollout stopped, its new pods not ready within the progress deadline")
     if not problems:
         return Condition("Degraded", False, "AsExpected")
     if observed.apply_errors:
@@ -172,6 +175,8 @@ def _degraded(observed: Observed, kv: KVFinding) -> Condition:
         reason = "FailedCreate"
     elif len(problems) == 1 and kv.failed:
         reason = kv.reason
+    elif observed.rollouts_overdue and len(problems) == len(observed.rollouts_overdue):
+        reason = "ProgressDeadlineExceeded"
     else:
         reason = "Unschedulable" if any("Unschedulable" in p for p in problems) else "PodsNotHealthy"
     return Condition("Degraded", True, reason, "; ".join(problems)[:4000])
@@ -203,6 +208,15 @@ def rollout_condition(cr: DisaggregatedLLM, observed: Observed) -> Condition:
     if not steps:
         return Condition(
             "RolloutProgressing", False, "Complete", "every engine pod is at its role's template"
+        )
+    if observed.rollouts_overdue:
+        deadline = cr.spec.rollout.progress_deadline_seconds
+        stalled = ", ".join(observed.rollouts_overdue)
+        return Condition(
+            "RolloutProgressing",
+            False,
+            "ProgressDeadlineExceeded",
+            f"{stalled}: no step in {deadline}s; stopped, the old pods serving: " + "; ".join(steps),
         )
     if cr.spec.rollout.paused:
         return Condition("RolloutProgressing", False, "Paused", "; ".join(steps))

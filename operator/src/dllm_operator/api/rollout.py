@@ -21,3 +21,9 @@ class RolloutSpec(_Model):
     paused: bool = Field(
         False, description="Hold a surge rollout where it is (pods neither added nor replaced) until false."
     )
+    progress_deadline_seconds: Annotated[int, Field(ge=30, le=86400)] = Field(
+        1800,
+        description="A surge rollout that takes no step for this long (its new pods not ready) is failed: "
+        "it stops where it is, the old pods serving, RolloutProgressing says ProgressDeadlineExceeded and "
+        "the resource is Degraded, until the spec changes again (a fix, or the change undone).",
+    )
