@@ -92,10 +92,6 @@ class RollOutcomes:
     def failed(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.accepted_and_failed]
 
-    def refused(self) -> list[Outcome]:
-        """503s naming a role without a ready pod: none while a surge keeps a pod of each role up."""
-        return [o for o in self.outcomes if o.refused]
-
     def served_count(self) -> int:
         return sum(o.status == 200 for o in self.outcomes)
 
