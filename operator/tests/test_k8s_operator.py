@@ -4,7 +4,6 @@ crash and API-server restarts, deletion, leader election and quiet idling."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,6 @@ from dllm_operator.render import HASH_ANNOTATION
 
 pytestmark = pytest.mark.k8s
 CPU_SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
-
-
-@pytest.fixture
-def operator(cluster: Cluster, crd: str, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    process = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "operator.log", namespace).start()
-    yield process
-    process.stop()
 
 
 def cpu_cr(name: str = "tiny-cpu", **spec: Any) -> dict[str, Any]:

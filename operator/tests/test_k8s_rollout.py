@@ -10,7 +10,6 @@ import json
 import subprocess
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,13 +22,6 @@ from dllm_operator.render import labels
 
 pytestmark = pytest.mark.k8s
 CPU_SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
-
-
-@pytest.fixture
-def operator(cluster: Cluster, crd: str, namespace: str, tmp_path: Path) -> Iterator[OperatorProcess]:
-    process = OperatorProcess(cluster.kubeconfig, [namespace], tmp_path / "operator.log", namespace).start()
-    yield process
-    process.stop()
 
 
 def surge_cr(prefill: int, decode: int, **rollout: Any) -> dict[str, Any]:

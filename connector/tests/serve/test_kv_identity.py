@@ -5,14 +5,16 @@ dllm-serve adds the middleware on both roles, inside the key guard."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-from conftest import Engine
 
 from dllm_connector import serve
 from dllm_connector.key_guard import Message, Receive, Scope, Send
 from dllm_connector.kv_identity import HEADER, KVIdentityHeader
+
+if TYPE_CHECKING:
+    from conftest import Engine  # the serve tests' own conftest (a fixture's type only)
 
 FINGERPRINT = "6236b2124c"
 
