@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from dllm_connector.end_route_names import ENV_END_ROUTE_TP_SIZE
-from dllm_connector.key_guard import ASGIApp, Receive, Scope, Send, engine_keys
+from dllm_connector.key_guard import ASGIApp, Receive, Scope, Send, engine_keys, request_path
 from dllm_connector.pipe.end import EndRefused, end_transfer
 from dllm_connector.pipe.messages import TransferRecord
 from dllm_connector.pipe.record_query import RecordUnavailable, query_record
@@ -185,7 +185,7 @@ class EndTransferRoute:
         # behind vLLM's --root-path, Starlette's scope path may carry the prefix
         if scope["type"] != "http":
             return self.app(scope, receive, send)
-        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        path = request_path(scope)
         if path not in (END_PATH, RECORD_PATH):
             return self.app(scope, receive, send)
         return self._serve(scope, receive, send, path)

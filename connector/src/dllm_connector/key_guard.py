@@ -57,9 +57,15 @@ def presented_key(scope: Scope) -> bytes | None:
     return None
 
 
+def request_path(scope: Scope) -> str:
+    """The request's path, vLLM's --root-path taken off."""
+    return str(scope.get("path", "")).removeprefix(str(scope.get("root_path", "")))
+
+
 def is_probe(scope: Scope) -> bool:
-    path = str(scope.get("path", "")).removeprefix(str(scope.get("root_path", "")))
-    return scope["type"] == "http" and scope.get("method") in OPEN_METHODS and path in OPEN_PATHS
+    return (
+        scope["type"] == "http" and scope.get("method") in OPEN_METHODS and request_path(scope) in OPEN_PATHS
+    )
 
 
 class EngineKeyGuard:

@@ -13,20 +13,17 @@ guard, which stays outermost).
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 
-from dllm_connector.key_guard import ASGIApp, Message, Receive, Scope, Send, is_probe
-from dllm_contract.env import ENV_KV_FINGERPRINT
+from dllm_connector.key_guard import ASGIApp, Message, Receive, Scope, Send, is_probe, request_path
+from dllm_contract import kv_fingerprint
 
-HEADER = b"x-dllm-kv-fingerprint"
-FINGERPRINT = re.compile(r"[0-9a-f]{1,64}")
+HEADER = kv_fingerprint.HEADER.lower().encode()
 
 
 def fingerprint_of(env: Mapping[str, str]) -> str | None:
-    """The engine's fingerprint, when its variable holds one (lower-case hex)."""
-    value = env.get(ENV_KV_FINGERPRINT, "").strip()
-    return value if FINGERPRINT.fullmatch(value) else None
+    """The engine's fingerprint, when its variable holds one."""
+    return kv_fingerprint.valid(env.get(kv_fingerprint.ENV_KV_FINGERPRINT, "").strip())
 
 
 class KVIdentityHeader:
@@ -39,8 +36,7 @@ class KVIdentityHeader:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         header = self._header
-        path = str(scope.get("path", "")).removeprefix(str(scope.get("root_path", "")))
-        if header is None or not is_probe(scope) or path != "/health":
+        if header is None or not is_probe(scope) or request_path(scope) != "/health":
             await self.app(scope, receive, send)
             return
 

@@ -53,9 +53,6 @@ ENV_RDMA_DEVICE = "MOONCAKE_RDMA_DEVICE"
 ENV_GID_INDEX = "MC_GID_INDEX"
 ENV_HOST_IP = "VLLM_HOST_IP"
 ENV_ENGINE_ID = "DLLM_ENGINE_ID"
-# The KV-compatibility fingerprint the operator gives both roles' pods (its render/fingerprint.py);
-# dllm-serve answers it on GET /v1/dllm/identity, and the router pairs only pods that share it.
-ENV_KV_FINGERPRINT = "DLLM_KV_FINGERPRINT"
 # The side channel's shared key. Never part of the settings, the kv-transfer-config JSON (which is on
 # vLLM's command line) or any log: the worker reads it from its own environment (worker).
 ENV_KV_AUTH_TOKEN = "DLLM_KV_AUTH_TOKEN"  # noqa: S105 - an env name

@@ -19,6 +19,7 @@ import aiohttp
 
 from dllm_contract.kv_check import PAGE_PATH
 from dllm_operator.kv_transfer import MAX_PAGE_BYTES, PageInvalid, RouterPage, parse_page
+from dllm_operator.pods import is_ready
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +35,8 @@ def router_pods(pods: Iterable[dict[str, Any]]) -> list[RouterPod]:
     found: list[RouterPod] = []
     for pod in pods:
         meta, status = pod.get("metadata", {}), pod.get("status", {})
-        if meta.get("deletionTimestamp") or not status.get("podIP"):
+        if not is_ready(pod) or not status.get("podIP"):
             continue
-        ready = any(
-            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions", [])
-        )
         port = next(
             (
                 p.get("containerPort")
@@ -48,7 +46,7 @@ def router_pods(pods: Iterable[dict[str, Any]]) -> list[RouterPod]:
             ),
             None,
         )
-        if ready and isinstance(port, int):
+        if isinstance(port, int):
             found.append((meta.get("name", ""), status["podIP"], port))
     return found
 

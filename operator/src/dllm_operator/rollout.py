@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dllm_operator.api.rollout import RolloutSpec
+from dllm_operator.pods import is_ready
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
 
@@ -48,13 +49,6 @@ def partition_of(sts: dict[str, Any]) -> int:
 def ordinal_of(pod: dict[str, Any]) -> int | None:
     suffix = pod.get("metadata", {}).get("name", "").rsplit("-", 1)[-1]
     return int(suffix) if suffix.isdigit() else None
-
-
-def is_ready(pod: dict[str, Any]) -> bool:
-    if pod.get("metadata", {}).get("deletionTimestamp"):
-        return False
-    conditions = pod.get("status", {}).get("conditions", [])
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def ready_fingerprints(pods: Iterable[dict[str, Any]]) -> set[str]:
@@ -126,8 +120,7 @@ def step(
     status = actual.get("status", {})
     if int(status.get("observedGeneration") or 0) < int(actual.get("metadata", {}).get("generation") or 0):
         return held  # its controller has not acted on the last step yet
-    current, update = status.get("currentRevision"), status.get("updateRevision")
-    moving = current != update
+    moving, update = rolling(actual), status.get("updateRevision")
     if rollout.paused and (moving or partition_of(actual) > 0 or replicas > n):
         return with_steps(desired, replicas, partition_of(actual), None)
     if not moving:

@@ -227,14 +227,15 @@ def kv_condition(found: KVFinding) -> Condition:
     return Condition(kv_transfer.CONDITION, found.status, found.reason, found.message)
 
 
-def conditions(cr: DisaggregatedLLM, observed: Observed) -> list[Condition]:
+def conditions(cr: DisaggregatedLLM, observed: Observed, kv: KVFinding | None = None) -> list[Condition]:
+    """Every condition; `kv` is the KV check's finding when the caller has it already."""
     prefill = role_condition("PrefillReady", "prefill", observed)
     decode = role_condition("DecodeReady", "decode", observed)
     if cr.spec.router.enabled:
         router = role_condition("RouterReady", "router", observed)
     else:
         router = Condition("RouterReady", True, "Disabled", "router.enabled is false")
-    kv = kv_transfer.finding(observed.kv_check)
+    kv = kv if kv is not None else kv_transfer.finding(observed.kv_check)
     degraded = _degraded(observed, kv)
     not_ready = [c for c in (prefill, decode, router) if not c.status]
     if not_ready:
@@ -282,16 +283,17 @@ def compute_status(
 ) -> dict[str, Any]:
     before = {c["type"]: c for c in (previous or {}).get("conditions", []) if "type" in c}
     generation = cr.metadata.generation
+    kv = kv_transfer.finding(observed.kv_check)
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "prefill": role_status(cr, "prefill", observed),
         "decode": role_status(cr, "decode", observed),
         "router": role_status(cr, "router", observed),
         "endpoint": endpoint(cr) if cr.spec.router.enabled else "",
-        "conditions": [_as_dict(c, generation, before, now) for c in conditions(cr, observed)],
+        "conditions": [_as_dict(c, generation, before, now) for c in conditions(cr, observed, kv)],
     }
     if observed.kv_check is not None and observed.kv_check.checked:
-        status["kvTransfer"] = kv_transfer.status_of(kv_transfer.finding(observed.kv_check))
+        status["kvTransfer"] = kv_transfer.status_of(kv)
     return status
 
 

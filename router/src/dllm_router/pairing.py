@@ -18,15 +18,6 @@ from dllm_router.upstream import ConnectFailed
 log = logging.getLogger(__name__)
 
 
-def fingerprints(pool: Pool) -> set[str | None]:
-    """The KV fingerprints of a pool's ready pods."""
-    return {ep.fingerprint for ep in pool.ready()}
-
-
-def _role(partner: Pool | Endpoint) -> str:
-    return partner.role
-
-
 class Pairing:
     def __init__(self, config: RouterConfig) -> None:
         # the settings read per prompt, as plain attributes: a pydantic model's attribute read costs
@@ -42,16 +33,16 @@ class Pairing:
         With a `partner`, only a pod whose KV fingerprint fits the partner's (a pool: any of its ready
         pods'; a pod: its own; endpoints.fits): during a rollout, a prefill pod sends its KV only to a
         decode pod that reads it, and each fingerprint takes requests as its pairs come (issue 34)."""
-        if partner is None or (isinstance(partner, Pool) and not partner.ready()):
+        partners = [partner] if isinstance(partner, Endpoint) else partner.ready() if partner else []
+        if not partners:
             ep = pool.pick(tried)  # no partner to fit yet: the partner's own pick says what is missing
         else:
-            kinds = {partner.fingerprint} if isinstance(partner, Endpoint) else fingerprints(partner)
-            ep = pool.pick(tried, kinds)
-            if ep is None and pool.ready() and kinds:
+            ep = pool.pick(tried, {other.fingerprint for other in partners})
+            if ep is None and pool.ready():
                 raise RouterError(
                     503,
                     "no_compatible_pair",
-                    f"no ready {pool.role} pod shares a KV fingerprint with a ready {_role(partner)} pod",
+                    f"no ready {pool.role} pod shares a KV fingerprint with a ready {partners[0].role} pod",
                     None,
                 )
         if ep is None:

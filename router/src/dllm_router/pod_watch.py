@@ -9,26 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Awaitable, Callable
 
 import aiohttp
 
+from dllm_contract import kv_fingerprint
 from dllm_router import flows
 from dllm_router.config import RouterConfig
 from dllm_router.endpoints import AddressSource, Endpoint, Pool, scheme_of, source_for
 from dllm_router.upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
-
-# The engine's KV-compatibility fingerprint on its /health answer (dllm_connector.kv_identity).
-FINGERPRINT_HEADER = "X-Dllm-Kv-Fingerprint"
-_FINGERPRINT = re.compile(r"[0-9a-f]{1,64}")
-
-
-def fingerprint_of(value: str | None) -> str | None:
-    """The header's fingerprint when it is one (lower-case hex, at most 64); anything else: None."""
-    return value if value is not None and _FINGERPRINT.fullmatch(value) else None
 
 
 class PodWatch:
@@ -134,7 +125,7 @@ class PodWatch:
             async with self.session.get(ep.url + "/health", timeout=timeout, headers=headers) as r:
                 if r.status != 200:
                     return False, f"/health answered {r.status}"
-                ep.fingerprint = fingerprint_of(r.headers.get(FINGERPRINT_HEADER))
+                ep.fingerprint = kv_fingerprint.valid(r.headers.get(kv_fingerprint.HEADER))
             if ep.role == "prefill" and self.config.flow == "mooncake":
                 url = flows.bootstrap_url(ep.host, self.config.mooncake_bootstrap_port) + "/query"
                 async with self.session.get(url, timeout=self.probe_timeout) as r:

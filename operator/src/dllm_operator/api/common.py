@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from dllm_contract.kv_fingerprint import ENV_KV_FINGERPRINT
 from dllm_contract.kvconfig import (
     CONTRACT_ENV_NAMES,
 )
@@ -27,7 +28,7 @@ OPERATOR_ENV_NAMES: tuple[str, ...] = (
     "VLLM_API_KEY",
     "DLLM_ENGINE_API_KEY",
     "DLLM_KV_TRANSFER_PORTS",
-    "DLLM_KV_FINGERPRINT",
+    ENV_KV_FINGERPRINT,
 )
 # Where huggingface_hub sends its requests, HF_TOKEN attached (NEW-4): a resource naming the address
 # could send the hub token anywhere. A mirror is the operator's setting (DLLM_HF_ENDPOINT), not a

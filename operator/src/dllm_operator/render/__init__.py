@@ -6,13 +6,12 @@ an annotation, so the operator can skip an apply that would change nothing.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from dllm_operator.api import DisaggregatedLLM, SpecInvalid
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import engine, netpol, policy, router
+from dllm_operator.render.digest import digest
 from dllm_operator.render.engine_command import EngineRole
 
 HASH_ANNOTATION = "disagg.dev/desired-hash"
@@ -20,8 +19,7 @@ ROLES: tuple[EngineRole, ...] = ("prefill", "decode")
 
 
 def desired_hash(manifest: dict[str, Any]) -> str:
-    canonical = json.dumps(manifest, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+    return digest(manifest)
 
 
 def with_hash(manifest: dict[str, Any]) -> dict[str, Any]:

@@ -3,13 +3,12 @@ around the container (engine_container), which runs what engine_command says. Pu
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render import labels
+from dllm_operator.render.digest import digest
 from dllm_operator.render.engine_command import EngineRole, role_spec
 from dllm_operator.render.engine_container import engine_container, runs_as_root, volumes_and_mounts
 from dllm_operator.render.fingerprint import kv_fingerprint
@@ -106,8 +105,7 @@ def pod_template(cr: DisaggregatedLLM, role: EngineRole, config: OperatorConfig)
 
 def template_hash(template: dict[str, Any]) -> str:
     """A short hash of a pod template: the operator's surge rollout (rollout.py) starts when it moves."""
-    canonical = json.dumps(template, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:20]
+    return digest(template)
 
 
 def statefulset(cr: DisaggregatedLLM, role: EngineRole, config: OperatorConfig) -> dict[str, Any]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dllm_contract.env import ENV_KV_FINGERPRINT
+from dllm_contract.kv_fingerprint import ENV_KV_FINGERPRINT
 from dllm_operator.api import DisaggregatedLLM, RDMAMode, RoleSpec
 from dllm_operator.config import OperatorConfig
 from dllm_operator.render.engine_command import (

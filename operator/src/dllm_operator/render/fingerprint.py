@@ -14,12 +14,11 @@ label, so llm-d-router's revision screener pairs them too) and DLLM_KV_FINGERPRI
 
 from __future__ import annotations
 
-import hashlib
-import json
 from typing import Any
 
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
+from dllm_operator.render.digest import digest
 from dllm_operator.render.engine_command import EngineRole, engine_args, role_spec, transfer_protocol
 
 # vLLM flags that change the KV cache's layout, contents or sharding.
@@ -68,5 +67,4 @@ def kv_fingerprint(cr: DisaggregatedLLM, config: OperatorConfig) -> str:
             "custom": kv.custom.connector_class if kv.custom is not None else "",
         },
     }
-    canonical = json.dumps(parts, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(canonical.encode()).hexdigest()[:LENGTH]
+    return digest(parts, LENGTH)
