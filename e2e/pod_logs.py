@@ -20,10 +20,17 @@ from typing import IO
 
 from e2e.fixtures import Cluster
 
-# What a failure message wants from a pod's log: errors, the connector's refusals, tracebacks, answers
-# other than 200 and 503 (a refusal up front), and vLLM's shutdown; less what every engine logs at start.
-NOTEWORTHY = re.compile(r"\bERROR\b|\bWARNING\b|Traceback|not loaded|\[shutdown\]|\" (?!200|503)\d{3} ")
-NOISE = re.compile(r"Unknown vLLM environment variable|ulimit|DeprecationWarning|force killing")
+# What a failure message wants from a pod's log: errors (Mooncake's glog "E1206 ..." too), the
+# connector's refusals and failed transfers, tracebacks, answers other than 200 and 503 (a refusal up
+# front), and vLLM's shutdown; less what every engine logs at start.
+NOTEWORTHY = re.compile(
+    r"\bERROR\b|\bWARNING\b|Traceback|not loaded|KV (send|receive) \S+ failed|Z E\d{4} |\[shutdown\]"
+    r"|\" (?!200|503)\d{3} "
+)
+NOISE = re.compile(
+    r"Unknown vLLM environment variable|ulimit|DeprecationWarning|force killing"
+    r"|Local segment descriptor not found"  # Mooncake's every start
+)
 # Pods of a roll live for minutes; each look is a kubectl process on a machine the engines share.
 _LIST_PERIOD_S = 2.0
 

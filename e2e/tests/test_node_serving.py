@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from e2e.dataplane.pipeline import (
 )
 from e2e.engine_paths import ENGINE_PATHS, FORGED_OFFER_SCRIPT, OPEN_PATHS, STATUS_SCRIPT, WRONG_KEY
 from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
-from e2e.pod_logs import kept_logs
+from e2e.pod_logs import PodLogs, kept_logs
 from e2e.rolling import roll_under_load
 from e2e.served_sample import (
     NAME,
@@ -64,6 +65,24 @@ pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.slow, pytest.mark.t
 def served(cluster: Cluster) -> Iterator[Served]:
     """The sample deployed once for the whole module: every test here shares it."""
     yield from deployed(cluster)
+
+
+@pytest.fixture(scope="module")
+def sample_logs(served: Served, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodLogs]:
+    """Every log line of every sample pod for the whole module, replaced pods' included."""
+    with kept_logs(served.cluster, NAMESPACE, SAMPLE_PODS, tmp_path_factory.mktemp("sample-logs")) as logs:
+        yield logs
+
+
+@pytest.fixture(autouse=True)
+def engine_logs_on_failure(sample_logs: PodLogs, request: pytest.FixtureRequest) -> Iterator[None]:
+    """When a test here fails, what each engine and the router said (a 500 from vLLM names nothing
+    itself): the noteworthy lines, and where every whole log is."""
+    failed_before = request.session.testsfailed
+    yield
+    if request.session.testsfailed > failed_before:
+        print(f"\n{request.node.name} failed; every sample pod's whole log: {sample_logs.directory}\n"
+              f"{sample_logs.noteworthy()}", file=sys.__stderr__)  # fmt: skip
 
 
 def test_make_demo_answers_through_the_router_service(served: Served) -> None:
@@ -624,7 +643,7 @@ def test_a_failing_engine_shows_as_degraded_naming_the_pod_and_reason(
         served.cluster.run("delete", "dllm", name, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
 
 
-def test_a_rolling_spec_change_fails_no_accepted_request(served: Served, tmp_path: Path) -> None:
+def test_a_rolling_spec_change_fails_no_accepted_request(served: Served, sample_logs: PodLogs) -> None:
     """maxNumSeqs changes on both roles: each StatefulSet replaces its pod while requests keep coming.
     A request may be refused up front (503 naming the role with no ready pod: not accepted); one that
     an engine accepted is drained by its preStop hook, never cut. (A surge rollout, which refuses
@@ -635,21 +654,20 @@ def test_a_rolling_spec_change_fails_no_accepted_request(served: Served, tmp_pat
     rounds = int(os.environ.get("DLLM_ROLL_ROUNDS", "1"))
     clients = int(os.environ.get("DLLM_ROLL_CLIENTS", "1"))
     served_count, outcomes = 0, 0
-    with kept_logs(served.cluster, NAMESPACE, SAMPLE_PODS, tmp_path / "logs") as logs:
-        for round_ in range(rounds):
-            seqs = 6 - round_ % 2
-            patch = {"spec": {"prefill": {"maxNumSeqs": seqs}, "decode": {"maxNumSeqs": seqs}}}
-            rolled = roll_under_load(served, patch, f"roll{round_}", clients)
-            failed = rolled.failed()
-            seen = logs.noteworthy(also=tuple(o.request_id for o in failed)) if failed else ""
-            assert failed == [], (
-                f"round {round_ + 1} of {rounds}: accepted requests failed during the roll, of "
-                f"{len(rolled.outcomes)}: {failed}\nevery engine's whole log: {logs.directory}\n{seen}"
-            )
-            served_count += rolled.served_count()
-            outcomes += len(rolled.outcomes)
-            print(f"\nround {round_ + 1}/{rounds}: {len(rolled.outcomes)} requests, "
-                  f"{rolled.served_count()} served, the rest refused up front (503)")  # fmt: skip
+    for round_ in range(rounds):
+        seqs = 6 - round_ % 2
+        patch = {"spec": {"prefill": {"maxNumSeqs": seqs}, "decode": {"maxNumSeqs": seqs}}}
+        rolled = roll_under_load(served, patch, f"roll{round_}", clients)
+        failed = rolled.failed()
+        seen = sample_logs.noteworthy(also=tuple(o.request_id for o in failed)) if failed else ""
+        assert failed == [], (
+            f"round {round_ + 1} of {rounds}: accepted requests failed during the roll, of "
+            f"{len(rolled.outcomes)}: {failed}\nevery engine's whole log: {sample_logs.directory}\n{seen}"
+        )
+        served_count += rolled.served_count()
+        outcomes += len(rolled.outcomes)
+        print(f"\nround {round_ + 1}/{rounds}: {len(rolled.outcomes)} requests, "
+              f"{rolled.served_count()} served, the rest refused up front (503)")  # fmt: skip
     assert served_count >= 2 * clients * rounds, (served_count, outcomes)
 
 

@@ -12,6 +12,12 @@ that resolves differently a moment later cannot redirect it.
 The Service lists ready pods only, and a decode pod leaves it as soon as it starts terminating,
 while requests routed to it before still wait for their KV (its preStop drain). So an address stays
 allowed for `REMEMBER_S` after the Service last listed it: only recent decode pods, never others.
+
+A decode pod that just became ready can reach the router before this engine's last lookup saw it
+(the router resolves the same Service on its own clock). An address not yet allowed is therefore
+looked up again, at most once per `_MISS_REFRESH_S`, until `miss_wait_s` has passed (the transfer
+timeout): refusing at once turned a scale-up into a failed request (issue 31). Only then is the
+address refused; a stranger costs its own send thread that wait, nothing else.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from collections.abc import Callable
 # _MISS_REFRESH_S (a decode pod that just became ready), never more often.
 _REFRESH_S = 30.0
 _MISS_REFRESH_S = 1.0
+MISS_WAIT_S = 5.0  # a Service's DNS answer is cached for 5 s by CoreDNS's default TTL
 REMEMBER_S = 600.0  # the router's longest request: a request routed to a pod may outlive its listing
 
 Resolver = Callable[[str], set[str]]
@@ -54,11 +61,17 @@ class DecodePeers:
         *,
         lookup: Resolver = resolve,
         remember_s: float = REMEMBER_S,
+        miss_wait_s: float = MISS_WAIT_S,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._allowed_name = decode_host or own_host
         self._port = decode_port
         self._lookup = lookup
         self._remember_s = remember_s
+        self._miss_wait_s = miss_wait_s
+        self._clock = clock
+        self._sleep = sleep
         self._lock = threading.Lock()
         self._seen: dict[str, float] = {}  # address -> when the Service last listed it
         self._looked_up = -float("inf")
@@ -69,18 +82,21 @@ class DecodePeers:
         addresses = self._lookup(host)
         if not addresses:
             raise PeerNotAllowed(f"decode host {host[:100]!r} does not resolve")
+        deadline = self._clock() + self._miss_wait_s
         allowed = self._allowed_now(refresh=False)
-        if not addresses <= allowed:
+        while not addresses <= allowed:
+            next_lookup = max(self._looked_up + _MISS_REFRESH_S, self._clock())
+            if next_lookup > deadline:
+                raise PeerNotAllowed(
+                    f"decode host {host[:100]!r} is not one of the decode peers ({self._allowed_name[:100]})"
+                )
+            self._sleep(max(0.0, next_lookup - self._clock()))
             allowed = self._allowed_now(refresh=True)
-        if not addresses <= allowed:
-            raise PeerNotAllowed(
-                f"decode host {host[:100]!r} is not one of the decode peers ({self._allowed_name[:100]})"
-            )
         return min(addresses)
 
     def _allowed_now(self, *, refresh: bool) -> set[str]:
         with self._lock:
-            now = time.monotonic()
+            now = self._clock()
             age = now - self._looked_up
             if age >= _REFRESH_S or (refresh and age >= _MISS_REFRESH_S):
                 self._seen.update(dict.fromkeys(self._lookup(self._allowed_name), now))

@@ -11,13 +11,14 @@ from __future__ import annotations
 import logging
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, consecutive_free_ports, make_caches
 from peer_doubles import wait_until
 
-from dllm_connector.peers import DecodePeers, PeerNotAllowed
+from dllm_connector.peers import MISS_WAIT_S, DecodePeers, PeerNotAllowed
 from dllm_connector.scheduler import LoadSpec, SchedulerState, SendSpec, StepPlan
 from dllm_connector.worker import ConnectorWorker, WorkerIdentity
 from dllm_contract.kvconfig import ConnectorExtraConfig
@@ -211,39 +212,71 @@ def test_prefill_sends_only_to_its_decode_peers(stranger: socket.socket) -> None
         decode.close()
 
 
+@dataclass
+class FakeClock:
+    """A clock double for DecodePeers: `sleep` moves it on at once and records how long was asked."""
+
+    now: float = 1000.0
+    slept: list[float] = field(default_factory=list)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
 def test_decode_peers_follow_the_service_and_refuse_the_rest() -> None:
     table = {"decode-svc": {"10.0.0.5", "10.0.0.6"}, "10.0.0.5": {"10.0.0.5"}, "10.0.0.9": {"10.0.0.9"}}
-    lookups: list[str] = []
+    clock = FakeClock()
 
     def lookup(host: str) -> set[str]:
-        lookups.append(host)
         return set(table.get(host, set()))
 
-    peers = DecodePeers("decode-svc", 50051, "10.0.0.1", lookup=lookup)
+    peers = DecodePeers("decode-svc", 50051, "10.0.0.1", lookup=lookup, clock=clock, sleep=clock.sleep)
     assert peers.address("10.0.0.5", 50051) == "10.0.0.5"
     with pytest.raises(PeerNotAllowed, match="not one of the decode peers"):
         peers.address("10.0.0.9", 50051)
+    assert sum(clock.slept) <= MISS_WAIT_S  # a stranger is refused within the bounded wait
     table["decode-svc"] = {"10.0.0.9"}  # a new decode pod became ready, .5 is terminating
-    assert wait_until(lambda: _allowed(peers, "10.0.0.9"), 5)
+    assert peers.address("10.0.0.9", 50051) == "10.0.0.9"
     assert peers.address("10.0.0.5", 50051) == "10.0.0.5"  # requests routed to it still get their KV
-    forgetful = DecodePeers("decode-svc", 50051, "10.0.0.1", lookup=lookup, remember_s=0.0)
+    forgetful = DecodePeers(
+        "decode-svc", 50051, "10.0.0.1", lookup=lookup, remember_s=0.0, clock=clock, sleep=clock.sleep
+    )
     assert forgetful.address("10.0.0.9", 50051) == "10.0.0.9"
     with pytest.raises(PeerNotAllowed):
         forgetful.address("10.0.0.5", 50051)  # no longer listed, and not remembered
     with pytest.raises(PeerNotAllowed, match="port"):
         peers.address("10.0.0.5", 8000)
-    own = DecodePeers(None, None, "10.0.0.1", lookup=lambda host: {host})
+    own = DecodePeers(None, None, "10.0.0.1", lookup=lambda host: {host}, clock=clock, sleep=clock.sleep)
     assert own.address("10.0.0.1", 1234) == "10.0.0.1"
     with pytest.raises(PeerNotAllowed):
         own.address("10.0.0.2", 1234)
 
 
-def _allowed(peers: DecodePeers, host: str) -> bool:
-    try:
-        peers.address(host, 50051)
-    except PeerNotAllowed:
-        return False
-    return True
+def test_a_decode_pod_the_service_lists_just_after_a_lookup_is_allowed_on_its_first_send() -> None:
+    """Issue 31: the router saw a new decode pod ready a moment after this engine's lookup; its
+    first send waited for the next lookup instead of failing (decode then waited a minute and 500ed)."""
+    clock = FakeClock()
+    listed = {"decode-svc": {"10.0.0.5"}}
+    lookups: list[float] = []
+
+    def lookup(host: str) -> set[str]:
+        if host == "decode-svc":
+            lookups.append(clock.now)
+            if clock.now >= 1003.5:  # the Service's answer names the new pod from here on
+                listed["decode-svc"] = {"10.0.0.5", "10.0.0.7"}
+            return set(listed["decode-svc"])
+        return {host}
+
+    peers = DecodePeers("decode-svc", 50051, "10.0.0.1", lookup=lookup, clock=clock, sleep=clock.sleep)
+    assert peers.address("10.0.0.5", 50051) == "10.0.0.5"  # a lookup at 1000.0
+    clock.now += 0.3
+    assert peers.address("10.0.0.7", 50051) == "10.0.0.7"
+    assert clock.now == pytest.approx(1004.0)  # lookups once a second until the Service named it
+    assert lookups == pytest.approx([1000.0, 1001.0, 1002.0, 1003.0, 1004.0])
 
 
 # ---- C1 (c): the other role's TP size is the deployment's -------------------------------------------
