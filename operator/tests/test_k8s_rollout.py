@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -162,12 +163,28 @@ def roll_watching_pairs(
 def test_a_fingerprint_change_rolls_both_roles_with_a_complete_pair_throughout(
     cluster: Cluster, namespace: str, operator: OperatorProcess, prefill: int, decode: int
 ) -> None:
-    first = up(cluster, namespace, surge_cr(prefill, decode), prefill, decode)
+    # maxSkew 25: the roles move in step; the rollout still completes (the role behind may always move)
+    first = up(cluster, namespace, surge_cr(prefill, decode, maxSkew=25), prefill, decode)
+    patched_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     fp8, most = roll_watching_pairs(
         cluster, namespace, {"kvTransfer": {"compression": "fp8"}}, prefill, decode
     )
     assert fp8 != first
     assert most == {"prefill": prefill + 1, "decode": decode + 1}  # the surge pod, and no more
+
+    def status_shows_it_done() -> bool:
+        status = cluster.get_json("dllm", "surge", "-n", namespace).get("status", {})
+        roles = [(status.get(role, {}), count) for role, count in (("prefill", prefill), ("decode", decode))]
+        times = status.get("rollout", {})
+        return all(
+            role.get("kvFingerprint") == fp8
+            and role.get("podFingerprints") == [{"fingerprint": fp8, "pods": count, "ready": count}]
+            for role, count in roles
+        ) and patched_at <= times.get("startedAt", "~") <= times.get("completedAt", "")  # kwok: within 1 s
+
+    wait_until(
+        status_shows_it_done, 60, "status: both roles' pods at the fp8 fingerprint, the rollout's times"
+    )
     back, most = roll_watching_pairs(
         cluster, namespace, {"kvTransfer": {"compression": "none"}}, prefill, decode
     )

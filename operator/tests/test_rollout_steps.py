@@ -14,7 +14,7 @@ from dllm_operator.api import parse
 from dllm_operator.api.rollout import RolloutSpec
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
-from dllm_operator.rollout import STEP_AT, partition_of, step
+from dllm_operator.rollout import STEP_AT, partition_of, progress, step
 from dllm_operator.status import Observed, conditions, rollout_condition
 
 SURGE = RolloutSpec(max_surge=1)
@@ -201,3 +201,49 @@ def test_a_rollout_past_its_deadline_says_so_and_degrades_the_resource() -> None
     cr = parse(merged(minimal("x"), {"spec": {"rollout": {"maxSurge": 1}, "prefill": {"replicas": 2}}}))
     found = {c.type: c for c in conditions(cr, Observed(moving, {}, rollouts_overdue=("x-prefill",)))}
     assert (found["Degraded"].status, found["Degraded"].reason) == (True, "ProgressDeadlineExceeded")
+
+
+def _roll_both(prefill: int, decode: int, rollout: RolloutSpec) -> list[tuple[float, float]]:
+    """Both roles stepped together, one reconcile after another, every new pod ready at once (the
+    fastest case for the skew): each role's progress after each reconcile, until both are done."""
+    n = {"prefill": prefill, "decode": decode}
+    partition = dict(n)
+    seen: list[tuple[float, float]] = []
+    for _ in range(4 * (prefill + decode)):
+        actual = {role: live("t2", n[role] + 1, partition[role], "r1", "r2") for role in n}
+        progress_now = {role: progress(sts(n[role], "t2"), actual[role]) for role in n}
+        for role, partner in (("prefill", "decode"), ("decode", "prefill")):
+            pods = [pod(i, "r2" if i >= partition[role] else "r1") for i in range(n[role] + 1)]
+            moved = step(
+                sts(n[role], "t2"), actual[role], pods, PARTNER_NEW, rollout, NOW, progress_now[partner]
+            )
+            partition[role] = partition_of(moved)
+        done = {role: (n[role] - partition[role]) / n[role] for role in n}
+        seen.append((done["prefill"], done["decode"]))
+        if partition == {"prefill": 0, "decode": 0}:
+            return seen
+    raise AssertionError(f"the rollout stopped moving: {seen}")
+
+
+def test_max_skew_keeps_the_roles_in_step_and_never_deadlocks() -> None:
+    for prefill, decode in ((1, 1), (2, 4), (4, 2), (3, 8)):
+        for skew in (1, 25, 50, 100):
+            seen = _roll_both(prefill, decode, RolloutSpec(max_surge=1, max_skew=skew))
+            bound = max(skew / 100, 1 / min(prefill, decode))  # one pod's share of the smaller role
+            worst = max(abs(p - d) for p, d in seen)
+            assert worst <= bound + 1e-9, (prefill, decode, skew, seen)
+    # the bound binds: unbounded, prefill of 2 is done in two steps while decode of 8 has taken two;
+    # at 25% prefill waits after each step (one pod's share of 2) until decode is level again: the two
+    # step together from level, so the skew is 1/2 - 1/8
+    unbounded = _roll_both(2, 8, RolloutSpec(max_surge=1))
+    bounded = _roll_both(2, 8, RolloutSpec(max_surge=1, max_skew=25))
+    assert max(abs(p - d) for p, d in unbounded) == 1 - 2 / 8
+    assert max(abs(p - d) for p, d in bounded) == 1 / 2 - 1 / 8
+    assert len(bounded) == len(unbounded)  # holding the faster role back costs no time: decode sets the pace
+
+
+def test_progress_is_the_share_of_old_pods_replaced() -> None:
+    assert progress(sts(2, "t2"), None) == 1.0
+    assert progress(sts(2, "t2"), live("t1", 2, 0, "r1", "r1")) == 0.0  # the template changed, no step yet
+    assert progress(sts(4, "t2"), live("t2", 5, 3, "r1", "r2")) == 0.25
+    assert progress(sts(4, "t2"), live("t2", 5, 0, "r2", "r2")) == 1.0  # every pod new

@@ -252,10 +252,17 @@ class Controller:
         if cr.spec.rollout.max_surge == 0:
             return desired
         pods = pods_by_component(self.store.pods[key].values())
+        engines = {
+            role: obj
+            for obj in desired
+            if obj["kind"] == "StatefulSet"
+            and (role := obj["metadata"].get("labels", {}).get(labels.COMPONENT)) in ("prefill", "decode")
+        }
+        progress = {role: rollout.progress(obj, actual.get(key_of(obj))) for role, obj in engines.items()}
         stepped: list[dict[str, Any]] = []
         for obj in desired:
             role = obj["metadata"].get("labels", {}).get(labels.COMPONENT)
-            if obj["kind"] != "StatefulSet" or role not in ("prefill", "decode"):
+            if engines.get(role) is not obj:
                 stepped.append(obj)
                 continue
             partner = "decode" if role == "prefill" else "prefill"
@@ -266,6 +273,7 @@ class Controller:
                 pods.get(partner, []),
                 cr.spec.rollout,
                 time.time(),
+                partner_progress=progress.get(partner, 1.0),
             )
             stepped.append(obj if at is obj else with_hash(at))
         return stepped

@@ -14,6 +14,10 @@ read from what the cluster shows (so a restarted operator goes on where it was):
    so no request meets a pod that cannot read its KV.
 3. every pod at the new revision: replicas N, partition 0; the surge ordinals go (drained the same way).
 
+The roles move in step (spec.rollout.maxSkew): a role replaces its next old pod only while its share of
+old pods replaced, after the step, is no more than maxSkew percent ahead of the other role's, or while
+it is not ahead at all (so one of them can always move, and neither waits on the other for ever).
+
 A change back (a rollback) is a template change like any other. `paused` holds the current step.
 Replicas left to an autoscaler are never surged (the count is not the operator's to raise). Each step
 stamps the StatefulSet (STEP_AT, seconds since the epoch); a rollout whose last step is older than its
@@ -92,6 +96,19 @@ def overdue(sts: dict[str, Any], rollout: RolloutSpec, now: float) -> bool:
     return rolling(sts) and at is not None and now - at > rollout.progress_deadline_seconds
 
 
+def progress(desired: dict[str, Any], actual: dict[str, Any] | None) -> float:
+    """How far one role's surge rollout is, from 0 to 1: the share of its old pods replaced. 1 when the
+    role is not rolling (nothing to wait for), 0 when its template changed and no step was taken."""
+    n = int(desired["spec"].get("replicas") or 0)
+    if actual is None or not n:
+        return 1.0
+    if _annotation(actual, TEMPLATE_HASH) != _annotation(desired, TEMPLATE_HASH):
+        return 0.0
+    if not rolling(actual):
+        return 1.0
+    return (n - min(partition_of(actual), n)) / n
+
+
 def step(
     desired: dict[str, Any],
     actual: dict[str, Any] | None,
@@ -99,9 +116,11 @@ def step(
     partner_pods: list[dict[str, Any]],
     rollout: RolloutSpec,
     now: float,
+    partner_progress: float = 1.0,
 ) -> dict[str, Any]:
     """The StatefulSet to apply for one role now: `desired` as rendered, at the rollout's current step.
-    `pods` are the role's, `partner_pods` the other role's; `now` in seconds since the epoch."""
+    `pods` are the role's, `partner_pods` the other role's, `partner_progress` the other role's
+    `progress`; `now` in seconds since the epoch."""
     n = desired["spec"].get("replicas")
     surge = rollout.max_surge
     if surge == 0 or n is None or n == 0 or actual is None:
@@ -137,6 +156,9 @@ def step(
     }
     fingerprint = desired["spec"]["template"]["metadata"]["labels"].get(labels.KV_FINGERPRINT)
     pair_ready = fingerprint is None or fingerprint in ready_fingerprints(partner_pods)
-    if partition > 0 and pair_ready and all(o in fresh for o in range(partition, total)):
+    ahead_after = (n - (partition - 1)) / n - partner_progress
+    level = (n - partition) / n <= partner_progress
+    in_step = level or ahead_after <= rollout.max_skew / 100
+    if partition > 0 and pair_ready and in_step and all(o in fresh for o in range(partition, total)):
         partition -= 1
     return moved(total, partition)

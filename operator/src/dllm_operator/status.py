@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dllm_operator import kv_transfer
+from dllm_operator import kv_transfer, rollout_status
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.kv_transfer import KVCheckView, KVFinding
 from dllm_operator.render import labels
@@ -138,8 +138,11 @@ def role_status(cr: DisaggregatedLLM, component: labels.Component, observed: Obs
         "updatedReplicas": updated,
         "ready": f"{ready}/{desired}",
     }
-    if component != "router":  # the scale subresources' selectors
+    if component != "router":  # the scale subresources' selectors; the KV fingerprints of a rollout
         status["selector"] = labels.selector_string(cr, component)
+        status |= rollout_status.fingerprints(
+            observed.workloads.get(component), observed.pods.get(component, [])
+        )
     return status
 
 
@@ -284,14 +287,18 @@ def compute_status(
     before = {c["type"]: c for c in (previous or {}).get("conditions", []) if "type" in c}
     generation = cr.metadata.generation
     kv = kv_transfer.finding(observed.kv_check)
+    found = conditions(cr, observed, kv)
     status: dict[str, Any] = {
         "observedGeneration": generation,
         "prefill": role_status(cr, "prefill", observed),
         "decode": role_status(cr, "decode", observed),
         "router": role_status(cr, "router", observed),
         "endpoint": endpoint(cr) if cr.spec.router.enabled else "",
-        "conditions": [_as_dict(c, generation, before, now) for c in conditions(cr, observed, kv)],
+        "conditions": [_as_dict(c, generation, before, now) for c in found],
     }
+    rolled = next(c for c in found if c.type == "RolloutProgressing")
+    if times := rollout_status.times(rolled.reason, previous, now):
+        status["rollout"] = times
     if observed.kv_check is not None and observed.kv_check.checked:
         status["kvTransfer"] = kv_transfer.status_of(kv)
     return status
@@ -320,11 +327,14 @@ def invalid_spec_status(
 
 
 def without_times(status: Mapping[str, Any] | None) -> dict[str, Any]:
-    """For comparing two statuses: transition times aside."""
+    """For comparing two statuses: transition times aside, and a rollout's null fields (a merge patch's
+    removals, absent once written)."""
     status = dict(status or {})
     status["conditions"] = [
         {k: v for k, v in c.items() if k != "lastTransitionTime"} for c in status.get("conditions", [])
     ]
+    if "rollout" in status:
+        status["rollout"] = {k: v for k, v in status["rollout"].items() if v is not None}
     return status
 
 

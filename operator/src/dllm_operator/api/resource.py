@@ -156,9 +156,38 @@ class RouterStatus(BaseModel):
     )
 
 
+class FingerprintCount(BaseModel):
+    """How many of a role's pods carry one KV fingerprint."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    fingerprint: Annotated[str, Field(max_length=63)] = Field(description="The KV fingerprint.")
+    pods: int = Field(description="The role's pods with it (pods on their way out aside).")
+    ready: int = Field(description="Of those, the ready ones.")
+
+
 class RoleStatus(RouterStatus):
     selector: Annotated[str, Field(max_length=1024)] | None = Field(
         None, description="Label selector of the role's pods (for the /scale subresource)."
+    )
+    kv_fingerprint: Annotated[str, Field(max_length=63)] | None = Field(
+        None,
+        description="The KV fingerprint of the role's pod template, which new pods get (the router pairs "
+        "only pods of equal fingerprints).",
+    )
+    pod_fingerprints: Annotated[tuple[FingerprintCount, ...], Field(max_length=16)] | None = Field(
+        None, description="The KV fingerprints the role's pods carry now: two while a rollout moves them."
+    )
+
+
+class RolloutStatus(BaseModel):
+    """When the latest rollout of the engines' pods started and completed."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    started_at: datetime | None = Field(None, description="When RolloutProgressing left Complete.")
+    completed_at: datetime | None = Field(
+        None, description="When it was Complete again (absent while the rollout runs)."
     )
 
 
@@ -204,6 +233,7 @@ class Status(BaseModel):
     kv_transfer: KVTransferStatus | None = Field(
         None, description="Whether KV really moves between prefill and decode (the router's KV check)."
     )
+    rollout: RolloutStatus | None = Field(None, description="The latest rollout of the engines' pods.")
     conditions: Annotated[tuple[StatusCondition, ...], Field(max_length=16)] | None = Field(
         None,
         description="Current conditions.",

@@ -18,6 +18,13 @@ class RolloutSpec(_Model):
         "the StatefulSets' own rolling update (a role with one replica has no pod while it restarts). "
         "Ignored for a role whose replicas are left to an autoscaler.",
     )
+    max_skew: Annotated[int, Field(ge=1, le=100)] = Field(
+        100,
+        description="How far, in percent of each role's old pods replaced, one engine role's surge rollout "
+        "may run ahead of the other's: a role ahead by more waits for the other. The role behind (or "
+        "level) may always take its next step, so with a small bound the skew reaches at most one pod's "
+        "share of the role with fewer replicas. 100: no bound beyond the complete pair.",
+    )
     paused: bool = Field(
         False, description="Hold a surge rollout where it is (pods neither added nor replaced) until false."
     )
