@@ -58,7 +58,8 @@ class Seen:
 class FakeVllmEngine:
     """TEST DOUBLE of a vLLM OpenAI-compatible server (see the module docstring).
 
-    Knobs a test may set at any time: `healthy`, `fail_status` (answer with vLLM's error JSON),
+    Knobs a test may set at any time: `healthy`, `fail_status` (answer with vLLM's error JSON; only the
+    next `fail_next` generations when that is set),
     `eos_at_prefill` (prefill's one token ends the answer), `prefill_finish` (the finish_reason of
     prefill's answer, e.g. "abort" as vLLM answers a request it rejected while shutting down),
     `hold` (an Event every generation waits on before answering), `hold_after_first_chunk` (streams
@@ -75,6 +76,7 @@ class FakeVllmEngine:
         self.nixl = nixl
         self.healthy = True
         self.fail_status: int | None = None
+        self.fail_next: int | None = None
         self.eos_at_prefill = False
         self.prefill_finish: str | None = None
         self.hold: asyncio.Event | None = None
@@ -150,7 +152,9 @@ class FakeVllmEngine:
         try:
             if self.hold is not None:
                 await self.hold.wait()
-            if self.fail_status is not None:
+            if self.fail_status is not None and self.fail_next != 0:
+                if self.fail_next is not None:
+                    self.fail_next -= 1
                 error = {"message": f"{self.name} refuses", "type": "BadRequestError", "param": None}
                 return web.json_response(
                     {"error": {**error, "code": self.fail_status}}, status=self.fail_status

@@ -81,9 +81,37 @@ async def test_decode_error_reaches_client(engines: EngineFactory, start_router:
     d.fail_status = 500
     r = await start_router("dllm", [p], [d])
     status, text = await r.text_of(COMPLETIONS, {"prompt": "x", "stream": True})
-    assert status == 500
+    assert status == 500  # the one retry (the only pair again) failed too: decode's own error
     assert error_of(text)["message"] == "d0 refuses"
     assert r.router.metrics.errors["decode_error"] == 1
+    assert (r.router.metrics.retries, len(d.generations)) == (1, 2)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("failing", ["prefill", "decode"])
+async def test_a_server_error_before_any_byte_is_retried_and_the_client_sees_the_answer(
+    engines: EngineFactory, start_router: RouterFactory, stream: bool, failing: str
+) -> None:
+    """Issue 31: decode answers 500 when its KV load failed (a prefill that stalled past the transfer
+    timeout); nothing reached the client, so the router tries the prompt again and answers it."""
+    p, d = await engines("p0"), await engines("d0")
+    engine = p if failing == "prefill" else d
+    engine.fail_status, engine.fail_next = 500, 1
+    r = await start_router("dllm", [p], [d])
+    status, text = await r.text_of(COMPLETIONS, {"prompt": "x", "stream": stream})
+    assert status == 200, text
+    assert "error" not in text
+    assert r.router.metrics.retries == 1
+    assert r.router.metrics.errors.get(f"{failing}_error", 0) == 0
+
+
+async def test_a_client_error_is_not_retried(engines: EngineFactory, start_router: RouterFactory) -> None:
+    p, d = await engines("p0"), await engines("d0")
+    d.fail_status, d.fail_next = 400, 1
+    r = await start_router("dllm", [p], [d])
+    status, text = await r.text_of(COMPLETIONS, {"prompt": "x"})
+    assert (status, error_of(text)["message"]) == (400, "d0 refuses")
+    assert (r.router.metrics.retries, len(d.generations)) == (0, 1)
 
 
 @pytest.mark.parametrize("stream", [False, True])

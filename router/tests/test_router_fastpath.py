@@ -133,9 +133,24 @@ async def test_decode_error_on_the_fast_path(
     d.fail_status = 500
     r = await start_router(flow, [p], [d])
     status, text = await r.text_of(COMPLETIONS, {"prompt": "x"})
-    assert status == 500
+    assert status == 500  # retried once on the only pair, then decode's own error
     assert error_of(text)["message"] == "d0 refuses"
     assert (r.router.metrics.fast_requests, r.router.metrics.errors["decode_error"]) == (1, 1)
+    assert r.router.metrics.retries == 1
+    await all_idle(r.router)
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+async def test_a_decode_server_error_is_retried_on_the_fast_path(
+    engines: EngineFactory, start_router: RouterFactory, flow: str
+) -> None:
+    p, d = await pair(engines, flow)
+    d.fail_status, d.fail_next = 500, 1
+    r = await start_router(flow, [p], [d])
+    status, text = await r.text_of(COMPLETIONS, {"prompt": "x"})
+    assert status == 200, text
+    assert (r.router.metrics.fast_requests, r.router.metrics.retries) == (1, 1)
+    assert r.router.metrics.errors.get("decode_error", 0) == 0
     await all_idle(r.router)
 
 

@@ -23,11 +23,28 @@ class RouterError(Exception):
 
 
 class Unreachable(Exception):
-    """A connection-level failure before any answer: safe to retry on another pod."""
+    """A failure before any byte reached the client: safe to retry on another pod. `answer`: what the
+    client gets if no retry is left (None: a 502 naming the role as unreachable)."""
 
-    def __init__(self, endpoint: Endpoint, cause: BaseException, connect_failed: bool) -> None:
+    def __init__(
+        self,
+        endpoint: Endpoint,
+        cause: BaseException,
+        connect_failed: bool,
+        answer: RouterError | None = None,
+    ) -> None:
         super().__init__(f"{endpoint.role} pod {endpoint.name} unreachable: {cause!r}")
-        self.endpoint, self.connect_failed = endpoint, connect_failed
+        self.endpoint, self.connect_failed, self.answer = endpoint, connect_failed, answer
+
+    def final(self) -> RouterError:
+        """What the client gets when this was the last attempt."""
+        if self.answer is not None:
+            return self.answer
+        return RouterError(502, f"{self.endpoint.role}_unreachable", str(self))
+
+
+class EngineFailed(Exception):
+    """An engine answered a server error (5xx) before any byte reached the client."""
 
 
 _VISIBLE = bytes(range(0x21, 0x7F))
@@ -82,6 +99,19 @@ def pod_error(ep: Endpoint, status: int, data: bytes) -> RouterError:
     return RouterError(
         status, f"{ep.role}_error", f"{ep.role} pod {ep.name} answered {status}", as_error(data)
     )
+
+
+def pod_failure(ep: Endpoint, status: int, data: bytes) -> RouterError | Unreachable:
+    """An error status from a pod, before any byte reached the client. A client error (4xx) is the
+    request's own and reaches the client. A server error (5xx) is retried on another pair like a failed
+    connection (issue 31: decode answers 500 when its KV load failed, say a prefill or the node stalled
+    past the transfer timeout, and the next attempt usually succeeds); the pod's own error reaches the
+    client once the retries are spent. Nothing was generated for the client, so a retry repeats nothing
+    it saw."""
+    error = pod_error(ep, status, data)
+    if status < 500:
+        return error
+    return Unreachable(ep, EngineFailed(str(error)), connect_failed=False, answer=error)
 
 
 class PrefillDidNotRun(Exception):

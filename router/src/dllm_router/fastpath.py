@@ -23,7 +23,7 @@ from typing import Any
 
 from dllm_router import openai as oa
 from dllm_router.endpoints import Endpoint
-from dllm_router.errors import RouterError, Unreachable, pod_error, prefill_answer
+from dllm_router.errors import RouterError, Unreachable, pod_failure, prefill_answer
 from dllm_router.exchange import ExchangeHost
 from dllm_router.http_messages import Request, Response
 from dllm_router.httpserver import Connection, Pending
@@ -190,7 +190,7 @@ class FastExchange(Pending):
         if call.error is not None:
             raise self._router.upstream_failure(ep, call.error)
         if call.status != 200:
-            raise pod_error(ep, call.status, call.body)
+            raise pod_failure(ep, call.status, call.body)
 
     # ---- endings ----
 
@@ -233,8 +233,7 @@ class FastExchange(Pending):
             router.metrics.retries += 1
             self.start()
             return
-        failure = RouterError(502, f"{error.endpoint.role}_unreachable", str(error))
-        self._reply(router.error_response(failure, self.rid), "-", "-")
+        self._reply(router.error_response(error.final(), self.rid), "-", "-")
 
     def _drop_calls(self) -> None:
         """Abandon the calls in flight (their connections close, so the engines abort them)."""

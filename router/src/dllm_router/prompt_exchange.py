@@ -1,5 +1,6 @@
 """One prompt on the coroutine path: pick a prefill and a decode pod, send the flow's two calls, and
-retry on another pair when a connection failed before any byte reached the client.
+retry on another pair when a connection failed, or a pod answered a server error, before any byte
+reached the client.
 
 Nothing reaches the client before prefill has answered, so a prefill error, a prefill that already
 finished the answer, or an unreachable pod is still handled cleanly. The answer comes back whole
@@ -17,7 +18,7 @@ from typing import Any
 from dllm_router import openai as oa
 from dllm_router.endpoints import Endpoint
 from dllm_router.engine_answer import EngineAnswer
-from dllm_router.errors import RouterError, Unreachable, header_value, pod_error, prefill_answer
+from dllm_router.errors import Unreachable, header_value, pod_failure, prefill_answer
 from dllm_router.exchange import ExchangeHost
 from dllm_router.memory_budget import RequestBytes
 from dllm_router.metrics import Metrics
@@ -95,8 +96,7 @@ class PromptExchange:
                 host.note_unreachable(e, prompt.rid, tried)
                 last = e
         assert last is not None
-        role = last.endpoint.role
-        raise RouterError(502, f"{role}_unreachable", str(last))
+        raise last.final()
 
     async def _attempt(
         self,
@@ -216,7 +216,7 @@ class PromptExchange:
             ep.inflight -= 1
         if response.status != 200:
             answer.prefill_refused = True
-            raise pod_error(ep, response.status, data)
+            raise pod_failure(ep, response.status, data)
         host.metrics.observe("prefill", ep.name, decode_name(answer), perf_counter() - started)
         try:
             return prefill_answer(data, ep)
@@ -243,7 +243,7 @@ class PromptExchange:
             if response.status != 200 or read_all:
                 data = await response.read()
                 if response.status != 200:
-                    raise pod_error(ep, response.status, data)
+                    raise pod_failure(ep, response.status, data)
                 answer.body = data
                 observe_first_byte(host.metrics, answer)
             answer.decode_ok = True
