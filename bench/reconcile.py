@@ -8,8 +8,13 @@ Side by side in one run:
   ready-to-status     a pod turned Ready (status patch) -> the CR's Ready=True seen by a watch
   bulk                N CRs at once -> all Ready; operator writes per CR in an idle period after
                       (audit log, leases excluded); the operator's peak RSS
+  roll (--roll)       the bulk CRs (made with spec.rollout.maxSurge 1) all changed at once in their KV
+                      fingerprint (compression none -> fp8): the time until every surge rollout has
+                      completed (each CR's status: RolloutProgressing Complete, every pod of both roles
+                      at the new fingerprint), and the operator's writes meanwhile, by verb
 
-Usage: python bench/reconcile.py [--quick]   (needs `make cluster-up`; run from the repository root)
+Usage: python bench/reconcile.py [--quick] [--bulk N] [--roll]   (needs `make cluster-up`; run from
+the repository root). Issue 34's run: --bulk 500 --roll.
 """
 
 from __future__ import annotations
@@ -73,10 +78,31 @@ class Watcher:
         self._process.terminate()
 
 
-def cr_body(name: str) -> dict[str, Any]:
+def cr_body(name: str, surge: bool = False) -> dict[str, Any]:
     body = cpu_sample_on_kwok()
     body["metadata"] = {"name": name}
+    if surge:
+        body["spec"]["rollout"] = {"maxSurge": 1}
     return body
+
+
+def rolled(cr: dict[str, Any], since: str) -> bool:
+    """The CR's surge rollout completed after `since`: every pod of both roles at the template's
+    fingerprint, and RolloutProgressing Complete."""
+    status = cr.get("status", {})
+    if status.get("rollout", {}).get("completedAt", "") < since:
+        return False
+    for role in ("prefill", "decode"):
+        seen = status.get(role, {})
+        if [f.get("fingerprint") for f in seen.get("podFingerprints", [])] != [seen.get("kvFingerprint")]:
+            return False
+    conditions: list[dict[str, Any]] = status.get("conditions", [])
+    return any(c["type"] == "RolloutProgressing" and c.get("reason") == "Complete" for c in conditions)
+
+
+def rolled_count(layout: cp.Layout, namespace: str, since: str) -> int:
+    items = json.loads(kubectl(layout, "get", "dllm", "-n", namespace, "-o", "json"))["items"]
+    return sum(rolled(item, since) for item in items)
 
 
 def child_names(name: str) -> list[str]:
@@ -251,8 +277,11 @@ def row(label: str, values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="small counts: finishes in under 150 s")
+    parser.add_argument("--bulk", type=int, help="CRs created at once (default 100; 30 with --quick)")
+    parser.add_argument("--roll", action="store_true", help="then change every bulk CR's KV fingerprint")
     args = parser.parse_args()
     latency_count, bulk_count, idle = (10, 30, 20.0) if args.quick else (50, 100, 120.0)
+    bulk_count = args.bulk or bulk_count
     layout = cp.up()
     kubectl(
         layout,
@@ -266,8 +295,12 @@ def main() -> None:
     watched, floor_ns, bulk_ns = f"bench-op-{stamp}", f"bench-floor-{stamp}", f"bench-bulk-{stamp}"
     for namespace in (watched, floor_ns, bulk_ns):
         kubectl(layout, "create", "namespace", namespace)
-    # Room for every pod: 110 pods and 96 CPUs per fake node (3 pods, 2.5 CPUs per CR).
-    extra_nodes = [f"bench-node-{i}" for i in range(6)]
+    # Room for every pod: 110 pods and 96 CPUs per fake node (3 pods, 2.5 CPUs per CR; a surge adds
+    # one pod per engine role while it rolls).
+    pods_per_cr = 5 if args.roll else 3
+    extra_nodes = [
+        f"bench-node-{i}" for i in range(max(6, -(-(latency_count + bulk_count) * pods_per_cr // 100)))
+    ]
     for node in extra_nodes:
         kubectl(
             layout, "apply", "--server-side", "-f", "-", input_text=json.dumps(cp.fake_node(node, "zone-b"))
@@ -301,9 +334,9 @@ def main() -> None:
             bulk_ns,
             "-f",
             "-",
-            input_text=yaml.safe_dump_all([cr_body(f"bulk-{i:03d}") for i in range(bulk_count)]),
+            input_text=yaml.safe_dump_all([cr_body(f"bulk-{i:03d}", args.roll) for i in range(bulk_count)]),
         )
-        wait(lambda: all_ready(layout, bulk_ns, bulk_count), 300, "all bulk CRs Ready")
+        wait(lambda: all_ready(layout, bulk_ns, bulk_count), max(300, 3 * bulk_count), "all bulk CRs Ready")
         print(f"  all {bulk_count} Ready after              {time.monotonic() - bulk_start:7.1f} s")
         since = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
         deadline = time.monotonic() + idle
@@ -319,12 +352,43 @@ def main() -> None:
             f"  operator peak RSS                   "
             f"{peak_rss_mb(operator.process.pid):7.1f} MB (goal < 200 MB)"
         )
+        if args.roll:
+            roll(layout, bulk_ns, bulk_count)
         print(f"total {time.monotonic() - started:.0f} s")
     finally:
         operator.stop()
         for namespace in (watched, floor_ns, bulk_ns):
             kubectl(layout, "delete", "namespace", namespace, "--wait=false", "--ignore-not-found")
         kubectl(layout, "delete", "node", *extra_nodes, "--wait=false")
+
+
+def roll(layout: cp.Layout, namespace: str, count: int) -> None:
+    """Every bulk CR's compression to fp8 at once; the time until all their surge rollouts complete."""
+    print(f"roll: {count} CRs' KV fingerprint changed at once (compression none -> fp8)", flush=True)
+    since = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    audit_since = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    began = time.monotonic()
+    patch = json.dumps({"spec": {"kvTransfer": {"compression": "fp8"}}})
+    names = [f"bulk-{i:03d}" for i in range(count)]
+    for start in range(0, count, 50):  # one kubectl per 50 CRs: the patches land within seconds
+        kubectl(
+            layout, "patch", "dllm", "-n", namespace, "--type=merge", "-p", patch, *names[start : start + 50]
+        )
+    patched = time.monotonic() - began
+    wait(
+        lambda: rolled_count(layout, namespace, since) == count, max(600, 6 * count), "every rollout complete"
+    )
+    took = time.monotonic() - began
+    writes = operator_writes(audit_entries(layout), {namespace}, audit_since)
+    verbs: dict[str, int] = {}
+    for entry in writes:
+        key = f"{entry.get('verb')} {entry.get('objectRef', {}).get('resource')}"
+        verbs[key] = verbs.get(key, 0) + 1
+    print(f"  patches sent in                     {patched:7.1f} s")
+    print(f"  every rollout complete after        {took:7.1f} s ({took / count * 1000:.0f} ms per CR)")
+    print(f"  operator writes meanwhile           {len(writes)} ({len(writes) / count:.1f} per CR)")
+    for key, number in sorted(verbs.items(), key=lambda kv: -kv[1]):
+        print(f"    {key:<40} {number}")
 
 
 if __name__ == "__main__":
