@@ -350,7 +350,7 @@ def main() -> None:
         assert operator.process is not None
         print(
             f"  operator peak RSS                   "
-            f"{peak_rss_mb(operator.process.pid):7.1f} MB (goal < 200 MB)"
+            f"{peak_rss_mb(operator.process.pid):7.1f} MB (goal < 200 MB at 100 CRs, < 300 MB at 500)"
         )
         if args.roll:
             roll(layout, bulk_ns, bulk_count)

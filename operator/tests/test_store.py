@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from dllm_operator.render import labels
-from dllm_operator.store import Store, version_number
+from dllm_operator.store import Store, kept, version_number
 
 
 def child(name: str, version: str, kind: str = "Service") -> dict[str, Any]:
@@ -66,3 +66,52 @@ def test_a_relist_whose_moment_is_unknown_drops_nothing() -> None:
     store.put_child(child("opaque", "not-a-number"))  # counts as 0: no older than an unknown moment
     assert store.merge_listing(Store(), listed_at=version_number("")) == set()
     assert set(store.children[("ns", "cr")]) == {("Service", "router"), ("Service", "opaque")}
+
+
+def test_the_store_keeps_of_a_pod_what_the_operator_reads_and_drops_managed_fields() -> None:
+    pod: dict[str, Any] = {
+        "kind": "Pod",
+        "metadata": {
+            "name": "x-decode-0",
+            "namespace": "ns",
+            "uid": "u",
+            "resourceVersion": "7",
+            "labels": {labels.INSTANCE: "x", labels.COMPONENT: "decode"},
+            "deletionTimestamp": "2026-12-06T10:00:00Z",
+            "managedFields": [{"manager": "kubelet", "fieldsV1": {"f:status": {}}}],
+            "annotations": {"big": "x" * 1000},
+        },
+        "spec": {
+            "containers": [{"name": "vllm", "ports": [{"name": "http", "containerPort": 8000}], "env": []}],
+            "volumes": [{"name": "models"}],
+        },
+        "status": {
+            "phase": "Running",
+            "podIP": "10.0.0.7",
+            "conditions": [{"type": "Ready", "status": "True"}],
+            "containerStatuses": [{"name": "vllm", "ready": True}],
+            "qosClass": "Burstable",
+        },
+    }
+    kept_pod = kept(pod)
+    assert kept_pod == {
+        "kind": "Pod",
+        "metadata": {k: pod["metadata"][k] for k in ("name", "namespace", "uid", "resourceVersion", "labels",
+                                                     "deletionTimestamp")},
+        "spec": {"containers": [{"name": "vllm", "ports": [{"name": "http", "containerPort": 8000}]}]},
+        "status": {k: pod["status"][k] for k in ("phase", "podIP", "conditions", "containerStatuses")},
+    }  # fmt: skip
+    store = Store()
+    store.put_child(pod)
+    assert store.pods[("ns", "x")]["x-decode-0"] == kept_pod
+    sts = {
+        "kind": "StatefulSet",
+        "metadata": {**pod["metadata"], "name": "x-decode"},
+        "spec": {"replicas": 1},
+    }
+    store.put_child(sts)
+    stored = store.children[("ns", "x")][("StatefulSet", "x-decode")]
+    assert "managedFields" not in stored["metadata"]
+    assert stored["spec"] == sts["spec"]
+    assert stored["metadata"]["annotations"] == pod["metadata"]["annotations"]
+    assert "managedFields" in sts["metadata"]  # the event's own object is left as it was

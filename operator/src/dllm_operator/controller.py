@@ -100,7 +100,6 @@ class Controller:
         listed, listed_at = await self._listing(self.config.namespaces)
         for key in self.store.merge_listing(listed, listed_at):
             self._forget(key)
-        self._secrets_made.clear()  # one create each (409 if still there): a deleted Secret comes back
         metrics.MANAGED.set(len(self.store.resources))
         metrics.RESYNCS.inc()
         self.requeue_all()
@@ -221,8 +220,9 @@ class Controller:
         """Create the CR's auth Secret once (random values; never read back, never updated).
 
         Create-only RBAC: the operator can neither read nor change a Secret, so a user who wants new
-        keys deletes the Secret; the operator creates a fresh one as soon as a pod reports it missing,
-        else at the next resync (and the pods need a restart).
+        keys deletes the Secret (and restarts the pods); the operator creates a fresh one as soon as a
+        pod reports it missing, which is when one is needed (running pods hold their keys). A resync
+        does not try again: at 500 resources that was 500 refused creates every resync, while idle.
         """
         made = (key, cr.metadata.uid)
         if not cr.spec.security.authentication:
@@ -230,7 +230,7 @@ class Controller:
         if made in self._secrets_made and pods_wait_on_secret(
             self.store.pods[key].values(), auth.secret_name(cr)
         ):
-            self._secrets_made.discard(made)  # deleted (a rotation): made again now, not at the next resync
+            self._secrets_made.discard(made)  # deleted (a rotation): made again now
         if made in self._secrets_made:
             return
         try:

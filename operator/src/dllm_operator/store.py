@@ -23,6 +23,30 @@ def _resource_version(obj: dict[str, Any]) -> int:
     return version_number(str(obj.get("metadata", {}).get("resourceVersion", "")))
 
 
+# What the operator reads of a pod (status.py, rollout.py, kv_poll.py, secret_missing.py): at 500
+# resources their pods, kept whole, were most of its memory (docs/benchmarks.md).
+_POD_METADATA = ("name", "namespace", "uid", "labels", "resourceVersion", "deletionTimestamp")
+_POD_STATUS = ("phase", "podIP", "conditions", "containerStatuses", "initContainerStatuses")
+
+
+def kept(obj: dict[str, Any]) -> dict[str, Any]:
+    """The part of a child the store keeps: of a pod, what the operator reads (its containers' names
+    and ports of its spec); of any other child, all but managedFields, which the plan never reads."""
+    meta = obj.get("metadata", {})
+    if obj.get("kind") != "Pod":
+        if "managedFields" not in meta:
+            return obj
+        return {**obj, "metadata": {k: v for k, v in meta.items() if k != "managedFields"}}
+    status = obj.get("status", {})
+    containers = obj.get("spec", {}).get("containers", [])
+    return {
+        "kind": "Pod",
+        "metadata": {k: meta[k] for k in _POD_METADATA if k in meta},
+        "spec": {"containers": [{"name": c.get("name"), "ports": c.get("ports", [])} for c in containers]},
+        "status": {k: status[k] for k in _POD_STATUS if k in status},
+    }
+
+
 @dataclass
 class Store:
     """The last seen state of every CR and every child, by owning CR."""
@@ -57,7 +81,7 @@ class Store:
         if deleted:
             bucket.pop(child_key, None)
         elif _resource_version(obj) >= _resource_version(bucket.get(child_key, {})):
-            bucket[child_key] = obj
+            bucket[child_key] = kept(obj)
         return key
 
     def merge_listing(self, listed: Store, listed_at: int) -> set[CRKey]:
