@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dllm_operator.api.rollout import RolloutSpec
-from dllm_operator.pods import is_ready
+from dllm_operator.pods import is_ready, kv_fingerprint
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
 
@@ -57,12 +57,7 @@ def ordinal_of(pod: dict[str, Any]) -> int | None:
 
 def ready_fingerprints(pods: Iterable[dict[str, Any]]) -> set[str]:
     """The KV fingerprints of the ready pods among `pods`."""
-    return {
-        str(fingerprint)
-        for pod in pods
-        if is_ready(pod)
-        and (fingerprint := pod.get("metadata", {}).get("labels", {}).get(labels.KV_FINGERPRINT))
-    }
+    return {fingerprint for pod in pods if is_ready(pod) and (fingerprint := kv_fingerprint(pod))}
 
 
 def with_steps(desired: dict[str, Any], replicas: int, partition: int, at: float | None) -> dict[str, Any]:
@@ -106,7 +101,12 @@ def progress(desired: dict[str, Any], actual: dict[str, Any] | None) -> float:
         return 0.0
     if not rolling(actual):
         return 1.0
-    return (n - min(partition_of(actual), n)) / n
+    return _replaced(n, partition_of(actual))
+
+
+def _replaced(n: int, partition: int) -> float:
+    """The share of a role's n old pods replaced once the partition is at `partition`."""
+    return (n - min(partition, n)) / n
 
 
 def step(
@@ -156,8 +156,8 @@ def step(
     }
     fingerprint = desired["spec"]["template"]["metadata"]["labels"].get(labels.KV_FINGERPRINT)
     pair_ready = fingerprint is None or fingerprint in ready_fingerprints(partner_pods)
-    ahead_after = (n - (partition - 1)) / n - partner_progress
-    level = (n - partition) / n <= partner_progress
+    ahead_after = _replaced(n, partition - 1) - partner_progress
+    level = _replaced(n, partition) <= partner_progress
     in_step = level or ahead_after <= rollout.max_skew / 100
     if partition > 0 and pair_ready and in_step and all(o in fresh for o in range(partition, total)):
         partition -= 1

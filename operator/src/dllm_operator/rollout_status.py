@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from dllm_operator.pods import is_ready
+from dllm_operator.pods import is_ready, kv_fingerprint
 from dllm_operator.render import labels
 
 COMPLETE = "Complete"  # RolloutProgressing's reason when every pod is at its role's template
@@ -25,15 +25,13 @@ def fingerprints(workload: Mapping[str, Any] | None, pods: list[dict[str, Any]])
     template = (workload or {}).get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
     if fingerprint := template.get(labels.KV_FINGERPRINT):
         out["kvFingerprint"] = str(fingerprint)
-    staying = [pod for pod in pods if not pod.get("metadata", {}).get("deletionTimestamp")]
-    found = Counter(
-        str(pod.get("metadata", {}).get("labels", {}).get(labels.KV_FINGERPRINT, "")) for pod in staying
-    )
-    ready = Counter(
-        str(pod.get("metadata", {}).get("labels", {}).get(labels.KV_FINGERPRINT, ""))
-        for pod in staying
-        if is_ready(pod)
-    )
+    found: Counter[str] = Counter()
+    ready: Counter[str] = Counter()
+    for pod in pods:
+        if pod.get("metadata", {}).get("deletionTimestamp"):
+            continue  # going: counted no more
+        found[kv_fingerprint(pod)] += 1
+        ready[kv_fingerprint(pod)] += is_ready(pod)
     if found:
         out["podFingerprints"] = [
             {"fingerprint": fingerprint, "pods": count, "ready": ready[fingerprint]}

@@ -210,7 +210,7 @@ def rollout_condition(cr: DisaggregatedLLM, observed: Observed) -> Condition:
     ]
     if not steps:
         return Condition(
-            "RolloutProgressing", False, "Complete", "every engine pod is at its role's template"
+            "RolloutProgressing", False, rollout_status.COMPLETE, "every engine pod is at its role's template"
         )
     if observed.rollouts_overdue:
         deadline = cr.spec.rollout.progress_deadline_seconds
