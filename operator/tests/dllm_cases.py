@@ -136,6 +136,11 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         spec(decode={"env": [{"name": "HF_HUB_ENDPOINT", "value": "https://hub.attacker.example"}]}),
         "spec.decode.env",
     ),
+    (
+        "env-sets-ca-bundle",
+        spec(decode={"env": [{"name": "SSL_CERT_FILE", "value": "/models/attacker-ca.pem"}]}),
+        "spec.decode.env",
+    ),
     ("host-network-without-rdma", spec(rdma={"hostNetwork": True}), "spec.rdma.hostNetwork"),
     (
         "router-grace-below-prestop-and-margin",

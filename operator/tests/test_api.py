@@ -121,6 +121,14 @@ def test_env_may_not_say_where_the_hub_token_goes(name: str) -> None:
         parse(body)
 
 
+@pytest.mark.parametrize("name", ["SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE"])
+def test_env_may_not_choose_which_authorities_https_trusts(name: str) -> None:
+    """With a CA of the resource's choosing, a proxy it also names would read the hub token in TLS."""
+    body = merged(minimal(), {"spec": {"decode": {"env": [{"name": name, "value": "/models/ca.pem"}]}}})
+    with pytest.raises(SpecInvalid, match=rf"spec.decode.env: .*{name}"):
+        parse(body)
+
+
 def test_the_hubs_on_off_switches_stay_open_to_env() -> None:
     env = [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "HF_HUB_ENABLE_HF_TRANSFER", "value": "1"}]
     assert parse(merged(minimal(), {"spec": {"decode": {"env": env}}})).spec.decode.env

@@ -44,8 +44,17 @@ HUB_SWITCHES: tuple[str, ...] = (
     "HF_HUB_ETAG_TIMEOUT",
     "HF_HUB_OFFLINE",
 )
+# Which certificate authorities the engines' HTTPS clients trust (Python's ssl, httpx, requests, curl).
+# With one of the resource's choosing, a proxy it names reads the hub token inside TLS; a private CA
+# belongs in the image.
+CA_TRUST_ENV_NAMES: tuple[str, ...] = (
+    "CURL_CA_BUNDLE",
+    "REQUESTS_CA_BUNDLE",
+    "SSL_CERT_DIR",
+    "SSL_CERT_FILE",
+)
 RESERVED_ENV_NAMES: tuple[str, ...] = tuple(
-    sorted({*CONTRACT_ENV_NAMES, *OPERATOR_ENV_NAMES, HUB_ADDRESS_ENV})
+    sorted({*CONTRACT_ENV_NAMES, *OPERATOR_ENV_NAMES, HUB_ADDRESS_ENV, *CA_TRUST_ENV_NAMES})
 )
 
 

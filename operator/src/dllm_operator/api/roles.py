@@ -9,6 +9,7 @@ from pydantic import ConfigDict, Field, field_validator
 from dllm_contract.router_defaults import DEFAULT_HTTP_PORT, DEFAULT_REQUEST_TIMEOUT_S
 from dllm_contract.types import Port, PositiveFloat
 from dllm_operator.api.common import (
+    CA_TRUST_ENV_NAMES,
     CONTROL_PLANE_NOTE,
     HUB_ADDRESS_ENV,
     HUB_ENV_PREFIX,
@@ -122,7 +123,7 @@ ENV_RESERVED = (
     "env may not set a name the operator owns (the KV-transfer contract: VLLM_KV_*, MOONCAKE_PROTOCOL, "
     "MOONCAKE_RDMA_DEVICE, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID; authentication and ports: "
     f"{', '.join(OPERATOR_ENV_NAMES)}; the hub's address: {HUB_ADDRESS_ENV} and {HUB_ENV_PREFIX}* but "
-    f"{', '.join(HUB_SWITCHES)})"
+    f"{', '.join(HUB_SWITCHES)}; the certificate authorities HTTPS trusts: {', '.join(CA_TRUST_ENV_NAMES)})"
 )
 _RESERVED_LIST = ", ".join(f"'{name}'" for name in RESERVED_ENV_NAMES)
 _SWITCH_LIST = ", ".join(f"'{name}'" for name in HUB_SWITCHES)
@@ -167,8 +168,9 @@ class RoleSpec(_Model):
         max_length=64,
         description="Extra environment variables (core/v1 EnvVar). Names the operator sets for KV transfer "
         "(VLLM_KV_*, MOONCAKE_*, MC_GID_INDEX, VLLM_HOST_IP, DLLM_ENGINE_ID) and authentication "
-        f"({', '.join(OPERATOR_ENV_NAMES)}) and the hub's address ({HUB_ADDRESS_ENV}, {HUB_ENV_PREFIX}* but "
-        "its on/off switches) are refused. The chart's admission policy refuses valueFrom.secretKeyRef "
+        f"({', '.join(OPERATOR_ENV_NAMES)}), the hub's address ({HUB_ADDRESS_ENV}, {HUB_ENV_PREFIX}* but "
+        f"its on/off switches) and the CA bundles HTTPS trusts ({', '.join(CA_TRUST_ENV_NAMES)}) are "
+        "refused. The chart's admission policy refuses valueFrom.secretKeyRef "
         "other than the model's hub token Secret outside opted-in namespaces.",
         json_schema_extra=rules(cel(_ENV_RULE, ENV_RESERVED)),
     )
