@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -101,6 +103,7 @@ class Process:
     process: subprocess.Popen[bytes]
     log: Path
     port: int
+    sockets: Path  # VLLM_RPC_BASE_PATH: vLLM leaves its Unix sockets behind, so they go with the process
 
     @property
     def url(self) -> str:
@@ -121,6 +124,8 @@ class Process:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=10)
+        if self.process.poll() is not None:
+            shutil.rmtree(self.sockets, ignore_errors=True)
 
 
 def spawn(name: str, argv: list[str], env: dict[str, str], log: Path, port: int) -> Process:
@@ -130,11 +135,13 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log: Path, port: int)
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
     }  # nothing leaves the host
+    sockets = Path(tempfile.mkdtemp(prefix="dllm-rpc-"))
+    base["VLLM_RPC_BASE_PATH"] = str(sockets)
     with log.open("ab") as out:
         process = subprocess.Popen(
             argv, env={**base, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
         )
-    return Process(name, process, log, port)
+    return Process(name, process, log, port, sockets)
 
 
 def http_status(url: str) -> int | None:

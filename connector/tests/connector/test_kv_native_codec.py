@@ -11,6 +11,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -43,6 +44,14 @@ def _default_kernels_afterwards() -> Iterator[None]:
     yield
     codec.configure(codec.KernelRequest())
     codec.use_kernels("native")
+
+
+@pytest.fixture(autouse=True)
+def fallback_builds_stay_in_the_tests_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refused cache makes the loader build in a fresh temporary directory: this test's, not /tmp."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
 
 
 @pytest.fixture

@@ -5,9 +5,11 @@ process group, and the wait until it answers."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -43,10 +45,12 @@ def engine_args(model: Path, port: int) -> list[str]:
 def dllm_serve(env: Mapping[str, str], args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """`python -m dllm_connector.serve -- args` in its own session, logging to `log`; stopped at the
     end with SIGTERM (SIGKILL past a minute) unless it already ended."""
+    # vLLM's processes meet on Unix sockets in VLLM_RPC_BASE_PATH (default /tmp), never removed on exit.
+    sockets = Path(tempfile.mkdtemp(prefix="dllm-rpc-"))
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dllm_connector.serve", "--", *args],
-            env=dict(env),
+            env={"VLLM_RPC_BASE_PATH": str(sockets), **env},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -61,6 +65,7 @@ def dllm_serve(env: Mapping[str, str], args: list[str], log: Path) -> Iterator[s
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def log_tail(log: Path, lines: int = 20) -> str:
