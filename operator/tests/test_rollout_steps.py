@@ -10,16 +10,22 @@ from typing import Any
 
 from dllm_cases import merged, minimal
 
+from dllm_operator import rollout
 from dllm_operator.api import parse
-from dllm_operator.api.rollout import RolloutSpec
+from dllm_operator.api.rollout import EngineRole, RolloutSpec
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
-from dllm_operator.rollout import STEP_AT, partition_of, progress, step
+from dllm_operator.rollout import STEP_AT, partition_of, progress
 from dllm_operator.status import Observed, conditions, rollout_condition
 
 SURGE = RolloutSpec(max_surge=1)
 NOW = 2_000_000_000.0
 OLD_FP, NEW_FP = "0ld", "1ew"
+
+
+def step(*args: Any, role: EngineRole = "prefill", **kwargs: Any) -> dict[str, Any]:
+    """rollout.step, for prefill (the StatefulSets here are x-prefill's) unless told otherwise."""
+    return rollout.step(*args, role=role, **kwargs)
 
 
 def sts(replicas: int | None, template: str, fingerprint: str = NEW_FP) -> dict[str, Any]:
@@ -203,19 +209,27 @@ def test_a_rollout_past_its_deadline_says_so_and_degrades_the_resource() -> None
     assert (found["Degraded"].status, found["Degraded"].reason) == (True, "ProgressDeadlineExceeded")
 
 
-def _roll_both(prefill: int, decode: int, rollout: RolloutSpec) -> list[tuple[float, float]]:
+def _roll_both(prefill: int, decode: int, spec: RolloutSpec) -> list[tuple[float, float]]:
     """Both roles stepped together, one reconcile after another, every new pod ready at once (the
     fastest case for the skew): each role's progress after each reconcile, until both are done."""
-    n = {"prefill": prefill, "decode": decode}
+    n: dict[EngineRole, int] = {"prefill": prefill, "decode": decode}
     partition = dict(n)
     seen: list[tuple[float, float]] = []
+    pairs: tuple[tuple[EngineRole, EngineRole], ...] = (("prefill", "decode"), ("decode", "prefill"))
     for _ in range(4 * (prefill + decode)):
         actual = {role: live("t2", n[role] + 1, partition[role], "r1", "r2") for role in n}
         progress_now = {role: progress(sts(n[role], "t2"), actual[role]) for role in n}
-        for role, partner in (("prefill", "decode"), ("decode", "prefill")):
+        for role, partner in pairs:
             pods = [pod(i, "r2" if i >= partition[role] else "r1") for i in range(n[role] + 1)]
             moved = step(
-                sts(n[role], "t2"), actual[role], pods, PARTNER_NEW, rollout, NOW, progress_now[partner]
+                sts(n[role], "t2"),
+                actual[role],
+                pods,
+                PARTNER_NEW,
+                spec,
+                NOW,
+                progress_now[partner],
+                role=role,
             )
             partition[role] = partition_of(moved)
         done = {role: (n[role] - partition[role]) / n[role] for role in n}

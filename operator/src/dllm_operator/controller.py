@@ -17,6 +17,7 @@ from typing import Any
 
 from dllm_operator import metrics, rollout
 from dllm_operator.api import KIND, DisaggregatedLLM, SpecInvalid, parse
+from dllm_operator.api.rollout import EngineRole
 from dllm_operator.config import OperatorConfig
 from dllm_operator.events import cr_event, now_iso
 from dllm_operator.kube import ApiError, KubeClient
@@ -249,23 +250,18 @@ class Controller:
         actual: dict[Key, dict[str, Any]],
     ) -> list[dict[str, Any]]:
         """The engine StatefulSets at their surge rollout's step (rollout.py); the rest as rendered."""
-        if cr.spec.rollout.max_surge == 0:
+        if not cr.spec.rollout.coordinated:
             return desired
         pods = pods_by_component(self.store.pods[key].values())
-        engines = {
-            role: obj
-            for obj in desired
-            if obj["kind"] == "StatefulSet"
-            and (role := obj["metadata"].get("labels", {}).get(labels.COMPONENT)) in ("prefill", "decode")
-        }
+        engines = {role: obj for obj in desired if (role := _engine_role(obj)) is not None}
         progress = {role: rollout.progress(obj, actual.get(key_of(obj))) for role, obj in engines.items()}
         stepped: list[dict[str, Any]] = []
         for obj in desired:
-            role = obj["metadata"].get("labels", {}).get(labels.COMPONENT)
-            if engines.get(role) is not obj:
+            role = _engine_role(obj)
+            if role is None or engines.get(role) is not obj:
                 stepped.append(obj)
                 continue
-            partner = "decode" if role == "prefill" else "prefill"
+            partner: EngineRole = "decode" if role == "prefill" else "prefill"
             at = rollout.step(
                 obj,
                 actual.get(key_of(obj)),
@@ -274,6 +270,7 @@ class Controller:
                 cr.spec.rollout,
                 time.time(),
                 partner_progress=progress.get(partner, 1.0),
+                role=role,
             )
             stepped.append(obj if at is obj else with_hash(at))
         return stepped
@@ -356,13 +353,13 @@ class Controller:
                 name
                 for role in ("prefill", "decode")
                 if (workload := workloads.get(role)) is not None
-                and cr.spec.rollout.max_surge > 0
+                and cr.spec.rollout.coordinated
                 and rollout.overdue(workload, cr.spec.rollout, time.time())
                 and (name := workload["metadata"]["name"])
             ),
         )
         status = compute_status(cr, observed, body.get("status"), now_iso())
-        if cr.spec.rollout.max_surge > 0 and any(rollout.rolling(w) for w in workloads.values()):
+        if cr.spec.rollout.coordinated and any(rollout.rolling(w) for w in workloads.values()):
             self._recheck_later(key)  # a rollout's deadline passes with no event to say so
         await self._write_status(body, status)
 
@@ -428,3 +425,11 @@ class Controller:
             await self.client.create_event(event)
         except (TimeoutError, ApiError, OSError) as error:
             log.info("could not post event %s: %s", event["reason"], error)
+
+
+def _engine_role(obj: dict[str, Any]) -> EngineRole | None:
+    """The engine role whose StatefulSet `obj` is, or None for any other child."""
+    component = obj["metadata"].get("labels", {}).get(labels.COMPONENT)
+    if obj["kind"] != "StatefulSet":
+        return None
+    return "prefill" if component == "prefill" else "decode" if component == "decode" else None

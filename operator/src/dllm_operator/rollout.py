@@ -1,22 +1,25 @@
-"""Surge rollouts of the engine StatefulSets (spec.rollout.maxSurge, issue 34). Pure.
+"""Coordinated rollouts of the engine StatefulSets (spec.rollout, issue 34). Pure.
 
 A StatefulSet cannot surge by itself: its rolling update takes a pod down before its replacement is up,
-and a role with one replica has no pod meanwhile. With maxSurge S, the operator rolls a role of N
-replicas through its StatefulSet's replicas and partition instead, one step per reconcile, each step
-read from what the cluster shows (so a restarted operator goes on where it was):
+and a role with one replica has no pod meanwhile. With a role's maxSurge S and maxUnavailable U, the
+operator rolls a role of N replicas through its StatefulSet's replicas and partition instead, one step
+per reconcile, each step read from what the cluster shows (so a restarted operator goes on where it was):
 
 1. the pod template changed: replicas N+S, partition N. The S new ordinals start from the new template;
    the N old pods keep serving.
 2. while pods remain at the old revision: when every ordinal from the partition up is at the new revision
    and ready, and the other role has a ready pod of the new KV fingerprint, the partition goes down by
-   one, so the StatefulSet replaces one old pod (its preStop drains it). A complete pair of the new
-   fingerprint serves before either role's old pods go, and the router pairs only equal fingerprints,
-   so no request meets a pod that cannot read its KV.
+   as many pods as keep N-U of the role's pods ready (S+U when every pod is ready; an old pod that is
+   not ready costs nothing), so the StatefulSet replaces them (its preStop drains each). A complete
+   pair of the new fingerprint serves before either role's old pods go, and the router pairs only equal
+   fingerprints, so no request meets a pod that cannot read its KV. With neither role surging no such
+   pair can come first: prefill takes the first step alone while the old pairs serve (a role of one
+   replica, or one that may lose all its pods at once, has none meanwhile).
 3. every pod at the new revision: replicas N, partition 0; the surge ordinals go (drained the same way).
 
-The roles move in step (spec.rollout.maxSkew): a role replaces its next old pod only while its share of
-old pods replaced, after the step, is no more than maxSkew percent ahead of the other role's, or while
-it is not ahead at all (so one of them can always move, and neither waits on the other for ever).
+The roles move in step (spec.rollout.maxSkew): a role replaces old pods only while its share of old
+pods replaced, after the step, is no more than maxSkew percent ahead of the other role's, or one pod
+while it is not ahead at all (so one of them can always move, and neither waits on the other for ever).
 
 A change back (a rollback) is a template change like any other. `paused` holds the current step.
 Replicas left to an autoscaler are never surged (the count is not the operator's to raise). Each step
@@ -30,7 +33,7 @@ import copy
 from collections.abc import Iterable
 from typing import Any
 
-from dllm_operator.api.rollout import RolloutSpec
+from dllm_operator.api.rollout import EngineRole, RoleBudget, RolloutSpec
 from dllm_operator.pods import is_ready, kv_fingerprint
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
@@ -117,14 +120,16 @@ def step(
     rollout: RolloutSpec,
     now: float,
     partner_progress: float = 1.0,
+    *,
+    role: EngineRole,
 ) -> dict[str, Any]:
-    """The StatefulSet to apply for one role now: `desired` as rendered, at the rollout's current step.
+    """The StatefulSet to apply for `role` now: `desired` as rendered, at the rollout's current step.
     `pods` are the role's, `partner_pods` the other role's, `partner_progress` the other role's
     `progress`; `now` in seconds since the epoch."""
     n = desired["spec"].get("replicas")
-    surge = rollout.max_surge
-    if surge == 0 or n is None or n == 0 or actual is None:
+    if not rollout.coordinated or n is None or n == 0 or actual is None:
         return desired
+    own, partner = rollout.budget(role), rollout.budget("decode" if role == "prefill" else "prefill")
     replicas, last = int(actual.get("spec", {}).get("replicas") or n), step_at(actual) or now
     held = with_steps(desired, replicas, partition_of(actual), last)
 
@@ -135,7 +140,7 @@ def step(
     if _annotation(actual, TEMPLATE_HASH) != _annotation(desired, TEMPLATE_HASH):
         if rollout.paused:  # the template is kept, and no pod takes it yet
             return with_steps(desired, replicas, max(partition_of(actual), replicas), None)
-        return with_steps(desired, n + surge, n, now)  # a new rollout: its clock starts now
+        return with_steps(desired, n + own.surge, n, now)  # a new rollout: its clock starts now
     status = actual.get("status", {})
     if int(status.get("observedGeneration") or 0) < int(actual.get("metadata", {}).get("generation") or 0):
         return held  # its controller has not acted on the last step yet
@@ -146,19 +151,45 @@ def step(
         return moved(n, 0)  # every pod is at the template: any surge ordinals go
     if overdue(actual, rollout, now):
         return held  # failed: stopped where it is until the template changes
-    total, partition = n + surge, partition_of(actual)
+    total, partition = n + own.surge, partition_of(actual)
+    ready = {ordinal for pod in pods if is_ready(pod) and (ordinal := ordinal_of(pod)) is not None}
     fresh = {
         ordinal
         for pod in pods
         if pod.get("metadata", {}).get("labels", {}).get(REVISION_LABEL) == update
-        and is_ready(pod)
-        and (ordinal := ordinal_of(pod)) is not None
+        and (ordinal := ordinal_of(pod)) in ready
     }
+    if partition == 0 or not all(o in fresh for o in range(partition, total)):
+        return moved(total, partition)  # the last step's pods are not all up yet
     fingerprint = desired["spec"]["template"]["metadata"]["labels"].get(labels.KV_FINGERPRINT)
-    pair_ready = fingerprint is None or fingerprint in ready_fingerprints(partner_pods)
-    ahead_after = _replaced(n, partition - 1) - partner_progress
+    # With neither role surging, no pair of the new fingerprint can come first: prefill takes its first
+    # step alone, then waits like decode.
+    leads = role == "prefill" and own.surge == 0 and partner.surge == 0 and partition >= n
+    if not (fingerprint is None or leads or fingerprint in ready_fingerprints(partner_pods)):
+        return moved(total, partition)  # old pods go only once a new pair can serve
+    return moved(total, partition - _replaceable(n, partition, total, ready, own, partner_progress, rollout))
+
+
+def _replaceable(
+    n: int,
+    partition: int,
+    total: int,
+    ready: set[int],
+    own: RoleBudget,
+    partner_progress: float,
+    rollout: RolloutSpec,
+) -> int:
+    """How many old pods, from the partition down, may be replaced at once: the role keeps at least
+    n - maxUnavailable ready pods (an old pod not ready costs nothing to replace), and its share of old
+    pods replaced stays within maxSkew of the other role's, unless it is not ahead now (then one)."""
+    available = (total - partition) + sum(1 for o in range(partition) if o in ready)
     level = _replaced(n, partition) <= partner_progress
-    in_step = level or ahead_after <= rollout.max_skew / 100
-    if partition > 0 and pair_ready and in_step and all(o in fresh for o in range(partition, total)):
-        partition -= 1
-    return moved(total, partition)
+    taken = 0
+    for ordinal in range(partition - 1, -1, -1):
+        cost = 1 if ordinal in ready else 0
+        in_step = _replaced(n, ordinal) - partner_progress <= rollout.max_skew / 100 or (level and not taken)
+        if available - cost < n - own.unavailable or not in_step:
+            break
+        available -= cost
+        taken += 1
+    return taken
