@@ -29,7 +29,7 @@ def surge_cr(prefill: int, decode: int, **rollout: Any) -> dict[str, Any]:
     spec = {
         "prefill": {"replicas": prefill},
         "decode": {"replicas": decode},
-        "rollout": {"maxSurge": 1, **rollout},
+        "rollout": {"maxSurge": 1} | rollout,
     }
     return merged(on_kwok_nodes(load_cr(CPU_SAMPLE)), {"metadata": {"name": "surge"}, "spec": spec})
 
@@ -110,10 +110,10 @@ def events(text: str) -> Iterator[dict[str, Any]]:
 
 def roll_watching_pairs(
     cluster: Cluster, namespace: str, patch: dict[str, Any], prefill: int, decode: int
-) -> tuple[str, dict[str, int]]:
+) -> tuple[str, dict[str, int], dict[str, int]]:
     """Patch the resource and watch every pod event until the rollout settles; after each event, some
-    ready prefill pod and some ready decode pod must share a fingerprint. The new fingerprint, and the
-    most pods of each role alive at once."""
+    ready prefill pod and some ready decode pod must share a fingerprint. The new fingerprint, the most
+    pods of each role alive at once, and the fewest ready."""
     before = fingerprint_of(cluster, namespace)
     existing = {p["metadata"]["name"] for role in pods(cluster, namespace).values() for p in role}
     watch = subprocess.Popen(
@@ -142,6 +142,7 @@ def roll_watching_pairs(
     out = "".join(printed)
     state: dict[str, dict[str, Any]] = {}
     most = {"prefill": 0, "decode": 0}
+    least = {"prefill": prefill, "decode": decode}
     for number, event in enumerate(events(out)):
         pod = event["object"]
         if event["type"] == "DELETED":
@@ -154,9 +155,10 @@ def roll_watching_pairs(
                    for role in most}  # fmt: skip
         for role, role_pods in by_role.items():
             most[role] = max(most[role], sum(not p["metadata"].get("deletionTimestamp") for p in role_pods))
+            least[role] = min(least[role], sum(1 for p in role_pods if ready_fingerprints([p])))
         shared = ready_fingerprints(by_role["prefill"]) & ready_fingerprints(by_role["decode"])
         assert shared, f"no complete pair after event {number}: {event['type']} {pod['metadata']['name']}"
-    return after, most
+    return after, most, least
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (2, 4), (4, 2)])
@@ -166,11 +168,12 @@ def test_a_fingerprint_change_rolls_both_roles_with_a_complete_pair_throughout(
     # maxSkew 25: the roles move in step; the rollout still completes (the role behind may always move)
     first = up(cluster, namespace, surge_cr(prefill, decode, maxSkew=25), prefill, decode)
     patched_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    fp8, most = roll_watching_pairs(
+    fp8, most, least = roll_watching_pairs(
         cluster, namespace, {"kvTransfer": {"compression": "fp8"}}, prefill, decode
     )
     assert fp8 != first
     assert most == {"prefill": prefill + 1, "decode": decode + 1}  # the surge pod, and no more
+    assert least == {"prefill": prefill, "decode": decode}  # maxUnavailable 0: never one short
 
     def status_shows_it_done() -> bool:
         status = cluster.get_json("dllm", "surge", "-n", namespace).get("status", {})
@@ -185,12 +188,24 @@ def test_a_fingerprint_change_rolls_both_roles_with_a_complete_pair_throughout(
     wait_until(
         status_shows_it_done, 60, "status: both roles' pods at the fp8 fingerprint, the rollout's times"
     )
-    back, most = roll_watching_pairs(
+    back, most, _ = roll_watching_pairs(
         cluster, namespace, {"kvTransfer": {"compression": "none"}}, prefill, decode
     )
     assert back == first  # a rollback is the same template, so the same fingerprint
     assert most == {"prefill": prefill + 1, "decode": decode + 1}
     wait_until(lambda: rollout_condition(cluster, namespace).get("reason") == "Complete", 30, "Complete said")
+
+
+def test_per_role_budgets_one_role_replacing_in_place_the_other_surging_two(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """Prefill 2 without surge, one pod short at most; decode 4 with two surge pods: a pair throughout."""
+    budgets = {"maxSurge": 0, "prefill": {"maxUnavailable": 1}, "decode": {"maxSurge": 2}}
+    first = up(cluster, namespace, surge_cr(2, 4, **budgets), 2, 4)
+    fp8, most, least = roll_watching_pairs(cluster, namespace, {"kvTransfer": {"compression": "fp8"}}, 2, 4)
+    assert fp8 != first
+    assert most == {"prefill": 2, "decode": 6}
+    assert least == {"prefill": 1, "decode": 4}
 
 
 def test_a_paused_rollout_adds_and_replaces_nothing(

@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from router_engine_double import FakeVllmEngine
 from router_harness import EngineFactory, RouterFactory, RunningRouter
 
 from dllm_router.endpoints import fits
+from dllm_router.fingerprint_pairs import MAX_PAIRS, OTHER, FingerprintPairs
 from dllm_router.openai import COMPLETIONS
 
 pytestmark = pytest.mark.timeout(20)
@@ -65,6 +67,26 @@ async def test_mid_rollout_every_request_goes_through_a_pair_of_one_fingerprint(
         f'dllm_router_pod_kv_fingerprint{{fingerprint="{NEW}",pod="{d_new.url[7:]}",role="decode"}} 1.0'
         in text
     )
+    counted = {
+        (sample.labels["prefill_fingerprint"], sample.labels["decode_fingerprint"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "dllm_router_fingerprint_pairs"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert set(counted) == {(OLD, OLD), (NEW, NEW)}, counted  # both versions served, none crossed
+    assert sum(counted.values()) == 20
+    assert counted[(OLD, OLD)] == len(p_old.generations)
+
+
+def test_fingerprint_pairs_are_bounded_and_count_a_pod_naming_none_under_empty() -> None:
+    pairs = FingerprintPairs()
+    pairs.count(None, NEW)
+    for n in range(MAX_PAIRS + 5):
+        pairs.count(f"{n:010x}", f"{n:010x}")
+    assert pairs.counts[("", NEW)] == 1
+    assert len(pairs.counts) == MAX_PAIRS + 1  # the bound, and "other"
+    assert pairs.counts[OTHER] == 6
 
 
 async def test_a_fingerprint_without_a_complete_pair_gets_no_request(

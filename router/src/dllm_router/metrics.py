@@ -11,6 +11,7 @@ import prometheus_client.registry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from dllm_router.endpoints import Pool
+from dllm_router.fingerprint_pairs import FingerprintPairs
 from dllm_router.histogram import Histogram
 from dllm_router.pair_latency import PairLatency
 
@@ -55,6 +56,7 @@ class Metrics:
         self.budget_limit = 0
         self.kv_check: Callable[[], Iterable[Metric]] = lambda: ()  # the KV check's families (kv_check.py)
         self.pairs = PairLatency()  # the latencies above, per prefill/decode pair
+        self.fingerprint_pairs = FingerprintPairs()
         self._over_all_pairs = {
             "prefill": self.prefill_seconds,
             "decode_first_byte": self.decode_first_byte_seconds,
@@ -136,6 +138,7 @@ class Metrics:
         yield inflight
         yield ready
         yield fingerprint
+        yield from self.fingerprint_pairs.families()
         yield from self.pairs.families({ep.name for pool in pools for ep in pool.endpoints.values()})
         yield from self.kv_check()
 

@@ -12,6 +12,7 @@ from dllm_router import flows
 from dllm_router.config import RouterConfig
 from dllm_router.endpoints import Endpoint, Pool
 from dllm_router.errors import RouterError, Unreachable
+from dllm_router.fingerprint_pairs import FingerprintPairs
 from dllm_router.memory_budget import AnswerTooLarge, BudgetSpent
 from dllm_router.upstream import ConnectFailed
 
@@ -19,13 +20,14 @@ log = logging.getLogger(__name__)
 
 
 class Pairing:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, fingerprint_pairs: FingerprintPairs) -> None:
         # the settings read per prompt, as plain attributes: a pydantic model's attribute read costs
         # more (its __getattr__ hook makes every read take the slow path; docs/benchmarks.md)
         self._flow = config.flow
         self._bootstrap_port = config.mooncake_bootstrap_port
         self._timeout_s = config.request_timeout_s
         self._dllm_plans = flows.DllmPlans(config)
+        self._count_pair = fingerprint_pairs.count
 
     def pick(self, pool: Pool, tried: list[Endpoint], partner: Pool | Endpoint | None = None) -> Endpoint:
         """The pool's least busy ready pod not tried yet for this prompt; 503 when it has none.
@@ -51,6 +53,7 @@ class Pairing:
 
     def plan(self, rid: str, index: int, p: Endpoint, d: Endpoint) -> flows.PairPlan:
         """What prefill and decode are told for prompt `index` of request `rid`, in the configured flow."""
+        self._count_pair(p.fingerprint, d.fingerprint)
         flow = self._flow
         if flow == "dllm":
             return self._dllm_plans.plan(rid, index, p.host, d.host)

@@ -68,7 +68,7 @@ class Router:
         )
         self.prefill, self.decode = self.pods.prefill, self.pods.decode
         self.discover, self.check_health = self.pods.discover, self.pods.check_health
-        pairing = Pairing(config)
+        pairing = Pairing(config, self.metrics.fingerprint_pairs)
         self.pick, self.plan = pairing.pick, pairing.plan
         self.note_unreachable, self.upstream_failure = pairing.note_unreachable, pairing.upstream_failure
         self.accounting = Accounting(self.metrics)

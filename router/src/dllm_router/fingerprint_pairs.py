@@ -1,0 +1,39 @@
+"""Prompts sent through a prefill/decode pair, by the two pods' KV fingerprints (issue 34).
+
+The router pairs only equal fingerprints (pairing.py), so during a rollout this shows each version's
+share of the traffic, and a pair of two different fingerprints would show here, never hide. Pods that
+name no fingerprint count under "". The label pairs are bounded: past MAX_PAIRS (each rollout adds
+one), new ones count under "other".
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, Metric
+
+MAX_PAIRS = 64
+OTHER = ("other", "other")
+
+
+class FingerprintPairs:
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def count(self, prefill: str | None, decode: str | None) -> None:
+        key = (prefill or "", decode or "")
+        if key not in self.counts and len(self.counts) >= MAX_PAIRS:
+            key = OTHER
+        self.counts[key] += 1
+
+    def families(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "dllm_router_fingerprint_pairs",
+            "Prompts sent through a prefill/decode pair, by each pod's KV fingerprint ('' where it names "
+            "none); the router pairs only equal ones",
+            labels=["prefill_fingerprint", "decode_fingerprint"],
+        )
+        for (prefill, decode), n in sorted(self.counts.items()):
+            family.add_metric([prefill, decode], n)
+        yield family
