@@ -121,13 +121,16 @@ def _geometry(vllm_config: Any) -> Geometry:
     model, cache = vllm_config.model_config, vllm_config.cache_config
     if model is None:
         raise RuntimeError("the dllm connector's worker side needs vLLM's model config")
+    # MLA (DeepSeek, Kimi) caches one latent per token, the same on every TP rank: vLLM says 1 KV head
+    # per rank while the model config still names the attention's head count (gpu-review item 6).
+    mla = bool(getattr(model, "use_mla", False))
     return Geometry(
         block_size=int(cache.block_size),
         num_kv_heads=int(model.get_num_kv_heads(vllm_config.parallel_config)),
         head_dim=int(model.get_head_size()),
         kv_cache_dtype=str(cache.cache_dtype),
         model=str(model.model),
-        total_kv_heads=int(model.get_total_num_kv_heads()),
+        total_kv_heads=1 if mla else int(model.get_total_num_kv_heads()),
     )
 
 

@@ -14,7 +14,8 @@ import torch
 from codec_cases import GROUPS, NH64, blocks
 
 from dllm_connector import codec
-from dllm_connector.codec import kernel_sets, plain_kernels
+from dllm_connector.codec import kernel_sets, plain_kernels, quant
+from dllm_connector.codec.header import MIN_SCALE
 from dllm_contract.kvconfig import Compression
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
@@ -79,6 +80,35 @@ def test_kernels_that_write_other_bytes_where_staging_is_are_refused_at_warm_up(
     with pytest.raises(
         codec.CodecError, match="fake int8 KV kernels on cpu write other bytes than the host's"
     ):
+        codec.warm_up(blocks(), Compression.INT8, GROUPS, staging=torch.device("cpu"))
+
+
+def test_scales_divided_as_cuda_divides_by_a_python_float_are_refused_at_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fake_cuda_scalar_division: int8 scales as CUDA computes `amax / 127.0` (times fl32(1/127)), one
+    ulp low for some bf16 maxima (gpu-review item 1). The warm-up's probes hold every 8-bit mantissa
+    as a group's maximum, so such a set is refused; the old probes let it through."""
+    plain = plain_kernels.PLAIN
+    inverse_127 = torch.tensor(1 / 127, dtype=torch.float32)
+
+    def fake_cuda_scalar_division(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scale = (rows.abs().amax(dim=1).float() * inverse_127).clamp(min=MIN_SCALE)
+        return scale.reciprocal(), scale
+
+    int8 = plain_kernels.CodecKernels(
+        plain_kernels.encoding_with(fake_cuda_scalar_division, quant.int8_codes),
+        plain[Compression.INT8].decode_into,
+    )
+    fake = kernel_sets._Kernels(
+        {Compression.FP8: plain[Compression.FP8], Compression.INT8: int8}, "fake", 1 << 18
+    )
+    maxima = kernel_sets._probe_rows(torch.bfloat16).float().abs().amax(dim=1)
+    differ = (maxima * inverse_127) != torch.div(maxima, torch.full_like(maxima, 127.0))
+    assert int(differ.sum()) >= 4, "the probes hold maxima where the two divisions part"
+    assert kernel_sets._checked(fake, [torch.bfloat16]) is None
+    monkeypatch.setattr(kernel_sets, "_kernels", fake)
+    with pytest.raises(codec.CodecError, match="fake int8 KV kernels on cpu write other bytes"):
         codec.warm_up(blocks(), Compression.INT8, GROUPS, staging=torch.device("cpu"))
 
 

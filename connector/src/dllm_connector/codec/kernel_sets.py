@@ -123,14 +123,18 @@ _PLAIN_KERNELS = _Kernels(PLAIN, "plain", _PLAIN_CHUNK_ELEMENTS)
 
 def _probe_rows(dtype: torch.dtype) -> torch.Tensor:
     """A few groups of each kind encode treats apart: ordinary values, zeros, subnormals, the dtype's
-    largest finite values and exact powers of two."""
+    largest finite values and exact powers of two; and a group whose largest value is each 8-bit
+    mantissa (128..255 / 128, every bf16 one), where a division rounded another way than the host's
+    shows in some scale (gpu-review item 1)."""
     info = torch.finfo(dtype)
+    ramp = torch.linspace(-1.0, 1.0, 32)
     groups = [
         torch.linspace(-2.0, 2.0, 64),
         torch.zeros(32),
-        torch.full((32,), info.tiny) * torch.linspace(-1.0, 1.0, 32),
-        torch.full((32,), info.max) * torch.linspace(-1.0, 1.0, 32),
+        torch.full((32,), info.tiny) * ramp,
+        torch.full((32,), info.max) * ramp,
         2.0 ** torch.arange(-16, 16).float(),
+        (torch.arange(128, 256).float() / 128).unsqueeze(1).mul(ramp).reshape(-1),
     ]
     return torch.cat(groups).to(dtype).reshape(-1, 32)
 

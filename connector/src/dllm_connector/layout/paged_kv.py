@@ -20,6 +20,16 @@ from dllm_connector.layout.tp_mapping import (
 )
 
 
+def in_memory_order(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as a view whose axes follow its memory, outermost first: vLLM hands a head-major cache
+    (VLLM_KV_CACHE_LAYOUT=HND, FlashInfer on Blackwell) as a permuted view of logical shape
+    [2, N, T, H, D] over [2, N, H, T, D] in memory (gpu-review item 7). Unpermuted tensors come back as
+    they are; ties (axes of size 1) keep their order."""
+    strides = tensor.stride()
+    order = sorted(range(tensor.dim()), key=lambda axis: -strides[axis])
+    return tensor if order == list(range(tensor.dim())) else tensor.permute(order)
+
+
 class PagedKV:
     """One worker's registered caches: gather, scatter and address blocks across all layers.
 
@@ -38,7 +48,7 @@ class PagedKV:
         if not caches:
             raise LayoutError("no KV caches registered")
         self.names = sorted(caches)
-        self.caches = [caches[name] for name in self.names]
+        self.caches = [in_memory_order(caches[name]) for name in self.names]
         self.num_blocks = num_blocks
         self.geometry = geometry
         self.tp = tp or TPRank()
