@@ -1,0 +1,1 @@
+"""PD-aware autoscaling (issue 36): the pure decision (decide.py) over measured signals."""
