@@ -1,0 +1,101 @@
+"""The autoscaler's signals from metrics pages as vLLM and the router write them (autoscale/signals.py):
+queued prompt tokens from waiting requests and recent prompt lengths, mean KV-cache usage, latency
+percentiles between two scrapes; a page that lacks a metric or does not parse gives no value."""
+
+from __future__ import annotations
+
+import pytest
+
+from dllm_operator.autoscale.signals import (
+    ITL_HISTOGRAM,
+    TTFT_HISTOGRAM,
+    Histogram,
+    latency,
+    mean_kv_usage,
+    queued_prompt_tokens,
+    read_page,
+)
+
+ENGINE = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="tiny-llama"}} {waiting}
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="tiny-llama"}} {usage}
+# HELP vllm:request_prompt_tokens Number of prefill tokens processed.
+# TYPE vllm:request_prompt_tokens histogram
+vllm:request_prompt_tokens_bucket{{engine="0",le="1000.0",model_name="tiny-llama"}} {small}
+vllm:request_prompt_tokens_bucket{{engine="0",le="+Inf",model_name="tiny-llama"}} {count}
+vllm:request_prompt_tokens_count{{engine="0",model_name="tiny-llama"}} {count}
+vllm:request_prompt_tokens_sum{{engine="0",model_name="tiny-llama"}} {total}
+"""
+
+
+def engine(waiting: float, usage: float, count: float, total: float, small: float | None = None) -> str:
+    return ENGINE.format(
+        waiting=waiting, usage=usage, count=count, total=total, small=count if small is None else small
+    )
+
+
+def router(ttft: list[tuple[str, float]], pairs: list[list[tuple[str, float]]]) -> str:
+    lines = ["# TYPE dllm_router_ttft_seconds histogram"]
+    lines += [f'dllm_router_ttft_seconds_bucket{{le="{le}"}} {n}' for le, n in ttft]
+    lines += ["dllm_router_ttft_seconds_sum 1.0", f"dllm_router_ttft_seconds_count {ttft[-1][1]}"]
+    lines.append("# TYPE dllm_router_pair_inter_token_seconds histogram")
+    for i, pair in enumerate(pairs):
+        labels = f'prefill="p{i}",decode="d{i}"'
+        lines += [f'dllm_router_pair_inter_token_seconds_bucket{{{labels},le="{le}"}} {n}' for le, n in pair]
+        lines += [
+            f"dllm_router_pair_inter_token_seconds_sum{{{labels}}} 1.0",
+            f"dllm_router_pair_inter_token_seconds_count{{{labels}}} {pair[-1][1]}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def test_queued_prompt_tokens_weigh_waiting_requests_by_their_pods_recent_prompts() -> None:
+    # pod a: 4 waiting; 10 prompts of 100 tokens before, then 10 of 3000 between the scrapes
+    a = (read_page(engine(0, 0.1, 10, 1000)), read_page(engine(4, 0.1, 20, 31_000)))
+    # pod b: 2 waiting, no prompt finished between the scrapes: its lifetime mean (500)
+    b = (read_page(engine(0, 0.1, 4, 2000)), read_page(engine(2, 0.1, 4, 2000)))
+    assert queued_prompt_tokens([a, b]) == 4 * 3000 + 2 * 500
+    assert queued_prompt_tokens([(None, read_page(engine(1, 0.1, 0, 0)))]) == 0  # a fresh pod: nothing yet
+
+
+def test_a_page_without_a_metric_or_that_does_not_parse_gives_no_value() -> None:
+    missing = read_page("# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 3\n")
+    assert missing is not None
+    assert queued_prompt_tokens([(None, missing)]) is None
+    assert mean_kv_usage([missing]) is None
+    assert read_page("vllm:num_requests_waiting{engine=} oops\n") is None
+    assert queued_prompt_tokens([(None, None)]) is None  # an unreachable pod is not idle
+
+
+def test_kv_usage_is_the_mean_over_decode_pods() -> None:
+    pages = [read_page(engine(0, usage, 1, 10)) for usage in (0.2, 0.6, 1.0)]
+    assert mean_kv_usage(pages) == pytest.approx(0.6)
+    assert mean_kv_usage([]) is None
+
+
+def test_latency_is_the_90th_percentile_of_what_came_between_two_scrapes() -> None:
+    # before: 100 fast answers; between: 10 more in (0.1, 0.5] and 10 in (0.5, 1.0]
+    before = read_page(router([("0.1", 100), ("0.5", 100), ("1.0", 100), ("+Inf", 100)], []))
+    after = read_page(router([("0.1", 100), ("0.5", 110), ("1.0", 120), ("+Inf", 120)], []))
+    # rank 18 of 20: 8 into the (0.5, 1.0] bucket of 10 -> 0.5 + 0.5 * 0.8
+    assert latency(TTFT_HISTOGRAM, before, after) == pytest.approx(0.9)
+    assert latency(TTFT_HISTOGRAM, after, after) is None  # nothing new: no value, not zero
+    assert latency(TTFT_HISTOGRAM, None, before) == pytest.approx(
+        0.09
+    )  # the whole series: 90 of 100 in (0, 0.1]
+
+
+def test_inter_token_latency_sums_the_router_pairs_and_a_restarted_router_counts_afresh() -> None:
+    pair: list[tuple[str, float]] = [("0.01", 50), ("0.05", 90), ("+Inf", 100)]
+    after = read_page(router([("+Inf", 0)], [pair, pair]))
+    assert latency(ITL_HISTOGRAM, None, after) == pytest.approx(0.05)  # rank 180 of 200: the 0.05 bound
+    restarted = read_page(router([("+Inf", 0)], [[("0.01", 10), ("0.05", 10), ("+Inf", 10)]]))
+    assert latency(ITL_HISTOGRAM, after, restarted) == pytest.approx(0.009)
+
+
+def test_a_quantile_past_the_last_finite_bound_is_that_bound() -> None:
+    slow = Histogram(((0.1, 0.0), (1.0, 0.0), (float("inf"), 5.0)), 50.0, 5.0)
+    assert slow.quantile(0.9) == 1.0
