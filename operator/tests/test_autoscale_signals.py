@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from dllm_operator.api.autoscaling import AutoscalingSpec
+from dllm_operator.autoscale.decide import Signal
 from dllm_operator.autoscale.signals import (
     ITL_HISTOGRAM,
     TTFT_HISTOGRAM,
@@ -14,6 +16,7 @@ from dllm_operator.autoscale.signals import (
     mean_kv_usage,
     queued_prompt_tokens,
     read_page,
+    signals_for,
 )
 
 ENGINE = """# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
@@ -81,9 +84,9 @@ def test_latency_is_the_90th_percentile_of_what_came_between_two_scrapes() -> No
     before = read_page(router([("0.1", 100), ("0.5", 100), ("1.0", 100), ("+Inf", 100)], []))
     after = read_page(router([("0.1", 100), ("0.5", 110), ("1.0", 120), ("+Inf", 120)], []))
     # rank 18 of 20: 8 into the (0.5, 1.0] bucket of 10 -> 0.5 + 0.5 * 0.8
-    assert latency(TTFT_HISTOGRAM, before, after) == pytest.approx(0.9)
-    assert latency(TTFT_HISTOGRAM, after, after) is None  # nothing new: no value, not zero
-    assert latency(TTFT_HISTOGRAM, None, before) == pytest.approx(
+    assert latency(TTFT_HISTOGRAM, [(before, after)]) == pytest.approx(0.9)
+    assert latency(TTFT_HISTOGRAM, [(after, after)]) is None  # nothing new: no value, not zero
+    assert latency(TTFT_HISTOGRAM, [(None, before)]) == pytest.approx(
         0.09
     )  # the whole series: 90 of 100 in (0, 0.1]
 
@@ -91,11 +94,31 @@ def test_latency_is_the_90th_percentile_of_what_came_between_two_scrapes() -> No
 def test_inter_token_latency_sums_the_router_pairs_and_a_restarted_router_counts_afresh() -> None:
     pair: list[tuple[str, float]] = [("0.01", 50), ("0.05", 90), ("+Inf", 100)]
     after = read_page(router([("+Inf", 0)], [pair, pair]))
-    assert latency(ITL_HISTOGRAM, None, after) == pytest.approx(0.05)  # rank 180 of 200: the 0.05 bound
+    assert latency(ITL_HISTOGRAM, [(None, after)]) == pytest.approx(0.05)  # rank 180 of 200: the 0.05 bound
     restarted = read_page(router([("+Inf", 0)], [[("0.01", 10), ("0.05", 10), ("+Inf", 10)]]))
-    assert latency(ITL_HISTOGRAM, after, restarted) == pytest.approx(0.009)
+    assert latency(ITL_HISTOGRAM, [(after, restarted)]) == pytest.approx(0.009)
 
 
 def test_a_quantile_past_the_last_finite_bound_is_that_bound() -> None:
     slow = Histogram(((0.1, 0.0), (1.0, 0.0), (float("inf"), 5.0)), 50.0, 5.0)
     assert slow.quantile(0.9) == 1.0
+
+
+def test_two_routers_latencies_are_one_distribution_and_each_role_gets_its_measure() -> None:
+    fast = read_page(router([("0.1", 9), ("1.0", 9), ("+Inf", 9)], []))
+    slow = read_page(router([("0.1", 0), ("1.0", 1), ("+Inf", 1)], []))
+    assert latency(TTFT_HISTOGRAM, [(None, fast), (None, slow)]) == pytest.approx(0.1)  # rank 9 of 10
+    spec = AutoscalingSpec.model_validate(
+        {
+            "mode": "advisory",
+            "prefill": {"maxReplicas": 4, "target": {"timeToFirstTokenSeconds": 0.5}},
+            "decode": {"maxReplicas": 4, "target": {"kvCacheUsage": 0.5}},
+        }
+    )
+    decode = [(None, read_page(engine(0, 0.8, 1, 10)))]
+    found = signals_for(spec, [], decode, [(None, fast), (None, slow)], 7.0)
+    prefill = found["prefill"]
+    assert prefill is not None
+    assert (prefill.value, prefill.at) == (pytest.approx(0.1), 7.0)
+    assert found["decode"] == Signal(0.8, 7.0)
+    assert signals_for(spec, [], [], [], 7.0) == {"prefill": None, "decode": None}  # no pod: no signal

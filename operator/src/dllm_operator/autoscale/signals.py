@@ -17,10 +17,13 @@ gives no value (never a zero), and the caller says so in status.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from dllm_operator.api.autoscaling import AutoscalingSpec
+from dllm_operator.autoscale.decide import Role, Signal
 
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
@@ -53,6 +56,14 @@ class Histogram:
             self.total - before.total,
             self.count - before.count,
         )
+
+    def plus(self, other: Histogram) -> Histogram | None:
+        """Both series' observations together; None when their buckets differ."""
+        if [b for b, _ in self.buckets] != [b for b, _ in other.buckets]:
+            return None
+        theirs = dict(other.buckets)
+        summed = tuple((bound, n + theirs[bound]) for bound, n in self.buckets)
+        return Histogram(summed, self.total + other.total, self.count + other.count)
 
     def quantile(self, q: float) -> float | None:
         """As PromQL's histogram_quantile: linear within the bucket that holds it; None without
@@ -129,9 +140,39 @@ def mean_kv_usage(pages: Iterable[Page | None]) -> float | None:
     return sum(v for v in values if v is not None) / len(values)
 
 
-def latency(name: str, before: Page | None, after: Page | None) -> float | None:
-    """The 90th percentile of the histogram `name`'s observations between two router pages."""
-    if after is None or name not in after.histograms:
-        return None
-    earlier = before.histograms.get(name) if before else None
-    return after.histograms[name].minus(earlier).quantile(QUANTILE)
+def latency(name: str, pods: Iterable[tuple[Page | None, Page | None]]) -> float | None:
+    """The 90th percentile of the histogram `name`'s observations between two scrapes, over every
+    router pod's (earlier, latest) pages; None when a latest page lacks it or nothing was observed."""
+    merged: Histogram | None = None
+    for before, after in pods:
+        if after is None or name not in after.histograms:
+            return None
+        recent = after.histograms[name].minus(before.histograms.get(name) if before else None)
+        merged = recent if merged is None else merged.plus(recent)
+        if merged is None:
+            return None  # routers with other buckets: not summed
+    return merged.quantile(QUANTILE) if merged else None
+
+
+Scrapes = Sequence[tuple[Page | None, Page | None]]  # each pod's (earlier, latest) page
+
+
+def signals_for(
+    spec: AutoscalingSpec, prefill: Scrapes, decode: Scrapes, routers: Scrapes, now: float
+) -> dict[Role, Signal | None]:
+    """Each configured role's measure for its target, taken `now`; None where it cannot be measured
+    (no pod, a page missing what it needs, no request between the scrapes for a latency)."""
+    found: dict[Role, Signal | None] = {}
+    if spec.prefill is not None:
+        if spec.prefill.target.queued_prompt_tokens_per_replica is not None:
+            value = queued_prompt_tokens(prefill) if prefill else None
+        else:
+            value = latency(TTFT_HISTOGRAM, routers) if routers else None
+        found["prefill"] = None if value is None else Signal(value, now)
+    if spec.decode is not None:
+        if spec.decode.target.kv_cache_usage is not None:
+            value = mean_kv_usage(after for _, after in decode)
+        else:
+            value = latency(ITL_HISTOGRAM, routers) if routers else None
+        found["decode"] = None if value is None else Signal(value, now)
+    return found
