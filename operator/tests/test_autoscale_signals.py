@@ -119,6 +119,7 @@ def test_two_routers_latencies_are_one_distribution_and_each_role_gets_its_measu
     found = signals_for(spec, [], decode, [(None, fast), (None, slow)], 7.0)
     prefill = found["prefill"]
     assert prefill is not None
-    assert (prefill.value, prefill.at) == (pytest.approx(0.1), 7.0)
+    assert prefill.value == pytest.approx(0.1)
+    assert prefill.at == 7.0
     assert found["decode"] == Signal(0.8, 7.0)
     assert signals_for(spec, [], [], [], 7.0) == {"prefill": None, "decode": None}  # no pod: no signal
