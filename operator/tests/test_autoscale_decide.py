@@ -136,3 +136,13 @@ def test_a_role_left_unconfigured_is_not_decided_on() -> None:
 def test_bad_autoscaling_is_refused_with_the_reason(bad: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         AutoscalingSpec.model_validate(bad)
+
+
+def test_the_window_never_raises_a_role_past_what_is_asked_now() -> None:
+    """Advisory mode applies nothing: a burst's count of 10 stays in the window, and a later ask of 5
+    from 3 pods recommends 5, not 10 (an HPA's min(window max, max(current, raw)))."""
+    history: dict[Role, tuple[tuple[float, int], ...]] = {"prefill": ((0.0, 10),)}
+    decision = decide(spec(), {"prefill": 3, "decode": 1}, {"prefill": Signal(10_000.0, 60.0)}, history, 60.0)
+    assert decision.roles["prefill"].replicas == 5
+    down = decide(spec(), {"prefill": 8, "decode": 1}, {"prefill": Signal(2_000.0, 60.0)}, history, 60.0)
+    assert down.roles["prefill"].replicas == 8  # down only to the window's highest (10), capped at 8

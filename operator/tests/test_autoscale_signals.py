@@ -61,7 +61,9 @@ def test_queued_prompt_tokens_weigh_waiting_requests_by_their_pods_recent_prompt
     # pod b: 2 waiting, no prompt finished between the scrapes: its lifetime mean (500)
     b = (read_page(engine(0, 0.1, 4, 2000)), read_page(engine(2, 0.1, 4, 2000)))
     assert queued_prompt_tokens([a, b]) == 4 * 3000 + 2 * 500
-    assert queued_prompt_tokens([(None, read_page(engine(1, 0.1, 0, 0)))]) == 0  # a fresh pod: nothing yet
+    assert queued_prompt_tokens([(None, read_page(engine(0, 0.1, 0, 0)))]) == 0  # a fresh, idle pod
+    # requests waiting where none ever finished (stuck, or just started): not zero load, unknown
+    assert queued_prompt_tokens([(None, read_page(engine(50, 0.1, 0, 0)))]) is None
 
 
 def test_a_page_without_a_metric_or_that_does_not_parse_gives_no_value() -> None:
@@ -123,3 +125,27 @@ def test_two_routers_latencies_are_one_distribution_and_each_role_gets_its_measu
     assert prefill.at == 7.0
     assert found["decode"] == Signal(0.8, 7.0)
     assert signals_for(spec, [], [], [], 7.0) == {"prefill": None, "decode": None}  # no pod: no signal
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-3", "1e999"])
+def test_a_page_with_a_value_that_is_no_count_is_not_read(value: str) -> None:
+    """Engines' pages come over the network: NaN, inf or a negative reading never reaches the decision."""
+    text = engine(1, 0.5, 1, 10).replace(
+        'kv_cache_usage_perc{engine="0",model_name="tiny-llama"} 0.5',
+        f'kv_cache_usage_perc{{engine="0",model_name="tiny-llama"}} {value}',
+    )
+    assert value in text
+    assert read_page(text) is None
+    nan_bound = router([("0.1", 1), ("NaN", 1), ("+Inf", 1)], [])
+    assert read_page(nan_bound) is None
+
+
+def test_a_pair_the_router_dropped_takes_nothing_away_from_the_others() -> None:
+    """A pod left: its pair's series is gone from the later page. Each series is compared with its own
+    earlier value, so the remaining pair's new observations are what counts (never a negative bucket)."""
+    slow: list[tuple[str, float]] = [("0.01", 0), ("0.05", 0), ("+Inf", 1000)]
+    fast_before: list[tuple[str, float]] = [("0.01", 10), ("0.05", 10), ("+Inf", 10)]
+    fast_after: list[tuple[str, float]] = [("0.01", 20), ("0.05", 20), ("+Inf", 20)]
+    before = read_page(router([("+Inf", 0)], [fast_before, slow]))
+    after = read_page(router([("+Inf", 0)], [fast_after]))
+    assert latency(ITL_HISTOGRAM, [(before, after)]) == pytest.approx(0.009)  # 10 new, all under 0.01

@@ -143,3 +143,16 @@ def test_all_zero_leaves_the_statefulsets_own_rolling_update() -> None:
     assert not spec.coordinated
     desired = sts(2, "t2")
     assert rollout.step(desired, live("t1", 2, 0, "r1", "r1"), [], [], spec, 1e9, role="decode") is desired
+
+
+def test_a_role_scaled_down_mid_rollout_goes_on_rolling() -> None:
+    """Prefill 2 -> 1 after a template change left it at replicas 2, partition 2 (no new pod yet):
+    its ordinal 1 is surge now and takes the template, so decode, which does not surge, is not left
+    waiting for a new prefill pod that never comes."""
+    spec = RolloutSpec.model_validate({"prefill": {"maxSurge": 1}})
+    actual = live("t2", 2, 2, "r1", "r2")
+    moved = rollout.step(
+        sts(1, "t2"), actual, [pod(0, "r1"), pod(1, "r1")], [pod(0, "d1", fingerprint=OLD_FP)], spec, 1e9,
+        0.0, role="prefill",
+    )  # fmt: skip
+    assert (moved["spec"]["replicas"], partition_of(moved)) == (2, 1)

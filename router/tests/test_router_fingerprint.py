@@ -87,6 +87,11 @@ def test_fingerprint_pairs_are_bounded_and_count_a_pod_naming_none_under_empty()
     assert pairs.counts[("", NEW)] == 1
     assert len(pairs.counts) == MAX_PAIRS + 1  # the bound, and "other"
     assert pairs.counts[OTHER] == 6
+    # a scrape while full drops the pairs no pod names any more: room for the next version
+    list(pairs.families({f"{MAX_PAIRS - 2:010x}"}))
+    assert set(pairs.counts) == {(f"{MAX_PAIRS - 2:010x}",) * 2}
+    pairs.count("1234567890", "1234567890")
+    assert pairs.counts[("1234567890", "1234567890")] == 1
 
 
 async def test_a_fingerprint_without_a_complete_pair_gets_no_request(

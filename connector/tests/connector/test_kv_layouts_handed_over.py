@@ -61,7 +61,25 @@ def test_a_head_major_and_a_token_major_engine_are_told_apart_at_the_handshake()
     hnd = PagedKV({"a": handed}, NUM_BLOCKS, GEOMETRY)
     nhd = PagedKV({"a": torch.zeros(2, NUM_BLOCKS, BLOCK, HEADS, DIM)}, NUM_BLOCKS, GEOMETRY)
     mismatches = signature_mismatches(hnd.signature(), nhd.signature())
-    assert [line.split(":")[0] for line in mismatches] == ["layer_shape"], mismatches
+    assert [line.split(":")[0] for line in mismatches] == ["axis_order", "layer_shape"], mismatches
+
+
+def test_where_heads_equal_the_block_size_the_handshake_still_tells_the_layouts_apart() -> None:
+    """16 heads a rank and 16-token blocks: both memories are [2, N, 16, 16, D], so the shapes cannot
+    tell them apart; the head-major engine names how its view maps onto memory, and the pair is refused."""
+    square = Geometry(block_size=BLOCK, num_kv_heads=BLOCK, head_dim=DIM)
+    memory = torch.zeros(2, NUM_BLOCKS, BLOCK, BLOCK, DIM)
+    hnd = PagedKV({"a": memory.permute(0, 1, 3, 2, 4)}, NUM_BLOCKS, square)
+    nhd = PagedKV({"a": torch.zeros(2, NUM_BLOCKS, BLOCK, BLOCK, DIM)}, NUM_BLOCKS, square)
+    assert hnd.signature()["layer_shape"] == nhd.signature()["layer_shape"]
+    assert signature_mismatches(hnd.signature(), nhd.signature()) == [
+        "axis_order: ours [0, 1, 3, 2, 4], peer None"
+    ]
+    assert signature_mismatches(nhd.signature(), hnd.signature()) == ["unknown fields: 1 from the peer"]
+    again = PagedKV(
+        {"a": torch.zeros(2, NUM_BLOCKS, BLOCK, BLOCK, DIM).permute(0, 1, 3, 2, 4)}, NUM_BLOCKS, square
+    )
+    assert signature_mismatches(hnd.signature(), again.signature()) == []
 
 
 class ModelConfigDouble(SimpleNamespace):

@@ -151,7 +151,8 @@ def step(
         return moved(n, 0)  # every pod is at the template: any surge ordinals go
     if overdue(actual, rollout, now):
         return held  # failed: stopped where it is until the template changes
-    total, partition = n + own.surge, partition_of(actual)
+    # Scaled down mid-rollout: ordinals past the new count are surge now, rolled as such.
+    total, partition = n + own.surge, min(partition_of(actual), n)
     ready = {ordinal for pod in pods if is_ready(pod) and (ordinal := ordinal_of(pod)) is not None}
     fresh = {
         ordinal

@@ -138,7 +138,8 @@ class Metrics:
         yield inflight
         yield ready
         yield fingerprint
-        yield from self.fingerprint_pairs.families()
+        current = {ep.fingerprint for pool in pools for ep in pool.endpoints.values()}
+        yield from self.fingerprint_pairs.families(current)
         yield from self.pairs.families({ep.name for pool in pools for ep in pool.endpoints.values()})
         yield from self.kv_check()
 

@@ -20,14 +20,19 @@ from dllm_connector.layout.tp_mapping import (
 )
 
 
+def memory_axis_order(tensor: torch.Tensor) -> tuple[int, ...]:
+    """The tensor's axes from outermost to innermost in memory; ties (axes of size 1) keep their order."""
+    strides = tensor.stride()
+    return tuple(sorted(range(tensor.dim()), key=lambda axis: -strides[axis]))
+
+
 def in_memory_order(tensor: torch.Tensor) -> torch.Tensor:
     """`tensor` as a view whose axes follow its memory, outermost first: vLLM hands a head-major cache
     (VLLM_KV_CACHE_LAYOUT=HND, FlashInfer on Blackwell) as a permuted view of logical shape
     [2, N, T, H, D] over [2, N, H, T, D] in memory (gpu-review item 7). Unpermuted tensors come back as
     they are; ties (axes of size 1) keep their order."""
-    strides = tensor.stride()
-    order = sorted(range(tensor.dim()), key=lambda axis: -strides[axis])
-    return tensor if order == list(range(tensor.dim())) else tensor.permute(order)
+    order = memory_axis_order(tensor)
+    return tensor if order == tuple(range(tensor.dim())) else tensor.permute(order)
 
 
 class PagedKV:
@@ -48,6 +53,12 @@ class PagedKV:
         if not caches:
             raise LayoutError("no KV caches registered")
         self.names = sorted(caches)
+        orders = {memory_axis_order(caches[name]) for name in self.names}
+        if len(orders) != 1:
+            raise LayoutError("all attention layers must share one KV layout and dtype")
+        # How the handed-over view maps onto memory: told to the peer when it is not the identity, so a
+        # head-major engine never pairs with a token-major one even where their shapes read the same.
+        self.axis_order = orders.pop()
         self.caches = [in_memory_order(caches[name]) for name in self.names]
         self.num_blocks = num_blocks
         self.geometry = geometry
@@ -127,7 +138,11 @@ class PagedKV:
             "head_dim": self.geometry.head_dim,
             "kv_cache_dtype": self.geometry.kv_cache_dtype,
             "model": self.geometry.model,
-        }
+        } | (
+            {}
+            if self.axis_order == tuple(range(len(self.axis_order)))
+            else {"axis_order": list(self.axis_order)}
+        )
 
     def segment_shape(self, heads: HeadRange | None = None) -> tuple[int, ...]:
         """One segment's shape, or the shape of its part holding `heads`."""

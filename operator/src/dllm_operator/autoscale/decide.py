@@ -60,9 +60,13 @@ def raw_replicas(current: int, value: float, target: float, total: bool) -> int:
     return max(1, math.ceil(load - 1e-9))
 
 
-def _stabilized(raw: int, history: tuple[tuple[float, int], ...], now: float, window: float) -> int:
+def _stabilized(
+    raw: int, current: int, history: tuple[tuple[float, int], ...], now: float, window: float
+) -> int:
+    """Down only to the highest count of the window, and never up past what is asked now (as an HPA:
+    min(highest of the window, max(current, raw)))."""
     recent = [count for at, count in history if now - at <= window]
-    return max([raw, *recent])
+    return min(max([raw, *recent]), max(current, raw))
 
 
 def decide(
@@ -92,7 +96,7 @@ def decide(
         fresh.add(role)
         raw = raw_replicas(have, signal.value, target, total)
         kept[role] = (*past, (now, raw))
-        wanted = _stabilized(raw, past, now, window)
+        wanted = _stabilized(raw, have, past, now, window)
         bounded = min(max(wanted, role_spec.min_replicas), role_spec.max_replicas)
         reason = f"{measure} {signal.value:g} against {target:g}: {raw}"
         if wanted != raw:

@@ -81,55 +81,94 @@ class Histogram:
         return lower
 
 
+LabelSet = tuple[tuple[str, str], ...]
+
+
 @dataclass(frozen=True)
 class Page:
-    """The values of one metrics page the autoscaler reads (None: absent)."""
+    """The values of one metrics page the autoscaler reads (absent: not on the page): gauges over
+    their label sets, histograms per label set (the router drops a pair's series when a pod goes, so
+    differences are taken per series, never of sums)."""
 
     gauges: Mapping[str, float]
-    histograms: Mapping[str, Histogram]
+    histograms: Mapping[str, Mapping[LabelSet, Histogram]]
+
+    def merged(self, name: str) -> Histogram | None:
+        """Every series of histogram `name` together (None: absent, or series with other buckets)."""
+        return _merge(self.histograms.get(name, {}).values()) if name in self.histograms else None
+
+    def since(self, name: str, before: Page | None) -> Histogram | None:
+        """What histogram `name` observed since `before` (each series against its own earlier value)."""
+        if name not in self.histograms:
+            return None
+        earlier = before.histograms.get(name, {}) if before else {}
+        return _merge(h.minus(earlier.get(labels)) for labels, h in self.histograms[name].items())
+
+
+def _merge(histograms: Iterable[Histogram]) -> Histogram | None:
+    merged: Histogram | None = None
+    for histogram in histograms:
+        merged = histogram if merged is None else merged.plus(histogram)
+        if merged is None:
+            return None
+    return merged if merged is not None else Histogram((), 0.0, 0.0)
 
 
 def read_page(text: str) -> Page | None:
-    """The page's gauges (summed over label sets) and histograms of the names above; None when it
-    does not parse."""
+    """The page's gauges and histograms of the names above; None when it does not parse, or holds a
+    value that is not a finite, non-negative number."""
     gauges: dict[str, float] = {}
-    parts: dict[str, dict[str, float]] = {}
+    parts: dict[str, dict[LabelSet, dict[float | str, float]]] = {}
     try:
         for family in text_string_to_metric_families(text):
-            if family.name in (WAITING, KV_USAGE):
-                gauges[family.name] = sum(s.value for s in family.samples)
+            values = [sample.value for sample in family.samples]
+            if not all(math.isfinite(v) and v >= 0 for v in values):
+                return None
+            if family.name == WAITING:
+                gauges[WAITING] = sum(values)  # each data-parallel engine's queue adds up
+            elif family.name == KV_USAGE and values:
+                gauges[KV_USAGE] = sum(values) / len(values)  # a usage share: the engines' mean
             elif family.name in (PROMPT_TOKENS, TTFT_HISTOGRAM, ITL_HISTOGRAM):
-                found = parts.setdefault(family.name, {})
                 for sample in family.samples:
+                    labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
+                    found = parts.setdefault(family.name, {}).setdefault(labels, {})
                     if sample.name.endswith("_bucket"):
-                        key = f"le={float(sample.labels['le'])!r}"
+                        bound = float(sample.labels["le"])
+                        if math.isnan(bound):
+                            return None
+                        found[bound] = sample.value
                     elif sample.name.endswith(("_sum", "_count")):
-                        key = sample.name.rsplit("_", 1)[-1]
-                    else:
-                        continue
-                    found[key] = found.get(key, 0.0) + sample.value
+                        found[sample.name.rsplit("_", 1)[-1]] = sample.value
     except (ValueError, KeyError, TypeError):
         return None
-    histograms = {}
-    for name, found in parts.items():
-        bounds = sorted(float(key[3:]) for key in found if key.startswith("le="))
-        if bounds and "sum" in found and "count" in found:
-            buckets = tuple((bound, found[f"le={bound!r}"]) for bound in bounds)
-            histograms[name] = Histogram(buckets, found["sum"], found["count"])
+    histograms: dict[str, dict[LabelSet, Histogram]] = {}
+    for name, series in parts.items():
+        histograms[name] = {}
+        for labels, found in series.items():
+            bounds = sorted(key for key in found if isinstance(key, float))
+            if bounds and "sum" in found and "count" in found:
+                buckets = tuple((bound, found[bound]) for bound in bounds)
+                histograms[name][labels] = Histogram(buckets, found["sum"], found["count"])
     return Page(gauges, histograms)
 
 
 def queued_prompt_tokens(pods: Iterable[tuple[Page | None, Page | None]]) -> float | None:
     """Over (earlier, latest) pages of each prefill pod: waiting requests times their pod's mean
-    prompt. None when any latest page lacks what it needs (a pod not measured is not zero load)."""
+    prompt (of those finished between the pages, else over its life). None when any latest page lacks
+    what it needs (a pod not measured is not zero load)."""
     total = 0.0
     for before, after in pods:
-        if after is None or WAITING not in after.gauges or PROMPT_TOKENS not in after.histograms:
+        prompts = after.merged(PROMPT_TOKENS) if after else None
+        recent = after.since(PROMPT_TOKENS, before) if after else None
+        if after is None or WAITING not in after.gauges or prompts is None or recent is None:
             return None
-        prompts = after.histograms[PROMPT_TOKENS]
-        recent = prompts.minus(before.histograms.get(PROMPT_TOKENS) if before else None)
-        mean = recent.total / recent.count if recent.count > 0 else prompts.total / max(prompts.count, 1)
-        total += after.gauges[WAITING] * mean
+        waiting = after.gauges[WAITING]
+        if recent.count > 0:
+            total += waiting * recent.total / recent.count
+        elif prompts.count > 0:
+            total += waiting * prompts.total / prompts.count
+        elif waiting > 0:
+            return None  # requests wait where none ever finished: their length is not known, nor zero
     return total
 
 
@@ -143,14 +182,13 @@ def mean_kv_usage(pages: Iterable[Page | None]) -> float | None:
 def latency(name: str, pods: Iterable[tuple[Page | None, Page | None]]) -> float | None:
     """The 90th percentile of the histogram `name`'s observations between two scrapes, over every
     router pod's (earlier, latest) pages; None when a latest page lacks it or nothing was observed."""
-    merged: Histogram | None = None
+    recent: list[Histogram] = []
     for before, after in pods:
-        if after is None or name not in after.histograms:
+        since = after.since(name, before) if after else None
+        if since is None:
             return None
-        recent = after.histograms[name].minus(before.histograms.get(name) if before else None)
-        merged = recent if merged is None else merged.plus(recent)
-        if merged is None:
-            return None  # routers with other buckets: not summed
+        recent.append(since)
+    merged = _merge(recent)
     return merged.quantile(QUANTILE) if merged else None
 
 
