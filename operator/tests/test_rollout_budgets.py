@@ -35,7 +35,8 @@ class Role:
 
     def live(self) -> dict[str, Any]:
         old = any(revision == "r1" for revision, _ in self.pods.values())
-        return live(self.template, self.replicas, self.partition, "r1" if old else "r2", "r2")
+        update = "r2" if self.template == "t2" else "r1"  # the revision of the template it holds
+        return live(self.template, self.replicas, self.partition, "r1" if old else "r2", update)
 
     def pod_list(self, now: int) -> list[dict[str, Any]]:
         return [

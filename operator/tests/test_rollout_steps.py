@@ -261,3 +261,25 @@ def test_progress_is_the_share_of_old_pods_replaced() -> None:
     assert progress(sts(2, "t2"), live("t1", 2, 0, "r1", "r1")) == 0.0  # the template changed, no step yet
     assert progress(sts(4, "t2"), live("t2", 5, 3, "r1", "r2")) == 0.25
     assert progress(sts(4, "t2"), live("t2", 5, 0, "r2", "r2")) == 1.0  # every pod new
+
+
+def test_a_change_while_a_rollout_runs_waits_for_it_then_rolls() -> None:
+    """1/1 with one surge pod, mid-way: the surge pod ready at the new template, ordinal 0 restarting.
+    A further change (or an undo) does not take the ready surge pod down with the other restarting:
+    the rollout under way finishes at its template first, then the next starts. A failed (overdue)
+    one is not waited for."""
+    mid = live("t2", 2, 0, "r1", "r2")
+    mid["spec"]["template"]["metadata"]["labels"]["revision-of"] = "t2"
+    restarting = [pod(0, "r2", ready=False), pod(1, "r2")]
+    held = step(sts(1, "t3"), mid, restarting, PARTNER_NEW, SURGE, NOW)
+    assert held["metadata"]["annotations"][TEMPLATE_HASH] == "t2"
+    assert held["spec"]["template"]["metadata"]["labels"]["revision-of"] == "t2"
+    assert at(held) == (2, 0)
+    settled = live("t2", 2, 0, "r2", "r2")
+    assert at(step(sts(1, "t3"), settled, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE, NOW)) == (1, 0)
+    done = live("t2", 1, 0, "r2", "r2")
+    started = step(sts(1, "t3"), done, [pod(0, "r2")], PARTNER_NEW, SURGE, NOW)
+    assert (started["metadata"]["annotations"][TEMPLATE_HASH], at(started)) == ("t3", (2, 1))
+    failed = live("t2", 2, 1, "r1", "r2", stepped=NOW - SURGE.progress_deadline_seconds - 1)
+    undone = step(sts(1, "t1"), failed, [pod(0, "r1"), pod(1, "r2", ready=False)], PARTNER_OLD, SURGE, NOW)
+    assert (undone["metadata"]["annotations"][TEMPLATE_HASH], at(undone)) == ("t1", (2, 1))

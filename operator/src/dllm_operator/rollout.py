@@ -21,7 +21,9 @@ The roles move in step (spec.rollout.maxSkew): a role replaces old pods only whi
 pods replaced, after the step, is no more than maxSkew percent ahead of the other role's, or one pod
 while it is not ahead at all (so one of them can always move, and neither waits on the other for ever).
 
-A change back (a rollback) is a template change like any other. `paused` holds the current step.
+A change back (a rollback) is a template change like any other; one made while a rollout runs waits
+for it to finish (restarting from the mixed pods would take the newest ready ones down at once), unless
+that rollout failed its deadline. `paused` holds the current step.
 Replicas left to an autoscaler are never surged (the count is not the operator's to raise). Each step
 stamps the StatefulSet (STEP_AT, seconds since the epoch); a rollout whose last step is older than its
 progressDeadlineSeconds is failed and held there, the old pods serving, until the template changes.
@@ -94,6 +96,17 @@ def overdue(sts: dict[str, Any], rollout: RolloutSpec, now: float) -> bool:
     return rolling(sts) and at is not None and now - at > rollout.progress_deadline_seconds
 
 
+def _with_template_of(actual: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+    """`desired` with the pod template (and its hash) the live StatefulSet rolls out now."""
+    out = copy.deepcopy(desired)
+    out["spec"]["template"] = copy.deepcopy(actual["spec"]["template"])
+    out["metadata"]["annotations"] = {
+        **out["metadata"].get("annotations", {}),
+        TEMPLATE_HASH: _annotation(actual, TEMPLATE_HASH) or "",
+    }
+    return out
+
+
 def progress(desired: dict[str, Any], actual: dict[str, Any] | None) -> float:
     """How far one role's surge rollout is, from 0 to 1: the share of its old pods replaced. 1 when the
     role is not rolling (nothing to wait for), 0 when its template changed and no step was taken."""
@@ -140,6 +153,12 @@ def step(
     if _annotation(actual, TEMPLATE_HASH) != _annotation(desired, TEMPLATE_HASH):
         if rollout.paused:  # the template is kept, and no pod takes it yet
             return with_steps(desired, replicas, max(partition_of(actual), replicas), None)
+        under_way = rolling(actual) or replicas > n or partition_of(actual) > 0
+        if under_way and not overdue(actual, rollout, now):
+            # A change while a rollout runs waits for it: restarting from the mixed pods would take
+            # the newest ready ones down at once. A failed rollout is not waited for.
+            in_flight = _with_template_of(actual, desired)
+            return step(in_flight, actual, pods, partner_pods, rollout, now, partner_progress, role=role)
         return with_steps(desired, n + own.surge, n, now)  # a new rollout: its clock starts now
     status = actual.get("status", {})
     if int(status.get("observedGeneration") or 0) < int(actual.get("metadata", {}).get("generation") or 0):
