@@ -52,12 +52,14 @@ class OperatorProcess:
         for namespace in self.namespaces:
             args += ["--namespace", namespace]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_")}
-        # No reads of the routers' KV check pages from this machine: kwok's pods have made-up addresses
-        # that route off it. The chart's operator, in the real node's namespace, reads them there.
+        # No reads of the routers' KV check pages, nor of metrics for autoscaling, from this machine:
+        # kwok's pods have made-up addresses that route off it. The chart's operator, in the real node's
+        # namespace, reads them there.
         env |= {
             "KUBECONFIG": str(self.kubeconfig),
             "PYTHONUNBUFFERED": "1",
             "DLLM_KV_CHECK_POLL_SECONDS": "0",
+            "DLLM_AUTOSCALE_POLL_SECONDS": "0",
         }
         env |= self.env
         self._log = self.log_path.open("ab")

@@ -141,6 +141,24 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         spec(decode={"env": [{"name": "SSL_CERT_FILE", "value": "/models/attacker-ca.pem"}]}),
         "spec.decode.env",
     ),
+    (
+        "autoscaling-two-targets",
+        spec(
+            autoscaling={
+                "mode": "advisory",
+                "prefill": {
+                    "maxReplicas": 2,
+                    "target": {"queuedPromptTokensPerReplica": 4096, "timeToFirstTokenSeconds": 1.0},
+                },
+            }
+        ),
+        "spec.autoscaling.prefill.target",
+    ),
+    (
+        "autoscaling-min-over-max",
+        spec(autoscaling={"decode": {"minReplicas": 3, "maxReplicas": 2, "target": {"kvCacheUsage": 0.7}}}),
+        "spec.autoscaling.decode",
+    ),
     ("host-network-without-rdma", spec(rdma={"hostNetwork": True}), "spec.rdma.hostNetwork"),
     (
         "router-grace-below-prestop-and-margin",

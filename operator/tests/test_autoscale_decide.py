@@ -119,7 +119,7 @@ def test_the_ratio_bounds_raise_the_role_that_lacks_and_never_move_a_role_withou
 
 
 def test_a_role_left_unconfigured_is_not_decided_on() -> None:
-    only_decode = AutoscalingSpec.model_validate({"mode": "active", "decode": KV})
+    only_decode = AutoscalingSpec.model_validate({"mode": "advisory", "decode": KV})
     decision = decide(only_decode, {"prefill": 3, "decode": 1}, {"decode": Signal(1.0, 0.0)}, {}, 0.0)
     assert set(decision.roles) == {"decode"}
 
@@ -130,7 +130,7 @@ def test_a_role_left_unconfigured_is_not_decided_on() -> None:
         ({"prefill": {"maxReplicas": 2, "target": {}}}, "exactly one target"),
         ({"decode": {"minReplicas": 3, "maxReplicas": 2, "target": {"kvCacheUsage": 0.5}}}, "may not exceed"),
         ({"decode": {"maxReplicas": 2, "target": {"kvCacheUsage": 1.5}}}, "less than or equal to 1"),
-        ({"mode": "on"}, "Input should be 'off', 'advisory' or 'active'"),
+        ({"mode": "on"}, "Input should be 'off' or 'advisory'"),
     ],
 )
 def test_bad_autoscaling_is_refused_with_the_reason(bad: dict[str, Any], message: str) -> None:

@@ -113,6 +113,35 @@ def test_a_router_closed_to_all_but_its_clients_admits_the_operator_pods_that_re
     assert router_peers(minimal(), IN_CLUSTER) is None
 
 
+def test_the_engines_admit_the_operator_pods_on_http_only_while_its_autoscaler_reads_them() -> None:
+    """Advisory autoscaling reads the engines' /metrics: their policy admits the operator's pods on the
+    HTTP port then, and not otherwise (nor off-cluster, nor with the reading off)."""
+    advisory = {"mode": "advisory", "decode": {"maxReplicas": 2, "target": {"kvCacheUsage": 0.7}}}
+    body = merged(minimal(), {"spec": {"autoscaling": advisory}})
+    http = [{"port": "http", "protocol": "TCP"}]
+
+    def engine_ingress(spec: dict[str, Any], config: OperatorConfig) -> list[dict[str, Any]]:
+        rules: list[dict[str, Any]] = policy(render_all(parse(spec), config), "minimal-engines")["spec"][
+            "ingress"
+        ]
+        return rules
+
+    assert {"from": [OPERATOR_PODS], "ports": http} in engine_ingress(body, IN_CLUSTER)
+    for spec, config in (
+        (minimal(), IN_CLUSTER),
+        (body, OperatorConfig()),
+        (body, IN_CLUSTER.model_copy(update={"autoscale_poll_seconds": 0})),
+    ):
+        assert all(OPERATOR_PODS not in rule.get("from", []) for rule in engine_ingress(spec, config))
+    # a router closed to all but its clients admits the operator too (its TTFT and ITL histograms)
+    clients = {"podSelector": {"matchLabels": {"role": "client"}}}
+    closed = merged(body, {"spec": {"security": {"routerAllowedFrom": [clients]}}})
+    assert router_peers(closed, IN_CLUSTER.model_copy(update={"kv_check_poll_seconds": 0})) == [
+        clients,
+        OPERATOR_PODS,
+    ]
+
+
 def test_without_a_router_the_engines_http_port_is_the_endpoint() -> None:
     manifests = rendered(merged(minimal(), {"spec": {"router": {"enabled": False}}}))
     assert [m["metadata"]["name"] for m in of_kind(manifests, "NetworkPolicy")] == ["minimal-engines"]

@@ -90,6 +90,8 @@ class OperatorConfig(BaseModel):
     # KVTransferVerified stays Unknown). The router checks a new pair at once, so a rollout's verdict
     # shows within this.
     kv_check_poll_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 15.0
+    # How often the autoscaler reads the metrics of resources with spec.autoscaling (autoscale/); 0: never.
+    autoscale_poll_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 15.0
 
     @field_validator("allow_privileged_engines", mode="before")
     @classmethod
@@ -133,6 +135,7 @@ ENV_NAMES: Mapping[str, str] = {
     "pod_namespace": "POD_NAMESPACE",
     "pod_labels": "DLLM_OPERATOR_POD_LABELS",
     "kv_check_poll_seconds": "DLLM_KV_CHECK_POLL_SECONDS",
+    "autoscale_poll_seconds": "DLLM_AUTOSCALE_POLL_SECONDS",
 }
 # field -> the `dllm-operator run` flag that also sets it.
 FLAGS: Mapping[str, str] = {"log_level": logs.LOG_LEVEL_FLAG, "namespaces": "--namespace"}

@@ -18,6 +18,8 @@ from typing import Any
 from dllm_operator import metrics, rollout
 from dllm_operator.api import KIND, DisaggregatedLLM, SpecInvalid, parse
 from dllm_operator.api.rollout import EngineRole
+from dllm_operator.autoscale.decide import Role
+from dllm_operator.autoscale.poller import AutoscalePoller, Target
 from dllm_operator.config import OperatorConfig
 from dllm_operator.events import cr_event, now_iso
 from dllm_operator.kube import ApiError, KubeClient
@@ -64,6 +66,7 @@ class Controller:
     _secrets_made: set[tuple[CRKey, str]] = field(default_factory=set)
     _rechecks: set[CRKey] = field(default_factory=set)  # keys with a FailedCreate recheck scheduled
     _kv_pages: dict[CRKey, dict[str, Page]] = field(default_factory=dict)  # router pods' KV check pages
+    _autoscaling: dict[CRKey, dict[str, Any]] = field(default_factory=dict)  # status.autoscaling to write
 
     # ---- inputs ----
 
@@ -90,6 +93,7 @@ class Controller:
         self._apply_errors.pop(key, None)
         self._rendered.pop(key, None)
         self._kv_pages.pop(key, None)
+        self._autoscaling.pop(key, None)
 
     async def seed(self, namespaces: tuple[str, ...]) -> None:
         """Fill the caches before the first reconcile, so a restart makes no needless writes."""
@@ -130,6 +134,11 @@ class Controller:
         if self.config.kv_check_poll_seconds > 0:
             poller = KVPoller(self.config.kv_check_poll_seconds, self._kv_targets, self._on_kv_pages)
             background.append(poller.run())
+        if self.config.autoscale_poll_seconds > 0:
+            autoscaler = AutoscalePoller(
+                self.config.autoscale_poll_seconds, self._autoscale_targets, self._on_autoscaled
+            )
+            background.append(autoscaler.run())
         await asyncio.gather(*(self._worker() for _ in range(count)), *background)
 
     # ---- the KV check (kv_poll.py reads the routers' pages; kv_transfer.py says what they mean) ----
@@ -150,6 +159,37 @@ class Controller:
     def _on_kv_pages(self, key: CRKey, pages: dict[str, Page]) -> None:
         self._kv_pages[key] = pages
         self.queue.add(key)
+
+    # ---- autoscaling, advisory (autoscale/: the reads, the signals, the decision) ----
+
+    def _autoscale_targets(self) -> dict[CRKey, Target]:
+        """What each resource with spec.autoscaling on reads: its ready pods with an HTTP port, and the
+        replicas its engine StatefulSets run (the leader's work)."""
+        if not self.is_leader():
+            return {}
+        found: dict[CRKey, Target] = {}
+        for key, (_, cr, _) in self._rendered.items():
+            if key not in self.store.resources or cr.spec.autoscaling.mode == "off":
+                continue
+            pods = pods_by_component(self.store.pods[key].values())
+            workloads = workloads_by_component(self.store.children[key].values())
+            current: dict[Role, int] = {
+                role: int(workloads.get(role, {}).get("spec", {}).get("replicas") or 0)
+                for role in ("prefill", "decode")
+            }
+            readable = {role: router_pods(pods.get(role, [])) for role in ("prefill", "decode", "router")}
+            found[key] = Target(cr.spec.autoscaling, readable, current)
+        return found
+
+    def _on_autoscaled(self, key: CRKey, status: dict[str, Any], changed: bool) -> None:
+        self._autoscaling[key] = status
+        self.queue.add(key)
+        body = self.store.resources.get(key)
+        if changed and body is not None:
+            said = ", ".join(
+                f"{role} {status[role]['replicas']}" for role in ("prefill", "decode") if role in status
+            )
+            self._event(body, "AutoscalingRecommendation", f"recommended replicas: {said}")
 
     async def _resync(self) -> None:
         while True:
@@ -357,6 +397,7 @@ class Controller:
                 and rollout.overdue(workload, cr.spec.rollout, time.time())
                 and (name := workload["metadata"]["name"])
             ),
+            autoscaling=self._autoscaling.get(key) if cr.spec.autoscaling.mode != "off" else None,
         )
         status = compute_status(cr, observed, body.get("status"), now_iso())
         if cr.spec.rollout.coordinated and any(rollout.rolling(w) for w in workloads.values()):

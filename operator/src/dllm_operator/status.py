@@ -54,6 +54,7 @@ class Observed:
     create_failures: tuple[str, ...] = ()  # why a workload's controller could not create its pods
     kv_check: KVCheckView | None = None  # what the router pods' KV checks say (kv_transfer.py)
     rollouts_overdue: tuple[str, ...] = ()  # StatefulSets whose surge rollout passed its deadline
+    autoscaling: Mapping[str, Any] | None = None  # status.autoscaling, the autoscaler's latest (autoscale/)
 
 
 def missing_pods(workload: dict[str, Any] | None, pods: list[dict[str, Any]]) -> bool:
@@ -301,6 +302,8 @@ def compute_status(
         status["rollout"] = times
     if observed.kv_check is not None and observed.kv_check.checked:
         status["kvTransfer"] = kv_transfer.status_of(kv)
+    if observed.autoscaling is not None:
+        status["autoscaling"] = dict(observed.autoscaling)
     return status
 
 

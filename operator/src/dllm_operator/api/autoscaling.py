@@ -1,7 +1,7 @@
-"""spec.autoscaling: prefill and decode scaled from their own signals, within bounds (issue 36).
-
-The models the decision (autoscale/decide.py) reads; the resource takes them once the signals are
-wired to the operator.
+"""spec.autoscaling: prefill and decode recommended replicas from their own signals, within bounds
+(issue 36). The decision is autoscale/decide.py; advisory mode writes it to status. Active mode (the
+operator scaling the roles itself) is to come: until then an HPA on the StatefulSets (replicas unset)
+is the way to act on the same signals.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pydantic import ConfigDict, Field, model_validator
 
 from dllm_operator.api.common import _Model, cel, rules
 
-AutoscalingMode = Literal["off", "advisory", "active"]
+AutoscalingMode = Literal["off", "advisory"]
 Replicas = Annotated[int, Field(ge=1, le=10000)]
 ONE_TARGET = "exactly one target"
 MIN_OVER_MAX = "minReplicas may not exceed maxReplicas"
@@ -133,8 +133,9 @@ class RatioBounds(_Model):
 class AutoscalingSpec(_Model):
     mode: AutoscalingMode = Field(
         "off",
-        description="off; advisory: the recommendation in status and an Event when it changes, nothing "
-        "scaled; active: the operator sets the roles' replicas itself.",
+        description="off; advisory: the operator reads the engines' and router's metrics and writes each "
+        "role's recommended replicas, the signal and the reason to status.autoscaling, with an Event when "
+        "a recommendation changes; nothing is scaled.",
     )
     prefill: PrefillAutoscaling | None = Field(
         None, description="Prefill's bounds and target; unset: not scaled."

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
+from dllm_operator.api.autoscaling import AutoscalingSpec
 from dllm_operator.api.common import DNS_1035, MAX_NAME_LENGTH, OPTED_IN, Name, _Model, cel, rules
 from dllm_operator.api.model_spec import ModelSpec
 from dllm_operator.api.roles import DecodeSpec, LocalObjectReference, PrefillSpec, RouterSpec, SecuritySpec
@@ -109,6 +110,10 @@ class Spec(_Model):
     )
     rollout: RolloutSpec = Field(
         RolloutSpec(), description="How a change to the engines' pods rolls out (surge, pause)."
+    )
+    autoscaling: AutoscalingSpec = Field(
+        AutoscalingSpec(),
+        description="Recommended replicas per role from the engines' own signals (advisory mode).",
     )
     security: SecuritySpec = Field(
         SecuritySpec(),
@@ -218,6 +223,28 @@ class KVTransferStatus(BaseModel):
     )
 
 
+class RoleRecommendation(BaseModel):
+    """One role's recommended replicas (spec.autoscaling, advisory)."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    replicas: int = Field(description="The replicas the role should run.")
+    current: int = Field(description="The replicas it runs now.")
+    measure: Annotated[str, Field(max_length=64)] = Field(description="What its target measures.")
+    value: float | None = Field(None, description="The measure's value (absent: no fresh signal).")
+    reason: Annotated[str, Field(max_length=1024)] = Field(description="How the count was reached.")
+
+
+class AutoscalingStatus(BaseModel):
+    """The autoscaler's latest recommendation."""
+
+    model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True)
+
+    decided_at: datetime | None = Field(None, description="When the signals behind it were read.")
+    prefill: RoleRecommendation | None = Field(None, description="Prefill's recommendation.")
+    decode: RoleRecommendation | None = Field(None, description="Decode's recommendation.")
+
+
 class Status(BaseModel):
     """Observed state, written by the operator."""
 
@@ -234,6 +261,9 @@ class Status(BaseModel):
         None, description="Whether KV really moves between prefill and decode (the router's KV check)."
     )
     rollout: RolloutStatus | None = Field(None, description="The latest rollout of the engines' pods.")
+    autoscaling: AutoscalingStatus | None = Field(
+        None, description="Recommended replicas per role (spec.autoscaling), with the signals behind them."
+    )
     conditions: Annotated[tuple[StatusCondition, ...], Field(max_length=16)] | None = Field(
         None,
         description="Current conditions.",

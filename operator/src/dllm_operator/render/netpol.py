@@ -45,10 +45,12 @@ def _router_ports(cr: DisaggregatedLLM) -> list[dict[str, Any]]:
     return ports
 
 
-def engines_policy(cr: DisaggregatedLLM) -> dict[str, Any]:
+def engines_policy(cr: DisaggregatedLLM, config: OperatorConfig | None = None) -> dict[str, Any]:
     security = cr.spec.security
     http = [{"port": "http", "protocol": "TCP"}]
     ingress: list[dict[str, Any]] = [{"from": [{"podSelector": engine_selector(cr)}]}]
+    if config is not None and (operator := autoscaler_peer(cr, config)) is not None:
+        ingress.append({"from": [operator], "ports": http})  # the autoscaler reads /metrics
     if cr.spec.router.enabled:
         router_pods = {"podSelector": {"matchLabels": labels.selector(cr, "router")}}
         ingress.append({"from": [router_pods], "ports": _router_ports(cr)})
@@ -64,16 +66,27 @@ def engines_policy(cr: DisaggregatedLLM) -> dict[str, Any]:
     }
 
 
-def operator_peer(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any] | None:
-    """The operator's pods, where they read this resource's KV check (None off-cluster or unchecked)."""
-    if not (config.pod_namespace and config.pod_labels and config.kv_check_poll_seconds > 0):
-        return None
-    if not kv_check_args(cr):
-        return None
+def _operator_pods(config: OperatorConfig) -> dict[str, Any] | None:
+    if not (config.pod_namespace and config.pod_labels):
+        return None  # off-cluster: no pods to name
     return {
         "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: config.pod_namespace}},
         "podSelector": {"matchLabels": dict(config.pod_labels)},
     }
+
+
+def operator_peer(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any] | None:
+    """The operator's pods, where they read this resource's KV check (None off-cluster or unchecked),
+    or its routers' metrics for autoscaling."""
+    checked = config.kv_check_poll_seconds > 0 and bool(kv_check_args(cr))
+    return _operator_pods(config) if checked or autoscaler_peer(cr, config) else None
+
+
+def autoscaler_peer(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any] | None:
+    """The operator's pods, where its autoscaler reads this resource's metrics pages (issue 36)."""
+    if cr.spec.autoscaling.mode == "off" or config.autoscale_poll_seconds <= 0:
+        return None
+    return _operator_pods(config)
 
 
 def router_policy(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any]:
@@ -97,7 +110,7 @@ def router_policy(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any
 def network_policies(cr: DisaggregatedLLM, config: OperatorConfig) -> list[dict[str, Any]]:
     if not cr.spec.security.network_policy:
         return []
-    policies = [engines_policy(cr)]
+    policies = [engines_policy(cr, config)]
     if cr.spec.router.enabled:
         policies.append(router_policy(cr, config))
     return policies
