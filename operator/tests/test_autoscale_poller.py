@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from page_server import serving
 
 from dllm_operator.api.autoscaling import AutoscalingSpec
 from dllm_operator.autoscale.poller import AutoscalePoller, Target
@@ -37,15 +38,8 @@ class PrefillMetricsDouble:
 @pytest.fixture
 async def prefill() -> AsyncIterator[tuple[PrefillMetricsDouble, int]]:
     double = PrefillMetricsDouble()
-    app = web.Application()
-    app.router.add_get(METRICS_PATH, double.page)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    try:
-        yield double, runner.addresses[0][1]
-    finally:
-        await runner.cleanup()
+    async with serving(METRICS_PATH, double.page) as port:
+        yield double, port
 
 
 async def test_a_recommendation_is_handed_on_when_it_changes_and_refreshed_once_a_minute(

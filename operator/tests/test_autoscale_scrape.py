@@ -11,6 +11,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from e2e.ports import free_port
+from page_server import serving
 
 from dllm_operator.autoscale.scrape import MAX_METRICS_BYTES, METRICS_PATH, ScrapeMemory, read_metrics
 from dllm_operator.autoscale.signals import KV_USAGE, WAITING, Page
@@ -34,16 +35,8 @@ class MetricsPageDouble:
 @pytest.fixture
 async def engine() -> AsyncIterator[tuple[MetricsPageDouble, int]]:
     double = MetricsPageDouble()
-    app = web.Application()
-    app.router.add_get(METRICS_PATH, double.page)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield double, runner.addresses[0][1]
-    finally:
-        await runner.cleanup()
+    async with serving(METRICS_PATH, double.page) as port:
+        yield double, port
 
 
 @pytest.fixture

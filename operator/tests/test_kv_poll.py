@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from e2e.ports import free_port
+from page_server import serving
 
 from dllm_contract.kv_check import PAGE_PATH
 from dllm_operator.kv_poll import KVPoller, Page, read_page, router_pods
@@ -42,17 +43,8 @@ class RouterPageDouble:
 @pytest.fixture
 async def router() -> AsyncIterator[tuple[RouterPageDouble, int]]:
     double = RouterPageDouble()
-    app = web.Application()
-    app.router.add_get(PAGE_PATH, double.page)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with serving(PAGE_PATH, double.page) as port:
         yield double, port
-    finally:
-        await runner.cleanup()
 
 
 @pytest.fixture

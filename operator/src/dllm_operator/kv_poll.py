@@ -19,6 +19,7 @@ import aiohttp
 
 from dllm_contract.kv_check import PAGE_PATH
 from dllm_operator.kv_transfer import MAX_PAGE_BYTES, PageInvalid, RouterPage, parse_page
+from dllm_operator.page_reads import poll_forever
 from dllm_operator.pods import is_ready
 
 log = logging.getLogger(__name__)
@@ -83,12 +84,7 @@ class KVPoller:
         self._last: dict[Any, dict[str, Page]] = {}
 
     async def run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=READ_TIMEOUT_S)
-        connector = aiohttp.TCPConnector(limit=PARALLEL_READS, force_close=True)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            while True:
-                await self.poll(session)
-                await asyncio.sleep(self._interval_s)
+        await poll_forever(self._interval_s, self.poll, READ_TIMEOUT_S, PARALLEL_READS)
 
     async def poll(self, session: aiohttp.ClientSession) -> None:
         targets = self._targets()

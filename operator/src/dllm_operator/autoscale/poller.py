@@ -19,6 +19,7 @@ from dllm_operator.autoscale.decide import Role, decide
 from dllm_operator.autoscale.scrape import ScrapeMemory, read_metrics
 from dllm_operator.autoscale.signals import signals_for
 from dllm_operator.autoscale.status import recommended, status_of, worth_writing
+from dllm_operator.page_reads import poll_forever
 
 READ_TIMEOUT_S = 3.0
 PARALLEL_READS = 8
@@ -58,12 +59,7 @@ class AutoscalePoller:
         self._kept: dict[Any, _Kept] = {}
 
     async def run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=READ_TIMEOUT_S)
-        connector = aiohttp.TCPConnector(limit=PARALLEL_READS, force_close=True)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-            while True:
-                await self.poll(session)
-                await asyncio.sleep(self._interval_s)
+        await poll_forever(self._interval_s, self.poll, READ_TIMEOUT_S, PARALLEL_READS)
 
     async def poll(self, session: aiohttp.ClientSession) -> None:
         targets = self._targets()
