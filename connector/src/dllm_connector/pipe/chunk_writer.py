@@ -14,7 +14,7 @@ import torch
 from dllm_connector import codec
 from dllm_connector.layout import HeadRange
 from dllm_connector.pipe.common import send
-from dllm_connector.pipe.device_copy import Ready
+from dllm_connector.pipe.device_copy import Ready, on_device
 from dllm_connector.pipe.messages import Chunk, Piece
 from dllm_connector.transport.base import Source, Span, Transport, TransportError
 from dllm_connector.transport.staging import StagingBuffer
@@ -79,13 +79,21 @@ class ChunkWriter:
     """
 
     def __init__(
-        self, transport: Transport, timeout: float, staging: StagingBuffer, sock: socket.socket, plan: Plan
+        self,
+        transport: Transport,
+        timeout: float,
+        staging: StagingBuffer,
+        sock: socket.socket,
+        plan: Plan,
+        device: torch.device,
     ) -> None:
+        """`device`: the KV's, whose events the writer waits on before a write."""
         self._transport, self._timeout, self._staging = transport, timeout, staging
         self._sock, self._plan = sock, plan
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=4)
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._loop, name="kv-chunk-writer", daemon=True)
+        loop = on_device(device, self._loop)
+        self._thread = threading.Thread(target=loop, name="kv-chunk-writer", daemon=True)
         self._thread.start()
 
     def put(self, item: _Item) -> None:

@@ -49,7 +49,9 @@ class RankSend:
         side, sock = self._side, self._sock
         plan = self._offer(offer, heads)
         blocks = block_ids[plan.skip : plan.skip + plan.count]
-        writer = ChunkWriter(side.transport, side.config.transfer_timeout_s, side.staging, sock, plan)
+        writer = ChunkWriter(
+            side.transport, side.config.transfer_timeout_s, side.staging, sock, plan, side.kv.device
+        )
         poll = functools.partial(self._poll, plan)
         encoder = ChunkEncoder(
             side, self._encoding, plan, writer, poll=poll, slot=functools.partial(self._slot, plan)

@@ -18,6 +18,7 @@ from dllm_connector import codec
 from dllm_connector.layout import HeadRange, PagedKV, plan_tp_mapping
 from dllm_connector.pipe.chunk_encoder import Encoding
 from dllm_connector.pipe.common import EXPECTED_ERRORS, PipeConfig, PipeSide, TransferFailed
+from dllm_connector.pipe.device_copy import on_device
 from dllm_connector.pipe.messages import Offer, TPPart, bounded
 from dllm_connector.pipe.rank_send import RankSend
 from dllm_connector.pipe.side_request import connect_when_free
@@ -105,7 +106,10 @@ class KVSender(PipeSide):
             self._run(job)
             return
         thread = threading.Thread(
-            target=self._run, args=(job,), name=f"kv-send-{job.transfer_id}", daemon=True
+            target=on_device(self.kv.device, self._run),
+            args=(job,),
+            name=f"kv-send-{job.transfer_id}",
+            daemon=True,
         )
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
@@ -178,7 +182,10 @@ class KVSender(PipeSide):
             return
         errors: dict[int, Exception] = {}
         threads = [
-            threading.Thread(target=_catching(self._send_to, errors, target.decode_rank), args=(job, target))
+            threading.Thread(
+                target=on_device(self.kv.device, _catching(self._send_to, errors, target.decode_rank)),
+                args=(job, target),
+            )
             for target in targets[1:]
         ]
         for thread in threads:
