@@ -283,3 +283,12 @@ def test_a_change_while_a_rollout_runs_waits_for_it_then_rolls() -> None:
     failed = live("t2", 2, 1, "r1", "r2", stepped=NOW - SURGE.progress_deadline_seconds - 1)
     undone = step(sts(1, "t1"), failed, [pod(0, "r1"), pod(1, "r2", ready=False)], PARTNER_OLD, SURGE, NOW)
     assert (undone["metadata"]["annotations"][TEMPLATE_HASH], at(undone)) == ("t1", (2, 1))
+
+
+def test_a_statefulset_without_the_operators_template_hash_is_not_taken_for_a_rollout() -> None:
+    """One made by hand (or an impostor the operator replaces for an immutable field) has no hash: the
+    rendering is applied as it is, with no surge pod for a change that may be none."""
+    foreign = live("t1", 2, 0, "r1", "r1")
+    del foreign["metadata"]["annotations"][TEMPLATE_HASH]
+    desired = sts(2, "t2")
+    assert step(desired, foreign, [pod(0, "r1"), pod(1, "r1")], PARTNER_OLD, SURGE, NOW) is desired

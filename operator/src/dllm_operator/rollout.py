@@ -142,6 +142,8 @@ def step(
     n = desired["spec"].get("replicas")
     if not rollout.coordinated or n is None or n == 0 or actual is None:
         return desired
+    if _annotation(actual, TEMPLATE_HASH) is None:
+        return desired  # not rendered by us (made by hand, or from before the hash): no step to read
     own, partner = rollout.budget(role), rollout.budget("decode" if role == "prefill" else "prefill")
     replicas, last = int(actual.get("spec", {}).get("replicas") or n), step_at(actual) or now
     held = with_steps(desired, replicas, partition_of(actual), last)
