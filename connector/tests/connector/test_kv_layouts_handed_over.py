@@ -13,7 +13,7 @@ from dllm_connector import connector
 from dllm_connector.layout import Geometry, LayoutError, PagedKV, signature_mismatches
 from dllm_connector.layout.paged_kv import in_memory_order
 from dllm_connector.layout.tp_mapping import TPRank
-from dllm_connector.pipe.device_copy import on_device
+from dllm_connector.thread_device import on_callers_device, on_device
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,3 +138,11 @@ def test_a_connector_thread_makes_the_kv_device_current_before_its_work(
     assert calls == [("set", torch.device("cuda", 1)), ("work", ("job",))]
     work = lambda: None  # noqa: E731
     assert on_device(torch.device("cpu"), work) is work
+    # a thread made where CUDA runs takes its maker's device (Mooncake's writes, the side channel)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    calls.clear()
+    on_callers_device(lambda: calls.append("work"))()
+    assert calls == [("set", torch.device("cuda", 3)), "work"]
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert on_callers_device(work) is work

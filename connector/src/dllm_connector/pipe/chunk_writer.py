@@ -14,8 +14,9 @@ import torch
 from dllm_connector import codec
 from dllm_connector.layout import HeadRange
 from dllm_connector.pipe.common import send
-from dllm_connector.pipe.device_copy import Ready, on_device
+from dllm_connector.pipe.device_copy import Ready
 from dllm_connector.pipe.messages import Chunk, Piece
+from dllm_connector.thread_device import on_device
 from dllm_connector.transport.base import Source, Span, Transport, TransportError
 from dllm_connector.transport.staging import StagingBuffer
 

@@ -26,20 +26,6 @@ def ready_now() -> None:
     """Host work is done by the time it returns: nothing to wait for."""
 
 
-def on_device(device: torch.device, work: Callable[..., None]) -> Callable[..., None]:
-    """`work` for a thread of its own that first makes `device` its current CUDA device: a new thread
-    starts on cuda:0, and its first CUDA call (an event's wait, a copy) would open a context there,
-    on a TP rank's GPU or not (gpu-review item 2). Nothing to do off CUDA."""
-    if device.type != "cuda":
-        return work
-
-    def bound(*args: object) -> None:
-        torch.cuda.set_device(device)
-        work(*args)
-
-    return bound
-
-
 class _CudaCopies:
     """CUDA only: copies on a side stream, ordered after the current stream's kernels."""
 

@@ -18,10 +18,10 @@ from dllm_connector import codec
 from dllm_connector.layout import HeadRange, PagedKV, plan_tp_mapping
 from dllm_connector.pipe.chunk_encoder import Encoding
 from dllm_connector.pipe.common import EXPECTED_ERRORS, PipeConfig, PipeSide, TransferFailed
-from dllm_connector.pipe.device_copy import on_device
 from dllm_connector.pipe.messages import Offer, TPPart, bounded
 from dllm_connector.pipe.rank_send import RankSend
 from dllm_connector.pipe.side_request import connect_when_free
+from dllm_connector.thread_device import on_device
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Source, TransferTimeout, Transport
 from dllm_connector.transport.torchdist import TorchDistTransport

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from dllm_connector.thread_device import on_callers_device
 from dllm_connector.transport.base import (
     Source,
     Span,
@@ -197,7 +198,7 @@ class MooncakeTransport(Transport):
         done: Future[None] = Future()
         stop = threading.Event()
         worker = threading.Thread(
-            target=self._write_batches,
+            target=on_callers_device(self._write_batches),  # Mooncake may read device memory
             args=(session, src, dst, done, stop),
             name="mooncake-write",
             daemon=True,

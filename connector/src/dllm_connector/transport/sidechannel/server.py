@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from dllm_connector.thread_device import on_callers_device
 from dllm_connector.transport.base import TransportError
 from dllm_connector.transport.sidechannel.capacity import MIN_CONNECTIONS, PRE_AUTH_CONNECTIONS, Slots
 from dllm_connector.transport.sidechannel.framing import (
@@ -126,6 +127,8 @@ class Server:
         self._listener.listen(max(128, 2 * max_connections))
         self.host, self.port = self._listener.getsockname()[:2]
         self._closed = threading.Event()
+        # Made on the engine's thread, whose CUDA device (its TP rank's) each connection's thread takes.
+        self._serve_on_device = on_callers_device(self._serve)
         self._thread = threading.Thread(target=self._accept_loop, name="kv-side-channel", daemon=True)
         self._thread.start()
 
@@ -170,7 +173,7 @@ class Server:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 threading.Thread(
-                    target=self._serve,
+                    target=self._serve_on_device,
                     args=(sock, entry, _address(address)),
                     name="kv-side-conn",
                     daemon=True,
