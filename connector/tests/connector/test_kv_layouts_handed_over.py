@@ -13,7 +13,6 @@ from dllm_connector import connector
 from dllm_connector.layout import Geometry, LayoutError, PagedKV, signature_mismatches
 from dllm_connector.layout.paged_kv import in_memory_order
 from dllm_connector.layout.tp_mapping import TPRank
-from dllm_connector.thread_device import on_callers_device, on_device
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -125,24 +124,3 @@ def test_the_heads_vllm_names_for_mla_would_refuse_the_cache() -> None:
         PagedKV({"a": torch.zeros(NUM_BLOCKS, BLOCK, MLA_DIM)}, NUM_BLOCKS, wrong)
     plain = connector._geometry(vllm_config(use_mla=False, tp=2))
     assert (plain.num_kv_heads, plain.total_kv_heads) == (64, 128)
-
-
-def test_a_connector_thread_makes_the_kv_device_current_before_its_work(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """gpu-review item 2: threads start on cuda:0; the writer and send threads set the KV's device
-    first (recorded here through a stand-in for torch.cuda.set_device; nothing is set off CUDA)."""
-    calls: list[object] = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set", device)))
-    on_device(torch.device("cuda", 1), lambda *args: calls.append(("work", args)))("job")
-    assert calls == [("set", torch.device("cuda", 1)), ("work", ("job",))]
-    work = lambda: None  # noqa: E731
-    assert on_device(torch.device("cpu"), work) is work
-    # a thread made where CUDA runs takes its maker's device (Mooncake's writes, the side channel)
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    calls.clear()
-    on_callers_device(lambda: calls.append("work"))()
-    assert calls == [("set", torch.device("cuda", 3)), "work"]
-    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
-    assert on_callers_device(work) is work

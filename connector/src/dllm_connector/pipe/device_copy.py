@@ -15,8 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from dllm_connector.transport.base import TransportError
-from dllm_connector.transport.staging import StagingBuffer
+from dllm_connector.transport.staging import StagingBuffer, device_bytes
 
 # Called before the transport reads bytes written on the device: returns once they are written.
 Ready = Callable[[], None]
@@ -103,13 +102,7 @@ class Scratch:
 
     def __init__(self, staging: StagingBuffer, device: torch.device) -> None:
         self._staging = staging
-        try:
-            self.buffer = torch.empty(staging.capacity, dtype=torch.uint8, device=device)
-        except torch.OutOfMemoryError as error:
-            raise TransportError(
-                f"the pinned-host path's scratch on {device} ({staging.capacity} bytes, as large as the "
-                f"staging buffer: bufferSizeGB) does not fit in its memory: {error}"
-            ) from None
+        self.buffer = device_bytes(staging.capacity, device)  # as large as the staging it mirrors
 
     def take(self, view: torch.Tensor) -> torch.Tensor:
         """The scratch mirroring `view`, a reservation of the staging (or part of one)."""

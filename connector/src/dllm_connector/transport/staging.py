@@ -30,6 +30,21 @@ def pinned_host_bytes(nbytes: int) -> tuple[torch.Tensor, str]:
     return torch.empty(nbytes, dtype=torch.uint8), note
 
 
+def device_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
+    """`nbytes` on `device`; on a device too full for them, a TransportError that says what to change
+    (the data path's automatic choice then stages in pinned host memory instead). vLLM sizes its KV
+    cache before the connector registers, so this comes out of what --gpu-memory-utilization left
+    (gpu-review item 4)."""
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except torch.OutOfMemoryError as error:
+        raise TransportError(
+            f"{nbytes / 2**30:.2f} GiB of KV staging does not fit on {device} after vLLM's KV cache: "
+            "lower kvTransfer.bufferSizeGB or vLLM's --gpu-memory-utilization "
+            f"({str(error).splitlines()[0][:200]})"
+        ) from None
+
+
 class StagingBuffer:
     """`device`: where the buffer lives (host by default); `pinned`: page-locked host memory."""
 
@@ -43,7 +58,7 @@ class StagingBuffer:
         if pinned:
             self.tensor, self.note = pinned_host_bytes(nbytes)
         else:
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.tensor = device_bytes(nbytes, device)
         self._spans: list[tuple[int, int]] = []  # sorted (offset, length) in use
         self._cond = threading.Condition()
 
