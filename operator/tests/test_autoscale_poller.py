@@ -11,8 +11,11 @@ import aiohttp
 import pytest
 from aiohttp import web
 from page_server import serving
+from prometheus_client import generate_latest
 
+from dllm_operator import metrics
 from dllm_operator.api.autoscaling import AutoscalingSpec
+from dllm_operator.autoscale import exported
 from dllm_operator.autoscale.poller import AutoscalePoller, Target
 from dllm_operator.autoscale.scrape import METRICS_PATH
 
@@ -73,3 +76,20 @@ async def test_a_recommendation_is_handed_on_when_it_changes_and_refreshed_once_
     last = handed[-1][1]["prefill"]
     assert (handed[-1][2], last["replicas"], "value" in last) == (True, 1, False)
     assert last["reason"] == "no fresh signal (none); not scaled"
+
+
+def test_the_recommendation_is_exported_for_keda_and_removed_with_the_resource() -> None:
+    prefill = {"replicas": 2, "current": 1, "measure": "queued prompt tokens", "value": 3000.0, "reason": ""}
+    decode = {"replicas": 1, "current": 1, "measure": "KV-cache usage", "reason": "no fresh signal"}
+    exported.export("ns", "llm", {"prefill": prefill, "decode": decode})
+    page = generate_latest(metrics.REGISTRY).decode()
+    ours = 'name="llm",namespace="ns"'
+    assert f'dllm_operator_autoscaling_recommended_replicas{{{ours},role="prefill"}} 2.0' in page
+    assert (
+        f'dllm_operator_autoscaling_signal{{measure="queued prompt tokens",{ours},role="prefill"}} 3000.0'
+        in page
+    )
+    assert f'dllm_operator_autoscaling_recommended_replicas{{{ours},role="decode"}} 1.0' in page
+    assert 'measure="KV-cache usage"' not in page  # no fresh signal: no series, not a zero
+    exported.forget("ns", "llm")
+    assert ours not in generate_latest(metrics.REGISTRY).decode()

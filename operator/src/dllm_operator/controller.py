@@ -18,6 +18,7 @@ from typing import Any
 from dllm_operator import metrics, rollout
 from dllm_operator.api import KIND, DisaggregatedLLM, SpecInvalid, parse
 from dllm_operator.api.rollout import EngineRole
+from dllm_operator.autoscale import exported
 from dllm_operator.autoscale.decide import Role
 from dllm_operator.autoscale.poller import AutoscalePoller, Target
 from dllm_operator.config import OperatorConfig
@@ -93,7 +94,8 @@ class Controller:
         self._apply_errors.pop(key, None)
         self._rendered.pop(key, None)
         self._kv_pages.pop(key, None)
-        self._autoscaling.pop(key, None)
+        if self._autoscaling.pop(key, None) is not None:
+            exported.forget(*key)
 
     async def seed(self, namespaces: tuple[str, ...]) -> None:
         """Fill the caches before the first reconcile, so a restart makes no needless writes."""
@@ -179,10 +181,14 @@ class Controller:
             }
             readable = {role: router_pods(pods.get(role, [])) for role in ("prefill", "decode", "router")}
             found[key] = Target(cr.spec.autoscaling, readable, current)
+        for key in set(self._autoscaling) - set(found):  # deleted, or autoscaling turned off
+            del self._autoscaling[key]
+            exported.forget(*key)
         return found
 
     def _on_autoscaled(self, key: CRKey, status: dict[str, Any], changed: bool) -> None:
         self._autoscaling[key] = status
+        exported.export(*key, status)
         self.queue.add(key)
         body = self.store.resources.get(key)
         if changed and body is not None:

@@ -20,3 +20,17 @@ RESYNCS = Counter(
 )
 MANAGED = Gauge("dllm_operator_managed_resources", "DisaggregatedLLM resources watched", registry=REGISTRY)
 LEADER = Gauge("dllm_operator_leader", "1 while this replica holds the leader lease", registry=REGISTRY)
+# The autoscaler's view per resource and role (issue 36), for KEDA or an HPA on external metrics to
+# act on the same signals: removed when the resource is, or turns autoscaling off.
+AUTOSCALING_SIGNAL = Gauge(
+    "dllm_operator_autoscaling_signal",
+    "The measure each autoscaled role's target reads (absent: no fresh signal)",
+    ["namespace", "name", "role", "measure"],
+    registry=REGISTRY,
+)
+AUTOSCALING_RECOMMENDED = Gauge(
+    "dllm_operator_autoscaling_recommended_replicas",
+    "The replicas the autoscaler recommends per role",
+    ["namespace", "name", "role"],
+    registry=REGISTRY,
+)
