@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from dllm_connector.codec import device_checksum
 from dllm_connector.thread_device import on_callers_device, on_device
 from dllm_connector.transport.base import TransportError
 from dllm_connector.transport.staging import StagingBuffer
@@ -56,3 +57,30 @@ def test_staging_that_does_not_fit_on_the_device_says_what_to_lower(monkeypatch:
     ):
         StagingBuffer(4 * 2**30, device=torch.device("cuda", 0))
     assert StagingBuffer(1024).capacity == 1024  # host staging is not the device's
+
+
+def test_the_compiled_checksum_is_handed_no_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu-review item 9: the pipe checksums runs of larger buffers, and torch.compile guards on a
+    view's base, so such a call could compile again on a transfer's path. The compiled kernel is stood
+    in for by one that records whether it was handed views. (Whether int64 views of uint8 staging, which
+    torch does not count as views, recompile is for TORCH_LOGS=recompiles on a GPU.)"""
+    seen: list[bool] = []
+
+    def recording_compile(function: Any, **_: Any) -> Any:
+        def run(words: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+            seen.append(words._is_view() or key._is_view())
+            summed: torch.Tensor = function(words, key)
+            return summed
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    monkeypatch.setattr(device_checksum, "_compiled", {})
+    monkeypatch.setattr(device_checksum, "_choice", "compiled")
+    kernel = device_checksum.kernel(torch.device("cpu"))
+    gathered = torch.arange(64, dtype=torch.int64)
+    words = gathered[8:12]  # a run of a larger buffer, as the pipe hands it
+    assert words._is_view()
+    keys = device_checksum._keys(torch.device("cpu"))[: words.numel()]
+    assert torch.equal(kernel(words, keys), device_checksum.terms_sum(words, keys))
+    assert seen == [False] * 4  # the probes at its choice, then the pipe's run

@@ -26,6 +26,7 @@ from dllm_connector.codec.quant import (
     int8_decode_into,
     int8_scales,
 )
+from dllm_connector.codec.views import unviewed
 from dllm_contract.kvconfig import Compression
 
 _log = logging.getLogger(__name__)
@@ -79,16 +80,6 @@ _request = KernelRequest()
 _kernels: _Kernels | None = None
 
 
-def _unviewed(arg: Any) -> Any:
-    """A view as a tensor over the same memory that is no view (anything else as it is): torch.compile
-    guards on a view's base too, and a one-row base (a one-block batch) compiled a kernel again on a
-    request's path."""
-    if not isinstance(arg, torch.Tensor) or not arg._is_view():
-        return arg
-    alias = torch.empty(0, dtype=arg.dtype, device=arg.device)
-    return alias.set_(arg.untyped_storage(), arg.storage_offset(), arg.shape, arg.stride())
-
-
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
@@ -99,7 +90,7 @@ def _compile(function: _F) -> _F:
 
     @functools.wraps(function)
     def call(*args: Any) -> Any:
-        return compiled(*map(_unviewed, args))
+        return compiled(*map(unviewed, args))
 
     return cast(_F, call)
 
