@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from dllm_connector.transport.base import Span, TransportError
-from dllm_connector.transport.torchdist import TorchDistTransport, store_address
+from dllm_connector.transport.base import Span, TransferTimeout, TransportError
+from dllm_connector.transport.torchdist import WATCHDOG_TIMEOUT, TorchDistTransport, store_address
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -139,3 +139,41 @@ def test_a_pair_key_that_is_not_ours_is_refused(pair: Pair) -> None:
         receiver.admit({"store": f"{HOST}:4000", "pair": "x" * 10_000}, HOST)
     with pytest.raises(TransportError, match="no valid pair key"):
         receiver.admit({"store": f"{HOST}:4000", "pair": ["list"]}, HOST)
+
+
+class StalledWorkDouble:
+    """torch's Work for an operation whose peer never comes: its wait times out."""
+
+    def wait(self, timeout: object) -> None:
+        raise RuntimeError(f"Work timed out after {timeout}")
+
+
+class PairGroupDouble:
+    """A pair group whose operations stall, recording its abort (gloo's and NCCL's groups have one)."""
+
+    def __init__(self) -> None:
+        self.aborted = 0
+
+    def recv(self, tensors: object, rank: int, tag: int) -> StalledWorkDouble:
+        return StalledWorkDouble()
+
+    def abort(self) -> None:
+        self.aborted += 1
+
+
+def test_a_transfer_past_its_timeout_aborts_its_group_and_fails_only_itself(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gpu-review item 3: the transfer's timeout is the connector's, not the group's watchdog (which
+    on NCCL tears the process down by default): a stalled transfer fails with TransferTimeout, its
+    group is aborted and forgotten, and the next transfer makes a new one."""
+    sender, receiver = pair
+    offer = _offer(sender, "decode-a")
+    receiver.admit(offer, HOST)
+    stalled = PairGroupDouble()
+    monkeypatch.setattr(receiver, "_new_group", lambda *args: stalled)
+    with pytest.raises(TransferTimeout, match=r"ran past 0\.5s"):
+        receiver.recv(offer, [torch.zeros(4)], 1, 0.5)
+    assert stalled.aborted == 1
+    assert receiver._groups == {}
+    assert WATCHDOG_TIMEOUT.total_seconds() >= 600  # far above any transfer's timeout

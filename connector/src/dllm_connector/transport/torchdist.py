@@ -46,6 +46,10 @@ MAX_GROUPS = 64
 # Pair keys are `<12 hex>-<peer node>-<generation>`: anything much longer did not come from us.
 _MAX_PAIR_CHARS = 300
 _RETIRED_KEPT = 1024
+# NCCL's watchdog acts on a group's own timeout and, by default, tears the whole process down: a peer
+# that stalls past it would take the engine with it (gpu-review item 3). A group gets this long; a
+# transfer's own timeout is enforced here, and the group of a transfer that fails is aborted.
+WATCHDOG_TIMEOUT = timedelta(minutes=10)
 # Stores and backend classes are real but untyped in torch's stubs.
 _c10d: Any = dist
 
@@ -150,19 +154,21 @@ class TorchDistTransport(Transport):
             raise TransportError(f"{self._backend} sends tensors, not raw memory spans")
         group = self._group(str(peer["pair"]), _SENDER, peer, timeout)
         with _on_device_of(tensors):
-            self._run([group.send([tensor], _RECEIVER, tag) for tensor in tensors], peer, timeout)
+            self._run(group, [group.send([tensor], _RECEIVER, tag) for tensor in tensors], peer, timeout)
 
     def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
         group = self._group(str(peer["pair"]), _RECEIVER, peer, timeout)
         with _on_device_of(dst):
-            self._run([group.recv([tensor], _SENDER, tag) for tensor in dst], peer, timeout)
+            self._run(group, [group.recv([tensor], _SENDER, tag) for tensor in dst], peer, timeout)
 
-    def _run(self, works: list[Any], peer: Mapping[str, Any], timeout: float) -> None:
+    def _run(self, group: Any, works: list[Any], peer: Mapping[str, Any], timeout: float) -> None:
         try:
             for work in works:
                 work.wait(timedelta(seconds=timeout))
         except RuntimeError as error:
             self.forget_peer(peer)
+            with contextlib.suppress(Exception):  # its pending operations end; the process goes on
+                group.abort()
             if "timed out" in str(error).lower() or "timeout" in str(error).lower():
                 raise TransferTimeout(f"{self._backend} transfer ran past {timeout:.1f}s") from None
             raise TransportError(f"{self._backend} transfer failed: {error}") from None
@@ -214,7 +220,7 @@ class TorchDistTransport(Transport):
         prefixed = _c10d.PrefixStore(f"dllm-kv/{pair}", store)
         if self._backend == "nccl":
             options = _c10d.ProcessGroupNCCL.Options()
-            options._timeout = wait
+            options._timeout = max(wait, WATCHDOG_TIMEOUT)
             return _c10d.ProcessGroupNCCL(prefixed, rank, 2, options)
         options = _c10d.ProcessGroupGloo._Options()
         options._timeout = wait
