@@ -1,6 +1,7 @@
 """The autoscaler's loop (autoscale/poller.py) against an engine's metrics page double (a local HTTP
 server): a recommendation is handed on when it changes (an Event's worth) and, unchanged, with fresh
-values once a minute; a pod that stops answering leaves its role unscaled, said in status."""
+values once a minute; a pod that stops answering keeps its last signal while it is fresh, then leaves
+its role unscaled, said in status."""
 
 from __future__ import annotations
 
@@ -70,12 +71,15 @@ async def test_a_recommendation_is_handed_on_when_it_changes_and_refreshed_once_
         clock[0] += 60
         await poller.poll(session)
         assert [changed for _, _, changed in handed] == [True, False]
-        double.status = 503
+        double.status = 503  # the pod stops answering: its last signal stands while it is fresh
         clock[0] += 15
+        await poller.poll(session)
+        assert len(handed) == 2
+        clock[0] += 46  # 61 s after the last page read
         await poller.poll(session)
     last = handed[-1][1]["prefill"]
     assert (handed[-1][2], last["replicas"], "value" in last) == (True, 1, False)
-    assert last["reason"] == "no fresh signal (none); not scaled"
+    assert last["reason"] == "no fresh signal (61s old); not scaled"
 
 
 def test_the_recommendation_is_exported_for_keda_and_removed_with_the_resource() -> None:

@@ -9,13 +9,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
 from dllm_operator.api.autoscaling import AutoscalingSpec
-from dllm_operator.autoscale.decide import Role, decide
+from dllm_operator.autoscale.decide import Role, Signal, decide
 from dllm_operator.autoscale.scrape import ScrapeMemory, read_metrics
 from dllm_operator.autoscale.signals import signals_for
 from dllm_operator.autoscale.status import recommended, status_of, worth_writing
@@ -41,6 +41,9 @@ class _Kept:
     history: Mapping[Role, tuple[tuple[float, int], ...]]
     status: dict[str, Any] | None = None
     written_at: float = 0.0
+    # Each role's latest signal: a failed read leaves it standing until it is too old (decide.py
+    # judges its age against signalMaxAgeSeconds), so one lost page does not flip a recommendation.
+    signals: dict[Role, Signal] = field(default_factory=dict)
 
 
 class AutoscalePoller:
@@ -75,7 +78,9 @@ class AutoscalePoller:
                 target.spec, pairs.get("prefill", []), pairs.get("decode", []), pairs.get("router", []), now
             )
             kept = self._kept.setdefault(key, _Kept({}))
-            decision = decide(target.spec, target.current, signals, kept.history, now)
+            kept.signals.update({role: signal for role, signal in signals.items() if signal is not None})
+            latest = {role: kept.signals.get(role) for role in signals}
+            decision = decide(target.spec, target.current, latest, kept.history, now)
             kept.history = decision.history
             if worth_writing(kept.status, decision, kept.written_at, now):
                 changed = recommended(kept.status) != recommended(status_of(decision, now))
