@@ -60,6 +60,8 @@ class OperatorProcess:
             "PYTHONUNBUFFERED": "1",
             "DLLM_KV_CHECK_POLL_SECONDS": "0",
             "DLLM_AUTOSCALE_POLL_SECONDS": "0",
+            # kwok's pods meet no router that must find them first: a rollout need not wait on them
+            "DLLM_ROLLOUT_SETTLE_SECONDS": "0",
         }
         env |= self.env
         self._log = self.log_path.open("ab")

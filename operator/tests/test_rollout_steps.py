@@ -6,6 +6,7 @@ autoscaled role and maxSurge 0 leave the StatefulSet's own rolling update alone.
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 from dllm_cases import merged, minimal
@@ -292,3 +293,28 @@ def test_a_statefulset_without_the_operators_template_hash_is_not_taken_for_a_ro
     del foreign["metadata"]["annotations"][TEMPLATE_HASH]
     desired = sts(2, "t2")
     assert step(desired, foreign, [pod(0, "r1"), pod(1, "r1")], PARTNER_OLD, SURGE, NOW) is desired
+
+
+def ready_at(ordinal: int, revision: str, since: float, fingerprint: str = NEW_FP) -> dict[str, Any]:
+    made = pod(ordinal, revision, fingerprint=fingerprint)
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))
+    made["status"]["conditions"][0]["lastTransitionTime"] = stamp
+    return made
+
+
+def test_a_new_pod_serves_only_once_it_has_been_ready_long_enough_for_the_router_to_find_it() -> None:
+    """The router finds pods by DNS and health checks every few seconds: a surge pod ready 5 s ago
+    does not yet let an old pod go, nor does the partner's; after the settle time both do; and the
+    surge goes only once the replaced pods have settled too."""
+    actual = live("t2", 3, 2, "r1", "r2")
+    fresh = [pod(0, "r1"), pod(1, "r1"), ready_at(2, "r2", NOW - 5)]
+    settled = [pod(0, "r1"), pod(1, "r1"), ready_at(2, "r2", NOW - 20)]
+    partner_fresh = [pod(0, "d-old", fingerprint=OLD_FP), ready_at(1, "d-new", NOW - 5)]
+    assert at(step(sts(2, "t2"), actual, fresh, PARTNER_NEW, SURGE, NOW, settle=15)) == (3, 2)
+    assert at(step(sts(2, "t2"), actual, settled, partner_fresh, SURGE, NOW, settle=15)) == (3, 2)
+    assert at(step(sts(2, "t2"), actual, settled, PARTNER_NEW, SURGE, NOW, settle=15)) == (3, 1)
+    done = live("t2", 3, 0, "r2", "r2")
+    just_replaced = [ready_at(0, "r2", NOW - 20), ready_at(1, "r2", NOW - 3), ready_at(2, "r2", NOW - 60)]
+    assert at(step(sts(2, "t2"), done, just_replaced, PARTNER_NEW, SURGE, NOW, settle=15)) == (3, 0)
+    later = [ready_at(0, "r2", NOW - 20), ready_at(1, "r2", NOW - 16), ready_at(2, "r2", NOW - 60)]
+    assert at(step(sts(2, "t2"), done, later, PARTNER_NEW, SURGE, NOW, settle=15)) == (2, 0)

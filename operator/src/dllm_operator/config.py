@@ -90,6 +90,9 @@ class OperatorConfig(BaseModel):
     # KVTransferVerified stays Unknown). The router checks a new pair at once, so a rollout's verdict
     # shows within this.
     kv_check_poll_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 15.0
+    # How long a new engine pod must have been ready before a rollout counts it as serving and lets an
+    # old pod go (rollout.py): the router finds pods by DNS and health checks, every 5 s each.
+    rollout_settle_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 15.0
     # How often the autoscaler reads the metrics of resources with spec.autoscaling (autoscale/); 0: never.
     autoscale_poll_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 15.0
 
@@ -136,6 +139,7 @@ ENV_NAMES: Mapping[str, str] = {
     "pod_labels": "DLLM_OPERATOR_POD_LABELS",
     "kv_check_poll_seconds": "DLLM_KV_CHECK_POLL_SECONDS",
     "autoscale_poll_seconds": "DLLM_AUTOSCALE_POLL_SECONDS",
+    "rollout_settle_seconds": "DLLM_ROLLOUT_SETTLE_SECONDS",
 }
 # field -> the `dllm-operator run` flag that also sets it.
 FLAGS: Mapping[str, str] = {"log_level": logs.LOG_LEVEL_FLAG, "namespaces": "--namespace"}

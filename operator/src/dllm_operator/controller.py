@@ -317,6 +317,7 @@ class Controller:
                 time.time(),
                 partner_progress=progress.get(partner, 1.0),
                 role=role,
+                settle=self.config.rollout_settle_seconds,
             )
             stepped.append(obj if at is obj else with_hash(at))
         return stepped
@@ -406,8 +407,11 @@ class Controller:
             autoscaling=self._autoscaling.get(key) if cr.spec.autoscaling.mode != "off" else None,
         )
         status = compute_status(cr, observed, body.get("status"), now_iso())
-        if cr.spec.rollout.coordinated and any(rollout.rolling(w) for w in workloads.values()):
-            self._recheck_later(key)  # a rollout's deadline passes with no event to say so
+        wanted = {"prefill": cr.spec.prefill.replicas, "decode": cr.spec.decode.replicas}
+        if cr.spec.rollout.coordinated and any(
+            rollout.under_way(w, wanted[role]) for role, w in workloads.items() if role in wanted
+        ):
+            self._recheck_later(key)  # a deadline, or a new pod's settling, passes with no event to say so
         await self._write_status(body, status)
 
     async def _create_failures(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Any
 
 from dllm_operator.render import labels
@@ -13,6 +14,19 @@ def is_ready(pod: dict[str, Any]) -> bool:
         return False
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def settled(pod: dict[str, Any], now: float, seconds: float) -> bool:
+    """Ready for at least `seconds` by `now` (seconds since the epoch), so that a router looking for
+    pods every few seconds has found it. A Ready condition without a time counts as long ago."""
+    if not is_ready(pod) or seconds <= 0:
+        return is_ready(pod)
+    ready = next(c for c in pod["status"]["conditions"] if c.get("type") == "Ready")
+    since = ready.get("lastTransitionTime")
+    if not since:
+        return True
+    at = datetime.strptime(str(since), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+    return now - at >= seconds
 
 
 def kv_fingerprint(pod: dict[str, Any]) -> str:

@@ -36,7 +36,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dllm_operator.api.rollout import EngineRole, RoleBudget, RolloutSpec
-from dllm_operator.pods import is_ready, kv_fingerprint
+from dllm_operator.pods import kv_fingerprint, settled
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
 
@@ -60,9 +60,9 @@ def ordinal_of(pod: dict[str, Any]) -> int | None:
     return int(suffix) if suffix.isdigit() else None
 
 
-def ready_fingerprints(pods: Iterable[dict[str, Any]]) -> set[str]:
-    """The KV fingerprints of the ready pods among `pods`."""
-    return {fingerprint for pod in pods if is_ready(pod) and (fingerprint := kv_fingerprint(pod))}
+def ready_fingerprints(pods: Iterable[dict[str, Any]], now: float = 0.0, settle: float = 0.0) -> set[str]:
+    """The KV fingerprints of the pods among `pods` ready for `settle` seconds by `now`."""
+    return {fingerprint for pod in pods if settled(pod, now, settle) and (fingerprint := kv_fingerprint(pod))}
 
 
 def with_steps(desired: dict[str, Any], replicas: int, partition: int, at: float | None) -> dict[str, Any]:
@@ -88,6 +88,12 @@ def rolling(sts: dict[str, Any]) -> bool:
     """Pods of the StatefulSet are not at its template yet."""
     status = sts.get("status", {})
     return bool(status.get("currentRevision") != status.get("updateRevision"))
+
+
+def under_way(sts: dict[str, Any], replicas: int | None) -> bool:
+    """Pods not at the template yet, or surge pods above the role's `replicas` still to go."""
+    have = int(sts.get("spec", {}).get("replicas") or 0)
+    return rolling(sts) or (replicas is not None and have > replicas)
 
 
 def overdue(sts: dict[str, Any], rollout: RolloutSpec, now: float) -> bool:
@@ -135,10 +141,12 @@ def step(
     partner_progress: float = 1.0,
     *,
     role: EngineRole,
+    settle: float = 0.0,
 ) -> dict[str, Any]:
     """The StatefulSet to apply for `role` now: `desired` as rendered, at the rollout's current step.
     `pods` are the role's, `partner_pods` the other role's, `partner_progress` the other role's
-    `progress`; `now` in seconds since the epoch."""
+    `progress`; `now` in seconds since the epoch. A new pod counts as serving once it has been ready
+    `settle` seconds (the router finds pods on its own schedule): only then may an old one go."""
     n = desired["spec"].get("replicas")
     if not rollout.coordinated or n is None or n == 0 or actual is None:
         return desired
@@ -160,7 +168,17 @@ def step(
             # A change while a rollout runs waits for it: restarting from the mixed pods would take
             # the newest ready ones down at once. A failed rollout is not waited for.
             in_flight = _with_template_of(actual, desired)
-            return step(in_flight, actual, pods, partner_pods, rollout, now, partner_progress, role=role)
+            return step(
+                in_flight,
+                actual,
+                pods,
+                partner_pods,
+                rollout,
+                now,
+                partner_progress,
+                role=role,
+                settle=settle,
+            )
         return with_steps(desired, n + own.surge, n, now)  # a new rollout: its clock starts now
     status = actual.get("status", {})
     if int(status.get("observedGeneration") or 0) < int(actual.get("metadata", {}).get("generation") or 0):
@@ -168,13 +186,16 @@ def step(
     moving, update = rolling(actual), status.get("updateRevision")
     if rollout.paused and (moving or partition_of(actual) > 0 or replicas > n):
         return with_steps(desired, replicas, partition_of(actual), None)
-    if not moving:
-        return moved(n, 0)  # every pod is at the template: any surge ordinals go
+    if not moving:  # every pod is at the template: any surge ordinals go, once the others serve
+        serving = {o for pod in pods if settled(pod, now, settle) and (o := ordinal_of(pod)) is not None}
+        return moved(n, 0) if replicas <= n or all(o in serving for o in range(n)) else held
     if overdue(actual, rollout, now):
         return held  # failed: stopped where it is until the template changes
     # Scaled down mid-rollout: ordinals past the new count are surge now, rolled as such.
     total, partition = n + own.surge, min(partition_of(actual), n)
-    ready = {ordinal for pod in pods if is_ready(pod) and (ordinal := ordinal_of(pod)) is not None}
+    ready = {
+        ordinal for pod in pods if settled(pod, now, settle) and (ordinal := ordinal_of(pod)) is not None
+    }
     fresh = {
         ordinal
         for pod in pods
@@ -187,7 +208,7 @@ def step(
     # With neither role surging, no pair of the new fingerprint can come first: prefill takes its first
     # step alone, then waits like decode.
     leads = role == "prefill" and own.surge == 0 and partner.surge == 0 and partition >= n
-    if not (fingerprint is None or leads or fingerprint in ready_fingerprints(partner_pods)):
+    if not (fingerprint is None or leads or fingerprint in ready_fingerprints(partner_pods, now, settle)):
         return moved(total, partition)  # old pods go only once a new pair can serve
     return moved(total, partition - _replaceable(n, partition, total, ready, own, partner_progress, rollout))
 
