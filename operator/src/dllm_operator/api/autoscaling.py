@@ -113,7 +113,14 @@ class DecodeAutoscaling(_Model):
 
 class RatioBounds(_Model):
     model_config = ConfigDict(
-        json_schema_extra=rules(cel("self.minPrefillPerDecode <= self.maxPrefillPerDecode", RATIO_ORDER))
+        # has(): the API server checks the rule against the object's default ({}) before defaulting it
+        json_schema_extra=rules(
+            cel(
+                "!has(self.minPrefillPerDecode) || !has(self.maxPrefillPerDecode) || "
+                "self.minPrefillPerDecode <= self.maxPrefillPerDecode",
+                RATIO_ORDER,
+            )
+        )
     )
 
     min_prefill_per_decode: Annotated[float, Field(gt=0, le=64)] = Field(
