@@ -1,5 +1,7 @@
-"""A spec change rolled out on the served sample while a client keeps sending requests, and what each
-request was told: shared by the node tier's rolling test and `python -m e2e.roll_soak`, which repeats it."""
+"""A spec change rolled out on the served sample while clients keep sending requests, and what each
+request was told: shared by the node tier's rolling tests. A client sends one request after another,
+plain or streamed (a stream keeps a request in flight for its whole answer, so pods are replaced with
+requests running in them)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,16 @@ import contextlib
 import json
 import threading
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 from e2e.fixtures import wait_until
 from e2e.served_sample import NAME, NAMESPACE, PROMPTS, Served, completion
+
+# Tokens per streamed answer: a second or more on the CPU sample, so a replaced pod has one in flight.
+STREAM_TOKENS = 48
 
 # A 503 naming the role with no ready pod: refused up front, never accepted by an engine.
 REFUSED = frozenset({"no_prefill", "no_decode"})
@@ -30,16 +37,58 @@ class Outcome:
 
     @property
     def accepted_and_failed(self) -> bool:
-        return self.status != 200 and not self.refused
+        return (self.status != 200 or bool(self.kind)) and not self.refused
+
+
+def streamed(router: str, prompt: str, timeout: float, request_id: str) -> tuple[int, str, str]:
+    """One streamed completion read to its end: (status, error type, message). A 200 whose stream
+    carries an error event or ends without [DONE] is a failure (status 200 with that error type)."""
+    body = {
+        "model": "tiny-llama",
+        "prompt": prompt,
+        "max_tokens": STREAM_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,  # the whole answer streams, not what the model says before its end token
+        "stream": True,
+    }
+    request = urllib.request.Request(  # noqa: S310 (the router Service of the local cluster)
+        router + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
+            events = [
+                line[6:].strip()
+                for line in response.read().decode().splitlines()
+                if line.startswith("data: ")
+            ]
+    except urllib.error.HTTPError as error:
+        answer = json.loads(error.read() or b"{}")
+        problem = answer.get("error", {}) if isinstance(answer.get("error"), dict) else {}
+        return int(error.code), str(problem.get("type", "")), str(problem.get("message", answer))[:300]
+    chunks = [json.loads(event) for event in events if event.startswith("{")]
+    errors = [chunk["error"] for chunk in chunks if isinstance(chunk.get("error"), dict)]
+    if errors:
+        return 200, str(errors[0].get("type", "stream_error")), str(errors[0].get("message", ""))[:300]
+    if not events or events[-1] != "[DONE]":
+        return 200, "stream_cut", f"{len(events)} events, the last {events[-1:]}"
+    # An engine that aborts a request (a drain caught it) ends its stream cleanly with another reason.
+    texts = [c["choices"][0] for c in chunks if c.get("choices")]
+    reasons = [choice.get("finish_reason") for choice in texts if choice.get("finish_reason")]
+    if reasons != ["length"]:
+        return 200, "stream_short", f"finish reasons {reasons}, {len(texts)} chunks"
+    return 200, "", ""
 
 
 @dataclass
 class Trickle:
     """One request after another through the router, each with its own X-Request-Id (so a failure can
-    be found in both engines' logs), until stopped."""
+    be found in both engines' logs), until stopped; streamed when `stream`."""
 
     served: Served
     prefix: str
+    stream: bool = False
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -50,11 +99,15 @@ class Trickle:
             rid = f"{self.prefix}-{len(self.outcomes)}"
             try:
                 # Long enough for a restarted engine's first request on two busy cores.
-                status, body = completion(self.served.router, PROMPTS[1], timeout=600, request_id=rid)
-                problem = body.get("error", {}) if isinstance(body.get("error"), dict) else {}
-                message = "" if status == 200 else str(problem.get("message", body))[:300]
-                self.outcomes.append(Outcome(rid, status, str(problem.get("type", "")), message))
-            except OSError as error:  # counted as a failure: the router itself must stay reachable
+                if self.stream:
+                    status, kind, message = streamed(self.served.router, PROMPTS[1], 600, rid)
+                    self.outcomes.append(Outcome(rid, status, kind, message))
+                else:
+                    status, body = completion(self.served.router, PROMPTS[1], timeout=600, request_id=rid)
+                    problem = body.get("error", {}) if isinstance(body.get("error"), dict) else {}
+                    message = "" if status == 200 else str(problem.get("message", body))[:300]
+                    self.outcomes.append(Outcome(rid, status, str(problem.get("type", "")), message))
+            except Exception as error:  # noqa: BLE001 - any failure is an outcome (a cut stream, a non-JSON body)
                 self.outcomes.append(Outcome(rid, 0, type(error).__name__, repr(error)[:300]))
             self._stop.wait(0.2)  # a client's think time, not a wait on a condition
 
@@ -92,16 +145,22 @@ class RollOutcomes:
     def failed(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.accepted_and_failed]
 
+    def not_served(self) -> list[Outcome]:
+        """Every request without its whole answer: failed, cut or refused up front."""
+        return [o for o in self.outcomes if o.status != 200 or o.kind]
+
     def served_count(self) -> int:
         return sum(o.status == 200 for o in self.outcomes)
 
 
-def roll_under_load(served: Served, patch: dict[str, Any], prefix: str, clients: int = 1) -> RollOutcomes:
+def roll_under_load(
+    served: Served, patch: dict[str, Any], prefix: str, clients: int = 1, stream: bool = False
+) -> RollOutcomes:
     """Patch the CR while `clients` trickles run side by side (so a pod is more often replaced with a
     request in it); return once both roles rolled, are Ready and each client was served after that."""
     before = served.get("dllm", NAME)["metadata"]["generation"]
     with contextlib.ExitStack() as stack:
-        trickles = [stack.enter_context(Trickle(served, f"{prefix}c{i}")) for i in range(clients)]
+        trickles = [stack.enter_context(Trickle(served, f"{prefix}c{i}", stream)) for i in range(clients)]
 
         def each_sent(count: int) -> bool:
             return all(len(t.outcomes) >= count for t in trickles)
@@ -115,7 +174,8 @@ def roll_under_load(served: Served, patch: dict[str, Any], prefix: str, clients:
 
         def each_served_after() -> bool:
             return all(
-                any(o.status == 200 for o in t.outcomes[n:]) for t, n in zip(trickles, after, strict=True)
+                any(o.status == 200 and not o.kind for o in t.outcomes[n:])
+                for t, n in zip(trickles, after, strict=True)
             )
 
         wait_until(each_served_after, 180, "a 200 for each client after the roll")

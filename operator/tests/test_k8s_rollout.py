@@ -25,10 +25,10 @@ pytestmark = pytest.mark.k8s
 CPU_SAMPLE = ROOT / "crds" / "samples" / "cpu-tiny.yaml"
 
 
-def surge_cr(prefill: int, decode: int, **rollout: Any) -> dict[str, Any]:
+def surge_cr(prefill_replicas: int, decode_replicas: int, **rollout: Any) -> dict[str, Any]:
     spec = {
-        "prefill": {"replicas": prefill},
-        "decode": {"replicas": decode},
+        "prefill": {"replicas": prefill_replicas},
+        "decode": {"replicas": decode_replicas},
         "rollout": {"maxSurge": 1} | rollout,
     }
     return merged(on_kwok_nodes(load_cr(CPU_SAMPLE)), {"metadata": {"name": "surge"}, "spec": spec})
