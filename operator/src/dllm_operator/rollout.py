@@ -163,8 +163,7 @@ def step(
     if _annotation(actual, TEMPLATE_HASH) != _annotation(desired, TEMPLATE_HASH):
         if rollout.paused:  # the template is kept, and no pod takes it yet
             return with_steps(desired, replicas, max(partition_of(actual), replicas), None)
-        under_way = rolling(actual) or replicas > n or partition_of(actual) > 0
-        if under_way and not overdue(actual, rollout, now):
+        if (under_way(actual, n) or partition_of(actual) > 0) and not overdue(actual, rollout, now):
             # A change while a rollout runs waits for it: restarting from the mixed pods would take
             # the newest ready ones down at once. A failed rollout is not waited for.
             in_flight = _with_template_of(actual, desired)
