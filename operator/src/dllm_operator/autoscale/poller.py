@@ -83,8 +83,9 @@ class AutoscalePoller:
             decision = decide(target.spec, target.current, latest, kept.history, now)
             kept.history = decision.history
             if worth_writing(kept.status, decision, kept.written_at, now):
-                changed = recommended(kept.status) != recommended(status_of(decision, now))
-                kept.status, kept.written_at = status_of(decision, now), now
+                status = status_of(decision, now)
+                changed = recommended(kept.status) != recommended(status)
+                kept.status, kept.written_at = status, now
                 self._decided(key, kept.status, changed)
 
     @staticmethod
