@@ -159,6 +159,25 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
         spec(autoscaling={"decode": {"minReplicas": 3, "maxReplicas": 2, "target": {"kvCacheUsage": 0.7}}}),
         "spec.autoscaling.decode",
     ),
+    (
+        "active-autoscaling-with-hand-set-prefill-replicas",
+        spec(
+            prefill={"replicas": 2},
+            autoscaling={
+                "mode": "active",
+                "prefill": {"maxReplicas": 4, "target": {"queuedPromptTokensPerReplica": 4096}},
+            },
+        ),
+        "spec.prefill.replicas",
+    ),
+    (
+        "active-autoscaling-with-hand-set-decode-replicas",  # what `kubectl scale dllm` sets
+        spec(
+            decode={"replicas": 3},
+            autoscaling={"mode": "active", "decode": {"maxReplicas": 4, "target": {"kvCacheUsage": 0.7}}},
+        ),
+        "spec.decode.replicas",
+    ),
     ("host-network-without-rdma", spec(rdma={"hostNetwork": True}), "spec.rdma.hostNetwork"),
     (
         "router-grace-below-prestop-and-margin",

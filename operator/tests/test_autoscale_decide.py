@@ -130,7 +130,7 @@ def test_a_role_left_unconfigured_is_not_decided_on() -> None:
         ({"prefill": {"maxReplicas": 2, "target": {}}}, "exactly one target"),
         ({"decode": {"minReplicas": 3, "maxReplicas": 2, "target": {"kvCacheUsage": 0.5}}}, "may not exceed"),
         ({"decode": {"maxReplicas": 2, "target": {"kvCacheUsage": 1.5}}}, "less than or equal to 1"),
-        ({"mode": "on"}, "Input should be 'off' or 'advisory'"),
+        ({"mode": "on"}, "Input should be 'off', 'advisory' or 'active'"),
     ],
 )
 def test_bad_autoscaling_is_refused_with_the_reason(bad: dict[str, Any], message: str) -> None:

@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 from dllm_operator import metrics
 from dllm_operator.api.autoscaling import AutoscalingSpec
 from dllm_operator.autoscale import exported
+from dllm_operator.autoscale.decide import Decision
 from dllm_operator.autoscale.poller import AutoscalePoller, Target
 from dllm_operator.autoscale.scrape import METRICS_PATH
 
@@ -56,7 +57,14 @@ async def test_a_recommendation_is_handed_on_when_it_changes_and_refreshed_once_
     target = Target(spec, {"prefill": [("p-0", "127.0.0.1", port)]}, {"prefill": 1, "decode": 1})
     clock = [1_000.0]
     handed: list[tuple[Any, dict[str, Any], bool]] = []
-    poller = AutoscalePoller(15, lambda: {"cr": target}, lambda *call: handed.append(call), lambda: clock[0])
+    acted: list[tuple[Any, Decision]] = []  # active mode's steps see every decision, written or not
+    poller = AutoscalePoller(
+        15,
+        lambda: {"cr": target},
+        lambda *call: handed.append(call),
+        lambda: clock[0],
+        acted=lambda *call: acted.append(call),
+    )
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
         await poller.poll(session)
         # 3 waiting x 1000-token prompts = 3000 queued tokens, at 2000 a replica
@@ -79,6 +87,7 @@ async def test_a_recommendation_is_handed_on_when_it_changes_and_refreshed_once_
         await poller.poll(session)
     last = handed[-1][1]["prefill"]
     assert (handed[-1][2], last["replicas"], "value" in last) == (True, 1, False)
+    assert [decision.roles["prefill"].replicas for _, decision in acted] == [2, 2, 2, 2, 1]
     assert last["reason"] == "no fresh signal (61s old); not scaled"
 
 

@@ -18,8 +18,9 @@ from typing import Any
 from dllm_operator import metrics, rollout
 from dllm_operator.api import KIND, DisaggregatedLLM, SpecInvalid, parse
 from dllm_operator.api.rollout import EngineRole
-from dllm_operator.autoscale import exported
-from dllm_operator.autoscale.decide import Role
+from dllm_operator.autoscale import act, exported
+from dllm_operator.autoscale.applied import AppliedReplicas
+from dllm_operator.autoscale.decide import Decision, Role
 from dllm_operator.autoscale.poller import AutoscalePoller, Target
 from dllm_operator.config import OperatorConfig
 from dllm_operator.events import cr_event, now_iso
@@ -52,6 +53,11 @@ def _describe(obj: dict[str, Any]) -> str:
     return f"{obj['kind']} {obj['metadata']['name']}"
 
 
+# The spec's version with active autoscaling's counts, the parsed spec, the CR as rendered (with those
+# counts in it) and its children.
+_Rendered = tuple[tuple[Any, ...], DisaggregatedLLM, DisaggregatedLLM, list[dict[str, Any]]]
+
+
 @dataclass
 class Controller:
     client: KubeClient
@@ -60,14 +66,13 @@ class Controller:
     queue: WorkQueue = field(default_factory=WorkQueue)
     is_leader: Callable[[], bool] = lambda: True
     _apply_errors: dict[CRKey, tuple[str, ...]] = field(default_factory=dict)
-    _rendered: dict[CRKey, tuple[tuple[str, int], DisaggregatedLLM, list[dict[str, Any]]]] = field(
-        default_factory=dict
-    )
+    _rendered: dict[CRKey, _Rendered] = field(default_factory=dict)
     _event_tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _secrets_made: set[tuple[CRKey, str]] = field(default_factory=set)
     _rechecks: set[CRKey] = field(default_factory=set)  # keys with a FailedCreate recheck scheduled
     _kv_pages: dict[CRKey, dict[str, Page]] = field(default_factory=dict)  # router pods' KV check pages
     _autoscaling: dict[CRKey, dict[str, Any]] = field(default_factory=dict)  # status.autoscaling to write
+    _applied: AppliedReplicas = field(default_factory=AppliedReplicas)  # active autoscaling's counts
 
     # ---- inputs ----
 
@@ -96,6 +101,7 @@ class Controller:
         self._kv_pages.pop(key, None)
         if self._autoscaling.pop(key, None) is not None:
             exported.forget(*key)
+        self._applied.forget(key)
 
     async def seed(self, namespaces: tuple[str, ...]) -> None:
         """Fill the caches before the first reconcile, so a restart makes no needless writes."""
@@ -138,7 +144,10 @@ class Controller:
             background.append(poller.run())
         if self.config.autoscale_poll_seconds > 0:
             autoscaler = AutoscalePoller(
-                self.config.autoscale_poll_seconds, self._autoscale_targets, self._on_autoscaled
+                self.config.autoscale_poll_seconds,
+                self._autoscale_targets,
+                self._on_autoscaled,
+                acted=self._on_autoscale_decision,
             )
             background.append(autoscaler.run())
         await asyncio.gather(*(self._worker() for _ in range(count)), *background)
@@ -154,7 +163,7 @@ class Controller:
             return {}
         return {
             key: router_pods(pods_by_component(self.store.pods[key].values()).get("router", []))
-            for key, (_, cr, _) in self._rendered.items()
+            for key, (_, _, cr, _) in self._rendered.items()
             if key in self.store.resources and self._kv_checked(cr)
         }
 
@@ -170,7 +179,7 @@ class Controller:
         if not self.is_leader():
             return {}
         found: dict[CRKey, Target] = {}
-        for key, (_, cr, _) in self._rendered.items():
+        for key, (_, _, cr, _) in self._rendered.items():
             if key not in self.store.resources or cr.spec.autoscaling.mode == "off":
                 continue
             pods = pods_by_component(self.store.pods[key].values())
@@ -179,6 +188,7 @@ class Controller:
                 role: int(workloads.get(role, {}).get("spec", {}).get("replicas") or 0)
                 for role in ("prefill", "decode")
             }
+            current.update(self._applied.counts(key, cr, workloads))  # not a rollout's surge
             readable = {role: router_pods(pods.get(role, [])) for role in ("prefill", "decode", "router")}
             found[key] = Target(cr.spec.autoscaling, readable, current)
         for key in set(self._autoscaling) - set(found):  # deleted, or autoscaling turned off
@@ -196,6 +206,25 @@ class Controller:
                 f"{role} {status[role]['replicas']}" for role in ("prefill", "decode") if role in status
             )
             self._event(body, "AutoscalingRecommendation", f"recommended replicas: {said}")
+
+    def _on_autoscale_decision(self, key: CRKey, decision: Decision) -> None:
+        """Active mode: a step of each role it scales (autoscale/act.py); a moved count is rendered by
+        the reconcile this queues."""
+        cached, body = self._rendered.get(key), self.store.resources.get(key)
+        if cached is None or body is None or not cached[2].spec.autoscaling.active_roles():
+            return
+        moved = self._applied.step(
+            key,
+            cached[1],
+            decision,
+            pods_by_component(self.store.pods[key].values()),
+            workloads_by_component(self.store.children[key].values()),
+            time.time(),
+            self.config.rollout_settle_seconds + self.config.autoscale_poll_seconds,
+        )
+        for scaled in moved:
+            self._event(body, "AutoscalingScaled", f"{scaled.role}: {scaled.reason}")
+        self.queue.add(key)  # the step, or the reason it waits, to status
 
     async def _resync(self) -> None:
         while True:
@@ -329,13 +358,18 @@ class Controller:
         rendering again for each would cost more than the rest of the reconcile.
         """
         meta = body["metadata"]
-        version = (meta.get("uid", ""), int(meta.get("generation") or 0))
+        generation = (meta.get("uid", ""), int(meta.get("generation") or 0))
         cached = self._rendered.get(key)
+        same_spec = cached is not None and cached[0][:2] == generation and generation[1] > 0
+        parsed = cached[1] if cached is not None and same_spec else parse(body)
+        workloads = workloads_by_component(self.store.children[key].values())
+        applied = self._applied.counts(key, parsed, workloads)  # active autoscaling's, else none
+        version = (*generation, tuple(sorted(applied.items())))
         if cached is not None and cached[0] == version and version[1] > 0:
-            return cached[1], cached[2]
-        cr = parse(body)
+            return cached[2], cached[3]
+        cr = act.with_applied(parsed, applied) if applied else parsed
         desired = render_all(cr, self.config)
-        self._rendered[key] = (version, cr, desired)
+        self._rendered[key] = (version, parsed, cr, desired)
         return cr, desired
 
     async def _apply(
@@ -404,7 +438,7 @@ class Controller:
                 and rollout.overdue(workload, cr.spec.rollout, time.time())
                 and (name := workload["metadata"]["name"])
             ),
-            autoscaling=self._autoscaling.get(key) if cr.spec.autoscaling.mode != "off" else None,
+            autoscaling=self._autoscaling_status(key, cr),
         )
         status = compute_status(cr, observed, body.get("status"), now_iso())
         wanted = {"prefill": cr.spec.prefill.replicas, "decode": cr.spec.decode.replicas}
@@ -413,6 +447,17 @@ class Controller:
         ):
             self._recheck_later(key)  # a deadline, or a new pod's settling, passes with no event to say so
         await self._write_status(body, status)
+
+    def _autoscaling_status(self, key: CRKey, cr: DisaggregatedLLM) -> dict[str, Any] | None:
+        """status.autoscaling: the latest decision, with what active mode did about it per role."""
+        found = self._autoscaling.get(key)
+        if cr.spec.autoscaling.mode == "off" or found is None:
+            return None
+        out = dict(found)
+        for role, action in self._applied.actions(key).items():
+            if isinstance(out.get(role), dict):
+                out[role] = {**out[role], "action": action}
+        return out
 
     async def _create_failures(
         self, key: CRKey, workloads: dict[str, dict[str, Any]], pods: dict[str, list[dict[str, Any]]]

@@ -1,7 +1,7 @@
-"""spec.autoscaling: prefill and decode recommended replicas from their own signals, within bounds
-(issue 36). The decision is autoscale/decide.py; advisory mode writes it to status. Active mode (the
-operator scaling the roles itself) is to come: until then an HPA on the StatefulSets (replicas unset)
-is the way to act on the same signals.
+"""spec.autoscaling: prefill and decode replicas from their own signals, within bounds (issue 36).
+The decision is autoscale/decide.py; advisory mode writes it to status, active mode also applies it,
+one replica at a time (autoscale/act.py). An HPA or KEDA on the StatefulSets (replicas unset, mode off
+or advisory) stays the other way to act on the same signals.
 """
 
 from __future__ import annotations
@@ -11,12 +11,23 @@ from typing import Annotated, Literal, NamedTuple, Self
 from pydantic import ConfigDict, Field, model_validator
 
 from dllm_operator.api.common import _Model, cel, rules
+from dllm_operator.api.rollout import EngineRole
 
-AutoscalingMode = Literal["off", "advisory"]
+ENGINE_ROLES: tuple[EngineRole, EngineRole] = ("prefill", "decode")
+
+AutoscalingMode = Literal["off", "advisory", "active"]
 Replicas = Annotated[int, Field(ge=1, le=10000)]
 ONE_TARGET = "exactly one target"
 MIN_OVER_MAX = "minReplicas may not exceed maxReplicas"
 RATIO_ORDER = "minPrefillPerDecode may not exceed maxPrefillPerDecode"
+
+
+def hand_set_in_active_mode(role: str) -> str:
+    return (
+        f"{role}.replicas may not be set while autoscaling.mode is active and autoscaling.{role} is set: "
+        f"the autoscaler sets {role}'s replicas; remove {role}.replicas, or autoscaling.{role}, or use "
+        "mode advisory"
+    )
 
 
 class Measure(NamedTuple):
@@ -142,7 +153,10 @@ class AutoscalingSpec(_Model):
         "off",
         description="off; advisory: the operator reads the engines' and router's metrics and writes each "
         "role's recommended replicas, the signal and the reason to status.autoscaling, with an Event when "
-        "a recommendation changes; nothing is scaled.",
+        "a recommendation changes; nothing is scaled. active: as advisory, and the operator sets the "
+        "replicas of each role configured here itself, one replica per step, the next only once every pod "
+        "of the role has been ready long enough to be measured (the router's discovery plus one read of "
+        "the metrics), never while a rollout is under way; such a role's replicas may not be set by hand.",
     )
     prefill: PrefillAutoscaling | None = Field(
         None, description="Prefill's bounds and target; unset: not scaled."
@@ -159,3 +173,9 @@ class AutoscalingSpec(_Model):
     signal_max_age_seconds: Annotated[int, Field(ge=5, le=600)] = Field(
         60, description="A signal older than this is no signal: that role is not scaled, and status says why."
     )
+
+    def active_roles(self) -> tuple[EngineRole, ...]:
+        """The roles whose replicas the operator sets (active mode, configured here)."""
+        if self.mode != "active":
+            return ()
+        return tuple(role for role in ENGINE_ROLES if getattr(self, role) is not None)

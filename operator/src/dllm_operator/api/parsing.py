@@ -13,6 +13,7 @@ from dllm_contract.kvconfig import (
     Connector,
     Protocol,
 )
+from dllm_operator.api.autoscaling import hand_set_in_active_mode
 from dllm_operator.api.common import DNS_1035, MAX_NAME_LENGTH
 from dllm_operator.api.model_spec import TWO_SOURCES
 from dllm_operator.api.resource import (
@@ -103,6 +104,8 @@ def _cross_field_errors(spec: Spec) -> list[FieldError]:
             and role.max_num_batched_tokens < max_len
         ):
             errors.append(FieldError(f"spec.{role_name}.maxNumBatchedTokens", _short_batch(role_name)))
+        if role.replicas is not None and role_name in spec.autoscaling.active_roles():
+            errors.append(FieldError(f"spec.{role_name}.replicas", hand_set_in_active_mode(role_name)))
     return errors
 
 

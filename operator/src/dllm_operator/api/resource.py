@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 from pydantic.config import JsonDict
 
-from dllm_operator.api.autoscaling import AutoscalingSpec
+from dllm_operator.api.autoscaling import AutoscalingSpec, hand_set_in_active_mode
 from dllm_operator.api.common import DNS_1035, MAX_NAME_LENGTH, OPTED_IN, Name, _Model, cel, rules
 from dllm_operator.api.model_spec import ModelSpec
 from dllm_operator.api.roles import DecodeSpec, LocalObjectReference, PrefillSpec, RouterSpec, SecuritySpec
@@ -61,7 +61,17 @@ def _spec_rules() -> JsonDict:
         )
         for role in ROLES
     ]
-    return rules(protocol, *chunked, *root)
+    hand_set = [
+        cel(
+            f"!has(self.{role}) || !has(self.{role}.replicas) || !has(self.autoscaling) || "
+            "!has(self.autoscaling.mode) || self.autoscaling.mode != 'active' || "
+            f"!has(self.autoscaling.{role})",
+            hand_set_in_active_mode(role),
+            f".{role}.replicas",
+        )
+        for role in ROLES
+    ]
+    return rules(protocol, *chunked, *root, *hand_set)
 
 
 class Spec(_Model):
@@ -113,7 +123,8 @@ class Spec(_Model):
     )
     autoscaling: AutoscalingSpec = Field(
         AutoscalingSpec(),
-        description="Recommended replicas per role from the engines' own signals (advisory mode).",
+        description="Replicas per role from the engines' own signals: recommended (advisory) or set by the "
+        "operator (active).",
     )
     security: SecuritySpec = Field(
         SecuritySpec(),
@@ -224,7 +235,7 @@ class KVTransferStatus(BaseModel):
 
 
 class RoleRecommendation(BaseModel):
-    """One role's recommended replicas (spec.autoscaling, advisory)."""
+    """One role's recommended replicas (spec.autoscaling), and in active mode what was done about it."""
 
     model_config = ConfigDict(frozen=True, alias_generator=to_camel, populate_by_name=True)
 
@@ -233,6 +244,10 @@ class RoleRecommendation(BaseModel):
     measure: Annotated[str, Field(max_length=64)] = Field(description="What its target measures.")
     value: float | None = Field(None, description="The measure's value (absent: no fresh signal).")
     reason: Annotated[str, Field(max_length=1024)] = Field(description="How the count was reached.")
+    action: Annotated[str, Field(max_length=1024)] | None = Field(
+        None,
+        description="Active mode: the step last taken toward it, or why none was (empty: none needed).",
+    )
 
 
 class AutoscalingStatus(BaseModel):

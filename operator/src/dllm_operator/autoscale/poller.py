@@ -1,7 +1,8 @@
-"""The autoscaler's loop (advisory mode, issue 36): every poll, for each resource the operator is
-asked about, read its engine and router pods' metrics pages (scrape.py), turn two scrapes into each
-role's signal (signals.py), decide (decide.py), and hand the result on when it is worth a status
-write (status.py): a changed recommendation at once, fresh values once a minute.
+"""The autoscaler's loop (issue 36): every poll, for each resource the operator is asked about, read
+its engine and router pods' metrics pages (scrape.py), turn two scrapes into each role's signal
+(signals.py), decide (decide.py), hand every decision to `acted` (active mode's steps), and hand the
+result on when it is worth a status write (status.py): a changed recommendation at once, fresh values
+once a minute.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import aiohttp
 
 from dllm_operator.api.autoscaling import AutoscalingSpec
-from dllm_operator.autoscale.decide import Role, Signal, decide
+from dllm_operator.autoscale.decide import Decision, Role, Signal, decide
 from dllm_operator.autoscale.scrape import ScrapeMemory, read_metrics
 from dllm_operator.autoscale.signals import signals_for
 from dllm_operator.autoscale.status import recommended, status_of, worth_writing
@@ -47,8 +48,9 @@ class _Kept:
 
 
 class AutoscalePoller:
-    """`targets()` names the resources to read; `decided(key, status, changed)` gets status.autoscaling
-    when it is worth writing, `changed` when a recommended count moved (an Event's worth)."""
+    """`targets()` names the resources to read; `acted(key, decision)` gets every decision;
+    `decided(key, status, changed)` gets status.autoscaling when it is worth writing, `changed` when a
+    recommended count moved (an Event's worth)."""
 
     def __init__(
         self,
@@ -56,8 +58,10 @@ class AutoscalePoller:
         targets: Callable[[], Mapping[Any, Target]],
         decided: Callable[[Any, dict[str, Any], bool], None],
         clock: Callable[[], float] = time.time,
+        acted: Callable[[Any, Decision], None] | None = None,
     ) -> None:
         self._interval_s, self._targets, self._decided, self._clock = interval_s, targets, decided, clock
+        self._acted = acted
         self._memory = ScrapeMemory()
         self._kept: dict[Any, _Kept] = {}
 
@@ -82,6 +86,8 @@ class AutoscalePoller:
             latest = {role: kept.signals.get(role) for role in signals}
             decision = decide(target.spec, target.current, latest, kept.history, now)
             kept.history = decision.history
+            if self._acted is not None:
+                self._acted(key, decision)
             if worth_writing(kept.status, decision, kept.written_at, now):
                 status = status_of(decision, now)
                 changed = recommended(kept.status) != recommended(status)

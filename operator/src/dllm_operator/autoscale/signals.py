@@ -8,7 +8,9 @@ Two scrapes of the same pages, a scrape interval apart, give each role's measure
 - decode, KV-cache usage: the mean of decode pods' `vllm:kv_cache_usage_perc`;
 - time to first token and inter-token latency: the 90th percentile of the observations between the
   scrapes, from the router's histograms (`dllm_router_ttft_seconds`, and
-  `dllm_router_pair_inter_token_seconds` summed over its pairs).
+  `dllm_router_pair_inter_token_seconds` summed over its pairs); 0 when the router observed none and
+  has no request in flight on that role's pods (`dllm_router_inflight`): an idle role keeps no one
+  waiting, and must be able to scale down.
 
 Pages come from engines and routers over the network: a page that does not parse, or lacks a metric,
 gives no value (never a zero), and the caller says so in status.
@@ -30,6 +32,7 @@ KV_USAGE = "vllm:kv_cache_usage_perc"
 PROMPT_TOKENS = "vllm:request_prompt_tokens"
 TTFT_HISTOGRAM = "dllm_router_ttft_seconds"
 ITL_HISTOGRAM = "dllm_router_pair_inter_token_seconds"
+INFLIGHT = "dllm_router_inflight"
 QUANTILE = 0.9
 
 
@@ -128,6 +131,10 @@ def read_page(text: str) -> Page | None:
                 gauges[WAITING] = sum(values)  # each data-parallel engine's queue adds up
             elif family.name == KV_USAGE and values:
                 gauges[KV_USAGE] = sum(values) / len(values)  # a usage share: the engines' mean
+            elif family.name == INFLIGHT:
+                for sample in family.samples:
+                    key = inflight(sample.labels.get("role", ""))
+                    gauges[key] = gauges.get(key, 0.0) + sample.value
             elif family.name in (PROMPT_TOKENS, TTFT_HISTOGRAM, ITL_HISTOGRAM):
                 for sample in family.samples:
                     labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
@@ -179,17 +186,30 @@ def mean_kv_usage(pages: Iterable[Page | None]) -> float | None:
     return sum(v for v in values if v is not None) / len(values)
 
 
-def latency(name: str, pods: Iterable[tuple[Page | None, Page | None]]) -> float | None:
+def inflight(role: str) -> str:
+    """Page.gauges' key of the router's requests in flight on `role`'s pods."""
+    return f"{INFLIGHT}:{role}"
+
+
+def latency(name: str, pods: Iterable[tuple[Page | None, Page | None]], role: str) -> float | None:
     """The 90th percentile of the histogram `name`'s observations between two scrapes, over every
-    router pod's (earlier, latest) pages; None when a latest page lacks it or nothing was observed."""
+    router pod's (earlier, latest) pages; 0 when nothing was observed and no router has a request in
+    flight on `role`'s pods; None when a latest page lacks either, or requests are in flight with
+    nothing observed (a load not measured is not zero)."""
     recent: list[Histogram] = []
+    busy = 0.0
     for before, after in pods:
         since = after.since(name, before) if after else None
-        if since is None:
+        if after is None or since is None or inflight(role) not in after.gauges:
             return None
         recent.append(since)
+        busy += after.gauges[inflight(role)]
     merged = _merge(recent)
-    return merged.quantile(QUANTILE) if merged else None
+    if merged is None:
+        return None
+    if merged.count > 0:
+        return merged.quantile(QUANTILE)
+    return 0.0 if busy == 0 else None
 
 
 Scrapes = Sequence[tuple[Page | None, Page | None]]  # each pod's (earlier, latest) page
@@ -199,18 +219,18 @@ def signals_for(
     spec: AutoscalingSpec, prefill: Scrapes, decode: Scrapes, routers: Scrapes, now: float
 ) -> dict[Role, Signal | None]:
     """Each configured role's measure for its target, taken `now`; None where it cannot be measured
-    (no pod, a page missing what it needs, no request between the scrapes for a latency)."""
+    (no pod, a page missing what it needs, requests in flight but none observed for a latency)."""
     found: dict[Role, Signal | None] = {}
     if spec.prefill is not None:
         if spec.prefill.target.queued_prompt_tokens_per_replica is not None:
             value = queued_prompt_tokens(prefill) if prefill else None
         else:
-            value = latency(TTFT_HISTOGRAM, routers) if routers else None
+            value = latency(TTFT_HISTOGRAM, routers, "prefill") if routers else None
         found["prefill"] = None if value is None else Signal(value, now)
     if spec.decode is not None:
         if spec.decode.target.kv_cache_usage is not None:
             value = mean_kv_usage(after for _, after in decode)
         else:
-            value = latency(ITL_HISTOGRAM, routers) if routers else None
+            value = latency(ITL_HISTOGRAM, routers, "decode") if routers else None
         found["decode"] = None if value is None else Signal(value, now)
     return found

@@ -15,6 +15,8 @@ from dllm_operator.render.fingerprint import kv_fingerprint
 
 MULTUS_ANNOTATION = "k8s.v1.cni.cncf.io/networks"
 TEMPLATE_HASH = "disagg.dev/template-hash"
+# The replicas active autoscaling set for the role (autoscale/act.py), kept for a restarted operator.
+AUTOSCALED_REPLICAS = "disagg.dev/autoscaled-replicas"
 # The images' numeric non-root user (images/vllm, images/vllm-cpu); engines run as it unless RDMA needs
 # a capability, which Kubernetes gives only to root.
 ENGINE_UID = 10001
@@ -122,6 +124,8 @@ def statefulset(cr: DisaggregatedLLM, role: EngineRole, config: OperatorConfig) 
         body = {"replicas": spec.replicas, **body}
     metadata = labels.metadata(cr, role)
     metadata["annotations"] = {**metadata.get("annotations", {}), TEMPLATE_HASH: template_hash(template)}
+    if spec.replicas is not None and role in cr.spec.autoscaling.active_roles():
+        metadata["annotations"][AUTOSCALED_REPLICAS] = str(spec.replicas)  # autoscale/act.py's count
     return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata, "spec": body}
 
 
