@@ -89,6 +89,7 @@ class Trickle:
     served: Served
     prefix: str
     stream: bool = False
+    prompt: str = PROMPTS[1]
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -100,10 +101,10 @@ class Trickle:
             try:
                 # Long enough for a restarted engine's first request on two busy cores.
                 if self.stream:
-                    status, kind, message = streamed(self.served.router, PROMPTS[1], 600, rid)
+                    status, kind, message = streamed(self.served.router, self.prompt, 600, rid)
                     self.outcomes.append(Outcome(rid, status, kind, message))
                 else:
-                    status, body = completion(self.served.router, PROMPTS[1], timeout=600, request_id=rid)
+                    status, body = completion(self.served.router, self.prompt, timeout=600, request_id=rid)
                     problem = body.get("error", {}) if isinstance(body.get("error"), dict) else {}
                     message = "" if status == 200 else str(problem.get("message", body))[:300]
                     self.outcomes.append(Outcome(rid, status, str(problem.get("type", "")), message))

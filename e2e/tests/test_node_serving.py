@@ -35,7 +35,7 @@ from e2e.dataplane.pipeline import (
 from e2e.engine_paths import ENGINE_PATHS, FORGED_OFFER_SCRIPT, OPEN_PATHS, STATUS_SCRIPT, WRONG_KEY
 from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
 from e2e.pod_logs import PodLogs, kept_logs
-from e2e.rolling import roll_under_load
+from e2e.rolling import Trickle, roll_under_load
 from e2e.served_sample import (
     NAME,
     NAMESPACE,
@@ -512,51 +512,132 @@ def kv_condition(served: Served) -> dict[str, Any]:
     return served.condition("KVTransferVerified")
 
 
-def test_advisory_autoscaling_reads_the_engines_and_recommends_more_prefill_under_slow_first_tokens(
+# A long prompt for the byte-level tiny model: 450 of the sample's 512 tokens, the answer's 12 after it.
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 10
+
+
+def patch_sample(served: Served, patch: dict[str, Any], check: bool = True) -> Any:
+    return served.cluster.run(
+        "patch", "dllm", NAME, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch), check=check
+    )
+
+
+def users_served(served: Served, role: str, pod: str) -> float:
+    """Requests the engine pod finished, less the router's KV check canaries it answered."""
+    url = served.pod_url(pod)
+    canaries = kv_moved.canary_totals(metrics_text(served.router), role, url.split("://", 1)[-1])
+    return counter(metrics_text(url), "vllm:request_success") - canaries["requests"]
+
+
+def event_messages(served: Served, reason: str) -> list[str]:
+    items = served.cluster.get_json("events", "-n", NAMESPACE, "--field-selector", f"reason={reason}")[
+        "items"
+    ]
+    return [str(e["message"]) for e in items]
+
+
+def test_autoscaling_recommends_then_adds_a_prefill_pod_under_long_prompts_and_takes_it_away_when_idle(
     served: Served,
 ) -> None:
-    """spec.autoscaling in advisory mode on the running sample: the operator pod reads the engines' and
-    the router's /metrics over the pod network (their NetworkPolicies admitting it, kube-router
-    enforcing), and status.autoscaling shows decode's real KV-cache usage and, with a time-to-first-token
-    target below what two busy cores give, prefill recommended up to its max, with the Event; nothing
-    is scaled."""
+    """spec.autoscaling on the running sample, the operator pod reading the engines' and router's /metrics
+    over the pod network (their NetworkPolicies admitting it, kube-router enforcing). Under a burst of long
+    prompts from two clients, with a time-to-first-token target below what two busy cores give: advisory
+    mode recommends prefill 2 (and measures decode's real KV-cache usage), with its Event, and scales
+    nothing; active mode adds the second prefill pod, the router sends users' prompts to it, and a
+    hand-set prefill count is refused meanwhile; when the burst ends the idle prefill goes back to one
+    pod after the scale-down window, and a client sends through its drain. No request fails."""
+    prefill = {"minReplicas": 1, "maxReplicas": 2, "target": {"timeToFirstTokenSeconds": 0.001}}
     advisory = {
         "mode": "advisory",
-        "prefill": {"maxReplicas": 2, "target": {"timeToFirstTokenSeconds": 0.001}},
+        "prefill": prefill,
         "decode": {"maxReplicas": 2, "target": {"kvCacheUsage": 0.5}},
+        "scaleDownStabilizationSeconds": 20,
     }
-    patch = json.dumps({"spec": {"autoscaling": advisory}})
-    served.cluster.run("patch", "dllm", NAME, "-n", NAMESPACE, "--type=merge", "-p", patch)
+    patch_sample(served, {"spec": {"autoscaling": advisory}})
+    trickles: list[Trickle] = []
     try:
+        with contextlib.ExitStack() as burst:
+            trickles += [
+                burst.enter_context(Trickle(served, f"burst{i}", prompt=LONG_PROMPT)) for i in range(2)
+            ]
 
-        def recommended() -> dict[str, Any] | None:
-            for _ in range(2):  # requests between two of the autoscaler's reads: a TTFT to measure
-                status, body = completion(served.router, PROMPTS[0], timeout=300)
-                assert status == 200, body
-            found: dict[str, Any] = served.get("dllm", NAME).get("status", {}).get("autoscaling", {})
-            prefill, decode = found.get("prefill", {}), found.get("decode", {})
-            ready = prefill.get("replicas") == 2 and "value" in decode
-            return found if ready else None
+            def recommended() -> dict[str, Any] | None:
+                found: dict[str, Any] = served.get("dllm", NAME).get("status", {}).get("autoscaling", {})
+                prefill, decode = found.get("prefill", {}), found.get("decode", {})
+                return found if prefill.get("replicas") == 2 and "value" in decode else None
 
-        found = wait_until(
-            recommended, 180, "status.autoscaling: prefill recommended 2, decode measured", interval=5.0
+            found = wait_until(
+                recommended, 180, "advisory: prefill recommended 2, decode measured", interval=5.0
+            )
+            assert found["prefill"]["measure"] == "time to first token (s)"
+            assert found["prefill"]["value"] > 0.001, found
+            assert 0 <= found["decode"]["value"] <= 1, found
+            assert any("prefill 2" in m for m in event_messages(served, "AutoscalingRecommendation"))
+            sts = {
+                role: served.get("statefulset", f"{NAME}-{role}")["spec"]["replicas"]
+                for role in ("prefill", "decode")
+            }
+            assert sts == {"prefill": 1, "decode": 1}  # advisory: nothing scaled
+
+            # active, for prefill only (decode keeps its hand-set replica)
+            patch_sample(
+                served,
+                {"spec": {"prefill": {"replicas": None}, "autoscaling": {"mode": "active", "decode": None}}},
+            )
+            wait_until(
+                lambda: served.get("dllm", NAME)["status"]["prefill"]["ready"] == "2/2",
+                600,
+                "a second prefill pod, ready",
+            )
+            wait_until(
+                lambda: users_served(served, "prefill", f"{NAME}-prefill-1") > 0,
+                300,
+                "the router to send users' prompts to the new prefill pod",
+                interval=2.0,
+            )
+            refused = patch_sample(served, {"spec": {"prefill": {"replicas": 1}}}, check=False)
+            assert refused.returncode != 0
+            assert "prefill.replicas may not be set while autoscaling.mode is active" in refused.stderr
+        assert any(
+            m.startswith("prefill: scaled 1 to 2") for m in event_messages(served, "AutoscalingScaled")
         )
-        assert found["prefill"]["measure"] == "time to first token (s)"
-        assert found["prefill"]["value"] > 0.001, found
-        assert 0 <= found["decode"]["value"] <= 1, found
-        assert found["decode"]["replicas"] in (1, 2), found
-        events = served.cluster.get_json(
-            "events", "-n", NAMESPACE, "--field-selector", "reason=AutoscalingRecommendation"
-        )["items"]
-        assert any("prefill 2" in e["message"] for e in events), [e["message"] for e in events]
-        replicas = {
-            role: served.get("statefulset", f"{NAME}-{role}")["spec"]["replicas"]
-            for role in ("prefill", "decode")
-        }
-        assert replicas == {"prefill": 1, "decode": 1}  # advisory: nothing scaled
+
+        # the burst is over: prefill idle, one step down after the window
+        wait_until(
+            lambda: any(
+                m.startswith("prefill: scaled 2 to 1") for m in event_messages(served, "AutoscalingScaled")
+            ),
+            240,
+            "the autoscaler to take prefill back to one pod",
+            interval=5.0,
+        )
+        status = served.get("dllm", NAME)["status"]
+        assert status["autoscaling"]["prefill"]["value"] == 0, status["autoscaling"]  # idle: no one waits
+        # a client sends through prefill-1's drain (the target raised first, so its own first tokens
+        # cannot bring the second pod back meanwhile)
+        relaxed = {**prefill, "target": {"timeToFirstTokenSeconds": 600}}
+        patch_sample(served, {"spec": {"autoscaling": {"prefill": relaxed}}})
+        with Trickle(served, "drain") as drain:
+            trickles.append(drain)
+            wait_until(
+                lambda: not served.cluster.exists("pod", f"{NAME}-prefill-1", "-n", NAMESPACE),
+                300,
+                "prefill-1 gone",
+            )
+            sent = len(drain.outcomes)
+            wait_until(lambda: len(drain.outcomes) > sent, 120, "a request after prefill-1 went")
+        assert served.get("statefulset", f"{NAME}-prefill")["spec"]["replicas"] == 1
+        outcomes = [o for t in trickles for o in t.outcomes]
+        assert outcomes
+        assert [o for o in outcomes if o.status != 200 or o.kind] == [], "requests failed while scaling"
     finally:
-        off = json.dumps({"spec": {"autoscaling": {"mode": "off", "prefill": None, "decode": None}}})
-        served.cluster.run("patch", "dllm", NAME, "-n", NAMESPACE, "--type=merge", "-p", off)
+        off = {"mode": "off", "prefill": None, "decode": None}
+        patch_sample(served, {"spec": {"prefill": {"replicas": 1}, "autoscaling": off}})
+        wait_until(
+            lambda: served.get("dllm", NAME)["status"]["prefill"]["ready"] == "1/1",
+            300,
+            "the sample's one prefill",
+        )
 
 
 def test_deleting_the_auth_secret_and_restarting_the_pods_rotates_every_key(served: Served) -> None:

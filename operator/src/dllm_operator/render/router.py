@@ -45,9 +45,12 @@ def router_flow(cr: DisaggregatedLLM) -> str:
 
 
 def router_args(cr: DisaggregatedLLM, config: OperatorConfig) -> list[str]:
-    """In a cluster the router finds the engine pods through the headless Services' DNS."""
-    prefill = labels.service_host(cr, "prefill", config.cluster_domain)
-    decode = labels.service_host(cr, "decode", config.cluster_domain)
+    """In a cluster the router finds the engine pods through the headless Services' DNS, by absolute
+    names (a final dot): with the pod's ndots 5 a relative name four dots deep is first tried under
+    each of the three search domains, so every lookup cost four queries, and under load one of them
+    timing out failed it (a new pod went unseen for as long)."""
+    prefill = labels.service_host(cr, "prefill", config.cluster_domain) + "."
+    decode = labels.service_host(cr, "decode", config.cluster_domain) + "."
     endpoints = ["--prefill-dns", f"{prefill}:{cr.spec.prefill.port}",
                  "--decode-dns", f"{decode}:{cr.spec.decode.port}"]  # fmt: skip
     return router_command_args(cr, cr.spec.router.port, endpoints)
