@@ -13,7 +13,14 @@ from dllm_cases import minimal
 
 from dllm_operator.api import parse
 from dllm_operator.api.rollout import EngineRole
-from dllm_operator.autoscale.act import Step, initial_replicas, measured, next_replicas, with_applied
+from dllm_operator.autoscale.act import (
+    Step,
+    initial_replicas,
+    kept_measured,
+    measured,
+    next_replicas,
+    with_applied,
+)
 from dllm_operator.autoscale.applied import AppliedReplicas
 from dllm_operator.autoscale.decide import Decision, Recommendation
 from dllm_operator.config import OperatorConfig
@@ -48,25 +55,55 @@ def statefulsets(cr: Any) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.parametrize(
-    ("applied", "recommended", "is_measured", "rolling", "expected"),
+    ("applied", "recommended", "is_measured", "kept", "rolling", "expected"),
     [
-        (1, 4, True, False, Step(2, "scaled 1 to 2, one step toward 4")),  # one replica, not three
-        (3, 1, True, False, Step(2, "scaled 3 to 2, one step toward 1")),
-        (2, 2, True, False, Step(2, "")),
-        (1, 3, True, True, Step(1, "held at 1 (recommended 3): a rollout is under way")),
-        (1, 3, False, False, Step(1, "held at 1 (recommended 3): the last step's pods are not measured yet")),
-        (2, 9, True, False, Step(3, "scaled 2 to 3, one step toward 4")),  # the recommendation bounded
-        (6, 6, False, True, Step(4, "scaled 6 to 4: the bounds are 1..4")),  # bounds at once, even rolling
-        (0, 1, False, False, Step(1, "scaled 0 to 1: the bounds are 1..4")),
+        (1, 4, True, True, False, Step(2, "scaled 1 to 2, one step toward 4")),  # one replica, not three
+        (3, 1, True, True, False, Step(2, "scaled 3 to 2, one step toward 1")),
+        (2, 2, True, True, False, Step(2, "")),
+        (1, 3, True, True, True, Step(1, "held at 1 (recommended 3): a rollout is under way")),
+        (
+            1,
+            3,
+            False,
+            True,
+            False,
+            Step(1, "held at 1 (recommended 3): the last step's pods are not measured yet"),
+        ),
+        # down: only the pods it keeps need to be measured (the one it removes may never have started)
+        (3, 2, False, True, False, Step(2, "scaled 3 to 2, one step toward 2")),
+        (
+            3,
+            2,
+            True,
+            False,
+            False,
+            Step(3, "held at 3 (recommended 2): the last step's pods are not measured yet"),
+        ),
+        (2, 9, True, True, False, Step(3, "scaled 2 to 3, one step toward 4")),  # the recommendation bounded
+        (
+            6,
+            6,
+            False,
+            False,
+            True,
+            Step(4, "scaled 6 to 4: the bounds are 1..4"),
+        ),  # bounds at once, rolling too
+        (0, 1, False, False, False, Step(1, "scaled 0 to 1: the bounds are 1..4")),
     ],
 )
 def test_a_step_moves_one_replica_toward_the_recommendation_when_it_may(
-    applied: int, recommended: int, is_measured: bool, rolling: bool, expected: Step
+    applied: int, recommended: int, is_measured: bool, kept: bool, rolling: bool, expected: Step
 ) -> None:
-    assert next_replicas(applied, recommended, 1, 4, measured=is_measured, rolling=rolling) == expected
+    step = next_replicas(
+        applied, recommended, 1, 4, measured=is_measured, rolling=rolling, kept_measured=kept
+    )
+    assert step == expected
 
 
 def test_a_role_is_measured_only_when_each_of_its_pods_has_been_ready_long_enough() -> None:
+    # a step down to 1 needs only ordinal 0: the pod it removes may never have become ready
+    assert kept_measured([pod("p-0", 60), pod("p-1", None)], 1, NOW, 30)
+    assert not kept_measured([pod("p-0", 10), pod("p-1", 60)], 1, NOW, 30)
     assert measured([pod("p-0", 60), pod("p-1", 30)], 2, NOW, 30)
     assert not measured([pod("p-0", 60), pod("p-1", 29)], 2, NOW, 30)  # the new pod too recent
     assert not measured([pod("p-0", 60), pod("p-1", None)], 2, NOW, 30)  # not ready
@@ -81,14 +118,19 @@ def test_the_count_is_rendered_into_the_statefulset_and_read_back_from_it() -> N
     assert sts["spec"]["replicas"] == 3
     assert sts["metadata"]["annotations"][APPLIED] == "3"
     assert "replicas" not in rendered["scaled-decode"]["spec"]  # no count given: not rendered
-    assert initial_replicas(cr.spec.autoscaling, "prefill", sts) == 3
+    assert initial_replicas(cr.spec.autoscaling, "prefill", sts, cr.spec.rollout) == 3
     # mid-surge the StatefulSet runs more than the count: the record, not its replicas, is read back
     surged = {**sts, "spec": {**sts["spec"], "replicas": 4}}
-    assert initial_replicas(cr.spec.autoscaling, "prefill", surged) == 3
+    assert initial_replicas(cr.spec.autoscaling, "prefill", surged, cr.spec.rollout) == 3
     # a resource switched to active mode starts from the StatefulSet's replicas, within the bounds
-    assert initial_replicas(cr.spec.autoscaling, "decode", {"spec": {"replicas": 2}}) == 2
-    assert initial_replicas(cr.spec.autoscaling, "decode", {"spec": {"replicas": 7}}) == 3
-    assert initial_replicas(cr.spec.autoscaling, "decode", None) == 1
+    assert initial_replicas(cr.spec.autoscaling, "decode", {"spec": {"replicas": 2}}, cr.spec.rollout) == 2
+    assert initial_replicas(cr.spec.autoscaling, "decode", {"spec": {"replicas": 7}}, cr.spec.rollout) == 3
+    assert initial_replicas(cr.spec.autoscaling, "decode", None, cr.spec.rollout) == 1
+    # switched to active mid-surge (no record yet): the replicas less the rollout's surge
+    surging = active_cr(mode="active")
+    surging_rollout = surging.spec.rollout.model_copy(update={"max_surge": 1})
+    mid = {"spec": {"replicas": 3}, "status": {"currentRevision": "a", "updateRevision": "b"}}
+    assert initial_replicas(surging.spec.autoscaling, "decode", mid, surging_rollout) == 2
     # the template is the same whatever the count (a step is a scale, never a rollout)
     again = statefulsets(with_applied(cr, {"prefill": 1}))
     assert (
@@ -114,9 +156,14 @@ def decision(prefill: int, decode: int) -> Decision:
     )
 
 
-def sts(replicas: int, rolling: bool = False) -> dict[str, Any]:
-    revisions = {"currentRevision": "a", "updateRevision": "b" if rolling else "a"}
-    return {"metadata": {"name": "x"}, "spec": {"replicas": replicas}, "status": revisions}
+def sts(replicas: int, rolling: bool = False, observed: bool = True) -> dict[str, Any]:
+    status = {"currentRevision": "a", "updateRevision": "b" if rolling else "a", "observedGeneration": 2}
+    generation = 2 if observed else 3  # 3: a spec its controller has not acted on yet
+    return {
+        "metadata": {"name": "x", "generation": generation},
+        "spec": {"replicas": replicas},
+        "status": status,
+    }
 
 
 def test_the_leaders_record_steps_each_role_and_says_why_one_waits() -> None:
@@ -137,8 +184,14 @@ def test_the_leaders_record_steps_each_role_and_says_why_one_waits() -> None:
     rolling = {"prefill": sts(2), "decode": sts(1, rolling=True)}
     assert applied.step("k", cr, decision(3, 1), pods, rolling, NOW, 30) == []
     assert "rollout" in applied.actions("k")["prefill"]
+    # a spec just applied that the StatefulSet controller has not acted on (a rollout may be starting)
+    unseen = {"prefill": sts(2), "decode": sts(1, observed=False)}
+    assert applied.step("k", cr, decision(3, 1), pods, unseen, NOW, 30) == []
     moved = applied.step("k", cr, decision(3, 1), pods, {"prefill": sts(2), "decode": sts(1)}, NOW, 30)
     assert [(m.role, m.before, m.after) for m in moved] == [("prefill", 2, 3)]
+    # advisory again: the counts and what status said of them go
+    assert applied.counts("k", active_cr(mode="advisory"), workloads) == {}
+    assert applied.actions("k") == {}
 
 
 def test_a_surge_above_the_count_is_a_rollout_under_way() -> None:

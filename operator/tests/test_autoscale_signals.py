@@ -41,10 +41,16 @@ def engine(waiting: float, usage: float, count: float, total: float, small: floa
 
 
 def router(
-    ttft: list[tuple[str, float]], pairs: list[list[tuple[str, float]]], busy: tuple[float, float] = (0, 0)
+    ttft: list[tuple[str, float]],
+    pairs: list[list[tuple[str, float]]],
+    busy: tuple[float, float] = (0, 0),
+    answered: float = 0,
 ) -> str:
-    """A router's page: its histograms, and `busy` requests in flight on a prefill and a decode pod."""
+    """A router's page: its histograms, `busy` requests in flight on a prefill and a decode pod, and
+    `answered` requests so far."""
     lines = [
+        "# TYPE dllm_router_requests_total counter",
+        f'dllm_router_requests_total{{route="/v1/completions",code="200"}} {answered}',
         "# TYPE dllm_router_inflight gauge",
         f'dllm_router_inflight{{role="prefill",pod="p0"}} {busy[0]}',
         f'dllm_router_inflight{{role="decode",pod="d0"}} {busy[1]}',
@@ -94,33 +100,35 @@ def test_latency_is_the_90th_percentile_of_what_came_between_two_scrapes() -> No
     before = read_page(router([("0.1", 100), ("0.5", 100), ("1.0", 100), ("+Inf", 100)], []))
     after = read_page(router([("0.1", 100), ("0.5", 110), ("1.0", 120), ("+Inf", 120)], []))
     # rank 18 of 20: 8 into the (0.5, 1.0] bucket of 10 -> 0.5 + 0.5 * 0.8
-    assert latency(TTFT_HISTOGRAM, [(before, after)], "prefill") == pytest.approx(0.9)
+    assert latency(TTFT_HISTOGRAM, [(before, after)]) == pytest.approx(0.9)
     # the whole series: 90 of 100 in (0, 0.1]
-    assert latency(TTFT_HISTOGRAM, [(None, before)], "prefill") == pytest.approx(0.09)
+    assert latency(TTFT_HISTOGRAM, [(None, before)]) == pytest.approx(0.09)
 
 
-def test_an_idle_role_has_no_latency_and_a_busy_unmeasured_one_has_no_value() -> None:
+def test_an_idle_router_reads_as_no_latency_and_a_busy_unmeasured_one_as_no_value() -> None:
     pair: list[tuple[str, float]] = [("0.01", 50), ("+Inf", 50)]
-    idle = read_page(router([("0.1", 100), ("+Inf", 100)], [pair]))
-    assert latency(TTFT_HISTOGRAM, [(idle, idle)], "prefill") == 0  # nothing new, nothing in flight
-    # two prompts in flight on prefill, none has its first token yet: not measured, and not zero
-    waiting = read_page(router([("0.1", 100), ("+Inf", 100)], [pair], busy=(2, 0)))
-    assert latency(TTFT_HISTOGRAM, [(idle, waiting)], "prefill") is None
-    assert latency(ITL_HISTOGRAM, [(idle, waiting)], "decode") == 0  # decode is idle
-    # a router page without its in-flight gauge cannot say idle
-    bare = read_page("\n".join(router([("+Inf", 100)], []).splitlines()[3:]) + "\n")
+    idle = read_page(router([("0.1", 100), ("+Inf", 100)], [pair], answered=100))
+    assert latency(TTFT_HISTOGRAM, [(idle, idle)]) == 0  # nothing answered, observed or in flight
+    assert latency(ITL_HISTOGRAM, [(idle, idle)]) == 0
+    # two prompts in flight, none has its first token yet: not measured, and not zero
+    waiting = read_page(router([("0.1", 100), ("+Inf", 100)], [pair], busy=(2, 0), answered=100))
+    assert latency(TTFT_HISTOGRAM, [(idle, waiting)]) is None
+    # unstreamed answers between the scrapes give no inter-token time: a busy decode, not an idle one
+    unstreamed = read_page(router([("0.1", 100), ("+Inf", 140)], [pair], answered=140))
+    assert latency(ITL_HISTOGRAM, [(idle, unstreamed)]) is None
+    # a router page without its counters cannot say idle, nor can a first page alone
+    bare = read_page("\n".join(router([("+Inf", 100)], [pair]).splitlines()[5:]) + "\n")
     assert bare is not None
-    assert latency(TTFT_HISTOGRAM, [(bare, bare)], "prefill") is None
+    assert latency(TTFT_HISTOGRAM, [(bare, bare)]) is None
+    assert latency(TTFT_HISTOGRAM, [(None, idle)]) is not None  # the whole series: observations
 
 
 def test_inter_token_latency_sums_the_router_pairs_and_a_restarted_router_counts_afresh() -> None:
     pair: list[tuple[str, float]] = [("0.01", 50), ("0.05", 90), ("+Inf", 100)]
     after = read_page(router([("+Inf", 0)], [pair, pair]))
-    assert latency(ITL_HISTOGRAM, [(None, after)], "decode") == pytest.approx(
-        0.05
-    )  # rank 180 of 200: the 0.05 bound
+    assert latency(ITL_HISTOGRAM, [(None, after)]) == pytest.approx(0.05)  # rank 180 of 200: the 0.05 bound
     restarted = read_page(router([("+Inf", 0)], [[("0.01", 10), ("0.05", 10), ("+Inf", 10)]]))
-    assert latency(ITL_HISTOGRAM, [(after, restarted)], "decode") == pytest.approx(0.009)
+    assert latency(ITL_HISTOGRAM, [(after, restarted)]) == pytest.approx(0.009)
 
 
 def test_a_quantile_past_the_last_finite_bound_is_that_bound() -> None:
@@ -131,9 +139,7 @@ def test_a_quantile_past_the_last_finite_bound_is_that_bound() -> None:
 def test_two_routers_latencies_are_one_distribution_and_each_role_gets_its_measure() -> None:
     fast = read_page(router([("0.1", 9), ("1.0", 9), ("+Inf", 9)], []))
     slow = read_page(router([("0.1", 0), ("1.0", 1), ("+Inf", 1)], []))
-    assert latency(TTFT_HISTOGRAM, [(None, fast), (None, slow)], "prefill") == pytest.approx(
-        0.1
-    )  # rank 9 of 10
+    assert latency(TTFT_HISTOGRAM, [(None, fast), (None, slow)]) == pytest.approx(0.1)  # rank 9 of 10
     spec = AutoscalingSpec.model_validate(
         {
             "mode": "advisory",
@@ -172,6 +178,4 @@ def test_a_pair_the_router_dropped_takes_nothing_away_from_the_others() -> None:
     fast_after: list[tuple[str, float]] = [("0.01", 20), ("0.05", 20), ("+Inf", 20)]
     before = read_page(router([("+Inf", 0)], [fast_before, slow]))
     after = read_page(router([("+Inf", 0)], [fast_after]))
-    assert latency(ITL_HISTOGRAM, [(before, after)], "decode") == pytest.approx(
-        0.009
-    )  # 10 new, all under 0.01
+    assert latency(ITL_HISTOGRAM, [(before, after)]) == pytest.approx(0.009)  # 10 new, all under 0.01

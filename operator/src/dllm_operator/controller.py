@@ -93,6 +93,13 @@ class Controller:
         for key in list(self.store.resources):
             self.queue.add(key)
 
+    def on_elected(self) -> None:
+        """A new term as leader: what an earlier term kept of active autoscaling may be stale (another
+        leader may have stepped meanwhile), so it is read from the StatefulSets again."""
+        self._applied.forget_all()
+        self._rendered.clear()
+        self.requeue_all()
+
     def _forget(self, key: CRKey) -> None:
         self.store.children.pop(key, None)
         self.store.pods.pop(key, None)
@@ -213,6 +220,8 @@ class Controller:
         cached, body = self._rendered.get(key), self.store.resources.get(key)
         if cached is None or body is None or not cached[2].spec.autoscaling.active_roles():
             return
+        if body["metadata"].get("deletionTimestamp") or not self.is_leader():
+            return  # going, or no longer ours to scale
         moved = self._applied.step(
             key,
             cached[1],

@@ -106,7 +106,7 @@ async def operate(args: argparse.Namespace) -> None:
         lease_client = KubeClient(credentials, timeout=LEASE_CALL_TIMEOUT_S)
         clients.append(lease_client)
         elector = LeaderElector(
-            lease_client, namespace, args.lease_name, identity, on_elected=controller.requeue_all
+            lease_client, namespace, args.lease_name, identity, on_elected=controller.on_elected
         )
         controller.is_leader = elector.is_leader
         tasks.append(asyncio.create_task(elector.run(), name="leader"))

@@ -3,12 +3,15 @@ resource rendered with them.
 
 A step moves a role one replica toward its recommendation (decide.py has applied the window, the
 bounds and the ratio). It waits while a rollout is under way (a surge counts from the replicas the
-rollout started with) and until every pod of the role has been ready long enough to be measured: the
-router has found it and the autoscaler has read the metrics once with it serving, so the next step is
-judged on what the last one did. New bounds apply at once, as an HPA's do.
+rollout started with). A step up waits until every pod of the role has been ready long enough to be
+measured: the router has found it and the autoscaler has read the metrics once with it serving, so the
+next step is judged on what the last one did. A step down waits only for the pods it keeps (the one it
+removes, the highest ordinal, may be the pod a step up made that never became ready: no free GPU, say).
+New bounds apply at once, as an HPA's do.
 
 The count lives on the role's StatefulSet (APPLIED), so a restarted operator goes on from it; a
-StatefulSet without it (a resource switched to active mode) starts from its own replicas.
+StatefulSet without it (a resource switched to active mode) starts from its own replicas, less the
+surge while a rollout is under way.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dllm_operator import rollout
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.api.autoscaling import AutoscalingSpec
-from dllm_operator.api.rollout import EngineRole
+from dllm_operator.api.rollout import EngineRole, RolloutSpec
 from dllm_operator.pods import settled
 from dllm_operator.render.engine import AUTOSCALED_REPLICAS as APPLIED
 
@@ -40,13 +44,20 @@ def within(count: int, low: int, high: int) -> int:
     return min(max(count, low), high)
 
 
-def initial_replicas(spec: AutoscalingSpec, role: EngineRole, sts: Mapping[str, Any] | None) -> int:
-    """The count to start from: the StatefulSet's record of it, else its replicas, else the minimum."""
+def initial_replicas(
+    spec: AutoscalingSpec, role: EngineRole, sts: dict[str, Any] | None, rollout_spec: RolloutSpec
+) -> int:
+    """The count to start from: the StatefulSet's record of it, else its replicas (less the surge of
+    a rollout under way), else the minimum."""
     low, high = bounds(spec, role)
     if sts is None:
         return low
     recorded = str(sts.get("metadata", {}).get("annotations", {}).get(APPLIED, ""))
-    count = int(recorded) if recorded.isdigit() else int(sts.get("spec", {}).get("replicas") or low)
+    if recorded.isdigit():
+        return within(int(recorded), low, high)
+    count = int(sts.get("spec", {}).get("replicas") or low)
+    if rollout.rolling(sts) and rollout_spec.coordinated:
+        count -= rollout_spec.budget(role).surge
     return within(count, low, high)
 
 
@@ -56,8 +67,14 @@ def measured(pods: Iterable[dict[str, Any]], replicas: int, now: float, seconds:
     return len(pods) == replicas and all(settled(pod, now, seconds) for pod in pods)
 
 
+def kept_measured(pods: Iterable[dict[str, Any]], keep: int, now: float, seconds: float) -> bool:
+    """The `keep` lowest ordinals (what a step down to `keep` leaves) exist and are measured."""
+    kept = [pod for pod in pods if (ordinal := rollout.ordinal_of(pod)) is not None and ordinal < keep]
+    return measured(kept, keep, now, seconds)
+
+
 def next_replicas(
-    applied: int, recommended: int, low: int, high: int, *, measured: bool, rolling: bool
+    applied: int, recommended: int, low: int, high: int, *, measured: bool, rolling: bool, kept_measured: bool
 ) -> Step:
     """One step of a role from `applied` toward `recommended` (see the module's docstring)."""
     bounded = within(applied, low, high)
@@ -69,9 +86,10 @@ def next_replicas(
     held = f"held at {applied} (recommended {wanted})"
     if rolling:
         return Step(applied, f"{held}: a rollout is under way")
-    if not measured:
+    up = wanted > applied
+    if not (measured if up else kept_measured):
         return Step(applied, f"{held}: the last step's pods are not measured yet")
-    toward = applied + (1 if wanted > applied else -1)
+    toward = applied + (1 if up else -1)
     return Step(toward, f"scaled {applied} to {toward}, one step toward {wanted}")
 
 

@@ -38,12 +38,14 @@ class AppliedReplicas:
         spec = cr.spec.autoscaling
         kept = self._counts.setdefault(key, {})
         active = spec.active_roles()
+        actions = self._actions.get(key, {})
         for role in list(kept):
             if role not in active:
                 del kept[role]
+                actions.pop(role, None)
         for role in active:
             if role not in kept:
-                kept[role] = act.initial_replicas(spec, role, workloads.get(role))
+                kept[role] = act.initial_replicas(spec, role, workloads.get(role), cr.spec.rollout)
             kept[role] = act.within(kept[role], *act.bounds(spec, role))
         return dict(kept)
 
@@ -60,7 +62,7 @@ class AppliedReplicas:
         """One step of every actively scaled role with a recommendation; the roles that moved."""
         spec, kept = cr.spec.autoscaling, self._counts.get(key, {})
         rolling = any(
-            rollout.under_way(sts, kept.get(role, getattr(cr.spec, role).replicas))
+            rollout.under_way(sts, kept.get(role, getattr(cr.spec, role).replicas)) or _not_observed(sts)
             for role, sts in workloads.items()
             if role in ENGINE_ROLES
         )
@@ -70,13 +72,14 @@ class AppliedReplicas:
             found = decision.roles.get(role)
             if role not in kept or found is None:
                 continue
-            applied = kept[role]
+            applied, role_pods = kept[role], list(pods.get(role, ()))
             done = act.next_replicas(
                 applied,
                 found.replicas,
                 *act.bounds(spec, role),
-                measured=act.measured(pods.get(role, ()), applied, now, measure_seconds),
+                measured=act.measured(role_pods, applied, now, measure_seconds),
                 rolling=rolling,
+                kept_measured=act.kept_measured(role_pods, applied - 1, now, measure_seconds),
             )
             actions[role] = done.reason
             if done.replicas != applied:
@@ -90,3 +93,17 @@ class AppliedReplicas:
     def forget(self, key: Key) -> None:
         self._counts.pop(key, None)
         self._actions.pop(key, None)
+
+    def forget_all(self) -> None:
+        """A new term as leader: another leader may have stepped meanwhile; the StatefulSets' records
+        are read again."""
+        self._counts.clear()
+        self._actions.clear()
+
+
+def _not_observed(sts: dict[str, Any]) -> bool:
+    """The StatefulSet's controller has not acted on its latest spec yet (a rollout may just have
+    started: its revisions still read as the old ones)."""
+    generation = sts.get("metadata", {}).get("generation")
+    observed = sts.get("status", {}).get("observedGeneration")
+    return generation is not None and observed != generation

@@ -8,9 +8,11 @@ Two scrapes of the same pages, a scrape interval apart, give each role's measure
 - decode, KV-cache usage: the mean of decode pods' `vllm:kv_cache_usage_perc`;
 - time to first token and inter-token latency: the 90th percentile of the observations between the
   scrapes, from the router's histograms (`dllm_router_ttft_seconds`, and
-  `dllm_router_pair_inter_token_seconds` summed over its pairs); 0 when the router observed none and
-  has no request in flight on that role's pods (`dllm_router_inflight`): an idle role keeps no one
-  waiting, and must be able to scale down.
+  `dllm_router_pair_inter_token_seconds` summed over its pairs); 0 when the router is idle: it
+  answered no request between the scrapes (`dllm_router_requests`) and has none in flight on any pod
+  (`dllm_router_inflight`). An idle router keeps no one waiting, and its roles must be able to scale
+  down; a busy one whose requests gave no observation (unstreamed answers give no inter-token time)
+  gives no value.
 
 Pages come from engines and routers over the network: a page that does not parse, or lacks a metric,
 gives no value (never a zero), and the caller says so in status.
@@ -33,6 +35,7 @@ PROMPT_TOKENS = "vllm:request_prompt_tokens"
 TTFT_HISTOGRAM = "dllm_router_ttft_seconds"
 ITL_HISTOGRAM = "dllm_router_pair_inter_token_seconds"
 INFLIGHT = "dllm_router_inflight"
+ANSWERED = "dllm_router_requests"
 QUANTILE = 0.9
 
 
@@ -132,9 +135,9 @@ def read_page(text: str) -> Page | None:
             elif family.name == KV_USAGE and values:
                 gauges[KV_USAGE] = sum(values) / len(values)  # a usage share: the engines' mean
             elif family.name == INFLIGHT:
-                for sample in family.samples:
-                    key = inflight(sample.labels.get("role", ""))
-                    gauges[key] = gauges.get(key, 0.0) + sample.value
+                gauges[INFLIGHT] = sum(values)  # over both roles' pods
+            elif family.name == ANSWERED:
+                gauges[ANSWERED] = sum(s.value for s in family.samples if s.name.endswith("_total"))
             elif family.name in (PROMPT_TOKENS, TTFT_HISTOGRAM, ITL_HISTOGRAM):
                 for sample in family.samples:
                     labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "le"))
@@ -186,30 +189,32 @@ def mean_kv_usage(pages: Iterable[Page | None]) -> float | None:
     return sum(v for v in values if v is not None) / len(values)
 
 
-def inflight(role: str) -> str:
-    """Page.gauges' key of the router's requests in flight on `role`'s pods."""
-    return f"{INFLIGHT}:{role}"
+def idle(before: Page | None, after: Page) -> bool:
+    """The router answered nothing between the two pages and has nothing in flight now."""
+    if before is None or not all(k in p.gauges for p in (before, after) for k in (ANSWERED, INFLIGHT)):
+        return False
+    return after.gauges[ANSWERED] == before.gauges[ANSWERED] and after.gauges[INFLIGHT] == 0
 
 
-def latency(name: str, pods: Iterable[tuple[Page | None, Page | None]], role: str) -> float | None:
+def latency(name: str, pods: Iterable[tuple[Page | None, Page | None]]) -> float | None:
     """The 90th percentile of the histogram `name`'s observations between two scrapes, over every
-    router pod's (earlier, latest) pages; 0 when nothing was observed and no router has a request in
-    flight on `role`'s pods; None when a latest page lacks either, or requests are in flight with
-    nothing observed (a load not measured is not zero)."""
+    router pod's (earlier, latest) pages; 0 when nothing was observed and every router was idle
+    (`idle`); None when a latest page lacks the histogram, or nothing was observed of a busy router
+    (a load not measured is not zero)."""
     recent: list[Histogram] = []
-    busy = 0.0
+    quiet = True
     for before, after in pods:
         since = after.since(name, before) if after else None
-        if after is None or since is None or inflight(role) not in after.gauges:
+        if after is None or since is None:
             return None
         recent.append(since)
-        busy += after.gauges[inflight(role)]
+        quiet = quiet and idle(before, after)
     merged = _merge(recent)
     if merged is None:
         return None
     if merged.count > 0:
         return merged.quantile(QUANTILE)
-    return 0.0 if busy == 0 else None
+    return 0.0 if quiet else None
 
 
 Scrapes = Sequence[tuple[Page | None, Page | None]]  # each pod's (earlier, latest) page
@@ -219,18 +224,18 @@ def signals_for(
     spec: AutoscalingSpec, prefill: Scrapes, decode: Scrapes, routers: Scrapes, now: float
 ) -> dict[Role, Signal | None]:
     """Each configured role's measure for its target, taken `now`; None where it cannot be measured
-    (no pod, a page missing what it needs, requests in flight but none observed for a latency)."""
+    (no pod, a page missing what it needs, a busy router that observed no latency)."""
     found: dict[Role, Signal | None] = {}
     if spec.prefill is not None:
         if spec.prefill.target.queued_prompt_tokens_per_replica is not None:
             value = queued_prompt_tokens(prefill) if prefill else None
         else:
-            value = latency(TTFT_HISTOGRAM, routers, "prefill") if routers else None
+            value = latency(TTFT_HISTOGRAM, routers) if routers else None
         found["prefill"] = None if value is None else Signal(value, now)
     if spec.decode is not None:
         if spec.decode.target.kv_cache_usage is not None:
             value = mean_kv_usage(after for _, after in decode)
         else:
-            value = latency(ITL_HISTOGRAM, routers, "decode") if routers else None
+            value = latency(ITL_HISTOGRAM, routers) if routers else None
         found["decode"] = None if value is None else Signal(value, now)
     return found
