@@ -49,8 +49,12 @@ def moved(decode_metrics: str) -> Moved:
 
 
 def kv_bytes_per_token(model: Path, dtype: str) -> int:
-    """K and V of every layer and KV head of one token, in the served dtype."""
+    """K and V of every layer and KV head of one token, in the served dtype; with MLA (a config with
+    kv_lora_rank), the one latent per layer: kv_lora_rank + qk_rope_head_dim values."""
     config = json.loads((model / "config.json").read_text())
+    if config.get("kv_lora_rank"):
+        latent = int(config["kv_lora_rank"]) + int(config["qk_rope_head_dim"])
+        return int(config["num_hidden_layers"]) * latent * DTYPE_BYTES[dtype]
     head_dim = int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
     per_value = DTYPE_BYTES[dtype]
     return 2 * int(config["num_hidden_layers"]) * int(config["num_key_value_heads"]) * head_dim * per_value

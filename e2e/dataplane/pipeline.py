@@ -244,13 +244,14 @@ class Pipeline:
             process.stop()
 
 
-def start_single_engine(model: Path, logs: Path) -> Process:
-    """The reference: one plain vLLM engine, no KV transfer, the decode role's engine args."""
+def start_single_engine(model: Path, logs: Path, extra: tuple[str, ...] = ()) -> Process:
+    """The reference: one plain vLLM engine, no KV transfer, the decode role's engine args (and
+    `extra` vLLM flags, as a pipeline's engine_extra)."""
     _, args = rendered_engine("decode")
     port = free_port()
     args = replace_flag(replace_flag(args, "--model", str(model)), "--host", "127.0.0.1")
     args = replace_flag(args, "--port", str(port))
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args]
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args, *extra]
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
     return wait_healthy(spawn("single", argv, env, logs / "single.log", port))
 

