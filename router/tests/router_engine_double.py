@@ -62,7 +62,8 @@ class FakeVllmEngine:
     next `fail_next` generations when that is set),
     `eos_at_prefill` (prefill's one token ends the answer), `prefill_finish` (the finish_reason of
     prefill's answer, e.g. "abort" as vLLM answers a request it rejected while shutting down),
-    `hold` (an Event every generation waits on before answering), `hold_after_first_chunk` (streams
+    `hold` (an Event every generation waits on before answering), `health_hold` (an Event /health
+    waits on before answering, as an engine too busy to answer its probe in time), `hold_after_first_chunk` (streams
     stop after one chunk until it is set),
     `break_after_first_chunk` (the connection is dropped mid-stream), `padding` (a JSON value, or JSON
     bytes, put into the choices of non-streamed decode answers to prompts starting with "big", as
@@ -80,6 +81,7 @@ class FakeVllmEngine:
         self.eos_at_prefill = False
         self.prefill_finish: str | None = None
         self.hold: asyncio.Event | None = None
+        self.health_hold: asyncio.Event | None = None
         self.hold_after_first_chunk: asyncio.Event | None = None
         self.break_after_first_chunk = False
         self.padding: object = ""  # see the class docstring (any JSON value)
@@ -135,6 +137,8 @@ class FakeVllmEngine:
         return response
 
     async def _health(self, _: web.Request) -> web.Response:
+        if self.health_hold is not None:
+            await self.health_hold.wait()
         headers = {"X-Dllm-Kv-Fingerprint": self.fingerprint} if self.fingerprint is not None else None
         return web.Response(status=200 if self.healthy else 503, headers=headers)
 

@@ -216,6 +216,27 @@ async def test_background_loops_follow_pods_and_health(
     await wait_until(lambda: len(r.router.decode.endpoints) == 1, "d1 gone")
 
 
+async def test_a_pod_whose_health_check_times_out_is_taken_out_only_after_three_in_a_row(
+    engines: EngineFactory, start_router: RouterFactory
+) -> None:
+    """The only decode pod, busy: its /health answers past the timeout. Two late answers keep it
+    serving; the third in a row takes it out, and an answer on time puts it back."""
+    p, d0 = await engines("p0"), await engines("d0")
+    r = await start_router("dllm", [p], [d0], connect_timeout_s=0.05)
+    d0.health_hold = asyncio.Event()  # never set until the end: every probe times out
+    for probe in (1, 2):
+        await r.router.pods.check_health()
+        assert r.router.decode.ready() != [], f"taken out after {probe} late answer(s)"
+    await r.router.pods.check_health()
+    assert r.router.decode.ready() == []
+    d0.health_hold = None
+    await r.router.pods.check_health()
+    assert len(r.router.decode.ready()) == 1
+    d0.healthy = False  # a draining engine answers 503: out at once, no strikes
+    await r.router.pods.check_health()
+    assert r.router.decode.ready() == []
+
+
 async def test_removed_pod_finishes_its_in_flight_request(
     engines: EngineFactory, start_router: RouterFactory
 ) -> None:

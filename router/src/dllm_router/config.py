@@ -196,6 +196,13 @@ class RouterConfig(_Frozen):
     connect_timeout_s: Annotated[float, _seconds()] = Field(
         5.0, description="upstream connect and health-check timeout"
     )
+    # A pod busy with streams on loaded cores answers its probe late, not never: one late answer taking
+    # out the only decode pod refused every request for a health interval (issue 34's surge roll).
+    health_timeouts: Annotated[int, _whole(1, 100)] = Field(
+        3,
+        description="health checks in a row that time out before a ready pod is taken out; a refused "
+        "connection or an answer other than 200 (a draining engine) takes it out at once",
+    )
     request_timeout_s: Annotated[float, _seconds()] = Field(
         DEFAULT_REQUEST_TIMEOUT_S, description="whole upstream request timeout, streams included"
     )

@@ -41,6 +41,7 @@ class Endpoint:
     scheme: str = "http"
     inflight: int = 0
     healthy: bool = False
+    slow_probes: int = 0  # health checks in a row that timed out while it was healthy
     last_pick: int = 0
     engine_ids: tuple[str, ...] = ()  # mooncake: engine id per data-parallel rank
     # its KV-compatibility fingerprint, from its /health answer (None: it names none); a prefill pod

@@ -111,7 +111,14 @@ class PodWatch:
         await asyncio.gather(*(self._probe(ep) for ep in pods))
 
     async def _probe(self, ep: Endpoint) -> None:
-        healthy, why = await self._is_healthy(ep)
+        healthy, why, timed_out = await self._is_healthy(ep)
+        if ep.healthy and timed_out:
+            ep.slow_probes += 1
+            if ep.slow_probes < self.config.health_timeouts:
+                log.info("%s pod %s: health check %d of %d timed out; kept in", ep.role, ep.name,
+                         ep.slow_probes, self.config.health_timeouts)  # fmt: skip
+                return
+        ep.slow_probes = 0
         if healthy != ep.healthy:
             if healthy:
                 log.info("%s pod %s is ready", ep.role, ep.name)
@@ -119,18 +126,21 @@ class PodWatch:
                 log.warning("%s pod %s taken out: %s", ep.role, ep.name, why)
         ep.healthy = healthy
 
-    async def _is_healthy(self, ep: Endpoint) -> tuple[bool, str]:
+    async def _is_healthy(self, ep: Endpoint) -> tuple[bool, str, bool]:
+        """(healthy, why not, whether it timed out)."""
         try:
             timeout, headers = self.probe_timeout, self.probe_headers
             async with self.session.get(ep.url + "/health", timeout=timeout, headers=headers) as r:
                 if r.status != 200:
-                    return False, f"/health answered {r.status}"
+                    return False, f"/health answered {r.status}", False
                 ep.fingerprint = kv_fingerprint.valid(r.headers.get(kv_fingerprint.HEADER))
             if ep.role == "prefill" and self.config.flow == "mooncake":
                 url = flows.bootstrap_url(ep.host, self.config.mooncake_bootstrap_port) + "/query"
                 async with self.session.get(url, timeout=self.probe_timeout) as r:
                     r.raise_for_status()
                     ep.engine_ids = flows.parse_bootstrap_query(await r.json(content_type=None))
-        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
-            return False, repr(e)
-        return True, ""
+        except TimeoutError as e:
+            return False, repr(e), True
+        except (aiohttp.ClientError, ValueError) as e:
+            return False, repr(e), False
+        return True, "", False
