@@ -63,8 +63,8 @@ class FakeVllmEngine:
     `eos_at_prefill` (prefill's one token ends the answer), `prefill_finish` (the finish_reason of
     prefill's answer, e.g. "abort" as vLLM answers a request it rejected while shutting down),
     `hold` (an Event every generation waits on before answering), `health_hold` (an Event /health
-    waits on before answering, as an engine too busy to answer its probe in time), `hold_after_first_chunk` (streams
-    stop after one chunk until it is set),
+    waits on before answering, as an engine too busy to answer its probe in time),
+    `hold_after_first_chunk` (streams stop after one chunk until it is set),
     `break_after_first_chunk` (the connection is dropped mid-stream), `padding` (a JSON value, or JSON
     bytes, put into the choices of non-streamed decode answers to prompts starting with "big", as
     prompt logprobs would be), `nixl` (prefill returns NIXL's kv_transfer_params), `api_key` (as

@@ -156,7 +156,9 @@ class AutoscalingSpec(_Model):
         "a recommendation changes; nothing is scaled. active: as advisory, and the operator sets the "
         "replicas of each role configured here itself, one replica per step, the next only once every pod "
         "of the role has been ready long enough to be measured (the router's discovery plus one read of "
-        "the metrics), never while a rollout is under way; such a role's replicas may not be set by hand.",
+        "the metrics), never while a rollout is under way; such a role's replicas may not be set by hand. "
+        "Leaving active mode, set the role's replicas in the same edit: left unset, its StatefulSet falls "
+        "back to Kubernetes' default of one replica until an HPA sets it.",
     )
     prefill: PrefillAutoscaling | None = Field(
         None, description="Prefill's bounds and target; unset: not scaled."
