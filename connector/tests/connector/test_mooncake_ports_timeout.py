@@ -177,3 +177,53 @@ def test_a_timed_out_write_returns_only_after_mooncake_gave_up(local: MooncakeTr
     os.kill(peer.process.pid, signal.SIGCONT)
     # What remains (documented): bytes already in the kernel still land once the peer resumes.
     assert peer.landed()["registered"] > 16
+
+
+class _Watched:
+    """The transport's Mooncake engine, its writes' statuses recorded as they return."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.statuses, self.failed = engine, list[int](), threading.Event()
+
+    def batch_transfer_sync_write(self, *args: Any) -> int:
+        status = int(self.engine.batch_transfer_sync_write(*args))
+        self.statuses.append(status)
+        if status != 0:
+            self.failed.set()
+        return status
+
+
+def test_a_peer_that_stood_still_past_mooncakes_bound_then_resumed_gets_the_write_within_the_deadline(
+    local: MooncakeTransport, peer: Peer
+) -> None:
+    """A whole node froze for 30 s during a roll, past Mooncake's own bound: the write failed although
+    the transfer's deadline had time left. Mooncake gives up on the stopped peer (its 5 s here); the
+    peer resumes; the batch written again lands, and the send succeeds within its deadline."""
+    src = _sevens(local, 4096)
+    session = peer.info["session"]
+    local.send({"session": session}, [src[:16]], [Span(peer.info["registered"], 16)], 0, 10)  # connected
+    watched = _Watched(local._engine)
+    local._engine = watched
+    try:
+        os.kill(peer.process.pid, signal.SIGSTOP)
+        result: list[BaseException | None] = []
+
+        def send() -> None:
+            try:
+                local.send({"session": session}, [src], [Span(peer.info["registered"], 4096)], 0, 30)
+                result.append(None)
+            except BaseException as error:  # noqa: BLE001 - the test reads it
+                result.append(error)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert watched.failed.wait(20), "Mooncake never gave up on the stopped peer"
+        os.kill(peer.process.pid, signal.SIGCONT)
+        sender.join(30)
+    finally:
+        local._engine = watched.engine
+    assert result == [None], result
+    assert watched.statuses[0] != 0
+    assert watched.statuses[-1] == 0
+    assert len(watched.statuses) == 2
+    assert peer.landed()["registered"] == 4096

@@ -20,7 +20,9 @@ values to 5) plus one second per GB, read when the engine is created. `send` rai
 only after the write it started has returned, so a caller never frees or reuses memory under a running
 write; with a Python timeout under 5 s that can take up to Mooncake's bound. What remains: bytes
 Mooncake already handed to the kernel cannot be recalled, so a peer that stalls past the timeout (and
-resumes) still applies them after both sides gave up (seen with a SIGSTOPped peer).
+resumes) still applies them after both sides gave up (seen with a SIGSTOPped peer). A batch that fails
+is written once more if the caller's deadline has not passed: the node tier saw a whole node stand still
+for 30 s during a roll, past Mooncake's bound, and the transfer then failed with time left to finish.
 """
 
 from __future__ import annotations
@@ -243,6 +245,12 @@ class MooncakeTransport(Transport):
                 remote = [region.addr for region in dst[start : start + _BATCH]]
                 lengths = [region.nbytes for region in dst[start : start + _BATCH]]
                 status = self._engine.batch_transfer_sync_write(session, local, remote, lengths)
+                if status != 0 and not stop.is_set():
+                    # Once more while the caller's deadline allows: a peer (or a whole node) that stood
+                    # still past Mooncake's own bound, then resumed, takes the same bytes now; writing
+                    # them again to the same place changes nothing if the first write did land.
+                    _log.warning("Mooncake batch write to %s failed (status %s); again", session, status)
+                    status = self._engine.batch_transfer_sync_write(session, local, remote, lengths)
                 if status != 0:
                     raise TransportError(f"Mooncake batch write to {session} failed (status {status})")
             done.set_result(None)
