@@ -52,6 +52,7 @@ from e2e.served_sample import (
     stream_frozen_mid_way,
     tokens,
 )
+from prometheus_client.parser import text_string_to_metric_families
 
 from dllm_contract.router_defaults import MOONCAKE_BOOTSTRAP_PORT
 from dllm_operator.api import parse
@@ -771,36 +772,64 @@ def test_a_failing_engine_shows_as_degraded_naming_the_pod_and_reason(
         served.cluster.run("delete", "dllm", name, "-n", NAMESPACE, "--wait=true", "--timeout=120s")
 
 
+def _fingerprint_pairs(router: str) -> dict[tuple[str, str], float]:
+    """The router's prompts per (prefill, decode) KV fingerprint pair (absent metric: an error)."""
+    text = metrics_text(router)
+    counted = {
+        (sample.labels["prefill_fingerprint"], sample.labels["decode_fingerprint"]): sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "dllm_router_fingerprint_pairs"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    }
+    assert counted, f"no dllm_router_fingerprint_pairs_total in the router's /metrics:\n{text[:2000]}"
+    return counted
+
+
 def _roll_clients() -> int:
     """DLLM_ROLL_CLIENTS streams in flight side by side (four by default, as issue 34 asks)."""
     return int(os.environ.get("DLLM_ROLL_CLIENTS", "4"))
 
 
-def test_a_decode_spec_change_rolls_with_streams_in_flight_and_fails_no_accepted_request(
+def test_a_compression_change_rolls_both_roles_in_pairs_with_no_request_refused_or_failed(
     served: Served, sample_logs: PodLogs
 ) -> None:
-    """maxNumSeqs changes on decode (its KV fingerprint stays): the sample's `rollout.maxSurge: 1` brings
-    a new decode pod up before the old one goes, drained by its preStop while streams run in it. No
-    request an engine accepted fails or is cut. A 503 naming the role with no ready pod (refused up
-    front) is still counted apart, not failed: the router can lose sight of the new pod when its DNS
-    lookups fail under this load (issue 34, open). Every engine instance's log is kept (the replaced
-    pods' too), so a failure names what each engine said. DLLM_ROLL_ROUNDS=N rolls N times in a row."""
-    rounds, clients = int(os.environ.get("DLLM_ROLL_ROUNDS", "1")), _roll_clients()
-    served_count = 0
-    for round_ in range(rounds):
-        patch = {"spec": {"decode": {"maxNumSeqs": 6 - round_ % 2}}}
-        rolled = roll_under_load(served, patch, f"roll{round_}", clients, stream=True)
-        failed = rolled.failed()
-        seen = sample_logs.noteworthy(also=tuple(o.request_id for o in failed)) if failed else ""
-        assert failed == [], (
-            f"round {round_ + 1} of {rounds}: accepted requests failed or cut during the roll, of "
-            f"{len(rolled.outcomes)}: {failed}\nevery engine's whole log: {sample_logs.directory}\n{seen}"
-        )
-        served_count += rolled.served_count()
-        refused = len(rolled.not_served())
-        print(f"\nround {round_ + 1}/{rounds}: {len(rolled.outcomes)} streams from {clients} clients, "
-              f"{refused} refused up front (503), none failed or cut")  # fmt: skip
-    assert served_count >= 2 * clients * rounds, served_count
+    """Compression none to fp8 changes the KV fingerprint: under four streaming clients (so pods are
+    replaced with streams running in them), new prefill and decode pods come up beside the old pair
+    (the sample's maxSurge 1), the router sends each stream through a pair of one fingerprint, and the
+    old pods go, drained by their preStop, only once the new pair serves. No stream is refused (a 503
+    counts as a failure), failed or cut; the router never paired two fingerprints; afterwards the
+    answers go through fp8 pairs and decode's KV crosses the wire in fp8. Every engine instance's log
+    is kept (the replaced pods' too), so a failure names what each engine said. This roll replaces the
+    decode-only one (maxNumSeqs) the tier ran before: it drains both roles under the same load, and a
+    change that keeps the fingerprint rolling one role is the kwok tier's (test_k8s_rollout.py)."""
+    old = served.get("dllm", NAME)["status"]["decode"]["kvFingerprint"]
+    before = _fingerprint_pairs(served.router)
+    patch = {"spec": {"kvTransfer": {"compression": "fp8"}}}
+    rolled = roll_under_load(served, patch, "fp8", _roll_clients(), stream=True)
+    missed = rolled.not_served()
+    seen = sample_logs.noteworthy(also=tuple(o.request_id for o in missed)) if missed else ""
+    assert missed == [], (
+        f"requests without their whole answer during the compression roll, of {len(rolled.outcomes)}: "
+        f"{missed}\nevery engine's whole log: {sample_logs.directory}\n{seen}"
+    )
+    status = served.get("dllm", NAME)["status"]
+    new = status["decode"]["kvFingerprint"]
+    assert new != old, status
+    assert status["prefill"]["kvFingerprint"] == new, status
+    during = _fingerprint_pairs(served.router)
+    assert all(p == d for p, d in during), f"the router paired two fingerprints: {during}"
+    assert set(during) >= {(old, old), (new, new)}, f"both versions served: {during} (before: {before})"
+    decode = served.pod_url(f"{NAME}-decode-0")
+    moved_before = kv_moved.at(decode, served.router)
+    status_code, body = completion(served.router, PROMPTS[0], timeout=300)
+    assert status_code == 200, body
+    after = _fingerprint_pairs(served.router)
+    assert after.get((new, new), 0) > during.get((new, new), 0), f"no answer through an fp8 pair: {after}"
+    fp8 = kv_moved.at(decode, served.router) - moved_before
+    # float32 KV as one byte per value, plus a scale per block: about a quarter on the wire.
+    assert 0 < fp8.wire_bytes <= fp8.kv_bytes / 3, fp8
+    print(f"\ncompression roll: {len(rolled.outcomes)} streams, every one answered whole; pairs {after}")
 
 
 def test_scaling_decode_to_two_sends_requests_to_both(served: Served) -> None:

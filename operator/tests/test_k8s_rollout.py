@@ -196,6 +196,40 @@ def test_a_fingerprint_change_rolls_both_roles_with_a_complete_pair_throughout(
     wait_until(lambda: rollout_condition(cluster, namespace).get("reason") == "Complete", 30, "Complete said")
 
 
+def test_a_change_that_keeps_the_fingerprint_rolls_only_its_role_with_a_surge_pod_first(
+    cluster: Cluster, namespace: str, operator: OperatorProcess
+) -> None:
+    """decode's maxNumSeqs is not in the KV fingerprint: decode's pod is replaced, prefill's is not
+    touched, and the fingerprint stays."""
+    first = up(cluster, namespace, surge_cr(1, 1), 1, 1)
+    prefill_uids = {p["metadata"]["uid"] for p in pods(cluster, namespace)["prefill"]}
+    decode_uids = {p["metadata"]["uid"] for p in pods(cluster, namespace)["decode"]}
+    revision = cluster.get_json("statefulset", "surge-decode", "-n", namespace)["status"]["updateRevision"]
+    cluster.run(
+        "patch",
+        "dllm",
+        "surge",
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"decode": {"maxNumSeqs": 6}}}),
+    )
+
+    def decode_replaced() -> bool:
+        sts = cluster.get_json("statefulset", "surge-decode", "-n", namespace)
+        now = {p["metadata"]["uid"] for p in pods(cluster, namespace)["decode"]}
+        return (
+            sts["status"].get("updateRevision") != revision
+            and not now & decode_uids
+            and settled(cluster, namespace, 1, 1, first)
+        )
+
+    wait_until(decode_replaced, 180, "decode's pod replaced, every pod ready at the same fingerprint")
+    assert fingerprint_of(cluster, namespace) == first
+    assert {p["metadata"]["uid"] for p in pods(cluster, namespace)["prefill"]} == prefill_uids
+
+
 def test_per_role_budgets_one_role_replacing_in_place_the_other_surging_two(
     cluster: Cluster, namespace: str, operator: OperatorProcess
 ) -> None:
