@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from e2e.dataplane.pipeline import start_single_engine
-from e2e.dataplane.prompts import ONE_TOKEN_PROMPT, PROMPTS, completion, tokens_and_logprobs
+from e2e.dataplane.prompts import ONE_TOKEN_PROMPT, PROMPTS, Answers, greedy_answers
 from e2e.dataplane.tiny_model import build
 
 
@@ -28,17 +28,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="package")
-def reference(
-    model: Path, cold_compile_cache: None, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[list[str], list[float]]]:
+def reference(model: Path, cold_compile_cache: None, tmp_path_factory: pytest.TempPathFactory) -> Answers:
     """Greedy outputs of one engine serving alone (stopped before any pipeline starts: 2 cores)."""
     single = start_single_engine(model, tmp_path_factory.mktemp("single"))
     try:
-        outputs = {}
-        for prompt in [*PROMPTS, ONE_TOKEN_PROMPT]:
-            status, body = completion(single.url, prompt)
-            assert status == 200, body
-            outputs[prompt] = tokens_and_logprobs(body)
-        return outputs
+        return greedy_answers(single.url, [*PROMPTS, ONE_TOKEN_PROMPT])
     finally:
         single.stop()

@@ -51,6 +51,30 @@ def tokens_and_logprobs(response: dict[str, Any]) -> tuple[list[str], list[float
     return list(logprobs["tokens"]), [float(x) for x in logprobs["token_logprobs"]]
 
 
+Answers = dict[str, tuple[list[str], list[float]]]  # prompt -> greedy tokens and their logprobs
+
+
+def greedy_answers(url: str, prompts: list[str]) -> Answers:
+    """An engine's (or the router's) greedy answer to each prompt."""
+    answers = {}
+    for prompt in prompts:
+        status, body = completion(url, prompt)
+        assert status == 200, body
+        answers[prompt] = tokens_and_logprobs(body)
+    return answers
+
+
+def worst_logprob_gap(url: str, reference: Answers) -> float:
+    """The largest log-probability difference from `reference` over its prompts, after asserting the
+    tokens equal."""
+    worst = 0.0
+    for prompt, (tokens, logprobs) in greedy_answers(url, list(reference)).items():
+        want_tokens, want_logprobs = reference[prompt]
+        assert tokens == want_tokens, f"prompt {prompt[:30]!r}"
+        worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)))
+    return worst
+
+
 def run_pipeline(model: Path, logs: Path, compression: str) -> Iterator[Pipeline]:
     pipeline = Pipeline(model=model, logs=logs, compression=compression)
     try:

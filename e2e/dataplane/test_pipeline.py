@@ -39,6 +39,7 @@ from e2e.dataplane.prompts import (
     completion,
     run_pipeline,
     tokens_and_logprobs,
+    worst_logprob_gap,
 )
 from e2e.fixtures import wait_until
 
@@ -55,15 +56,7 @@ def pipeline(
 def test_pd_pipeline_matches_one_engine_token_for_token(
     pipeline: Pipeline, reference: dict[str, Any]
 ) -> None:
-    router = pipeline.processes["router"]
-    worst = 0.0
-    for prompt in PROMPTS:
-        status, body = completion(router.url, prompt)
-        assert status == 200, body
-        tokens, logprobs = tokens_and_logprobs(body)
-        want_tokens, want_logprobs = reference[prompt]
-        assert tokens == want_tokens, f"prompt {prompt[:30]!r}"
-        worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)))
+    worst = worst_logprob_gap(pipeline.processes["router"].url, {p: reference[p] for p in PROMPTS})
     print(f"\ncompression none: tokens equal on {len(PROMPTS)} prompts, max |logprob diff| {worst:.4f}")
     assert worst <= LOGPROB_TOLERANCE
 

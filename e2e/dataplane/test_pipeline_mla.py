@@ -20,7 +20,15 @@ import pytest
 
 from e2e.dataplane import kv_moved, tiny_mla_model
 from e2e.dataplane.pipeline import Pipeline, start_single_engine
-from e2e.dataplane.prompts import LOGPROB_TOLERANCE, PIPELINE_MARKS, PROMPTS, completion, tokens_and_logprobs
+from e2e.dataplane.prompts import (
+    LOGPROB_TOLERANCE,
+    PIPELINE_MARKS,
+    PROMPTS,
+    Answers,
+    completion,
+    greedy_answers,
+    worst_logprob_gap,
+)
 
 pytestmark = PIPELINE_MARKS
 
@@ -44,16 +52,11 @@ def mla_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def mla_reference(
     mla_model: Path, cold_compile_cache: None, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, tuple[list[str], list[float]]]:
+) -> Answers:
     """Greedy outputs of one engine serving the MLA model alone (stopped before the pipeline starts)."""
     single = start_single_engine(mla_model, tmp_path_factory.mktemp("mla-single"), MLA_FLAGS)
     try:
-        outputs = {}
-        for prompt in PROMPTS:
-            status, body = completion(single.url, prompt)
-            assert status == 200, body
-            outputs[prompt] = tokens_and_logprobs(body)
-        return outputs
+        return greedy_answers(single.url, PROMPTS)
     finally:
         single.stop()
 
@@ -72,15 +75,7 @@ def mla_pipeline(
 def test_an_mla_model_answers_through_pd_token_for_token_as_one_engine(
     mla_pipeline: Pipeline, mla_reference: dict[str, tuple[list[str], list[float]]]
 ) -> None:
-    router = mla_pipeline.processes["router"].url
-    worst = 0.0
-    for prompt in PROMPTS:
-        status, body = completion(router, prompt)
-        assert status == 200, body
-        tokens, logprobs = tokens_and_logprobs(body)
-        want_tokens, want_logprobs = mla_reference[prompt]
-        assert tokens == want_tokens, f"prompt {prompt[:30]!r}"
-        worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)))
+    worst = worst_logprob_gap(mla_pipeline.processes["router"].url, mla_reference)
     print(f"\nMLA: tokens equal on {len(PROMPTS)} prompts, max |logprob diff| {worst:.4f}")
     assert worst <= LOGPROB_TOLERANCE
 

@@ -74,6 +74,10 @@ def settled(cluster: Cluster, namespace: str, prefill: int, decode: int, fingerp
     return True
 
 
+def patch_surge(cluster: Cluster, namespace: str, spec: dict[str, Any]) -> None:
+    cluster.run("patch", "dllm", "surge", "-n", namespace, "--type=merge", "-p", json.dumps({"spec": spec}))
+
+
 def rollout_condition(cluster: Cluster, namespace: str) -> dict[str, Any]:
     cr = cluster.get_json("dllm", "surge", "-n", namespace)
     return next(
@@ -129,9 +133,7 @@ def roll_watching_pairs(
     try:
         # the patch only once the watch has listed what is there: no event of the rollout is missed
         wait_until(lambda: len(list(events("".join(printed)))) >= len(existing), 30, "the watch's listing")
-        cluster.run(
-            "patch", "dllm", "surge", "-n", namespace, "--type=merge", "-p", json.dumps({"spec": patch})
-        )
+        patch_surge(cluster, namespace, patch)
         wait_until(lambda: fingerprint_of(cluster, namespace) != before, 30, "the new template applied")
         after = fingerprint_of(cluster, namespace)
         wait_until(lambda: settled(cluster, namespace, prefill, decode, after), 180, f"every pod at {after}")
@@ -205,16 +207,7 @@ def test_a_change_that_keeps_the_fingerprint_rolls_only_its_role_with_a_surge_po
     prefill_uids = {p["metadata"]["uid"] for p in pods(cluster, namespace)["prefill"]}
     decode_uids = {p["metadata"]["uid"] for p in pods(cluster, namespace)["decode"]}
     revision = cluster.get_json("statefulset", "surge-decode", "-n", namespace)["status"]["updateRevision"]
-    cluster.run(
-        "patch",
-        "dllm",
-        "surge",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        json.dumps({"spec": {"decode": {"maxNumSeqs": 6}}}),
-    )
+    patch_surge(cluster, namespace, {"decode": {"maxNumSeqs": 6}})
 
     def decode_replaced() -> bool:
         sts = cluster.get_json("statefulset", "surge-decode", "-n", namespace)
@@ -255,16 +248,7 @@ def test_a_paused_rollout_adds_and_replaces_nothing(
 
     assert not holds_for(changed, 5), "a paused rollout changed the pods"
     wait_until(lambda: rollout_condition(cluster, namespace).get("reason") == "Paused", 30, "Paused said")
-    cluster.run(
-        "patch",
-        "dllm",
-        "surge",
-        "-n",
-        namespace,
-        "--type=merge",
-        "-p",
-        '{"spec":{"rollout":{"paused":false}}}',
-    )
+    patch_surge(cluster, namespace, {"rollout": {"paused": False}})
     wait_until(
         lambda: (
             settled(cluster, namespace, 1, 1, fingerprint_of(cluster, namespace))
