@@ -35,7 +35,7 @@ from e2e.dataplane.pipeline import (
 from e2e.engine_paths import ENGINE_PATHS, FORGED_OFFER_SCRIPT, OPEN_PATHS, STATUS_SCRIPT, WRONG_KEY
 from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
 from e2e.pod_logs import PodLogs, kept_logs
-from e2e.rolling import Trickle, roll_under_load
+from e2e.rolling import Trickle, roll_under_load, rolled
 from e2e.served_sample import (
     NAME,
     NAMESPACE,
@@ -716,6 +716,12 @@ def test_a_decode_that_cannot_load_kv_fails_kv_transfer_verified_until_it_can(se
 
 
 def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready(served: Served) -> None:
+    # One decode pod to kill: an earlier test's rollout may still have its surge pod serving (the stream
+    # then went to it, and killing decode-0 cut nothing: a failed run).
+    generation = served.get("dllm", NAME)["metadata"]["generation"]
+    wait_until(
+        lambda: rolled(served, generation), 600, "one pod per role, no rollout under way", interval=2.0
+    )
     pid = engine_pid(served, f"{NAME}-decode-0")
     response, first = stream_frozen_mid_way(served, pid)
     os.kill(pid, signal.SIGKILL)  # as a crash would: no graceful delete, no drain
