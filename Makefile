@@ -88,7 +88,7 @@ test: prepare lint typecheck ## Every test (installs and builds what it needs on
 	DLLM_CP_REAL_NODE=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900 --durations=25
 
 # ---- benchmarks (not run by CI; each prints ratios measured side by side) ----
-.PHONY: bench-reconcile bench-router bench-kv
+.PHONY: bench-reconcile bench-router bench-kv bench-autoscale
 bench-reconcile: .venv/.ready cluster-build ## Operator latency/quietness vs a direct-apply floor (--quick)
 	$(PY) bench/reconcile.py --quick
 
@@ -97,3 +97,6 @@ bench-router: .venv/.ready ## Router overhead vs a client making both calls itse
 
 bench-kv: .venv/.ready ## KV transfer vs a raw socket, codecs none/fp8/int8 (--quick)
 	$(PY) bench/kv_transfer.py --quick
+
+bench-autoscale: .venv/.ready ## PD autoscaling vs fixed 1P1D and 1P2D on the CPU sample (after make demo)
+	$(PY) bench/autoscale.py --rounds 2 --phase-seconds 60 --target-ttft 0.1
