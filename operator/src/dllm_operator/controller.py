@@ -222,6 +222,7 @@ class Controller:
             return
         if body["metadata"].get("deletionTimestamp") or not self.is_leader():
             return  # going, or no longer ours to scale
+        said = self._applied.actions(key)
         moved = self._applied.step(
             key,
             cached[1],
@@ -233,7 +234,8 @@ class Controller:
         )
         for scaled in moved:
             self._event(body, "AutoscalingScaled", f"{scaled.role}: {scaled.reason}")
-        self.queue.add(key)  # the step, or the reason it waits, to status
+        if moved or self._applied.actions(key) != said:
+            self.queue.add(key)  # the step to render, or what status says of it
 
     async def _resync(self) -> None:
         while True:

@@ -90,6 +90,12 @@ def rolling(sts: dict[str, Any]) -> bool:
     return bool(status.get("currentRevision") != status.get("updateRevision"))
 
 
+def observed(sts: dict[str, Any]) -> bool:
+    """The StatefulSet's controller has acted on its latest spec."""
+    status = sts.get("status", {})
+    return int(status.get("observedGeneration") or 0) >= int(sts.get("metadata", {}).get("generation") or 0)
+
+
 def under_way(sts: dict[str, Any], replicas: int | None) -> bool:
     """Pods not at the template yet, or surge pods above the role's `replicas` still to go."""
     have = int(sts.get("spec", {}).get("replicas") or 0)
@@ -180,7 +186,7 @@ def step(
             )
         return with_steps(desired, n + own.surge, n, now)  # a new rollout: its clock starts now
     status = actual.get("status", {})
-    if int(status.get("observedGeneration") or 0) < int(actual.get("metadata", {}).get("generation") or 0):
+    if not observed(actual):
         return held  # its controller has not acted on the last step yet
     moving, update = rolling(actual), status.get("updateRevision")
     if rollout.paused and (moving or partition_of(actual) > 0 or replicas > n):

@@ -62,7 +62,9 @@ class AppliedReplicas:
         """One step of every actively scaled role with a recommendation; the roles that moved."""
         spec, kept = cr.spec.autoscaling, self._counts.get(key, {})
         rolling = any(
-            rollout.under_way(sts, kept.get(role, getattr(cr.spec, role).replicas)) or _not_observed(sts)
+            # not observed: a rollout may just have started, its revisions still reading as the old ones
+            rollout.under_way(sts, kept.get(role, getattr(cr.spec, role).replicas))
+            or not rollout.observed(sts)
             for role, sts in workloads.items()
             if role in ENGINE_ROLES
         )
@@ -99,11 +101,3 @@ class AppliedReplicas:
         are read again."""
         self._counts.clear()
         self._actions.clear()
-
-
-def _not_observed(sts: dict[str, Any]) -> bool:
-    """The StatefulSet's controller has not acted on its latest spec yet (a rollout may just have
-    started: its revisions still read as the old ones)."""
-    generation = sts.get("metadata", {}).get("generation")
-    observed = sts.get("status", {}).get("observedGeneration")
-    return generation is not None and observed != generation
