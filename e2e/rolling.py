@@ -6,6 +6,7 @@ requests running in them)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import threading
 import time
@@ -23,6 +24,12 @@ STREAM_TOKENS = 48
 # A 503 naming the role with no ready pod: refused up front, never accepted by an engine.
 REFUSED = frozenset({"no_prefill", "no_decode"})
 
+# The connection never opened because the path to the Service had no route: the request reached no
+# part of the product. A client retries those as OpenAI's SDK does (twice, after a pause); a refused
+# connection (ECONNREFUSED: the Service had no endpoint) is not retried, it counts against the roll.
+UNROUTED = frozenset({errno.ENETUNREACH, errno.EHOSTUNREACH})
+CONNECT_RETRIES = 2
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -38,6 +45,12 @@ class Outcome:
     @property
     def accepted_and_failed(self) -> bool:
         return (self.status != 200 or bool(self.kind)) and not self.refused
+
+
+def unrouted(error: BaseException) -> bool:
+    """A connect that failed for want of a route (urllib wraps the OSError in a URLError)."""
+    reason = error.reason if isinstance(error, urllib.error.URLError) else error
+    return isinstance(reason, OSError) and reason.errno in UNROUTED
 
 
 def streamed(router: str, prompt: str, timeout: float, request_id: str) -> tuple[int, str, str]:
@@ -91,25 +104,35 @@ class Trickle:
     stream: bool = False
     prompt: str = PROMPTS[1]
     outcomes: list[Outcome] = field(default_factory=list)
+    unrouted: list[Outcome] = field(default_factory=list)  # connects retried: no route to the Service
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+
+    def _send(self, rid: str) -> Outcome:
+        # Long enough for a restarted engine's first request on two busy cores.
+        if self.stream:
+            status, kind, message = streamed(self.served.router, self.prompt, 600, rid)
+            return Outcome(rid, status, kind, message)
+        status, body = completion(self.served.router, self.prompt, timeout=600, request_id=rid)
+        problem = body.get("error", {}) if isinstance(body.get("error"), dict) else {}
+        message = "" if status == 200 else str(problem.get("message", body))[:300]
+        return Outcome(rid, status, str(problem.get("type", "")), message)
 
     def _run(self) -> None:
         deadline = time.monotonic() + 1800
         while not self._stop.is_set() and time.monotonic() < deadline:
             rid = f"{self.prefix}-{len(self.outcomes)}"
-            try:
-                # Long enough for a restarted engine's first request on two busy cores.
-                if self.stream:
-                    status, kind, message = streamed(self.served.router, self.prompt, 600, rid)
-                    self.outcomes.append(Outcome(rid, status, kind, message))
-                else:
-                    status, body = completion(self.served.router, self.prompt, timeout=600, request_id=rid)
-                    problem = body.get("error", {}) if isinstance(body.get("error"), dict) else {}
-                    message = "" if status == 200 else str(problem.get("message", body))[:300]
-                    self.outcomes.append(Outcome(rid, status, str(problem.get("type", "")), message))
-            except Exception as error:  # noqa: BLE001 - any failure is an outcome (a cut stream, a non-JSON body)
-                self.outcomes.append(Outcome(rid, 0, type(error).__name__, repr(error)[:300]))
+            for attempt in range(CONNECT_RETRIES + 1):
+                try:
+                    outcome = self._send(rid)
+                except Exception as error:  # noqa: BLE001 - any failure is an outcome (a cut stream, a non-JSON body)
+                    outcome = Outcome(rid, 0, type(error).__name__, repr(error)[:300])
+                    if unrouted(error) and attempt < CONNECT_RETRIES:
+                        self.unrouted.append(outcome)
+                        self._stop.wait(0.5 * (attempt + 1))
+                        continue
+                break
+            self.outcomes.append(outcome)
             self._stop.wait(0.2)  # a client's think time, not a wait on a condition
 
     def __enter__(self) -> Self:
@@ -139,9 +162,11 @@ def rolled(served: Served, generation: int) -> bool:
 
 @dataclass(frozen=True)
 class RollOutcomes:
-    """Every request's outcome, of every client, during one roll."""
+    """Every request's outcome, of every client, during one roll, and the connects retried for want of a
+    route to the Service (each then counted by its retry's outcome)."""
 
     outcomes: list[Outcome]
+    unrouted: list[Outcome] = field(default_factory=list)
 
     def failed(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.accepted_and_failed]
@@ -180,4 +205,4 @@ def roll_under_load(
             )
 
         wait_until(each_served_after, 180, "a 200 for each client after the roll")
-    return RollOutcomes([o for t in trickles for o in t.outcomes])
+    return RollOutcomes([o for t in trickles for o in t.outcomes], [o for t in trickles for o in t.unrouted])

@@ -835,7 +835,10 @@ def test_a_compression_change_rolls_both_roles_in_pairs_with_no_request_refused_
     fp8 = kv_moved.at(decode, served.router) - moved_before
     # float32 KV as one byte per value, plus a scale per block: about a quarter on the wire.
     assert 0 < fp8.wire_bytes <= fp8.kv_bytes / 3, fp8
-    print(f"\ncompression roll: {len(rolled.outcomes)} streams, every one answered whole; pairs {after}")
+    print(
+        f"\ncompression roll: {len(rolled.outcomes)} streams, every one answered whole; pairs {after}; "
+        f"connects retried for want of a route to the Service: {rolled.unrouted}"
+    )
 
 
 def test_scaling_decode_to_two_sends_requests_to_both(served: Served) -> None:
