@@ -77,13 +77,15 @@ class Cluster:
         service = self.get("service", f"{demo.NAME}-router")
         return f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
 
+    def workloads(self) -> dict[str, Any]:
+        return {role: self.get("statefulset", f"{demo.NAME}-{role}") for role in ("prefill", "decode")}
+
     def ready_pods(self) -> dict[str, int]:
-        return {
-            role: int(
-                self.get("statefulset", f"{demo.NAME}-{role}").get("status", {}).get("readyReplicas") or 0
-            )
-            for role in ("prefill", "decode")
-        }
+        return {role: ready_of(sts) for role, sts in self.workloads().items()}
+
+
+def ready_of(sts: dict[str, Any]) -> int:
+    return int(sts.get("status", {}).get("readyReplicas") or 0)
 
 
 TOPOLOGIES: dict[str, dict[str, Any]] = {
@@ -117,10 +119,9 @@ def settle(cluster: Cluster, want: dict[str, int], timeout: float = 900) -> None
         ready = any(
             c["type"] == "Ready" and c["status"] == "True" for c in cr.get("status", {}).get("conditions", [])
         )
-        counts = {
-            role: cluster.get("statefulset", f"{demo.NAME}-{role}")["spec"].get("replicas") for role in want
-        }
-        if ready and counts == want and cluster.ready_pods() == want:
+        workloads = cluster.workloads()
+        counts = {role: sts["spec"].get("replicas") for role, sts in workloads.items()}
+        if ready and counts == want and {role: ready_of(sts) for role, sts in workloads.items()} == want:
             return
         _PAUSE.wait(2)
     raise TimeoutError(f"the sample did not settle at {want}")

@@ -812,11 +812,11 @@ def test_a_compression_change_rolls_both_roles_in_pairs_with_no_request_refused_
     old = served.get("dllm", NAME)["status"]["decode"]["kvFingerprint"]
     before = _fingerprint_pairs(served.router)
     patch = {"spec": {"kvTransfer": {"compression": "fp8"}}}
-    rolled = roll_under_load(served, patch, "fp8", _roll_clients(), stream=True)
-    missed = rolled.not_served()
+    roll = roll_under_load(served, patch, "fp8", _roll_clients(), stream=True)
+    missed = roll.not_served()
     seen = sample_logs.noteworthy(also=tuple(o.request_id for o in missed)) if missed else ""
     assert missed == [], (
-        f"requests without their whole answer during the compression roll, of {len(rolled.outcomes)}: "
+        f"requests without their whole answer during the compression roll, of {len(roll.outcomes)}: "
         f"{missed}\nevery engine's whole log: {sample_logs.directory}\n{seen}"
     )
     status = served.get("dllm", NAME)["status"]
@@ -836,8 +836,8 @@ def test_a_compression_change_rolls_both_roles_in_pairs_with_no_request_refused_
     # float32 KV as one byte per value, plus a scale per block: about a quarter on the wire.
     assert 0 < fp8.wire_bytes <= fp8.kv_bytes / 3, fp8
     print(
-        f"\ncompression roll: {len(rolled.outcomes)} streams, every one answered whole; pairs {after}; "
-        f"connects retried for want of a route to the Service: {rolled.unrouted}"
+        f"\ncompression roll: {len(roll.outcomes)} streams, every one answered whole; pairs {after}; "
+        f"connects retried for want of a route to the Service: {roll.unrouted}"
     )
 
 

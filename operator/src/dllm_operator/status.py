@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from dllm_operator import kv_transfer, rollout_status
+from dllm_operator import kv_transfer, rollout, rollout_status
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.kv_transfer import KVCheckView, KVFinding
 from dllm_operator.render import labels
@@ -122,11 +122,11 @@ def _counts(workload: dict[str, Any] | None, pods: list[dict[str, Any]]) -> tupl
         return 0, 0, 0, 0, False
     spec, status = workload.get("spec", {}), workload.get("status", {})
     desired = int(spec.get("replicas", 1))
-    current = status.get("observedGeneration", 0) >= workload.get("metadata", {}).get("generation", 0)
     ready = int(status.get("readyReplicas", 0))
     if pods:
         ready = min(ready, _ready_pods(pods))
-    return desired, int(status.get("replicas", 0)), ready, int(status.get("updatedReplicas", 0)), current
+    updated = int(status.get("updatedReplicas", 0))
+    return desired, int(status.get("replicas", 0)), ready, updated, rollout.observed(workload)
 
 
 def role_status(cr: DisaggregatedLLM, component: labels.Component, observed: Observed) -> dict[str, Any]:
