@@ -57,6 +57,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dllm_contract.router_defaults import MOONCAKE_BOOTSTRAP_PORT
 from dllm_operator.api import parse
 from dllm_operator.config import OperatorConfig
+from dllm_operator.render import auth
 from dllm_operator.render.router import router_args
 
 pytestmark = [pytest.mark.k8s, pytest.mark.node, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -192,8 +193,11 @@ def forged_params(transfer_id: str, decode_host: str) -> dict[str, Any]:
     }
 
 
+AUTH_SECRET = NAME + auth.SECRET_SUFFIX
+
+
 def engine_api_key(served: Served) -> str:
-    secret = served.get("secret", f"{NAME}-auth")
+    secret = served.get("secret", AUTH_SECRET)
     return base64.b64decode(secret["data"]["api-key"]).decode()
 
 
@@ -642,27 +646,45 @@ def test_autoscaling_recommends_then_adds_a_prefill_pod_under_long_prompts_and_t
 
 
 def test_deleting_the_auth_secret_and_restarting_the_pods_rotates_every_key(served: Served) -> None:
-    """The documented rotation (NEW-10): delete `<name>-auth` and restart the pods. The new pods wait on
-    the missing Secret; the operator, which may create but never read Secrets, sees them wait and
-    makes a new one at once (not at its next resync); every pod starts with the new keys, the KV path
-    is verified again under the new side-channel key, and the old engine key opens nothing."""
+    """The documented rotation (NEW-10): delete `<name>-dllm-auth` and restart the pods. The new pods
+    wait on the missing Secret; the operator, which may create but never read Secrets, sees them wait
+    and makes a new one at once (not at its next resync); every pod starts with the new keys, the KV
+    path is verified again under the new side-channel key, and the old engine key opens nothing.
+    Meanwhile a cluster admin who tries to plant keys of their own under the reserved name, or to
+    change the keys in place, is refused by the chart's policy, so the operator's Secret is the only one
+    that name ever holds."""
     old_key = engine_api_key(served)
-    old_uid = served.get("secret", f"{NAME}-auth")["metadata"]["uid"]
-    served.cluster.run("delete", "secret", f"{NAME}-auth", "-n", NAMESPACE)
+    old_uid = served.get("secret", AUTH_SECRET)["metadata"]["uid"]
+    planted = {
+        "kv-token": base64.b64encode(b"known").decode(),
+        "api-key": base64.b64encode(b"known").decode(),
+    }
+    changed = served.cluster.run(
+        "patch", "secret", AUTH_SECRET, "-n", NAMESPACE, "-p", json.dumps({"data": planted}), check=False
+    )
+    assert changed.returncode != 0
+    assert "reserved for the dllm-operator" in changed.stderr, changed.stderr
+    served.cluster.run("delete", "secret", AUTH_SECRET, "-n", NAMESPACE)
+    squat = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": AUTH_SECRET}, "data": planted}
+    squatted = served.cluster.run(
+        "create", "-n", NAMESPACE, "-f", "-", input_text=json.dumps(squat), check=False
+    )
+    assert squatted.returncode != 0
+    assert "reserved for the dllm-operator" in squatted.stderr, squatted.stderr
     pods = [
         p["metadata"]["name"] for p in served.get("pods", "-l", f"app.kubernetes.io/instance={NAME}")["items"]
     ]
     served.cluster.run("delete", "pod", *pods, "-n", NAMESPACE, "--wait=false")
 
     def remade() -> bool:
-        if not served.cluster.exists("secret", f"{NAME}-auth", "-n", NAMESPACE):
+        if not served.cluster.exists("secret", AUTH_SECRET, "-n", NAMESPACE):
             return False
-        return bool(served.get("secret", f"{NAME}-auth")["metadata"]["uid"] != old_uid)
+        return bool(served.get("secret", AUTH_SECRET)["metadata"]["uid"] != old_uid)
 
-    wait_until(remade, 300, f"a new {NAME}-auth made by the operator")
+    wait_until(remade, 300, f"a new {AUTH_SECRET} made by the operator")
     wait_until(lambda: served.condition("Ready").get("status") == "True", 600, "Ready with the new keys")
     wait_until(lambda: kv_condition(served).get("reason") == "Verified", 120, "the KV path verified anew")
-    assert engine_api_key(served) != old_key
+    assert engine_api_key(served) not in (old_key, "known")
     status, body = completion(served.router, PROMPTS[1], timeout=600)
     assert status == 200, body
     for role in ("prefill", "decode"):

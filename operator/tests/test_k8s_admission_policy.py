@@ -191,7 +191,7 @@ def test_operator_identity_takes_over_nothing_and_widens_no_pod(
     that was not the operator's is refused (the old object is judged too), and so are an init container
     that is privileged, an added capability other than IPC_LOCK, privilege escalation, uid 0, secret
     and projected volumes, a Secret read into env other than the resource's own keys and a listed hub
-    token (or a whole one, envFrom), and Secrets other than an Opaque `<resource>-auth`."""
+    token (or a whole one, envFrom), and Secrets other than an Opaque `<resource>-dllm-auth`."""
     docs = chart_policies(cluster, f"w{namespace[-8:]}", namespace)
     user = re.search(r"username == '([^']+)'", json.dumps(docs))
     assert user is not None
@@ -246,7 +246,7 @@ def test_operator_identity_takes_over_nothing_and_widens_no_pod(
         ),
         "foreign Secret name": merged(auth.new_secret(cr), {"metadata": {"name": "payments-db"}}),
         "another Secret in env": env_from_secret("payments-db"),
-        "another resource's keys in env": env_from_secret("other-auth"),
+        "another resource's keys in env": env_from_secret("other-dllm-auth"),
         "a whole Secret as env": pod_with({}, {"envFrom": [{"secretRef": {"name": "payments-db"}}]}),
     }
     allowed = {
@@ -367,3 +367,60 @@ def test_operator_policy_refuses_naming_the_fields_and_creates_nothing(
             assert not {n for n in names(kind) if n.startswith("bad-")}, kind
     finally:
         operator.stop()
+
+
+def test_nobody_but_the_operator_makes_or_rekeys_a_resources_auth_secret(
+    cluster: Cluster, crd: str, namespace: str
+) -> None:
+    """NEW-10: the operator may create but never read Secrets, so it cannot tell its `<name>-dllm-auth`
+    from one planted first under that name, whose keys the planter would know. The chart reserves the
+    name: anyone else (a cluster admin included) is refused creating one, before or after the resource
+    exists, and changing its keys; nothing is stored. The operator still makes it, others may
+    still label or delete it (rotation), and Secrets with other names are nobody's business."""
+    docs = chart_policies(cluster, f"s{namespace[-8:]}", namespace)
+    user = re.search(r"username == '([^']+)'", json.dumps(docs))
+    assert user is not None
+    body = merged(minimal("keys"), {"metadata": {"namespace": namespace}})
+    cluster.apply(body, "-n", namespace)  # a real owner: the garbage collector keeps what it controls
+    uid = cluster.get_json("dllm", "keys", "-n", namespace)["metadata"]["uid"]
+    cr = parse(merged(body, {"metadata": {"uid": uid}}))
+    planted = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": auth.secret_name(cr)},
+        "stringData": {"kv-token": "known", "api-key": "known"},
+    }
+
+    def create_secret(obj: dict[str, Any], *extra: str) -> subprocess.CompletedProcess[str]:
+        return cluster.run(
+            "create", "-n", namespace, "-f", "-", *extra, input_text=json.dumps(obj), check=False
+        )
+
+    def edit(verb: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return cluster.run(verb, "secret", auth.secret_name(cr), *args, "-n", namespace, check=False)
+
+    cluster.run("apply", "--server-side", "-f", "-", input_text=yaml.safe_dump_all(docs))
+    try:
+        wait_until(
+            lambda: create_secret(planted, "--dry-run=server").returncode != 0, 30, "the policy in force"
+        )
+        for name in (auth.secret_name(cr), "keys-other-dllm-auth"):
+            result = create_secret(merged(planted, {"metadata": {"name": name}}))
+            assert result.returncode != 0, f"{name} was admitted"
+            assert "reserved for the dllm-operator" in result.stderr, result.stderr
+        assert cluster.get_json("secrets", "-n", namespace)["items"] == []
+        assert create_secret(merged(planted, {"metadata": {"name": "keys-auth"}})).returncode == 0
+
+        made = create_secret(auth.new_secret(cr), f"--as={user[1]}", "--as-group=system:masters")
+        assert made.returncode == 0, made.stderr
+        kept = cluster.get_json("secret", auth.secret_name(cr), "-n", namespace)["data"]
+        for data in ({"stringData": {"kv-token": "known"}}, {"data": {"api-key": "a25vd24="}}):
+            result = edit("patch", "-p", json.dumps(data))
+            assert result.returncode != 0
+            assert "reserved for the dllm-operator" in result.stderr, result.stderr
+        assert cluster.get_json("secret", auth.secret_name(cr), "-n", namespace)["data"] == kept
+        assert edit("label", "team=serving").returncode == 0
+        assert edit("delete").returncode == 0
+    finally:
+        for doc in docs:
+            cluster.run("delete", doc["kind"], doc["metadata"]["name"], "--ignore-not-found", check=False)

@@ -74,7 +74,7 @@ def test_engine_pods_meet_pod_security_restricted(
         assert failed_creates() == []
         policies = cluster.get_json("networkpolicies", "-n", namespace)["items"]
         assert sorted(p["metadata"]["name"] for p in policies) == ["tiny-cpu-engines", "tiny-cpu-router"]
-        assert cluster.exists("secret", "tiny-cpu-auth", "-n", namespace)
+        assert cluster.exists("secret", "tiny-cpu-dllm-auth", "-n", namespace)
     finally:
         operator.stop()
 

@@ -155,17 +155,17 @@ def test_auth_secret_reaches_engines_and_router_by_reference_only() -> None:
     for pod in engine_pods(manifests).values():
         env = {e["name"]: e for e in pod["containers"][0]["env"]}
         assert env["DLLM_KV_AUTH_TOKEN"]["valueFrom"] == {
-            "secretKeyRef": {"name": "minimal-auth", "key": "kv-token"}
+            "secretKeyRef": {"name": "minimal-dllm-auth", "key": "kv-token"}
         }
         assert env["VLLM_API_KEY"]["valueFrom"] == {
-            "secretKeyRef": {"name": "minimal-auth", "key": "api-key"}
+            "secretKeyRef": {"name": "minimal-dllm-auth", "key": "api-key"}
         }
         assert "value" not in env["VLLM_API_KEY"]
     router = of_kind(manifests, "Deployment")[0]["spec"]["template"]["spec"]["containers"][0]
     assert router["env"] == [
         {
             "name": "DLLM_ENGINE_API_KEY",
-            "valueFrom": {"secretKeyRef": {"name": "minimal-auth", "key": "api-key"}},
+            "valueFrom": {"secretKeyRef": {"name": "minimal-dllm-auth", "key": "api-key"}},
         }
     ]
     assert of_kind(manifests, "Secret") == []  # random values: the controller creates it once

@@ -324,7 +324,9 @@ class Controller:
             await self.client.create(auth.new_secret(cr))
             self._event(body, "Created", f"created Secret {auth.secret_name(cr)} (the data plane's keys)")
         except ApiError as error:
-            if error.status != 409:  # 409: it exists already, made by an earlier run
+            # 409: it exists already, made by an earlier run: the chart's reserved-secrets policy lets
+            # nobody else create one under the name (auth.py).
+            if error.status != 409:
                 raise
         self._secrets_made.add(made)
 

@@ -299,8 +299,8 @@ class SecuritySpec(_Model):
     )
     authentication: bool = Field(
         True,
-        description="Authenticate the data plane with a per-resource Secret (<name>-auth, random, made by "
-        "the operator): the KV side channel's HMAC key (DLLM_KV_AUTH_TOKEN), vLLM's --api-key on /v1 "
+        description="Authenticate the data plane with a per-resource Secret (<name>-dllm-auth, random, "
+        "made by the operator): the KV side channel's HMAC key (DLLM_KV_AUTH_TOKEN), vLLM's --api-key on /v1 "
         "(VLLM_API_KEY; /health and /metrics stay open) and the key the router sends "
         "(DLLM_ENGINE_API_KEY). false: none of these.",
     )

@@ -2,6 +2,10 @@
 vLLM API key. Its values are random, so it is not rendered with the other children (a re-render would
 change them): the controller creates it once, with create-only RBAC, and never reads it back. Pods
 take its keys by secretKeyRef.
+
+Its name, `<resource>-dllm-auth`, is one the chart's admission policy reserves for the operator
+(NEW-10): with create-only rights the operator cannot tell its own Secret from one someone else made
+first under the name, so nobody else may create one (or change its keys).
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ KV_TOKEN_ENV = "DLLM_KV_AUTH_TOKEN"  # noqa: S105 - an env name
 ENGINE_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own: --api-key for every /v1 route
 ROUTER_API_KEY_ENV = "DLLM_ENGINE_API_KEY"  # the router sends it to the engines as a Bearer token
 _RANDOM_BYTES = 32
+SECRET_SUFFIX = "-dllm-auth"  # noqa: S105 - a name the chart's reserved-secrets policy matches
 
 
 def secret_name(cr: DisaggregatedLLM) -> str:
-    return f"{cr.name}-auth"
+    return cr.name + SECRET_SUFFIX
 
 
 def secret_ref(cr: DisaggregatedLLM, env_name: str, key: str) -> dict[str, Any]:

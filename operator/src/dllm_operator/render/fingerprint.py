@@ -4,7 +4,8 @@ for KV to move from a prefill pod to a decode pod, and of nothing else. Pure.
 What goes in: each role's image (the connector and vLLM versions ride with it), the model and its
 revision, and the vLLM flags that shape the KV cache or its sharding (block size, dtypes, quantization,
 tensor and pipeline parallel sizes), read from the rendered arguments with the role's extraArgs last,
-as vLLM reads them; and the KV transfer's connector, compression, protocol and custom class. What stays
+as vLLM reads them; the KV transfer's connector, compression, protocol and custom class; and the
+auth Secret both ends take their side-channel key from (none without authentication). What stays
 out: batch limits, ports, resources, probes, placement, env, timeouts: a change to those rolls one
 role as before, and its new pods pair with the old ones.
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.config import OperatorConfig
+from dllm_operator.render import auth
 from dllm_operator.render.digest import digest
 from dllm_operator.render.engine_command import EngineRole, engine_args, role_spec, transfer_protocol
 
@@ -65,6 +67,7 @@ def kv_fingerprint(cr: DisaggregatedLLM, config: OperatorConfig) -> str:
             "compression": str(kv.compression),
             "protocol": str(transfer_protocol(cr)),
             "custom": kv.custom.connector_class if kv.custom is not None else "",
+            "auth": auth.secret_name(cr) if cr.spec.security.authentication else "",
         },
     }
     return digest(parts, LENGTH)
