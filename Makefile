@@ -85,7 +85,7 @@ test-dataplane: .venv/.ready images ## The CPU PD pipeline with real vLLM engine
 
 # DLLM_CP_REAL_NODE=1: a real node that cannot start fails the run instead of skipping its tier.
 test: prepare lint typecheck ## Every test (installs and builds what it needs on a fresh machine)
-	DLLM_CP_REAL_NODE=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900 --durations=25
+	DLLM_CP_REAL_NODE=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900 --durations=60
 
 # ---- benchmarks (not run by CI; each prints ratios measured side by side) ----
 .PHONY: bench-reconcile bench-router bench-kv bench-autoscale
