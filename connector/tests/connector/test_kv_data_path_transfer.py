@@ -90,24 +90,28 @@ def test_a_corrupted_payload_fails_on_each_data_path(
 
 
 @pytest.mark.parametrize("kind", ["mooncake"], indirect=True, scope="module")  # zero-copy is one-sided
-def test_zero_copy_into_a_cache_the_transport_does_not_hold_is_refused(
+def test_zero_copy_offered_to_a_cache_the_transport_does_not_hold_is_staged_instead(
     transport: Transport, prefill: Prefill
 ) -> None:
     """Prefill on the device path offers codec none block to block; decode on pinned-host never
-    registered its cache, so it refuses by name before anything is written."""
+    registered its cache (GPUDirect on prefill's nodes only, say), so its accept says staged and
+    prefill stages the part: the KV lands exactly, through decode's staging, which is free after."""
     receiver, kv = decode(transport, PathSetting.PINNED_HOST)
     try:
+        assert not receiver.placement.cache_registered
         receiver.expect("t-mixed", DST_BLOCKS[:10])
         prefill.send(
             receiver.port,
             [{"transfer_id": "t-mixed", "block_ids": SRC_BLOCKS[:10]}],
             data_path=PathSetting.DEVICE.value,
         )
-        outcome = receiver.wait_for("t-mixed", timeout=60)
-        assert outcome is not None
-        assert "both engines need the same data path" in outcome
-        assert "both engines need the same data path" in prefill.report()[0]["error"]
-        assert not bool(kv.gather(DST_BLOCKS[:10]).any())
+        assert receiver.wait_for("t-mixed", timeout=60) == ""
+        report = prefill.report()
+        assert not report[0]["error"], report
+        assert report[-1]["data_path"] == DataPath.DEVICE.value
+        assert report[-1]["staging_in_use"] == 0
+        want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS[:10])
+        assert torch.equal(kv.gather(DST_BLOCKS[:10]), want)
         assert receiver.staging.in_use == 0
     finally:
         receiver.close()

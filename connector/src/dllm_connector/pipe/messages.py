@@ -77,6 +77,9 @@ class Accept(WireMessage):
     dst: list[tuple[_Addr, _Addr]] = Field(default_factory=list)
     slots: list[tuple[_Index, _Addr]] = Field(default_factory=list)
     endpoint: dict[str, Any] = Field(default_factory=dict)
+    # Whether decode takes an offered block-to-block write: false where its data path does not register
+    # its cache (gpu-review item 8), and the sender stages the part instead.
+    zero_copy: StrictBool = True
 
 
 class Slot(WireMessage):

@@ -102,7 +102,7 @@ class RankSend:
             offer.tag,
             peer,
             heads,
-            offer.zero_copy,
+            offer.zero_copy and reply.zero_copy,  # staged where decode's path cannot take it in place
             dict(reply.slots),
         )
 

@@ -212,7 +212,13 @@ class KVReceiver(PipeSide):
             slots = [] if window is None else window.slots()
             # decode's own values, not validated here: the sender validates every accept it reads
             accept = Accept.model_construct(
-                type="accept", skip=expectation.skip, count=count, dst=dst, slots=slots, endpoint=endpoint
+                type="accept",
+                skip=expectation.skip,
+                count=count,
+                dst=dst,
+                slots=slots,
+                endpoint=endpoint,
+                zero_copy=self._takes_zero_copy(offer),
             )
             send(sock, accept)
             try:
@@ -293,18 +299,19 @@ class KVReceiver(PipeSide):
             codec.payload_nbytes(offer.codec, self.kv.dtype, self.kv.batch_shape(b - a, heads), groups)
             for a, b in chunks
         ]
-        if offer.zero_copy and self.transport.one_sided:
-            if not self.placement.cache_registered:
-                raise TransferFailed(
-                    "both engines need the same data path: prefill offered codec none block to block, "
-                    f"decode's data path ({self.placement.path.value}) does not register its KV cache"
-                )
+        if self._takes_zero_copy(offer):
             spans = [span for a, b in chunks for span in self.kv.spans(block_ids[a:b], heads)]
             return None, spans, sizes
         self.staging.check_fits(max(sizes))  # refused before the accept, whichever the transport
         if not self.transport.one_sided:  # the sender needs no addresses; batches reserve as they come
             return None, [], sizes
         return StagingWindow(self.staging, sizes, self.config.transfer_timeout_s), [], sizes
+
+    def _takes_zero_copy(self, offer: Offer) -> bool:
+        """Block-to-block writes where prefill offers them and this data path registered the cache.
+        Where it did not (engines on different data paths, say GPUDirect on prefill's nodes only),
+        the part is staged instead, as a codec that needs staging would be (gpu-review item 8)."""
+        return offer.zero_copy and self.transport.one_sided and self.placement.cache_registered
 
     def _check_offer(self, offer: Offer) -> Part:
         """Compare the caches, then claim the sender's part of the expectation it names."""
