@@ -142,7 +142,7 @@ def test_the_writer_reads_a_piece_only_once_its_copy_or_encode_is_done() -> None
     events: list[str] = []
     ours, theirs = socket.socketpair()
     staging = StagingBuffer(1 << 12)
-    plan = Plan(0, 1, 1, [], 1, {})
+    plan = Plan(0, 1, 1, None, 1, {})
     writer = ChunkWriter(RecordingTransportDouble(events), 5.0, staging, ours, plan, torch.device("cpu"))
     try:
         for index in range(3):

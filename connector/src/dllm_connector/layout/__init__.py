@@ -11,10 +11,13 @@ each prefill rank sends each decode rank, and PagedKV addresses a head range ins
 one run of memory on the CPU and HND layouts, one run per token on NHD.
 
 The modules: `tp_mapping` (pure: the geometry, TP ranks, the head mapping), `spans` and `signature`
-(pure: merging contiguous spans; comparing handshake signatures), `layer_layout` (a layer tensor's
-shape and strides read) and `paged_kv` (torch: the caches' block access).
+(pure: merging contiguous spans; comparing handshake signatures), `block_addresses` (pure: the
+stride arithmetic behind the spans, which decode hands prefill instead of a span list),
+`layer_layout` (a layer tensor's shape and strides read) and `paged_kv` (torch: the caches' block
+access).
 """
 
+from dllm_connector.layout.block_addresses import BlockAddresses, LayerAddress
 from dllm_connector.layout.layer_layout import LayerLayout, layer_layout
 from dllm_connector.layout.paged_kv import PagedKV
 from dllm_connector.layout.signature import signature_mismatches
@@ -32,8 +35,10 @@ from dllm_connector.layout.tp_mapping import (
 )
 
 __all__ = [
+    "BlockAddresses",
     "Geometry",
     "HeadRange",
+    "LayerAddress",
     "LayerLayout",
     "LayoutError",
     "PagedKV",

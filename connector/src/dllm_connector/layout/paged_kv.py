@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dllm_connector.layout.block_addresses import BlockAddresses, LayerAddress
 from dllm_connector.layout.layer_layout import layer_layout, segment_groups
 from dllm_connector.layout.tp_mapping import (
     Geometry,
@@ -281,24 +282,22 @@ class PagedKV:
         and HND layouts, one per token on NHD (both sides then list runs of the same sizes).
         """
         self.check_ids(block_ids)
-        block_dim, segments = self.layout.block_dim, self.layout.segments
-        runs = self._head_runs(heads)
-        spans: list[tuple[int, int]] = []
-        for tensor in self.caches if layers is None else self.caches[layers.start : layers.stop]:
+        return self.addresses(heads).spans(block_ids, layers)
+
+    def addresses(self, heads: HeadRange | None = None) -> BlockAddresses:
+        """The arithmetic `spans` does, for a peer to do it (decode's accept, gpu-review item 5)."""
+        block_dim = self.layout.block_dim
+        layers = []
+        for tensor in self.caches:
             item = tensor.element_size()
-            block_stride = tensor.stride(block_dim) * item
-            segment_stride = tensor.stride(0) * item if block_dim == 1 else 0
-            base = tensor.data_ptr()
-            for block in block_ids:
-                start = base + block * block_stride
-                if len(runs) == 1:  # whole segments, or one run per segment
-                    offset, length = runs[0]
-                    spans.extend((start + s * segment_stride + offset, length) for s in range(segments))
-                    continue
-                for s in range(segments):
-                    segment = start + s * segment_stride
-                    spans.extend((segment + offset, length) for offset, length in runs)
-        return spans
+            layers.append(
+                LayerAddress(
+                    base=tensor.data_ptr(),
+                    block_stride=tensor.stride(block_dim) * item,
+                    segment_stride=tensor.stride(0) * item if block_dim == 1 else 0,
+                )
+            )
+        return BlockAddresses(tuple(layers), self.layout.segments, tuple(self._head_runs(heads)))
 
     def run_nbytes(self, heads: HeadRange | None = None) -> int:
         """The length of each run of memory `spans` lists for `heads`."""

@@ -6,7 +6,7 @@ transferThresholdTokens (docs/kv-connector.md has the whole exchange):
     sender                                   receiver (decode worker, side channel on kv_port + rank)
     offer {id, cache signature, blocks} ->   checks the signature; waits (up to hold) for decode to
                                              expect the id; names its KV blocks or reserves staging
-                                     <-      accept {skip, count, destination spans}
+                                     <-      accept {skip, count, block addresses}
     per batch: gather, encode, write,   ->   per batch: verify the checksum, decode, scatter
                announce {header}             (two-sided transports: announce first, then send)
     done                                ->

@@ -139,12 +139,12 @@ class ChunkEncoder:
         """Codec none, zero-copy: hash and write the blocks' spans a few layers at a time."""
         kv, plan, algo = self._side.kv, self._plan, self._side.checksum_algo
         src = kv.spans(blocks, plan.heads)
-        per_block = len(src) // len(blocks)
-        theirs = plan.dst[first * per_block : (first + len(blocks)) * per_block]
-        sizes_differ = any(span.nbytes != n for span, (_, n) in zip(theirs, src, strict=False))
-        if len(theirs) != len(src) or sizes_differ:
+        if plan.dst is None:
+            raise TransferFailed(f"decode named no blocks for zero-copy chunk {index}")
+        dst = plan.dst.addresses.spans(plan.dst.blocks[first : first + len(blocks)])
+        sizes_differ = any(theirs != n for (_, theirs), (_, n) in zip(dst, src, strict=False))
+        if len(dst) != len(src) or sizes_differ:
             raise TransferFailed(f"decode's block spans for chunk {index} do not match this cache's")
-        dst = [(span.addr, span.nbytes) for span in theirs]
         running = chunk_checksum(kv, algo, blocks, plan.heads)
         # Spans are in layer order, the same bytes for every layer: a piece is whole layers, as
         # few as make zero_copy_piece_bytes (the last piece takes what is left).

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from dllm_connector import codec
-from dllm_connector.layout import HeadRange
+from dllm_connector.layout import BlockAddresses, HeadRange
 from dllm_connector.pipe.common import send
 from dllm_connector.pipe.device_copy import Ready
 from dllm_connector.pipe.messages import Chunk, Piece
@@ -22,13 +22,21 @@ from dllm_connector.transport.staging import StagingBuffer
 
 
 @dataclass(frozen=True)
+class Destination:
+    """Where decode takes a zero-copy part: its caches' addresses, and its blocks in the part's order."""
+
+    addresses: BlockAddresses
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Plan:
     """What the receiver accepted: which blocks, in which chunks, and where they go."""
 
     skip: int
     count: int
     chunk_blocks: int
-    dst: list[Span]
+    dst: Destination | None  # zero-copy: decode's block addresses and its blocks for the part
     tag: int
     peer: dict[str, Any]
     heads: HeadRange | None = None  # this rank's heads that travel; None: all of them

@@ -70,11 +70,22 @@ class Offer(WireMessage):
     tp: TPPart = Field(default_factory=TPPart)
 
 
+class Destination(WireMessage):
+    """Where a zero-copy part goes in decode's caches (layout.BlockAddresses, gpu-review item 5): per
+    layer (base, block stride, segment stride), the segments per block, the (offset, length) runs in
+    a segment, and decode's block ids for the part; prefill works the spans out from them."""
+
+    layers: Annotated[list[tuple[_Addr, _Addr, _Addr]], Field(min_length=1, max_length=1 << 16)]
+    segments: Annotated[int, Field(ge=1, le=2)]
+    runs: Annotated[list[tuple[_Addr, _Addr]], Field(min_length=1, max_length=1 << 16)]
+    blocks: Annotated[list[_Index], Field(max_length=1 << 24)]
+
+
 class Accept(WireMessage):
     type: Literal["accept"]
     skip: _Count
     count: _Count
-    dst: list[tuple[_Addr, _Addr]] = Field(default_factory=list)
+    dst: Destination | None = None  # zero-copy parts only
     slots: list[tuple[_Index, _Addr]] = Field(default_factory=list)
     endpoint: dict[str, Any] = Field(default_factory=dict)
     # Whether decode takes an offered block-to-block write: false where its data path does not register

@@ -8,9 +8,9 @@ import socket
 import threading
 import time
 
-from dllm_connector.layout import HeadRange
+from dllm_connector.layout import BlockAddresses, HeadRange, LayerAddress
 from dllm_connector.pipe.chunk_encoder import ChunkEncoder, Encoding
-from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan
+from dllm_connector.pipe.chunk_writer import ChunkWriter, Destination, Plan
 from dllm_connector.pipe.common import (
     POLL_S,
     PipeSide,
@@ -23,7 +23,7 @@ from dllm_connector.pipe.common import (
 )
 from dllm_connector.pipe.messages import Abort, Accept, Done, Offer, Slot, bounded
 from dllm_connector.transport import sidechannel
-from dllm_connector.transport.base import Span, TransferTimeout, TransportError
+from dllm_connector.transport.base import TransferTimeout, TransportError
 from dllm_connector.transport.sidechannel import Message
 
 
@@ -94,17 +94,34 @@ class RankSend:
         if any(index >= chunks for index, _ in reply.slots):
             raise TransferFailed(f"decode named a staging slot beyond chunk {chunks - 1}")
         peer = dict(reply.endpoint) | {"pair": offer.endpoint.get("pair")}
+        zero_copy = offer.zero_copy and reply.zero_copy  # staged where decode's path cannot take it in place
         return Plan(
             reply.skip,
             reply.count,
             offer.chunk_blocks,
-            [Span(addr, nbytes) for addr, nbytes in reply.dst],
+            self._destination(reply) if zero_copy else None,
             offer.tag,
             peer,
             heads,
-            offer.zero_copy and reply.zero_copy,  # staged where decode's path cannot take it in place
+            zero_copy,
             dict(reply.slots),
         )
+
+    def _destination(self, reply: Accept) -> Destination:
+        """Decode's block addresses for a zero-copy part, checked against this cache: one layer each,
+        the same segments, one block per accepted block (the runs are compared chunk by chunk)."""
+        dst, kv = reply.dst, self._side.kv
+        if dst is None:
+            raise TransferFailed("decode accepted a zero-copy part without naming its blocks' addresses")
+        if len(dst.layers) != kv.num_layers or dst.segments != kv.layout.segments:
+            raise TransferFailed(
+                f"decode's cache has {len(dst.layers)} layers of {dst.segments} segments per block, "
+                f"this one {kv.num_layers} of {kv.layout.segments}"
+            )
+        if len(dst.blocks) != reply.count:
+            raise TransferFailed(f"decode named {len(dst.blocks)} blocks for the {reply.count} it accepted")
+        layers = tuple(LayerAddress(*layer) for layer in dst.layers)
+        return Destination(BlockAddresses(layers, dst.segments, tuple(dst.runs)), tuple(dst.blocks))
 
     def _await(self, timeout: float) -> None:
         """Wait until the peer's next message is there; stops early when the sender closes."""

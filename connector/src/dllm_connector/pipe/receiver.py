@@ -30,6 +30,7 @@ from dllm_connector.pipe.expectations import Expectations, Part
 from dllm_connector.pipe.messages import (
     Accept,
     Ack,
+    Destination,
     EndTransfer,
     Offer,
     RecordQuery,
@@ -289,9 +290,10 @@ class KVReceiver(PipeSide):
 
     def _reserve(
         self, offer: Offer, part: Part
-    ) -> tuple[StagingWindow | None, list[tuple[int, int]], list[int]]:
-        """Name where each chunk of this part goes: decode's block spans (zero-copy), or staging
-        (one-sided: a window of it, the first slots named in the accept), or nothing (two-sided)."""
+    ) -> tuple[StagingWindow | None, Destination | None, list[int]]:
+        """Name where each chunk of this part goes: decode's blocks (zero-copy: their addresses as
+        arithmetic), or staging (one-sided: a window of it, the first slots named in the accept), or
+        nothing (two-sided)."""
         block_ids, heads = part.expectation.block_ids, part.heads
         chunks = chunk_ranges(len(block_ids), _chunk_blocks(offer, len(block_ids)))
         groups = self.kv.groups(heads)
@@ -300,12 +302,20 @@ class KVReceiver(PipeSide):
             for a, b in chunks
         ]
         if self._takes_zero_copy(offer):
-            spans = [span for a, b in chunks for span in self.kv.spans(block_ids[a:b], heads)]
-            return None, spans, sizes
+            self.kv.check_ids(block_ids)
+            where = self.kv.addresses(heads)
+            # decode's own values, not validated here: the sender validates every accept it reads
+            dst = Destination.model_construct(
+                layers=[(a.base, a.block_stride, a.segment_stride) for a in where.layers],
+                segments=where.segments,
+                runs=list(where.runs),
+                blocks=list(block_ids),
+            )
+            return None, dst, sizes
         self.staging.check_fits(max(sizes))  # refused before the accept, whichever the transport
         if not self.transport.one_sided:  # the sender needs no addresses; batches reserve as they come
-            return None, [], sizes
-        return StagingWindow(self.staging, sizes, self.config.transfer_timeout_s), [], sizes
+            return None, None, sizes
+        return StagingWindow(self.staging, sizes, self.config.transfer_timeout_s), None, sizes
 
     def _takes_zero_copy(self, offer: Offer) -> bool:
         """Block-to-block writes where prefill offers them and this data path registered the cache.

@@ -30,7 +30,10 @@ MAGIC = b"DLKV"
 #      (the server requires a key); the messages a tagged union on `type`.
 #      Later: status 4 (the server is full, NEW-7). No bump: a build of version 2 without it reads
 #      status 4 as a refusal, and says so; it misreads nothing.
-PROTOCOL_VERSION = 2
+#   3: a zero-copy accept names decode's block addresses as arithmetic (`dst`: per-layer bases and
+#      strides, runs, block ids) instead of a list of spans (gpu-review item 5), and says whether
+#      decode takes the offered block-to-block write at all (`zero_copy`, item 8).
+PROTOCOL_VERSION = 3
 NONCE_BYTES = MAC_BYTES = 32
 HELLO = struct.Struct(">4sBB2x32s")
 CHALLENGE = struct.Struct(">4sBB2x32s32s")
