@@ -341,8 +341,7 @@ _BAD_SCALES = "received KV scales are not all finite, positive and within the KV
 def _valid_scales(scales: torch.Tensor, header: KVHeader) -> torch.Tensor:
     valid = (scales > 0) & torch.isfinite(scales)
     if header.codec is Compression.INT8:  # encode's largest: the dtype's largest value / 127
-        largest = torch.tensor(torch.finfo(header.torch_dtype).max, dtype=torch.float32) / 127.0
-        valid &= scales <= largest.to(scales.device)
+        valid &= scales <= torch.finfo(header.torch_dtype).max / 127.0  # a Python float: no copy, no sync
     return valid
 
 

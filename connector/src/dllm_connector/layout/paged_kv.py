@@ -178,11 +178,21 @@ class PagedKV:
     def batch_nbytes(self, count: int, heads: HeadRange | None = None) -> int:
         return _product(self.batch_shape(count, heads)) * self.dtype.itemsize
 
-    def check_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
-        ids = torch.tensor(list(block_ids), dtype=torch.long)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_blocks):
+    def check_ids(self, block_ids: Sequence[int]) -> None:
+        """On the host only: a check that made a device tensor synchronised the engine's stream with
+        the host on every load vLLM started (gpu-review item 10)."""
+        if block_ids and (min(block_ids) < 0 or max(block_ids) >= self.num_blocks):
             raise LayoutError(f"block ids outside 0..{self.num_blocks - 1}")
-        return ids.to(self.device)
+
+    def device_ids(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The checked ids on the cache's device, for a gather or scatter: copied from page-locked
+        memory without waiting for the stream (a pageable copy waits for all the stream's work,
+        gpu-review item 11)."""
+        self.check_ids(block_ids)
+        ids = torch.tensor(list(block_ids), dtype=torch.long)
+        if self.device.type == "cpu":
+            return ids
+        return ids.pin_memory().to(self.device, non_blocking=True)
 
     def _head_views(self, heads: HeadRange | None) -> list[torch.Tensor]:
         if heads is None:
@@ -193,7 +203,7 @@ class PagedKV:
     def gather(
         self, block_ids: Sequence[int], out: torch.Tensor | None = None, heads: HeadRange | None = None
     ) -> torch.Tensor:
-        ids = self.check_ids(block_ids)
+        ids = self.device_ids(block_ids)
         shape = self._layered_shape(len(block_ids), heads)
         if out is None:
             out = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -210,7 +220,7 @@ class PagedKV:
 
         With `out` (bytes, e.g. a payload) each layer is gathered into its place there instead.
         """
-        ids = self.check_ids(block_ids)
+        ids = self.device_ids(block_ids)
         layered = self._layered_shape(len(block_ids), heads)
         if out is None:
             reused = torch.empty(layered[1:], dtype=self.dtype, device=self.device)
@@ -230,7 +240,7 @@ class PagedKV:
         `max_bytes` (but one block), so a device hashes them in a few launches per layer, not one
         run per span. Each run is valid until the next is taken (on a device: until the next
         gather, queued after what reads it on the same stream)."""
-        ids = self.check_ids(block_ids)
+        ids = self.device_ids(block_ids)
         block = (self.layout.segments, *self.segment_shape(heads))
         per_block = _product(block) * self.dtype.itemsize
         step = max(1, min(len(block_ids), max_bytes // per_block))
@@ -255,7 +265,7 @@ class PagedKV:
     ) -> None:
         """Place a batch handed over one layer at a time, in layer order (as `gather_layers` gives it);
         with `layers`, only those layers' parts (a batch that arrives a few layers at a time)."""
-        ids = self.check_ids(block_ids)
+        ids = self.device_ids(block_ids)
         shape = self._layered_shape(len(block_ids), heads)[1:]
         views = self._head_views(heads)
         wanted = views if layers is None else views[layers.start : layers.stop]
