@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dllm_connector.layout import Geometry
+from dllm_connector.model_support import unsupported_reason
 from dllm_connector.prom_metrics import prom_metrics_class
 from dllm_connector.scheduler import SchedulerState, StepPlan, parse_extra_config, prompt_hash
 from dllm_connector.worker import ConnectorWorker, WorkerIdentity
@@ -153,6 +154,8 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
     _transport_kind = "mooncake"
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        if (why := unsupported_reason(vllm_config.model_config)) is not None:
+            raise ValueError(f"dllm KV connector: {why}")
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self._extra = parse_extra_config(transfer.kv_connector_extra_config)
