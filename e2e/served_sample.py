@@ -51,6 +51,16 @@ class Served:
     def pod_url(self, pod: str) -> str:
         return f"http://{self.get('pod', pod)['status']['podIP']}:8000"
 
+    @property
+    def router_pod(self) -> str:
+        """The one router pod's own URL: its counters are its own (through the Service, with several
+        routers, any one's would answer)."""
+        pods = self.get("pods", "-l", f"{SAMPLE_PODS},app.kubernetes.io/component=router")["items"]
+        running = [p for p in pods if p["status"].get("podIP") and not p["metadata"].get("deletionTimestamp")]
+        assert len(running) == 1, [p["metadata"]["name"] for p in running]
+        port = running[0]["spec"]["containers"][0]["ports"][0]["containerPort"]
+        return f"http://{running[0]['status']['podIP']}:{port}"
+
     def why_restarted(self, pod: str) -> str:
         """The container's last state and the end of its previous run's log: what a restart left."""
         status = self.get("pod", pod)["status"]["containerStatuses"][0]

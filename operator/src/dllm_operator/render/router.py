@@ -137,7 +137,10 @@ def drain_seconds(cr: DisaggregatedLLM) -> int:
 
 def router_deployment(cr: DisaggregatedLLM, config: OperatorConfig) -> dict[str, Any]:
     router = cr.spec.router
-    health = {"httpGet": {"path": "/health", "port": "http"}}
+    # 5 s to answer, as the engines' probes: with Kubernetes' default of 1 s, a node that stalls for
+    # ~15 s under engine load (seen on the 2-core test node) failed three probes in a row and took the
+    # only router out of the Service, a moment with no endpoint at all for a router that was only slow.
+    health = {"httpGet": {"path": "/health", "port": "http"}, "timeoutSeconds": 5}
     container: dict[str, Any] = {
         "name": "router",
         "image": router.image or config.router_image,
