@@ -820,7 +820,7 @@ def test_a_failing_engine_shows_as_degraded_naming_the_pod_and_reason(
 
 
 def _fingerprint_pairs(router: str) -> dict[tuple[str, str], float]:
-    """The router's prompts per (prefill, decode) KV fingerprint pair (absent metric: an error)."""
+    """The router pod's prompts per (prefill, decode) KV fingerprint pair (absent metric: an error)."""
     text = metrics_text(router)
     counted = {
         (sample.labels["prefill_fingerprint"], sample.labels["decode_fingerprint"]): sample.value
@@ -847,11 +847,9 @@ def test_a_compression_change_rolls_both_roles_in_pairs_with_no_request_refused_
     old pods go, drained by their preStop, only once the new pair serves. No stream is refused (a 503
     counts as a failure), failed or cut; the router never paired two fingerprints; afterwards the
     answers go through fp8 pairs and decode's KV crosses the wire in fp8. Every engine instance's log
-    is kept (the replaced pods' too), so a failure names what each engine said. This roll replaces the
-    decode-only one (maxNumSeqs) the tier ran before: it drains both roles under the same load, and a
-    change that keeps the fingerprint rolling one role is the kwok tier's (test_k8s_rollout.py)."""
+    is kept (the replaced pods' too), so a failure names what each engine said."""
     old = served.get("dllm", NAME)["status"]["decode"]["kvFingerprint"]
-    before = _fingerprint_pairs(served.router)
+    before = _fingerprint_pairs(served.router_pod)
     patch = {"spec": {"kvTransfer": {"compression": "fp8"}}}
     roll = roll_under_load(served, patch, "fp8", _roll_clients(), stream=True)
     missed = roll.not_served()
@@ -864,20 +862,56 @@ def test_a_compression_change_rolls_both_roles_in_pairs_with_no_request_refused_
     new = status["decode"]["kvFingerprint"]
     assert new != old, status
     assert status["prefill"]["kvFingerprint"] == new, status
-    during = _fingerprint_pairs(served.router)
+    during = _fingerprint_pairs(served.router_pod)
     assert all(p == d for p, d in during), f"the router paired two fingerprints: {during}"
     assert set(during) >= {(old, old), (new, new)}, f"both versions served: {during} (before: {before})"
     decode = served.pod_url(f"{NAME}-decode-0")
     moved_before = kv_moved.at(decode, served.router)
     status_code, body = completion(served.router, PROMPTS[0], timeout=300)
     assert status_code == 200, body
-    after = _fingerprint_pairs(served.router)
+    after = _fingerprint_pairs(served.router_pod)
     assert after.get((new, new), 0) > during.get((new, new), 0), f"no answer through an fp8 pair: {after}"
     fp8 = kv_moved.at(decode, served.router) - moved_before
     # float32 KV as one byte per value, plus a scale per block: about a quarter on the wire.
     assert 0 < fp8.wire_bytes <= fp8.kv_bytes / 3, fp8
     print(
         f"\ncompression roll: {len(roll.outcomes)} streams, every one answered whole; pairs {after}; "
+        f"connects retried for want of a route to the Service: {roll.unrouted}"
+    )
+
+
+def test_a_decode_only_change_rolls_decode_alone_with_no_request_refused_or_failed(
+    served: Served, sample_logs: PodLogs
+) -> None:
+    """decode.maxNumSeqs keeps the KV fingerprint, so decode alone rolls: under four streaming clients
+    its surge pod comes up beside the old one (the sample's maxSurge 1), pairs with the prefill pod
+    that stays, and the old decode goes, drained by its preStop with streams in it. No stream is
+    refused (a 503 counts as a failure), failed or cut; prefill is never replaced; every pairing the
+    router made is of the one fingerprint; the decode pod left serves with the new limit."""
+    status = served.get("dllm", NAME)["status"]
+    fingerprint = status["decode"]["kvFingerprint"]
+    pods = {role: served.get("pod", f"{NAME}-{role}-0")["metadata"]["uid"] for role in ("prefill", "decode")}
+    before = _fingerprint_pairs(served.router_pod)
+    limit = served.get("dllm", NAME)["spec"]["decode"]["maxNumSeqs"] - 2
+    roll = roll_under_load(served, {"spec": {"decode": {"maxNumSeqs": limit}}}, "seqs", _roll_clients(), True)
+    missed = roll.not_served()
+    seen = sample_logs.noteworthy(also=tuple(o.request_id for o in missed)) if missed else ""
+    assert missed == [], (
+        f"requests without their whole answer during the decode roll, of {len(roll.outcomes)}: "
+        f"{missed}\nevery engine's whole log: {sample_logs.directory}\n{seen}"
+    )
+    status = served.get("dllm", NAME)["status"]
+    assert (status["prefill"]["kvFingerprint"], status["decode"]["kvFingerprint"]) == (fingerprint,) * 2
+    assert served.get("pod", f"{NAME}-prefill-0")["metadata"]["uid"] == pods["prefill"]
+    decode = served.get("pod", f"{NAME}-decode-0")
+    assert decode["metadata"]["uid"] != pods["decode"]
+    args = decode["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == str(limit), args
+    during = _fingerprint_pairs(served.router_pod)
+    assert set(during) == set(before) | {(fingerprint, fingerprint)}, during
+    assert during[(fingerprint, fingerprint)] > before.get((fingerprint, fingerprint), 0), during
+    print(
+        f"\ndecode roll: {len(roll.outcomes)} streams, every one answered whole; "
         f"connects retried for want of a route to the Service: {roll.unrouted}"
     )
 
