@@ -35,7 +35,7 @@ from e2e.dataplane.pipeline import (
 from e2e.engine_paths import ENGINE_PATHS, FORGED_OFFER_SCRIPT, OPEN_PATHS, STATUS_SCRIPT, WRONG_KEY
 from e2e.fixtures import BLOCKED, Cluster, probe_dial, start_probe_servers, wait_until
 from e2e.pod_logs import PodLogs, kept_logs
-from e2e.rolling import Trickle, roll_under_load, rolled
+from e2e.rolling import RollOutcomes, Trickle, roll_under_load, rolled
 from e2e.served_sample import (
     NAME,
     NAMESPACE,
@@ -833,6 +833,17 @@ def _fingerprint_pairs(router: str) -> dict[tuple[str, str], float]:
     return counted
 
 
+def _assert_every_stream_answered(roll: RollOutcomes, logs: PodLogs, during: str) -> None:
+    """No request without its whole answer (failed, cut or refused with a 503); else each one's id and
+    what every engine said about it."""
+    missed = roll.not_served()
+    seen = logs.noteworthy(also=tuple(o.request_id for o in missed)) if missed else ""
+    assert missed == [], (
+        f"requests without their whole answer during {during}, of {len(roll.outcomes)}: "
+        f"{missed}\nevery engine's whole log: {logs.directory}\n{seen}"
+    )
+
+
 def _roll_clients() -> int:
     """DLLM_ROLL_CLIENTS streams in flight side by side (four by default, as issue 34 asks)."""
     return int(os.environ.get("DLLM_ROLL_CLIENTS", "4"))
@@ -852,12 +863,7 @@ def test_a_compression_change_rolls_both_roles_in_pairs_with_no_request_refused_
     before = _fingerprint_pairs(served.router_pod)
     patch = {"spec": {"kvTransfer": {"compression": "fp8"}}}
     roll = roll_under_load(served, patch, "fp8", _roll_clients(), stream=True)
-    missed = roll.not_served()
-    seen = sample_logs.noteworthy(also=tuple(o.request_id for o in missed)) if missed else ""
-    assert missed == [], (
-        f"requests without their whole answer during the compression roll, of {len(roll.outcomes)}: "
-        f"{missed}\nevery engine's whole log: {sample_logs.directory}\n{seen}"
-    )
+    _assert_every_stream_answered(roll, sample_logs, "the compression roll")
     status = served.get("dllm", NAME)["status"]
     new = status["decode"]["kvFingerprint"]
     assert new != old, status
@@ -894,12 +900,7 @@ def test_a_decode_only_change_rolls_decode_alone_with_no_request_refused_or_fail
     before = _fingerprint_pairs(served.router_pod)
     limit = served.get("dllm", NAME)["spec"]["decode"]["maxNumSeqs"] - 2
     roll = roll_under_load(served, {"spec": {"decode": {"maxNumSeqs": limit}}}, "seqs", _roll_clients(), True)
-    missed = roll.not_served()
-    seen = sample_logs.noteworthy(also=tuple(o.request_id for o in missed)) if missed else ""
-    assert missed == [], (
-        f"requests without their whole answer during the decode roll, of {len(roll.outcomes)}: "
-        f"{missed}\nevery engine's whole log: {sample_logs.directory}\n{seen}"
-    )
+    _assert_every_stream_answered(roll, sample_logs, "the decode roll")
     status = served.get("dllm", NAME)["status"]
     assert (status["prefill"]["kvFingerprint"], status["decode"]["kvFingerprint"]) == (fingerprint,) * 2
     assert served.get("pod", f"{NAME}-prefill-0")["metadata"]["uid"] == pods["prefill"]
