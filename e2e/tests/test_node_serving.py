@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 from e2e import demo
-from e2e.cluster import nodehost, probepod
+from e2e.cluster import probepod
 from e2e.dataplane import kv_moved
 from e2e.dataplane.pipeline import (
     DEMO_ANSWER,
@@ -694,22 +694,17 @@ def test_deleting_the_auth_secret_and_restarting_the_pods_rotates_every_key(serv
         assert refused == 401, role
 
 
-def test_a_pair_that_cannot_move_kv_fails_kv_transfer_verified_until_it_can(served: Served) -> None:
+def test_a_decode_that_cannot_load_kv_fails_kv_transfer_verified_until_it_can(served: Served) -> None:
     """The router's KV check, read by the operator's pod through a router policy closed to all but
-    this machine: with every packet from prefill to decode dropped on the node (the KV path cut, both
-    engines up and answering the router), the check a new router pod runs at once turns
-    KVTransferVerified to TransferFailed, the resource Degraded and not Ready; with the path back, the
-    next router's check turns it Verified and Ready again, the engines as they were (no restart)."""
+    this machine: decode with 64-token KV blocks against prefill's 32 (it can load nothing prefill
+    sends) turns KVTransferVerified to TransferFailed, the resource Degraded and not Ready; decode back
+    as it was turns it Verified and Ready again. Each is a decode roll plus one canary and one read."""
     wait_until(lambda: kv_condition(served).get("reason") == "Verified", 120, "KVTransferVerified Verified")
     pairs = served.get("dllm", NAME)["status"]["kvTransfer"]["pairs"]
     assert [(p["prefill"], p["decode"], p["reason"]) for p in pairs] == [
         (f"{NAME}-prefill-0", f"{NAME}-decode-0", "Verified")
     ]
-    engines = {role: served.get("pod", f"{NAME}-{role}-0") for role in ("prefill", "decode")}
-    ips = {role: pod["status"]["podIP"] for role, pod in engines.items()}
-    restarts = {role: pod["status"]["containerStatuses"][0]["restartCount"] for role, pod in engines.items()}
-    # raw PREROUTING: before conntrack and kube-router's chains, for bridged pod traffic too
-    cut = ["PREROUTING", "-s", ips["prefill"], "-d", ips["decode"], "-j", "DROP"]
+    decode_args = served.get("dllm", NAME)["spec"]["decode"]["extraArgs"]
     closed = {"routerAllowedFrom": [{"ipBlock": {"cidr": "10.250.0.1/32"}}]}
 
     def patch(spec: dict[str, Any]) -> None:
@@ -717,43 +712,29 @@ def test_a_pair_that_cannot_move_kv_fails_kv_transfer_verified_until_it_can(serv
             "patch", "dllm", NAME, "-n", NAMESPACE, "--type=merge", "-p", json.dumps({"spec": spec})
         )
 
-    def new_router_checks() -> None:
-        """A router pod checks every pair as it first sees it ready: replace the one there is."""
-        old = served.get("pods", "-l", f"{SAMPLE_PODS},app.kubernetes.io/component=router")["items"]
-        served.cluster.run("delete", "pod", *(p["metadata"]["name"] for p in old), "-n", NAMESPACE)
-
-    def conditions() -> dict[str, dict[str, Any]]:
-        return {c["type"]: c for c in served.get("dllm", NAME).get("status", {}).get("conditions", [])}
-
-    patch({"security": closed})
-    nodehost.in_netns("iptables", "-t", "raw", "-I", *cut)
+    patch({"decode": {"extraArgs": [*decode_args, "--block-size", "64"]}, "security": closed})
     try:
-        new_router_checks()
 
-        def failed() -> dict[str, dict[str, Any]] | None:
-            said = conditions()
+        def failed() -> dict[str, Any] | None:
+            # the roll done, the pair that is left checked, and the status saying so throughout
+            said = {c["type"]: c for c in served.get("dllm", NAME).get("status", {}).get("conditions", [])}
             kv, ready, degraded = (said.get(t, {}) for t in ("KVTransferVerified", "Ready", "Degraded"))
             pair = str(kv.get("message", "")).startswith(f"{NAME}-prefill-0 -> {NAME}-decode-0: ")
+            done = said.get("RolloutProgressing", {}).get("reason") == "Complete"
             judged = (ready.get("reason"), degraded.get("reason")) == ("TransferFailed", "TransferFailed")
-            return said if kv.get("reason") == "TransferFailed" and pair and judged else None
+            return said if kv.get("reason") == "TransferFailed" and pair and done and judged else None
 
         said = wait_until(
-            failed, 300, "KVTransferVerified TransferFailed with the path cut, Ready and Degraded too"
+            failed, 900, "KVTransferVerified TransferFailed once the roll is done, Ready and Degraded too"
         )
-        print(said["KVTransferVerified"]["message"])
         assert said["KVTransferVerified"]["status"] == "False", said
         assert (said["Ready"]["status"], said["Degraded"]["status"]) == ("False", "True"), said
     finally:
-        nodehost.in_netns("iptables", "-t", "raw", "-D", *cut)
-        patch({"security": {"routerAllowedFrom": None}})
-    new_router_checks()
-    wait_until(lambda: kv_condition(served).get("reason") == "Verified", 300, "Verified with the path back")
-    wait_until(lambda: served.condition("Ready").get("status") == "True", 300, "Ready again")
-    after = {
-        role: served.get("pod", f"{NAME}-{role}-0")["status"]["containerStatuses"][0]["restartCount"]
-        for role in ("prefill", "decode")
-    }
-    assert after == restarts
+        patch({"decode": {"extraArgs": decode_args}, "security": {"routerAllowedFrom": None}})
+    wait_until(
+        lambda: kv_condition(served).get("reason") == "Verified", 600, "Verified after decode's return"
+    )
+    wait_until(lambda: served.condition("Ready").get("status") == "True", 600, "Ready again")
 
 
 def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready(served: Served) -> None:

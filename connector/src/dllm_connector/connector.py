@@ -154,7 +154,8 @@ class _DllmConnector(_ConnectorBase):  # type: ignore[misc,valid-type]
     _transport_kind = "mooncake"
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
-        if (why := unsupported_reason(vllm_config.model_config)) is not None:
+        # before vLLM's base reads the config (without vLLM, the base refuses to construct at all)
+        if (why := unsupported_reason(getattr(vllm_config, "model_config", None))) is not None:
             raise ValueError(f"dllm KV connector: {why}")
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
