@@ -22,7 +22,7 @@ from dllm_connector.transport.staging import StagingBuffer
 
 
 @dataclass(frozen=True)
-class Destination:
+class ZeroCopyTarget:
     """Where decode takes a zero-copy part: its caches' addresses, and its blocks in the part's order."""
 
     addresses: BlockAddresses
@@ -36,7 +36,7 @@ class Plan:
     skip: int
     count: int
     chunk_blocks: int
-    dst: Destination | None  # zero-copy: decode's block addresses and its blocks for the part
+    dst: ZeroCopyTarget | None  # zero-copy: decode's block addresses and its blocks for the part
     tag: int
     peer: dict[str, Any]
     heads: HeadRange | None = None  # this rank's heads that travel; None: all of them

@@ -10,7 +10,7 @@ import time
 
 from dllm_connector.layout import BlockAddresses, HeadRange, LayerAddress
 from dllm_connector.pipe.chunk_encoder import ChunkEncoder, Encoding
-from dllm_connector.pipe.chunk_writer import ChunkWriter, Destination, Plan
+from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan, ZeroCopyTarget
 from dllm_connector.pipe.common import (
     POLL_S,
     PipeSide,
@@ -107,7 +107,7 @@ class RankSend:
             dict(reply.slots),
         )
 
-    def _destination(self, reply: Accept) -> Destination:
+    def _destination(self, reply: Accept) -> ZeroCopyTarget:
         """Decode's block addresses for a zero-copy part, checked against this cache: one layer each,
         the same segments, one block per accepted block (the runs are compared chunk by chunk)."""
         dst, kv = reply.dst, self._side.kv
@@ -121,7 +121,7 @@ class RankSend:
         if len(dst.blocks) != reply.count:
             raise TransferFailed(f"decode named {len(dst.blocks)} blocks for the {reply.count} it accepted")
         layers = tuple(LayerAddress(*layer) for layer in dst.layers)
-        return Destination(BlockAddresses(layers, dst.segments, tuple(dst.runs)), tuple(dst.blocks))
+        return ZeroCopyTarget(BlockAddresses(layers, dst.segments, tuple(dst.runs)), tuple(dst.blocks))
 
     def _await(self, timeout: float) -> None:
         """Wait until the peer's next message is there; stops early when the sender closes."""

@@ -219,7 +219,7 @@ class KVReceiver(PipeSide):
                 dst=dst,
                 slots=slots,
                 endpoint=endpoint,
-                zero_copy=self._takes_zero_copy(offer),
+                zero_copy=dst is not None,  # block addresses named only where decode takes the write
             )
             send(sock, accept)
             try:
