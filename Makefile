@@ -88,7 +88,10 @@ test: prepare lint typecheck ## Every test (installs and builds what it needs on
 	DLLM_CP_REAL_NODE=1 $(PY) -m pytest -q -p no:cacheprovider --timeout=900 --durations=60
 
 # ---- benchmarks (not run by CI; each prints ratios measured side by side) ----
-.PHONY: bench-reconcile bench-router bench-kv bench-autoscale
+.PHONY: gpu-check-bundle bench-reconcile bench-router bench-kv bench-autoscale
+gpu-check-bundle: ## Wheels bench/gpu_check.py needs on a GPU machine without network, into build/gpu-wheels (<60 MB)
+	@bash tools/gpu_bundle.sh
+
 bench-reconcile: .venv/.ready cluster-build ## Operator latency/quietness vs a direct-apply floor (--quick)
 	$(PY) bench/reconcile.py --quick
 

@@ -85,8 +85,8 @@ def test_gathered_layers_are_the_spans_bytes_in_the_same_order(
     layout: str, heads: tuple[int, int] | None, max_bytes: int
 ) -> None:
     """Gathered a layer at a time through a bounded buffer, a zero-copy chunk's blocks are the bytes
-    its spans list, in order: the device checksum's value is that of the spans, and of the codec-none
-    payload the same blocks gather into, whichever the bound."""
+    its spans list, in order: the device checksum's value is that of the spans, and, where the cache
+    gathers in memory order, of the codec-none payload the same blocks gather into, whichever the bound."""
     kv = rank_kv(7, layout, TPRank(0, 2))
     blocks = [40, 3, 17, 95, 4, 5]
     runs = [run.clone() for run in kv.gathered_bytes(blocks, heads, range(1, 3), max_bytes)]
@@ -102,7 +102,11 @@ def test_gathered_layers_are_the_spans_bytes_in_the_same_order(
     header = codec.KVHeader(
         Compression.NONE, kv.dtype_name, kv.batch_shape(len(blocks), heads), 1, 0, codec.ChecksumAlgo.NH64
     )
-    assert running.value == codec.checksum(header, payload)
+    if not kv.layout.heads_outermost:
+        # A token-major cache gathers its heads outermost (scale groups per head, gpu-review item 15):
+        # its staged payload holds the same bytes in another order. Both ends agree on zero-copy or
+        # staged, so a span checksum is never compared with a staged payload's.
+        assert running.value == codec.checksum(header, payload)
 
 
 class RecordingTransportDouble(Transport):

@@ -35,9 +35,9 @@ NUM_BLOCKS = 10
     ("shape", "block_dim", "segments", "groups"),
     [
         ((NUM_BLOCKS, 4, 16, 64), 0, 1, 8),  # CPU: per head K rows then V rows
-        ((2, NUM_BLOCKS, 16, 4, 32), 1, 2, 1),  # GPU flash NHD, K and V apart
+        ((2, NUM_BLOCKS, 16, 4, 32), 1, 2, 4),  # GPU flash NHD, K and V apart, gathered per head
         ((2, NUM_BLOCKS, 4, 16, 32), 1, 2, 4),  # GPU HND
-        ((NUM_BLOCKS, 2, 16, 4, 32), 0, 1, 2),  # block-major NHD
+        ((NUM_BLOCKS, 2, 16, 4, 32), 0, 1, 8),  # block-major NHD, gathered per (K or V, head)
         ((NUM_BLOCKS, 2, 4, 16, 32), 0, 1, 8),  # block-major HND
     ],
 )
@@ -56,7 +56,9 @@ def test_gather_scatter_and_regions_agree(shape: tuple[int, ...]) -> None:
     target.scatter([0, 9, 4], batch)
     assert torch.equal(target.gather([0, 9, 4]), batch)
     assert not bool(target.gather([1, 2, 3]).any())
-    flat = batch.reshape(-1).view(torch.uint8)
+    # spans list memory; a token-major cache gathers its heads outermost (scale groups per head)
+    memory_order = batch.transpose(-3, -2).contiguous() if source.layout.heads_outermost else batch
+    flat = memory_order.reshape(-1).view(torch.uint8)
     spans = source.spans([7, 2, 5])
     assert sum(length for _, length in spans) == flat.numel()
     copied = torch.cat([torch.frombuffer(_memory(addr, length), dtype=torch.uint8) for addr, length in spans])

@@ -135,12 +135,14 @@ def test_head_ranges_gather_scatter_and_spans_agree_with_the_full_model(layout: 
         want = [
             heads_of(layer, layout, model).index_select(block_axis, torch.tensor(blocks)) for layer in full
         ]
-        if layout == "nhd":  # [2, n, T, h, D] -> the gather order [n, 2, T, h, D]
-            want = [layer.transpose(0, 1) for layer in want]
+        memory_order = batch
+        if layout == "nhd":  # [2, n, T, h, D] -> the gather order [n, 2, h, T, D], heads outermost
+            want = [layer.transpose(0, 1).transpose(2, 3) for layer in want]
+            memory_order = batch.transpose(-3, -2).contiguous()
         assert torch.equal(batch.reshape(-1), torch.cat([layer.reshape(-1) for layer in want]))
         spans = kv.spans(blocks, heads=local)
-        assert _memory(spans) == batch.contiguous().view(torch.uint8).numpy().tobytes()
-        assert spans_checksum(spans) == spans_checksum([(batch.data_ptr(), batch.numel() * 2)])
+        assert _memory(spans) == memory_order.contiguous().view(torch.uint8).numpy().tobytes()
+        assert spans_checksum(spans) == spans_checksum([(memory_order.data_ptr(), memory_order.numel() * 2)])
         assert kv.batch_nbytes(len(blocks), local) == batch.numel() * batch.element_size()
 
 
@@ -173,9 +175,9 @@ def test_scatter_into_a_head_range_leaves_the_other_heads_alone() -> None:
     ("shape", "heads", "groups"),
     [
         ((TP_BLOCKS, 4, 16, 64), (1, 3), 4),  # CPU: per head, K half and V half
-        ((2, TP_BLOCKS, 16, 4, 32), (1, 3), 1),  # NHD, K and V apart: heads interleaved per token
+        ((2, TP_BLOCKS, 16, 4, 32), (1, 3), 2),  # NHD, K and V apart: gathered per head
         ((2, TP_BLOCKS, 4, 16, 32), (0, 1), 1),  # HND, K and V apart: per head
-        ((TP_BLOCKS, 2, 16, 4, 32), (2, 4), 2),  # block-major NHD: per K or V
+        ((TP_BLOCKS, 2, 16, 4, 32), (2, 4), 4),  # block-major NHD: gathered per (K or V, head)
         ((TP_BLOCKS, 2, 4, 16, 32), (2, 4), 4),  # block-major HND: per (head, K or V)
     ],
 )

@@ -1,5 +1,9 @@
 """A layer's cache tensor read from its shape and strides: the block axis, the contiguous segments inside
-a block, their scale groups and, where the shape shows it, the KV-head axis."""
+a block, their scale groups and, where the shape shows it, the KV-head axis.
+
+Where heads interleave per token (FlashAttention's NHD, `[T, H, D]` per block), a gathered segment
+swaps the token and head axes, so each head's values are one contiguous scale group: one group over
+all heads let a large head's scale swallow a small head's values (gpu-review item 15)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,29 @@ class LayerLayout:
     segment_shape: tuple[int, ...]
     groups: int
     head_axis: int | None = None  # the KV-head axis inside a segment, where the shape shows it
+    heads_outermost: bool = False  # gathered with the token and head axes swapped
+
+    @property
+    def gathered_head_axis(self) -> int | None:
+        """The head axis inside a gathered segment (the batch the codec and staging see)."""
+        if self.head_axis is None:
+            return None
+        return self.head_axis - 1 if self.heads_outermost else self.head_axis
+
+    @property
+    def gathered_segment_shape(self) -> tuple[int, ...]:
+        return swap_tokens_and_heads(self.segment_shape) if self.heads_outermost else self.segment_shape
+
+
+def interleaves_heads(segment: tuple[int, ...], head_axis: int | None) -> bool:
+    """[2, T, H, D] or [T, H, D] (the only shapes `_head_axes` names an axis in with the tokens
+    first): the head axis right after the token axis."""
+    return head_axis is not None and head_axis == len(segment) - 2
+
+
+def swap_tokens_and_heads(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """[.., T, H, D] -> [.., H, T, D]."""
+    return (*shape[:-3], shape[-2], shape[-3], shape[-1])
 
 
 def _head_axes(segment: tuple[int, ...], heads: int, block_size: int) -> list[int]:
@@ -44,7 +71,7 @@ def segment_groups(segment: tuple[int, ...], head_axis: int | None, heads: int, 
     if head_axis is None:
         return 2 if segment and segment[0] == 2 else 1
     if len(segment) == 4:
-        return 2 * heads if head_axis == 1 else 2  # [2, H, T, D]; [2, T, H, D] interleaves heads
+        return 2 * heads if head_axis == 1 else 2  # [2, H, T, D]; [2, T, H, D] (heads unknown) interleaves
     if head_axis == 0:
         return 2 * heads if segment[-1] == 2 * head_dim else heads  # CPU [H, T, 2D]; [H, T, D]
     return 1  # [T, H, D]: heads interleaved per token
@@ -69,6 +96,10 @@ def layer_layout(tensor: torch.Tensor, num_blocks: int, geometry: Geometry) -> L
             )
         expected *= shape[dim]
     axes = _head_axes(segment, geometry.num_kv_heads, geometry.block_size)
-    groups = segment_groups(segment, axes[0] if axes else None, geometry.num_kv_heads, geometry.head_dim)
-    head_axis = axes[0] if len(axes) == 1 else None  # ambiguous: no head sub-ranges
-    return LayerLayout(block_dim, 2 if block_dim == 1 else 1, segment, groups, head_axis)
+    head_axis = axes[0] if len(axes) == 1 else None  # ambiguous: no head sub-ranges, no swap
+    swap = interleaves_heads(segment, head_axis)
+    gathered, group_axis = segment, (axes[0] if axes else None)
+    if swap and head_axis is not None:
+        gathered, group_axis = swap_tokens_and_heads(segment), head_axis - 1
+    groups = segment_groups(gathered, group_axis, geometry.num_kv_heads, geometry.head_dim)
+    return LayerLayout(block_dim, 2 if block_dim == 1 else 1, segment, groups, head_axis, swap)

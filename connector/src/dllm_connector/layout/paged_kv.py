@@ -71,8 +71,10 @@ class PagedKV:
         self.layout = layouts.pop()
         self.dtype = dtypes.pop()
         self._check_rank_heads()
-        # [blocks, segments, *segment] views; index along dim 0 selects blocks.
+        # [blocks, segments, *segment] views; index along dim 0 selects blocks. Gathers and scatters go
+        # through the second set, whose segments may swap tokens and heads (layer_layout).
         self._views = [self._block_major(tensor) for tensor in self.caches]
+        self._gathered_views = [self._gathered_order(view) for view in self._views]
 
     def _check_rank_heads(self) -> None:
         total = self.geometry.total_kv_heads
@@ -92,6 +94,11 @@ class PagedKV:
         if self.layout.block_dim == 1:
             return tensor.transpose(0, 1)
         return tensor.unsqueeze(1)
+
+    def _gathered_order(self, view: torch.Tensor) -> torch.Tensor:
+        if not self.layout.heads_outermost:
+            return view
+        return view.transpose(-3, -2)
 
     @property
     def num_layers(self) -> int:
@@ -130,46 +137,59 @@ class PagedKV:
         layer_shape[self.layout.block_dim] = -1
         if self.layout.head_axis is not None:
             layer_shape[self.layout.block_dim + 1 + self.layout.head_axis] = -1
-        return {
-            "layers": len(self.caches),
-            "layer_shape": layer_shape,
-            "dtype": self.dtype_name,
-            "block_size": self.geometry.block_size,
-            "num_kv_heads": self.geometry.model_kv_heads,
-            "head_dim": self.geometry.head_dim,
-            "kv_cache_dtype": self.geometry.kv_cache_dtype,
-            "model": self.geometry.model,
-        } | (
-            {}
-            if self.axis_order == tuple(range(len(self.axis_order)))
-            else {"axis_order": list(self.axis_order)}
+        return (
+            {
+                "layers": len(self.caches),
+                "layer_shape": layer_shape,
+                "dtype": self.dtype_name,
+                "block_size": self.geometry.block_size,
+                "num_kv_heads": self.geometry.model_kv_heads,
+                "head_dim": self.geometry.head_dim,
+                "kv_cache_dtype": self.geometry.kv_cache_dtype,
+                "model": self.geometry.model,
+            }
+            | (
+                {}
+                if self.axis_order == tuple(range(len(self.axis_order)))
+                else {"axis_order": list(self.axis_order)}
+            )
+            | ({"gathered": "heads outermost"} if self.layout.heads_outermost else {})
         )
 
     def segment_shape(self, heads: HeadRange | None = None) -> tuple[int, ...]:
-        """One segment's shape, or the shape of its part holding `heads`."""
-        segment = self.layout.segment_shape
+        """One gathered segment's shape (what a batch holds per segment), or that of its part holding
+        `heads`."""
+        return self._narrowed(self.layout.gathered_segment_shape, heads, gathered=True)
+
+    def _memory_segment_shape(self, heads: HeadRange | None) -> tuple[int, ...]:
+        return self._narrowed(self.layout.segment_shape, heads, gathered=False)
+
+    def _narrowed(
+        self, segment: tuple[int, ...], heads: HeadRange | None, *, gathered: bool
+    ) -> tuple[int, ...]:
         if heads is None:
             return segment
-        axis = self._head_axis()
-        start, stop = heads
+        axis, (start, stop) = self._required_head_axis(gathered=gathered), heads
         if not 0 <= start < stop <= segment[axis]:
             raise LayoutError(f"KV head range {start}..{stop - 1} outside this rank's {segment[axis]} heads")
         return (*segment[:axis], stop - start, *segment[axis + 1 :])
 
-    def _head_axis(self) -> int:
-        if self.layout.head_axis is None:
+    def _required_head_axis(self, *, gathered: bool = False) -> int:
+        axis = self.layout.gathered_head_axis if gathered else self.layout.head_axis
+        if axis is None:
             raise LayoutError(
                 f"cannot address KV head sub-ranges in a cache of shape {list(self.caches[0].shape)} "
                 f"({self.geometry.num_kv_heads} heads, block size {self.geometry.block_size})"
             )
-        return self.layout.head_axis
+        return axis
 
     def groups(self, heads: HeadRange | None = None) -> int:
         """The codec's scale groups per gathered segment (of `heads`)."""
         if heads is None:
             return self.layout.groups
         segment = self.segment_shape(heads)
-        return segment_groups(segment, self._head_axis(), heads[1] - heads[0], self.geometry.head_dim)
+        axis = self._required_head_axis(gathered=True)
+        return segment_groups(segment, axis, heads[1] - heads[0], self.geometry.head_dim)
 
     def batch_shape(self, count: int, heads: HeadRange | None = None) -> tuple[int, ...]:
         """Shape of `count` blocks gathered over all layers: [layers * count * segments, *segment]."""
@@ -194,11 +214,13 @@ class PagedKV:
             return ids
         return ids.pin_memory().to(self.device, non_blocking=True)
 
-    def _head_views(self, heads: HeadRange | None) -> list[torch.Tensor]:
+    def _head_views(self, heads: HeadRange | None, *, gathered: bool = True) -> list[torch.Tensor]:
+        """Block-major views of every layer (of `heads`): in gathered order, or memory order."""
+        views = self._gathered_views if gathered else self._views
         if heads is None:
-            return self._views
-        dim, (start, stop) = 2 + self._head_axis(), heads
-        return [view.narrow(dim, start, stop - start) for view in self._views]
+            return views
+        dim, (start, stop) = 2 + self._required_head_axis(gathered=gathered), heads
+        return [view.narrow(dim, start, stop - start) for view in views]
 
     def gather(
         self, block_ids: Sequence[int], out: torch.Tensor | None = None, heads: HeadRange | None = None
@@ -241,11 +263,11 @@ class PagedKV:
         run per span. Each run is valid until the next is taken (on a device: until the next
         gather, queued after what reads it on the same stream)."""
         ids = self.device_ids(block_ids)
-        block = (self.layout.segments, *self.segment_shape(heads))
+        block = (self.layout.segments, *self._memory_segment_shape(heads))
         per_block = _product(block) * self.dtype.itemsize
         step = max(1, min(len(block_ids), max_bytes // per_block))
         buffer = torch.empty(step * _product(block), dtype=self.dtype, device=self.device)
-        for view in self._head_views(heads)[layers.start : layers.stop]:
+        for view in self._head_views(heads, gathered=False)[layers.start : layers.stop]:
             for start in range(0, len(block_ids), step):
                 selected = ids[start : start + step]
                 out = buffer[: selected.numel() * _product(block)].view(selected.numel(), *block)
@@ -318,8 +340,8 @@ class PagedKV:
         item, segment = self.dtype.itemsize, self.layout.segment_shape
         if heads is None:
             return [(0, _product(segment) * item)]
-        axis, (start, stop) = self._head_axis(), heads
-        self.segment_shape(heads)  # checks the range
+        axis, (start, stop) = self._required_head_axis(), heads
+        self._memory_segment_shape(heads)  # checks the range
         head_bytes = _product(segment[axis + 1 :]) * item
         row_bytes = segment[axis] * head_bytes
         return [
