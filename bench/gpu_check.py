@@ -14,8 +14,12 @@ reports, as one JSON document on stdout and a short table on stderr:
     copies          device -> pinned host and back (non_blocking), and device -> pageable host
     mooncake        one process to another through the transfer engine (device memory, where its
                     build has CUDA; else it says why it skipped; host memory on --device cpu)
+    pipe            the connector's pipe end to end, prefill and decode sides on this one device over
+                    Mooncake TCP: FlashAttention NHD, head-major HND and MLA caches, on the device path
+                    (forced over TCP, DLLM_KV_TCP_DEVICE=1) and pinned-host, codecs none, fp8, int8;
+                    each row checks decode's blocks against prefill's (gpu-review item 17)
 
-It exits 1 when any equality fails, 2 when the environment cannot run it. Nothing is downloaded:
+It exits 1 when any equality or pipe row fails, 2 when the environment cannot run it. Nothing is downloaded:
 torch (and Triton) must be there; the project's pure dependencies (pydantic, xxhash) come from
 `--wheels DIR` if not installed (pip installs them from that directory only).
 
@@ -48,6 +52,7 @@ from gpu.equality import equality_rows
 from gpu.kv import make_kv
 from gpu.mooncake_pair import mooncake_receiver, mooncake_row
 from gpu.passes import passes
+from gpu.pipe_layouts import pipe_rows
 from gpu.report import GOAL_GBPS, table
 
 
@@ -94,6 +99,7 @@ def main() -> int:
         "goal_gbps": GOAL_GBPS,
         "sizes": [{"tokens": count, "codec": [], "checksum": [], "equality": []} for count in tokens],
         "mooncake": {"skipped": "not reached"},
+        "pipe": [],
     }
 
     def save(step: str) -> None:
@@ -103,6 +109,7 @@ def main() -> int:
         report["all_equal"] = bool(rows) and all(
             row["payload_equal"] and row["decoded_equal"] and row["checksum_equal"] for row in rows
         )
+        report["pipe_ok"] = all(row.get("ok", True) for row in report["pipe"])
         print(f"[{report['seconds']:7.1f} s] {step}", file=sys.stderr, flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
@@ -126,12 +133,14 @@ def main() -> int:
             payload_bytes = min(COPY_BYTES_MAX, report["sizes"][0]["kv_bytes"])
             report["mooncake"] = mooncake_row(device, payload_bytes, repeats)
             save("mooncake")
+            report["pipe"] = pipe_rows(device, tokens[0], 4 if args.quick else 32)
+            save("pipe")
     if skipped:
         report["skipped_for_time"] = skipped
         save(f"past --budget-s {args.budget_s:.0f}: skipped {', '.join(skipped)}")
     print(table(report), file=sys.stderr)
     print(json.dumps(report, indent=1))
-    return 0 if report["all_equal"] else 1
+    return 0 if report["all_equal"] and report["pipe_ok"] else 1
 
 
 if __name__ == "__main__":

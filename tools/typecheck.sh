@@ -17,5 +17,5 @@ run() {
 run bench:images e2e tools bench
 run operator/tests operator/tests contract/tests
 run router/tests router/tests
-run connector/tests/connector connector/tests/connector
+run connector/tests/connector:bench connector/tests/connector  # its CUDA test imports bench/gpu
 run connector/tests/serve connector/tests/serve connector/tests/test_*.py

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpu.pipe_layouts import pipe_table
+
 GOAL_GBPS = 500.0
 
 
@@ -27,5 +29,7 @@ def table(report: dict[str, Any]) -> str:
             lines.append(f"   equal to {row['reference']}: {row['kernels']} {row['codec']}: {same}")
         lines.append(f"   copies: {size['copies']}")
     lines.append(f"mooncake: {report['mooncake']}")
+    lines.append("pipe, prefill and decode on this device:")
+    lines += pipe_table(report["pipe"])
     lines.append(f"all equal: {report['all_equal']}  (goal {GOAL_GBPS} GB/s encode and decode on an H200)")
     return "\n".join(lines)

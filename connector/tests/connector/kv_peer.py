@@ -68,9 +68,17 @@ TP_LAYERS = 3
 TP_BLOCKS = 96
 LAYOUTS = ("cpu", "nhd")  # vLLM CPU [blocks, H, T, 2D]; GPU flash NHD [2, blocks, T, H, D]
 _HEAD_AXIS = {"cpu": 1, "nhd": 3}
+# "mla": DeepSeek's latent, [blocks, T, 576]: one "head", the same on every TP rank
+MLA_GEOMETRY = Geometry(block_size=16, num_kv_heads=1, head_dim=576, model="tiny-mla-test", total_kv_heads=1)
+
+
+def layout_geometry(layout: str, geometry: Geometry = TP_GEOMETRY) -> Geometry:
+    return MLA_GEOMETRY if layout == "mla" else geometry
 
 
 def model_layer_shape(layout: str, heads: int, geometry: Geometry = TP_GEOMETRY) -> tuple[int, ...]:
+    if layout == "mla":
+        return (TP_BLOCKS, geometry.block_size, geometry.head_dim)
     if layout == "cpu":
         return (TP_BLOCKS, heads, geometry.block_size, 2 * geometry.head_dim)
     return (2, TP_BLOCKS, geometry.block_size, heads, geometry.head_dim)
@@ -87,12 +95,15 @@ def full_model_kv(seed: int, layout: str, geometry: Geometry = TP_GEOMETRY) -> l
 
 
 def heads_of(tensor: torch.Tensor, layout: str, heads: tuple[int, int]) -> torch.Tensor:
-    """The part of a full-model layer that holds model heads [start, stop)."""
+    """The part of a full-model layer that holds model heads [start, stop) (MLA's latent: all of it)."""
+    if layout == "mla":
+        return tensor
     return tensor.narrow(_HEAD_AXIS[layout], heads[0], heads[1] - heads[0])
 
 
 def rank_kv(seed: int | None, layout: str, tp: TPRank, geometry: Geometry = TP_GEOMETRY) -> PagedKV:
     """TP rank `tp`'s paged KV: its heads of the full model for a seed, zeros for None."""
+    geometry = layout_geometry(layout, geometry)
     heads = rank_heads(geometry.model_kv_heads, tp.size, tp.rank)
     count = heads[1] - heads[0]
     if seed is None:

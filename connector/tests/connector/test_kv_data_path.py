@@ -155,6 +155,22 @@ def test_mooncake_registers_device_memory_only_where_the_nic_reads_it(
     assert placed.path is (DataPath.DEVICE if device else DataPath.PINNED_HOST)
 
 
+@pytest.mark.parametrize(
+    ("protocol", "cuda", "device"), [("tcp", True, True), ("rdma", True, True), ("tcp", False, False)]
+)
+def test_the_check_switch_takes_the_device_path_over_tcp_where_mooncake_copies_device_memory(
+    protocol: str, cuda: bool, device: bool
+) -> None:
+    """DLLM_KV_TCP_DEVICE=1 (gpu-review item 17): two engines on one GPU take the device path over TCP
+    with Mooncake's CUDA build, never with a build that cannot read device memory."""
+    traits = mooncake_traits(protocol, cuda_build=cuda, tcp_device=True)
+    assert traits.registers_device_memory is device
+    placed = choose_path("cuda", Compression.FP8, traits)
+    assert placed.path is (DataPath.DEVICE if device else DataPath.PINNED_HOST)
+    if protocol == "tcp" and cuda:
+        assert "DLLM_KV_TCP_DEVICE=1" in placed.reason
+
+
 def test_transports_describe_themselves() -> None:
     """The real transports here: Mooncake's non-CUDA wheel over TCP, gloo; NCCL by its traits alone."""
     from dllm_connector.transport.mooncake import MooncakeTransport

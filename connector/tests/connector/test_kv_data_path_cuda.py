@@ -5,10 +5,14 @@ machine); run them where a GPU is lent:
     python -m pytest -q connector/tests/connector/test_kv_data_path_cuda.py
 
 With Mooncake's non-CUDA wheel or gloo, a GPU cache takes the pinned-host path; with Mooncake's CUDA
-build, the device path (zero-copy for codec none). Each test asserts which it took.
+build, the device path (zero-copy for codec none). Each test asserts which it took. The last runs
+bench/gpu_check.py's pipe step: FlashAttention NHD, HND and MLA caches on both paths, each codec, the
+device path forced over TCP on this one GPU (DLLM_KV_TCP_DEVICE=1, gpu-review item 17).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +23,10 @@ from dllm_connector.layout import PagedKV
 from dllm_connector.pipe.common import gb
 from dllm_connector.pipe.device_copy import Copies, HostMirror
 from dllm_connector.pipe.receiver import KVReceiver
+from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Transport
-from dllm_connector.transport.placement import DataPath, choose_path
+from dllm_connector.transport.mooncake import MooncakeTransport, installed_cuda_build
+from dllm_connector.transport.placement import DataPath, PathSetting, choose_path
 from dllm_connector.transport.staging import StagingBuffer, pinned_host_bytes
 from dllm_connector.transport.torchdist import _on_device_of
 from dllm_contract.kvconfig import Compression
@@ -32,6 +38,7 @@ pytestmark = [
 ]
 
 CUDA = torch.device("cuda")
+BENCH = Path(__file__).resolve().parents[3] / "bench"
 SRC_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(5))[:200]]
 DST_BLOCKS = [int(b) for b in torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(6))[:200]]
 RELATIVE_ERROR = {Compression.NONE: 0.0, Compression.FP8: 0.04}
@@ -104,3 +111,57 @@ def test_nccl_calls_run_on_the_tensors_device() -> None:
     last = torch.device("cuda", torch.cuda.device_count() - 1)
     with _on_device_of([torch.empty(1, device=last)]):
         assert torch.cuda.current_device() == last.index
+
+
+def test_every_gpu_layout_moves_on_both_data_paths_with_each_codec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill and decode sides on this GPU, each with its own Mooncake engine over TCP: decode's blocks
+    hold prefill's (none byte for byte, fp8/int8 within their bounds) for every row. The device path
+    needs Mooncake's CUDA build (`make gpu-check-bundle`); without it its rows say why they were skipped."""
+    monkeypatch.setenv("DLLM_KV_TCP_DEVICE", "1")
+    monkeypatch.syspath_prepend(str(BENCH))
+    from gpu.pipe_layouts import pipe_rows
+
+    rows = pipe_rows(CUDA, 2048, 4)
+    assert len(rows) == 3 * 2 * 3, rows
+    for row in rows:
+        if row["path"] == "device" and not installed_cuda_build():
+            assert "without CUDA" in row["skipped"], row
+            continue
+        assert row.get("ok") is True, row
+        zero_copy = row["path"] == "device" and row["codec"] == "none"
+        assert row["taken"] == f"{row['path']} ({'zero-copy for codec none' if zero_copy else 'staged'})"
+
+
+@pytest.mark.parametrize("compression", [Compression.FP8, Compression.INT8])
+def test_the_host_override_on_a_gpu_cache_sends_the_host_kernels_bytes(compression: Compression) -> None:
+    """gpu-review item 16: `host` encodes on host cores, so decode's blocks are exactly what the host's
+    kernels make of prefill's (the byte-for-byte promise between engines on different paths)."""
+    config = pipe_config(
+        data_path=PathSetting.HOST,
+        compression=compression,
+        buffer_size_gb=gb(64 << 20),
+        transfer_timeout_ms=20_000,
+        prefill_wait_ms=60_000,
+        hold_seconds=30,
+    )
+    source = PagedKV({name: cache.to(CUDA) for name, cache in make_caches(7).items()}, NUM_BLOCKS, GEOMETRY)
+    target = PagedKV(
+        {name: cache.to(CUDA) for name, cache in make_caches(None).items()}, NUM_BLOCKS, GEOMETRY
+    )
+    decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
+    receiver = KVReceiver(decode_transport, target, config, HOST, 0)
+    sender = KVSender(prefill_transport, source, config)
+    try:
+        assert receiver.placement.path is DataPath.HOST
+        receiver.expect("host-override", DST_BLOCKS)
+        sender.submit(SendJob("host-override", tuple(SRC_BLOCKS), HOST, receiver.port))
+        assert receiver.wait_for("host-override", 60) == ""
+        assert sender.wait_idle(30)
+        assert sender.finished()["host-override"] is None
+        header, payload = codec.encode(source.gather(SRC_BLOCKS).cpu(), compression, source.layout.groups)
+        assert torch.equal(target.gather(DST_BLOCKS).cpu(), codec.decode(header, payload))
+    finally:
+        sender.close(timeout=10)
+        receiver.close()
+        prefill_transport.close()
+        decode_transport.close()

@@ -144,6 +144,20 @@ def test_the_gpu_check_runs_on_the_cpu_and_finds_the_kernels_equal(tmp_path: Pat
     mooncake = report["mooncake"]
     assert mooncake.get("checksum_equal") is True or "skipped" in mooncake, mooncake
     assert "all equal: True" in done.stderr  # the human table
+    # the pipe end to end on this one device, every layout, path and codec (gpu-review item 17)
+    pipe = report["pipe"]
+    assert {(row["layout"], row["path"], row["codec"]) for row in pipe} == {
+        (layout, path, codec_name)
+        for layout in ("nhd", "hnd", "mla")
+        for path in ("device", "pinned-host")
+        for codec_name in ("none", "fp8", "int8")
+    }
+    assert all(row["ok"] for row in pipe), [row for row in pipe if not row["ok"]]
+    assert report["pipe_ok"] is True
+    for row in pipe:
+        zero_copy = row["path"] == "device" and row["codec"] == "none"
+        assert row["taken"] == f"{row['path']} ({'zero-copy for codec none' if zero_copy else 'staged'})"
+        assert (row["relative_error"] == 0.0) is (row["codec"] == "none")
 
 
 @pytest.mark.parametrize("kernels", ["native", "plain"])

@@ -130,6 +130,31 @@ def test_every_head_arrives_from_its_prefill_rank(
         assert sum(s["bytes_on_wire"] for s in stats) <= 0.55 * delivered
 
 
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 2), (2, 2), (2, 1), (2, 4)])
+def test_an_mla_latent_reaches_each_decode_rank_once(
+    transports: list[Transport], prefill: Prefill, prefill_tp: int, decode_tp: int
+) -> None:
+    """MLA's latent is the same on every TP rank (issue 35): each decode rank takes it once, from one
+    prefill rank, never once per prefill rank. The bytes prove it: prefill sends exactly one latent per
+    decode rank, however many prefill ranks hold it, and prefill ranks with no decode rank to serve
+    send nothing and fail nothing."""
+    transfer_id = f"mla-{prefill_tp}-{decode_tp}"
+    with decode_ranks(transports, decode_tp, "mla", receiver_config(STAGING_BYTES)) as (port, receivers):
+        for receiver in receivers:
+            receiver.expect(transfer_id, DST_BLOCKS, prompt_hash=HASH, prefill_tp_size=prefill_tp)
+        jobs = [{"transfer_id": transfer_id, "block_ids": SRC_BLOCKS, "hash": HASH}]
+        prefill.send(port, jobs, tp=tp_spec(prefill_tp, decode_tp, "mla"))
+        assert [receiver.wait_for(transfer_id, timeout=60) for receiver in receivers] == [""] * decode_tp
+        report = prefill.report()
+        latent = rank_kv(7, "mla", TPRank(0, 1)).gather(SRC_BLOCKS)
+        for receiver in receivers:
+            assert torch.equal(receiver.kv.gather(DST_BLOCKS), latent)
+    assert [line["error"] for line in report if "transfer_id" in line] == [None] * prefill_tp
+    stats = [line["stats"] for line in report if "stats" in line]
+    assert sum(s["sent"] for s in stats) == decode_tp
+    assert sum(s["raw_bytes"] for s in stats) == decode_tp * latent.numel() * latent.element_size()
+
+
 def test_a_prefill_rank_that_never_sends_fails_the_load_within_the_wait(
     transports: list[Transport], prefill: Prefill
 ) -> None:

@@ -131,6 +131,17 @@ class PagedKV:
             )
         return start - first, stop - first
 
+    def part_heads(self, model_heads: HeadRange | None) -> HeadRange | None:
+        """The heads a part between two ranks moves, as a range of this rank's heads. None (the whole
+        block) where the cache shows no head axis and the range is all of its heads: MLA's one latent,
+        the same on every rank, reaching a rank of another TP size. Where a head axis exists both ends
+        keep ranges, whose runs of memory must match run for run."""
+        if model_heads is None:
+            return None
+        local = self.local_heads(model_heads)
+        whole = local == (0, self.geometry.num_kv_heads)
+        return None if whole and self.layout.head_axis is None else local
+
     def signature(self) -> dict[str, Any]:
         """What the peer must match (the block axis and this rank's head count aside), field by field."""
         layer_shape = list(self.caches[0].shape)

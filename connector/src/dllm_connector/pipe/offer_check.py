@@ -38,7 +38,7 @@ def check_claim(kv: PagedKV, engine_id: str | None, offer: Offer, expectation: E
     rank, heads = _check_tp(kv, offer, expectation)
     if expectation.failure or rank in expectation.claimed:
         raise TransferFailed(f"transfer {expectation.transfer_id} is not awaited any more")
-    return Part(expectation, rank, None if heads is None else kv.local_heads(heads))
+    return Part(expectation, rank, kv.part_heads(heads))
 
 
 def _check_tp(kv: PagedKV, offer: Offer, expectation: Expectation) -> tuple[int, HeadRange | None]:

@@ -200,7 +200,7 @@ class KVSender(PipeSide):
 
     def _send_to(self, job: SendJob, target: _Target) -> None:
         port = job.port + target.decode_rank
-        heads = None if target.model_heads is None else self.kv.local_heads(target.model_heads)
+        heads = self.kv.part_heads(target.model_heads)
         host = self._allowed_address(job)
         started = time.monotonic()
         with self._connect(host, port) as sock:

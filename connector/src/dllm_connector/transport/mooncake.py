@@ -108,14 +108,21 @@ def installed_cuda_build() -> bool:
     return cuda_build(importlib.metadata.packages_distributions().get("mooncake", []))
 
 
-def mooncake_traits(protocol: str, *, cuda_build: bool) -> TransportTraits:
+# The device path over TCP, for a check on one GPU (two engines, one device: no RDMA NIC between
+# them, and NCCL needs two GPUs); slower than pinned-host staging, as below (gpu-review item 17).
+TCP_DEVICE_ENV = "DLLM_KV_TCP_DEVICE"
+
+
+def mooncake_traits(protocol: str, *, cuda_build: bool, tcp_device: bool = False) -> TransportTraits:
     """Device memory is worth registering only where the NIC reads it (RDMA, GPUDirect). Over TCP,
     Mooncake's CUDA build copies device memory through a host buffer of its own, 64 KiB at a time,
     synchronously and on the default stream: pinned staging, its copies overlapped with the wire, is
-    faster there."""
+    faster there, unless `tcp_device` (TCP_DEVICE_ENV=1) asks for the device path anyway."""
     kind = f"mooncake ({protocol})"
     if not cuda_build:
         return TransportTraits(kind, True, False, f"{_NON_CUDA_DIST} is installed, a build without CUDA")
+    if protocol != "rdma" and tcp_device:
+        return TransportTraits(f"{kind}, device memory copied by Mooncake ({TCP_DEVICE_ENV}=1)", True, True)
     if protocol != "rdma":
         why = "over TCP Mooncake copies device memory through host buffers itself, unoverlapped"
         return TransportTraits(kind, True, False, why)
@@ -158,6 +165,7 @@ class MooncakeTransport(Transport):
         self._session = f"{host}:{rpc_port}"
         self._protocol = protocol
         self._cuda = installed_cuda_build()
+        self._tcp_device = os.environ.get(TCP_DEVICE_ENV, "") == "1"
         self._registered: dict[int, int] = {}
         self._lock = threading.Lock()
 
@@ -185,7 +193,7 @@ class MooncakeTransport(Transport):
         return {"session": self._session}
 
     def traits(self) -> TransportTraits:
-        return mooncake_traits(self._protocol, cuda_build=self._cuda)
+        return mooncake_traits(self._protocol, cuda_build=self._cuda, tcp_device=self._tcp_device)
 
     def send(
         self,
