@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import queue
 import socket
 import threading
@@ -19,7 +17,7 @@ from dllm_connector.pipe.common import send
 from dllm_connector.pipe.device_copy import Ready
 from dllm_connector.pipe.messages import Chunk, Piece
 from dllm_connector.thread_device import on_device
-from dllm_connector.transport.base import WRITTEN, PendingWrite, Source, Span, Transport, TransportError
+from dllm_connector.transport.base import Source, Span, Transport, TransportError
 from dllm_connector.transport.staging import StagingBuffer
 
 
@@ -81,18 +79,12 @@ class StagingRelease:
 _Item = PreparedChunk | PreparedPiece | StagingRelease
 
 
-# Writes on the wire at once per plan: each write's fixed cost (a Mooncake batch call) overlaps the
-# others' bytes (gpu-review item 12).
-WRITES_IN_FLIGHT = 4
-
-
 class ChunkWriter:
     """Writes prepared chunks in order on its own thread, so chunk k+1 encodes while k is on the wire.
 
     One-sided transports write first and then announce the chunk (its header, with the checksum);
-    a chunk's pieces go ahead of it as they are encoded, up to WRITES_IN_FLIGHT writes at once, each
-    one's notes to decode (a piece's parts, a chunk's header) sent in order once it landed. Two-sided
-    ones announce first so the receiver can post its receive.
+    a chunk's pieces go ahead of it as they are encoded. Two-sided ones announce first so the
+    receiver can post its receive.
     """
 
     def __init__(
@@ -108,7 +100,6 @@ class ChunkWriter:
         self._transport, self._timeout, self._staging = transport, timeout, staging
         self._sock, self._plan = sock, plan
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=4)
-        self._in_flight: collections.deque[_Written] = collections.deque()
         self._error: BaseException | None = None
         loop = on_device(device, self._loop)
         self._thread = threading.Thread(target=loop, name="kv-chunk-writer", daemon=True)
@@ -121,37 +112,21 @@ class ChunkWriter:
             raise self._error
 
     def _loop(self) -> None:
-        while (item := self._next()) is not None:
+        while (item := self._queue.get()) is not None:
             try:
-                if self._error is not None or isinstance(item, StagingRelease):
-                    self._settle_all()  # nothing is freed while a write may still read it (H5)
-                    self._release(item)
-                else:
-                    self._start(item)
+                if self._error is None and not isinstance(item, StagingRelease):
+                    self._write(item)
             except Exception as error:  # noqa: BLE001 - raised again by put/finish in the sender
-                self._fail(error)
-                self._settle_all()
-                self._release(item)  # it never went on the wire
-        self._settle_all()
-
-    def _next(self) -> _Item | None:
-        """The next item; while writes are on the wire and none is queued, the oldest is seen through
-        first, so decode hears of it without waiting for the next encode."""
-        while self._in_flight:
-            with contextlib.suppress(queue.Empty):
-                return self._queue.get_nowait()
-            self._settle_oldest()
-        return self._queue.get()
+                self._error = error
+            finally:
+                self._release(item)
 
     def stop(self, error: BaseException) -> None:
-        """Write nothing more: what is queued is released unwritten (writes under way complete)."""
-        self._fail(error)
-
-    def _fail(self, error: BaseException) -> None:
+        """Write nothing more: what is queued is released unwritten (a write under way completes)."""
         if self._error is None:
             self._error = error
 
-    def _start(self, item: PreparedChunk | PreparedPiece) -> None:
+    def _write(self, item: PreparedChunk | PreparedPiece) -> None:
         transport = self._transport
         announce = None
         if isinstance(item, PreparedChunk):
@@ -160,44 +135,16 @@ class ChunkWriter:
             send(self._sock, announce)
         if item.ready is not None:  # the device's encode, or its copy to host, done
             item.ready()
-        while len(self._in_flight) >= WRITES_IN_FLIGHT:
-            self._settle_oldest()
-        if self._error is not None:
-            raise self._error
-        pending = WRITTEN
         if item.src:
             try:
-                pending = transport.start_send(
-                    self._plan.peer, item.src, item.dst, self._plan.tag, self._timeout
-                )
+                transport.send(self._plan.peer, item.src, item.dst, self._plan.tag, self._timeout)
             except TransportError:
                 transport.forget_peer(self._plan.peer)
                 raise
-        self._in_flight.append(_Written(pending, item, announce))
-
-    def _settle_oldest(self) -> None:
-        """The oldest write landed (or failed): its notes to decode go, its staging is freed."""
-        written = self._in_flight.popleft()
-        item, transport = written.item, self._transport
-        try:
-            written.pending.wait()
-            if self._error is not None:
-                return
-            if isinstance(item, PreparedPiece) and item.parts is not None and transport.one_sided:
-                send(self._sock, Piece(type="piece", index=item.index, parts=item.parts))
-            if written.announce is not None and transport.one_sided:
-                send(self._sock, written.announce)
-        except TransportError as error:
-            transport.forget_peer(self._plan.peer)
-            self._fail(error)
-        except Exception as error:  # noqa: BLE001 - raised again by put/finish in the sender
-            self._fail(error)
-        finally:
-            self._release(item)
-
-    def _settle_all(self) -> None:
-        while self._in_flight:
-            self._settle_oldest()
+        if isinstance(item, PreparedPiece) and item.parts is not None and transport.one_sided:
+            send(self._sock, Piece(type="piece", index=item.index, parts=item.parts))
+        if announce is not None and transport.one_sided:
+            send(self._sock, announce)
 
     def _release(self, item: _Item) -> None:
         if not isinstance(item, PreparedPiece) and item.staged is not None:
@@ -209,15 +156,6 @@ class ChunkWriter:
         self._thread.join()
         if self._error is not None:
             raise self._error
-
-
-@dataclass(frozen=True)
-class _Written:
-    """A write on the wire, with what follows once it landed."""
-
-    pending: PendingWrite
-    item: PreparedChunk | PreparedPiece
-    announce: Chunk | None
 
 
 class PieceStream:

@@ -48,17 +48,6 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-class PendingWrite:
-    """A write `Transport.start_send` began; this one had already landed when it was handed back."""
-
-    def wait(self) -> None:
-        """Return once the bytes landed; TransportError if they did not. Either way the transport no
-        longer reads the sources or writes the peer's memory (H5)."""
-
-
-WRITTEN = PendingWrite()
-
-
 class Transport(ABC):
     """Moves bytes from local tensors to a peer.
 
@@ -93,20 +82,6 @@ class Transport(ABC):
         timeout: float,
     ) -> None:
         """Deliver each src tensor's bytes to the matching dst region, or raise TransportError."""
-
-    def start_send(
-        self,
-        peer: Mapping[str, Any],
-        src: Sequence[Source],
-        dst: Sequence[Span],
-        tag: int,
-        timeout: float,
-    ) -> PendingWrite:
-        """Begin `send`, so a caller may start the next while this one is on the wire; the write is
-        over (its memory free to reuse) once the returned PendingWrite's `wait` returned or raised.
-        By default the send runs here, whole."""
-        self.send(peer, src, dst, tag, timeout)
-        return WRITTEN
 
     @abstractmethod
     def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:

@@ -32,7 +32,6 @@ import logging
 import os
 import re
 import threading
-import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar
@@ -41,8 +40,6 @@ import torch
 
 from dllm_connector.thread_device import on_callers_device
 from dllm_connector.transport.base import (
-    WRITTEN,
-    PendingWrite,
     Source,
     Span,
     TransferTimeout,
@@ -51,7 +48,6 @@ from dllm_connector.transport.base import (
     check_sizes,
     span_of,
 )
-from dllm_connector.transport.mooncake_pending import MooncakePendingWrite
 from dllm_connector.transport.placement import TransportTraits
 from dllm_contract.kvconfig import transfer_ports_problem
 
@@ -234,35 +230,6 @@ class MooncakeTransport(Transport):
         else:
             return  # it finished after all, late
         raise TransferTimeout(f"Mooncake write to {session} ran past {timeout:.1f}s")
-
-    def start_send(
-        self,
-        peer: Mapping[str, Any],
-        src: Sequence[Source],
-        dst: Sequence[Span],
-        tag: int,
-        timeout: float,
-    ) -> PendingWrite:
-        """The batches submitted at once, waited for by the returned write (transport.mooncake_pending)."""
-        check_sizes(src, dst)
-        session = str(peer["session"])
-        deadline = time.monotonic() + timeout
-        batches: list[int] = []
-        for start in range(0, len(src), _BATCH):
-            local = [span_of(source).addr for source in src[start : start + _BATCH]]
-            remote = [region.addr for region in dst[start : start + _BATCH]]
-            lengths = [region.nbytes for region in dst[start : start + _BATCH]]
-            batch = int(self._engine.batch_transfer_async_write(session, local, remote, lengths) or 0)
-            if batch <= 0:  # not submitted (no session, say): what was lands, then all of it the sync way
-                MooncakePendingWrite(self._engine, batches, lambda _: None, deadline, session).wait()
-                self.send(peer, src, dst, tag, max(0.0, deadline - time.monotonic()))
-                return WRITTEN
-            batches.append(batch)
-
-        def rewrite(left: float) -> None:
-            self.send(peer, src, dst, tag, left)
-
-        return MooncakePendingWrite(self._engine, batches, rewrite, deadline, session)
 
     def call_bound_s(self, dst: Sequence[Span]) -> float:
         """How long one batch call of these destinations can run before Mooncake ends it itself."""
