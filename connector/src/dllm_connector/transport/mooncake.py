@@ -32,6 +32,7 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar
@@ -48,6 +49,7 @@ from dllm_connector.transport.base import (
     check_sizes,
     span_of,
 )
+from dllm_connector.transport.entry_budget import EntryBudget
 from dllm_connector.transport.placement import TransportTraits
 from dllm_contract.kvconfig import transfer_ports_problem
 
@@ -168,6 +170,7 @@ class MooncakeTransport(Transport):
         self._tcp_device = os.environ.get(TCP_DEVICE_ENV, "") == "1"
         self._registered: dict[int, int] = {}
         self._lock = threading.Lock()
+        self.entries = EntryBudget()  # shared by every write through this engine
 
     @property
     def session_id(self) -> str:
@@ -207,9 +210,10 @@ class MooncakeTransport(Transport):
         session = str(peer["session"])
         done: Future[None] = Future()
         stop = threading.Event()
+        deadline = time.monotonic() + timeout
         worker = threading.Thread(
             target=on_callers_device(self._write_batches),  # Mooncake may read device memory
-            args=(session, src, dst, done, stop),
+            args=(session, src, dst, done, stop, deadline),
             name="mooncake-write",
             daemon=True,
         )
@@ -244,6 +248,7 @@ class MooncakeTransport(Transport):
         dst: Sequence[Span],
         done: Future[None],
         stop: threading.Event,
+        deadline: float,
     ) -> None:
         try:
             for start in range(0, len(src), _BATCH):
@@ -252,18 +257,31 @@ class MooncakeTransport(Transport):
                 local = [span_of(source).addr for source in src[start : start + _BATCH]]
                 remote = [region.addr for region in dst[start : start + _BATCH]]
                 lengths = [region.nbytes for region in dst[start : start + _BATCH]]
-                status = self._engine.batch_transfer_sync_write(session, local, remote, lengths)
-                if status != 0 and not stop.is_set():
-                    # Once more while the caller's deadline allows: a peer (or a whole node) that stood
-                    # still past Mooncake's own bound, then resumed, takes the same bytes now; writing
-                    # them again to the same place changes nothing if the first write did land.
-                    _log.warning("Mooncake batch write to %s failed (status %s); again", session, status)
-                    status = self._engine.batch_transfer_sync_write(session, local, remote, lengths)
+                if not self.entries.acquire(len(lengths), deadline):
+                    raise TransferTimeout(
+                        f"Mooncake write to {session} found no room in flight by its deadline"
+                    )
+                try:
+                    status = self._write(session, local, remote, lengths, stop)
+                finally:
+                    self.entries.release(len(lengths))
                 if status != 0:
                     raise TransportError(f"Mooncake batch write to {session} failed (status {status})")
             done.set_result(None)
         except Exception as error:  # noqa: BLE001 - handed to the waiting caller
             done.set_exception(error)
+
+    def _write(
+        self, session: str, local: list[int], remote: list[int], lengths: list[int], stop: threading.Event
+    ) -> int:
+        status = int(self._engine.batch_transfer_sync_write(session, local, remote, lengths))
+        if status != 0 and not stop.is_set():
+            # Once more while the caller's deadline allows: a peer (or a whole node) that stood still
+            # past Mooncake's own bound, then resumed, takes the same bytes now; writing them again to
+            # the same place changes nothing if the first write did land.
+            _log.warning("Mooncake batch write to %s failed (status %s); again", session, status)
+            status = int(self._engine.batch_transfer_sync_write(session, local, remote, lengths))
+        return status
 
     def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
         return None
