@@ -66,15 +66,15 @@ def _head_axes(segment: tuple[int, ...], heads: int, block_size: int) -> list[in
     ]
 
 
-def segment_groups(segment: tuple[int, ...], head_axis: int | None, heads: int, head_dim: int) -> int:
-    """Equal, contiguous scale groups of one segment: per (KV head, K or V) where the layout allows."""
-    if head_axis is None:
+def segment_groups(segment: tuple[int, ...], heads_known: bool, heads: int, head_dim: int) -> int:
+    """Equal, contiguous scale groups of one gathered segment, whose heads (where known) come before its
+    tokens (a token-major block is gathered head by head): per (KV head, K or V) where the shape shows
+    the heads, else per K and V, or one."""
+    if not heads_known:
         return 2 if segment and segment[0] == 2 else 1
     if len(segment) == 4:
-        return 2 * heads if head_axis == 1 else 2  # [2, H, T, D]; [2, T, H, D] (heads unknown) interleaves
-    if head_axis == 0:
-        return 2 * heads if segment[-1] == 2 * head_dim else heads  # CPU [H, T, 2D]; [H, T, D]
-    return 1  # [T, H, D]: heads interleaved per token
+        return 2 * heads  # [2, H, T, D]
+    return 2 * heads if segment[-1] == 2 * head_dim else heads  # CPU [H, T, 2D]; [H, T, D]
 
 
 def layer_layout(tensor: torch.Tensor, num_blocks: int, geometry: Geometry) -> LayerLayout:
@@ -98,8 +98,8 @@ def layer_layout(tensor: torch.Tensor, num_blocks: int, geometry: Geometry) -> L
     axes = _head_axes(segment, geometry.num_kv_heads, geometry.block_size)
     head_axis = axes[0] if len(axes) == 1 else None  # ambiguous: no head sub-ranges, no swap
     swap = interleaves_heads(segment, head_axis)
-    gathered, group_axis = segment, (axes[0] if axes else None)
-    if swap and head_axis is not None:
-        gathered, group_axis = swap_tokens_and_heads(segment), head_axis - 1
-    groups = segment_groups(gathered, group_axis, geometry.num_kv_heads, geometry.head_dim)
+    gathered = swap_tokens_and_heads(segment) if swap else segment
+    # Heads equal to the block size (which axis is which, unknown): groups along the outer of the two,
+    # equal and contiguous either way, though no head sub-range can be addressed.
+    groups = segment_groups(gathered, bool(axes), geometry.num_kv_heads, geometry.head_dim)
     return LayerLayout(block_dim, 2 if block_dim == 1 else 1, segment, groups, head_axis, swap)

@@ -198,9 +198,8 @@ class PagedKV:
         """The codec's scale groups per gathered segment (of `heads`)."""
         if heads is None:
             return self.layout.groups
-        segment = self.segment_shape(heads)
-        axis = self._required_head_axis(gathered=True)
-        return segment_groups(segment, axis, heads[1] - heads[0], self.geometry.head_dim)
+        segment = self.segment_shape(heads)  # raises where no head sub-range can be addressed
+        return segment_groups(segment, True, heads[1] - heads[0], self.geometry.head_dim)
 
     def batch_shape(self, count: int, heads: HeadRange | None = None) -> tuple[int, ...]:
         """Shape of `count` blocks gathered over all layers: [layers * count * segments, *segment]."""

@@ -21,7 +21,7 @@ from dllm_connector.pipe.chunk_writer import (
 )
 from dllm_connector.pipe.common import PipeSide, TransferFailed
 from dllm_connector.pipe.device_copy import HostMirror, Ready, ready_now
-from dllm_connector.pipe.host_parts import encodes_on_host, parts_on_host
+from dllm_connector.pipe.host_parts import encodes_on_host
 from dllm_connector.pipe.span_checksum import chunk_checksum
 from dllm_connector.transport.base import Source, Span
 from dllm_contract.kvconfig import Compression
@@ -103,7 +103,7 @@ class ChunkEncoder:
             none_in_place = encoding.codec is Compression.NONE and out.device == side.kv.device
             parts = side.kv.gather_layers(blocks, plan.heads, out=out if none_in_place else None)
             if encodes_on_host(side.kv.device, out.device):
-                parts = parts_on_host(parts)
+                parts = side.host_parts.copied(parts)
             header, _ = codec.encode_parts(
                 parts,
                 shape,

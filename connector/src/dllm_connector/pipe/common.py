@@ -12,6 +12,7 @@ from dllm_connector import codec
 from dllm_connector.layout import LayoutError, PagedKV
 from dllm_connector.pipe.device_copy import Copies, Scratch
 from dllm_connector.pipe.durations import Durations, SecondsTotal
+from dllm_connector.pipe.host_parts import PinnedParts
 from dllm_connector.pipe.messages import (
     Accept,
     Chunk,
@@ -150,6 +151,7 @@ class PipeSide:
         self.durations = Durations()  # seconds per transfer that ended with the KV in place
         self.queued = Durations()  # seconds each send waited, from the request's end to its connection
         self.codec_time = SecondsTotal()  # seconds gathering and encoding, or decoding and placing
+        self.host_parts = PinnedParts()  # the host override's copies of a device cache's layers
         effective = codec.effective_codec(config.compression, kv.dtype)
         traits = transport.traits()
         self.placement: Placement = choose_path(kv.device.type, effective, traits, config.data_path)

@@ -6,6 +6,7 @@ were the device's, not the host's."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -18,14 +19,29 @@ def encodes_on_host(kv_device: torch.device, staging_device: torch.device) -> bo
     return kv_device.type != "cpu" and staging_device.type == "cpu"
 
 
-def parts_on_host(parts: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
-    """Each part copied into one reused page-locked host buffer (valid until the next is taken, as
-    `PagedKV.gather_layers` promises for its own parts)."""
-    buffer: torch.Tensor | None = None
-    for part in parts:
-        nbytes = part.numel() * part.element_size()
-        if buffer is None or buffer.numel() < nbytes:
-            buffer, _ = pinned_host_bytes(nbytes)
-        host = buffer[:nbytes].view(part.dtype).view(part.shape)
-        host.copy_(part)  # waits for the gather: the codec reads it next, on the host
-        yield host
+class PinnedParts:
+    """Page-locked host buffers for those copies, kept for the sender's life: pinning memory is slow (the
+    driver maps every page), so a buffer is made per send in flight and reused, not made per chunk."""
+
+    def __init__(self) -> None:
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def copied(self, parts: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+        """Each part copied into one page-locked buffer (valid until the next is taken, as
+        `PagedKV.gather_layers` promises for its own parts), grown for a larger part; the buffer goes
+        back for the next chunk once the parts are consumed."""
+        with self._lock:
+            buffer = self._free.pop() if self._free else None
+        try:
+            for part in parts:
+                nbytes = part.numel() * part.element_size()
+                if buffer is None or buffer.numel() < nbytes:
+                    buffer, _ = pinned_host_bytes(nbytes)
+                host = buffer[:nbytes].view(part.dtype).view(part.shape)
+                host.copy_(part)  # waits for the gather: the codec reads it next, on the host
+                yield host
+        finally:
+            if buffer is not None:
+                with self._lock:
+                    self._free.append(buffer)
