@@ -1,6 +1,7 @@
 """One Mooncake engine's entries in flight stay within what it handles (2048 in Mooncake 0.3.14): past
 it, every batch then in flight failed, so a prefill engine serving a few long zero-copy transfers at once
-failed them all. Writes wait for room instead."""
+failed them all. Writes wait for room instead. And the writes run on threads the transport keeps, not on
+one started per write (gpu-review item 12)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from dllm_connector.transport.base import Span
+from dllm_connector.transport import mooncake
+from dllm_connector.transport.base import Span, TransportError
 from dllm_connector.transport.entry_budget import MOONCAKE_ENTRIES_IN_FLIGHT, EntryBudget
 from dllm_connector.transport.mooncake import MooncakeTransport
 
@@ -89,3 +91,34 @@ def test_writers_sharing_an_engine_past_its_limit_all_land(
     assert torch.equal(landed, sent)
     assert 0 < peak[0] <= MOONCAKE_ENTRIES_IN_FLIGHT
     assert source.entries.in_use == 0
+
+
+def test_writes_one_after_another_reuse_the_transports_threads_and_a_closed_one_refuses(
+    pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hundred writes run on no more threads than the transport keeps (a thread per write would be a
+    hundred), each lands, and a send after close() fails with a TransportError saying so."""
+    source, target = pair
+    writes, size = 100, 4096
+    sent = torch.randint(0, 255, (writes * size,), dtype=torch.uint8)
+    landed = torch.zeros_like(sent)
+    source.register(sent)
+    target.register(landed)
+    ran_on: list[threading.Thread] = []  # kept alive, so no two are the same object
+    write = source._write
+
+    def recording_spy(*args: object, **kwargs: object) -> int:
+        ran_on.append(threading.current_thread())
+        return write(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(source, "_write", recording_spy)
+    peer = {"session": target.session_id}
+    for n in range(writes):
+        span = [Span(sent.data_ptr() + n * size, size)], [Span(landed.data_ptr() + n * size, size)]
+        source.send(peer, span[0], span[1], 0, 30)
+    assert torch.equal(landed, sent)
+    assert len(ran_on) == writes
+    assert len({id(thread) for thread in ran_on}) <= mooncake._WRITERS
+    source.close()
+    with pytest.raises(TransportError, match="the transport closed"):
+        source.send(peer, [Span(sent.data_ptr(), size)], [Span(landed.data_ptr(), size)], 0, 30)

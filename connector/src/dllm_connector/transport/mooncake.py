@@ -34,7 +34,7 @@ import re
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import torch
@@ -63,6 +63,10 @@ MC_DEFAULT_TIMEOUT_S = 30
 _BYTES_PER_S = 1e9
 # Past Mooncake's own bound, the status polling and the thread handing back the result.
 _SLACK_S = 2.0
+# Threads kept for the writes (a thread started per write cost more than the write of a piece on
+# RDMA: docs/benchmarks.md). More writes at once wait their turn, as they would for room in flight
+# (EntryBudget); a write that stalls holds its thread only until Mooncake's own timeout ends it.
+_WRITERS = 16
 
 
 def mooncake_timeout_s(env: Mapping[str, str]) -> int:
@@ -171,6 +175,7 @@ class MooncakeTransport(Transport):
         self._registered: dict[int, int] = {}
         self._lock = threading.Lock()
         self.entries = EntryBudget()  # shared by every write through this engine
+        self._writers = ThreadPoolExecutor(_WRITERS, thread_name_prefix="mooncake-write")
 
     @property
     def session_id(self) -> str:
@@ -208,28 +213,31 @@ class MooncakeTransport(Transport):
     ) -> None:
         check_sizes(src, dst)
         session = str(peer["session"])
-        done: Future[None] = Future()
         stop = threading.Event()
         deadline = time.monotonic() + timeout
-        worker = threading.Thread(
-            target=on_callers_device(self._write_batches),  # Mooncake may read device memory
-            args=(session, src, dst, done, stop, deadline),
-            name="mooncake-write",
-            daemon=True,
-        )
-        worker.start()
+        # Mooncake may read device memory: the write runs on the caller's device.
+        try:
+            done = self._writers.submit(
+                on_callers_device(self._write_batches), session, src, dst, stop, deadline
+            )
+        except RuntimeError:  # shut down: close() ran
+            raise TransportError(f"Mooncake write to {session} not made: the transport closed") from None
         try:
             done.result(timeout=timeout)
             return
         except TimeoutError:
             stop.set()  # no further batch starts
+        except CancelledError:
+            raise TransportError(f"Mooncake write to {session} not made: the transport closed") from None
+        if done.cancel():  # still waiting for a thread: it never touches the memory now
+            raise TransferTimeout(f"Mooncake write to {session} waited past {timeout:.1f}s for a thread")
         # The batch in flight still reads our memory and writes the peer's until Mooncake gives up:
         # return only after it did, so no caller frees or reuses that memory under it (H5).
         try:
             done.result(timeout=self.call_bound_s(dst))
         except TimeoutError:
             _log.error("Mooncake write to %s still runs past Mooncake's own timeout", session)
-        except TransportError:
+        except (TransportError, CancelledError):
             pass
         else:
             return  # it finished after all, late
@@ -246,30 +254,24 @@ class MooncakeTransport(Transport):
         session: str,
         src: Sequence[Source],
         dst: Sequence[Span],
-        done: Future[None],
         stop: threading.Event,
         deadline: float,
     ) -> None:
-        try:
-            for start in range(0, len(src), _BATCH):
-                if stop.is_set():
-                    raise TransferTimeout(f"Mooncake write to {session} stopped at its deadline")
-                local = [span_of(source).addr for source in src[start : start + _BATCH]]
-                remote = [region.addr for region in dst[start : start + _BATCH]]
-                lengths = [region.nbytes for region in dst[start : start + _BATCH]]
-                if not self.entries.acquire(len(lengths), deadline):
-                    raise TransferTimeout(
-                        f"Mooncake write to {session} found no room in flight by its deadline"
-                    )
-                try:
-                    status = self._write(session, local, remote, lengths, stop)
-                finally:
-                    self.entries.release(len(lengths))
-                if status != 0:
-                    raise TransportError(f"Mooncake batch write to {session} failed (status {status})")
-            done.set_result(None)
-        except Exception as error:  # noqa: BLE001 - handed to the waiting caller
-            done.set_exception(error)
+        """The batches of one send, one after another (raises into the caller's future)."""
+        for start in range(0, len(src), _BATCH):
+            if stop.is_set():  # also a send that waited for a thread past its caller's wait
+                raise TransferTimeout(f"Mooncake write to {session} stopped at its deadline")
+            local = [span_of(source).addr for source in src[start : start + _BATCH]]
+            remote = [region.addr for region in dst[start : start + _BATCH]]
+            lengths = [region.nbytes for region in dst[start : start + _BATCH]]
+            if not self.entries.acquire(len(lengths), deadline):
+                raise TransferTimeout(f"Mooncake write to {session} found no room in flight by its deadline")
+            try:
+                status = self._write(session, local, remote, lengths, stop)
+            finally:
+                self.entries.release(len(lengths))
+            if status != 0:
+                raise TransportError(f"Mooncake batch write to {session} failed (status {status})")
 
     def _write(
         self, session: str, local: list[int], remote: list[int], lengths: list[int], stop: threading.Event
@@ -287,6 +289,7 @@ class MooncakeTransport(Transport):
         return None
 
     def close(self) -> None:
+        self._writers.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             for addr in list(self._registered):
                 self._engine.unregister_memory(addr)
