@@ -97,6 +97,26 @@ def test_a_message_trickling_in_times_out_on_the_whole_message_not_per_read() ->
     right.close()
 
 
+def test_bytes_that_arrived_in_time_are_read_by_a_reader_that_wakes_past_its_deadline() -> None:
+    """A whole-machine stall (seen on the 2-core test host: every process frozen for 7 s) let a peer's
+    hello arrive in time while the reader slept past its deadline; it then closed the connection with
+    the hello unread and the transfer failed. What is there is read; what is not is not waited for."""
+    left, right = socket.socketpair()
+    hello = b"h" * 16
+    left.sendall(hello)
+    past = time.monotonic() - 1.0  # the reader woke a second after its deadline
+    assert sidechannel.read_exactly(right, len(hello), past) == hello
+    right.settimeout(7.5)
+    left.sendall(hello[:8])  # half: the rest never comes
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        sidechannel.read_exactly(right, len(hello), past)
+    assert time.monotonic() - started < 0.5  # nothing waited for past the deadline
+    assert right.gettimeout() == 7.5  # the socket's own timeout as it was, for the sends after
+    left.close()
+    right.close()
+
+
 @pytest.mark.parametrize(
     "body", [b'{"type":"offer","hold_s":Infinity}', b'{"type":"offer","x":NaN}', b"[" * 100_000, b"\xff\xfe"]
 )

@@ -81,18 +81,36 @@ def send_message(sock: socket.socket, message: Message) -> None:
 
 
 def read_exactly(sock: socket.socket, count: int, deadline: float) -> bytes:
-    """`count` bytes by `deadline` (monotonic) for all of them together; TimeoutError after it."""
+    """`count` bytes by `deadline` (monotonic) for all of them together; TimeoutError after it.
+
+    Past the deadline, bytes already received still count: a process the host did not run for a while
+    (a whole-machine stall) reads what its peer sent in time instead of dropping it unread; a peer that
+    is really late gains nothing, since nothing more is waited for."""
     data = bytearray()
     while len(data) < count:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError
-        sock.settimeout(left)
-        chunk = sock.recv(min(count - len(data), 1 << 20))
+        want, left = min(count - len(data), 1 << 20), deadline - time.monotonic()
+        if left > 0:
+            sock.settimeout(left)
+            chunk = sock.recv(want)
+        else:
+            chunk = _already_received(sock, want)
         if not chunk:
             raise TransportError("side channel closed by the peer")
         data += chunk
     return bytes(data)
+
+
+def _already_received(sock: socket.socket, count: int) -> bytes:
+    """Up to `count` bytes the socket holds now, without waiting (TimeoutError when it holds none); its
+    timeout is left as it was, so a send after this one still waits as it would have."""
+    timeout = sock.gettimeout()
+    sock.settimeout(0.0)
+    try:
+        return sock.recv(count)
+    except BlockingIOError:
+        raise TimeoutError from None
+    finally:
+        sock.settimeout(timeout)
 
 
 def _no_constant(name: str) -> Any:
