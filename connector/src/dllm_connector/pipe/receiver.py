@@ -71,11 +71,20 @@ class KVReceiver(PipeSide):
         self.engine_id = engine_id
         self.records = TransferRecords()  # decode's own account of each recent transfer
         self._expectations = Expectations(self.stats, config.prefill_wait_s, self.records)
-        self._server = sidechannel.Server(host, port, self._serve, auth=auth, max_connections=max_connections)
+        # A peer's hello waits as long as a quiet peer may mid-transfer (kvTransfer.timeoutMs), never less
+        # than the side channel's own bound: a host that stalls as a whole delays hellos as much as parts.
+        handshake = max(sidechannel.HANDSHAKE_TIMEOUT_S, config.transfer_timeout_s)
+        self._server = sidechannel.Server(
+            host, port, self._serve, auth=auth, max_connections=max_connections, handshake_timeout=handshake
+        )
 
     @property
     def port(self) -> int:
         return int(self._server.port)
+
+    @property
+    def handshake_timeout_s(self) -> float:
+        return self._server.handshake_timeout
 
     @property
     def slots(self) -> int:

@@ -133,6 +133,11 @@ class Server:
         self._thread.start()
 
     @property
+    def handshake_timeout(self) -> float:
+        """Seconds a connection has to complete its hello (and, without a key, be admitted)."""
+        return self._handshake_timeout
+
+    @property
     def stats(self) -> ServerStats:
         with self._stats_lock:
             return replace(self._stats)
