@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from peer_doubles import wait_until
 
 from dllm_connector.transport.base import Span, TransferTimeout, TransportError
 from dllm_connector.transport.mooncake import (
@@ -154,16 +155,62 @@ def test_the_peer_refuses_writes_outside_its_registered_memory(local: MooncakeTr
     assert peer.landed() == {"registered": 4096, "unregistered": 0}
 
 
-def _write_threads() -> int:
-    return sum(thread.name == "mooncake-write" for thread in threading.enumerate())
+def _threads_stopped(pid: int) -> bool:
+    try:
+        stats = [(task / "stat").read_text() for task in Path(f"/proc/{pid}/task").iterdir()]
+    except FileNotFoundError:  # a thread ended while read
+        return False
+    return all(stat.rsplit(")", 1)[1].split()[0] in ("T", "t") for stat in stats)
 
 
-def test_a_timed_out_write_returns_only_after_mooncake_gave_up(local: MooncakeTransport, peer: Peer) -> None:
+def _stop(process: subprocess.Popen[str]) -> None:
+    """SIGSTOP the peer, then wait until every thread of it stands still: the signal lands in its own
+    time, and a thread still running could take one more write and answer it."""
+    os.kill(process.pid, signal.SIGSTOP)
+    assert wait_until(lambda: _threads_stopped(process.pid), 10), "the peer's threads did not stop"
+
+
+class _Watched:
+    """The transport's Mooncake engine, its writes counted while they run and their statuses recorded
+    as they return."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.statuses, self.failed = engine, list[int](), threading.Event()
+        self.running = 0
+        self._lock = threading.Lock()
+
+    def __getattr__(self, name: str) -> Any:  # registering memory and the rest: the engine's own
+        return getattr(self.engine, name)
+
+    def batch_transfer_sync_write(self, *args: Any) -> int:
+        with self._lock:
+            self.running += 1
+        try:
+            status = int(self.engine.batch_transfer_sync_write(*args))
+        finally:
+            with self._lock:
+                self.running -= 1
+        self.statuses.append(status)
+        if status != 0:
+            self.failed.set()
+        return status
+
+
+@pytest.fixture
+def watched(local: MooncakeTransport) -> Iterator[_Watched]:
+    watching = _Watched(local._engine)
+    local._engine = watching
+    yield watching
+    local._engine = watching.engine
+
+
+def test_a_timed_out_write_returns_only_after_mooncake_gave_up(
+    local: MooncakeTransport, peer: Peer, watched: _Watched
+) -> None:
     src = _sevens(local, 1 << 20)
     session = peer.info["session"]
     local.send({"session": session}, [src[:16]], [Span(peer.info["registered"], 16)], 0, 10)  # connected
-    before = _write_threads()
-    os.kill(peer.process.pid, signal.SIGSTOP)  # the peer stalls: Mooncake's write cannot complete
+    _stop(peer.process)  # the peer stalls: Mooncake's write cannot complete
     started = time.monotonic()
     # 64 MiB (its 1 MiB buffer, 64 times over): more than the kernel's socket buffers can take in
     # (tcp_rmem/tcp_wmem autotune to MBs), so the write cannot end while the peer is stopped; 1 MiB once
@@ -172,29 +219,16 @@ def test_a_timed_out_write_returns_only_after_mooncake_gave_up(local: MooncakeTr
     with pytest.raises(TransferTimeout):
         local.send({"session": session}, [src] * len(dst), dst, 0, 1.0)
     elapsed = time.monotonic() - started
-    assert _write_threads() == before  # nothing of this write still runs in our process
+    assert watched.running == 0  # Mooncake's call returned: it no longer reads our memory
+    assert watched.statuses[-1] != 0
     assert MC_MIN_TIMEOUT_S - 0.5 <= elapsed <= local.call_bound_s(dst) + 5
     os.kill(peer.process.pid, signal.SIGCONT)
     # What remains (documented): bytes already in the kernel still land once the peer resumes.
     assert peer.landed()["registered"] > 16
 
 
-class _Watched:
-    """The transport's Mooncake engine, its writes' statuses recorded as they return."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine, self.statuses, self.failed = engine, list[int](), threading.Event()
-
-    def batch_transfer_sync_write(self, *args: Any) -> int:
-        status = int(self.engine.batch_transfer_sync_write(*args))
-        self.statuses.append(status)
-        if status != 0:
-            self.failed.set()
-        return status
-
-
 def test_a_peer_that_stood_still_past_mooncakes_bound_then_resumed_gets_the_write_within_the_deadline(
-    local: MooncakeTransport, peer: Peer
+    local: MooncakeTransport, peer: Peer, watched: _Watched
 ) -> None:
     """A whole node froze for 30 s during a roll, past Mooncake's own bound: the write failed although
     the transfer's deadline had time left. Mooncake gives up on the stopped peer (its 5 s here); the
@@ -202,26 +236,23 @@ def test_a_peer_that_stood_still_past_mooncakes_bound_then_resumed_gets_the_writ
     src = _sevens(local, 4096)
     session = peer.info["session"]
     local.send({"session": session}, [src[:16]], [Span(peer.info["registered"], 16)], 0, 10)  # connected
-    watched = _Watched(local._engine)
-    local._engine = watched
-    try:
-        os.kill(peer.process.pid, signal.SIGSTOP)
-        result: list[BaseException | None] = []
+    del watched.statuses[:]
+    _stop(peer.process)
+    result: list[BaseException | None] = []
 
-        def send() -> None:
-            try:
-                local.send({"session": session}, [src], [Span(peer.info["registered"], 4096)], 0, 30)
-                result.append(None)
-            except BaseException as error:  # noqa: BLE001 - the test reads it
-                result.append(error)
+    def send() -> None:
+        try:
+            local.send({"session": session}, [src], [Span(peer.info["registered"], 4096)], 0, 30)
+            result.append(None)
+        except BaseException as error:  # noqa: BLE001 - the test reads it
+            result.append(error)
 
-        sender = threading.Thread(target=send)
-        sender.start()
-        assert watched.failed.wait(20), "Mooncake never gave up on the stopped peer"
-        os.kill(peer.process.pid, signal.SIGCONT)
-        sender.join(30)
-    finally:
-        local._engine = watched.engine
+    sender = threading.Thread(target=send)
+    sender.start()
+    gave_up = watched.failed.wait(20)
+    os.kill(peer.process.pid, signal.SIGCONT)
+    sender.join(30)
+    assert gave_up, f"Mooncake never gave up on the stopped peer: statuses {watched.statuses}, {result}"
     assert result == [None], result
     assert watched.statuses[0] != 0
     assert watched.statuses[-1] == 0
