@@ -144,7 +144,8 @@ def ask(layout: cp.Layout, namespace: str, model: Path) -> dict[str, Any]:
         if time.monotonic() > deadline:
             raise DemoError(f"{router}/ready did not answer 200 within 60s")
         _PAUSE.wait(0.5)
-    decode_ip = kubectl_json(layout, "pod", f"{NAME}-decode-0", "-n", namespace)["status"]["podIP"]
+    decode_pod = engine_pod_name(layout, namespace, "decode")
+    decode_ip = kubectl_json(layout, "pod", decode_pod, "-n", namespace)["status"]["podIP"]
     decode = f"http://{decode_ip}:{8000}"
     before = kv_moved.at(decode, router)
     status, body = post_json(f"{router}/v1/chat/completions", DEMO_CHAT)
@@ -164,12 +165,20 @@ def ask(layout: cp.Layout, namespace: str, model: Path) -> dict[str, Any]:
 _LOG_NOISE = ("Route: ", '"GET /health ', '"GET /metrics ')
 
 
+def engine_pod_name(layout: cp.Layout, namespace: str, role: str, place: int = 0) -> str:
+    """The name of the role's pod at `place` in its StatefulSet's window of ordinals: a rollout moves
+    the window up (each new pod gets a new name), so the first pod is not always `-0`."""
+    sts = kubectl_json(layout, "statefulset", f"{NAME}-{role}", "-n", namespace)
+    return f"{NAME}-{role}-{int((sts['spec'].get('ordinals') or {}).get('start') or 0) + place}"
+
+
 def engine_logs(layout: cp.Layout, namespace: str, lines: int = 25) -> str:
     """The last lines of each engine's log but the noise: what to read when an answer is an error."""
     parts = []
     for role in ("prefill", "decode"):
         try:
-            text = tool(layout, "kubectl", "logs", f"{NAME}-{role}-0", "-n", namespace, "--tail=1000")
+            pod = engine_pod_name(layout, namespace, role)
+            text = tool(layout, "kubectl", "logs", pod, "-n", namespace, "--tail=1000")
             kept = [line for line in text.splitlines() if not any(noise in line for noise in _LOG_NOISE)]
             text = "\n".join(kept[-lines:])
         except DemoError as error:

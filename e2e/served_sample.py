@@ -48,6 +48,10 @@ class Served:
         service = self.get("service", f"{NAME}-router")
         return f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
 
+    def engine_pod(self, role: str, place: int = 0) -> str:
+        """The name of the role's pod at `place` in its window of ordinals (demo.engine_pod_name)."""
+        return demo.engine_pod_name(self.layout, NAMESPACE, role, place)
+
     def pod_url(self, pod: str) -> str:
         return f"http://{self.get('pod', pod)['status']['podIP']}:8000"
 

@@ -132,7 +132,7 @@ def test_the_operator_runs_as_a_pod_from_its_image_with_the_charts_identity(serv
 
 
 def test_engines_are_ready_through_their_own_probes_on_the_real_node(served: Served) -> None:
-    for pod_name in (f"{NAME}-prefill-0", f"{NAME}-decode-0"):
+    for pod_name in (served.engine_pod("prefill"), served.engine_pod("decode")):
         pod = served.get("pod", pod_name)
         assert pod["spec"]["nodeName"] == "dllm-real-0"
         container = pod["spec"]["containers"][0]
@@ -158,7 +158,7 @@ def test_the_router_runs_exactly_the_arguments_the_operator_rendered(served: Ser
 
 
 def test_completions_through_the_router_service_equal_one_engine(served: Served, tmp_path: Path) -> None:
-    decode = served.pod_url(f"{NAME}-decode-0")
+    decode = served.pod_url(served.engine_pod("decode"))
     before = kv_moved.at(decode, served.router)
     through_service, prompt_tokens = {}, []
     for prompt in PROMPTS:
@@ -210,10 +210,10 @@ def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(serve
     restarted. The controls, sent to prefill directly with the engines' key, show what the router kept
     from the engines: vLLM refuses the one-token body as the client wrote it, and acts on top-level
     params (its connector tries the send and logs the transfer id)."""
-    decode_url = served.pod_url(f"{NAME}-decode-0")
+    decode_url = served.pod_url(served.engine_pod("decode"))
     before = kv_moved.at(decode_url, served.router)
     restarts = {
-        role: served.get("pod", f"{NAME}-{role}-0")["status"]["containerStatuses"][0]["restartCount"]
+        role: served.get("pod", served.engine_pod(role))["status"]["containerStatuses"][0]["restartCount"]
         for role in ("prefill", "decode")
     }
     pd = forged_params("client-chosen-7f3a", "198.51.100.7")
@@ -238,7 +238,7 @@ def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(serve
     # The controls, straight to prefill with the engines' key. The one-token body as the client sent
     # it: vLLM refuses an object in vllm_xargs (400), so the 200 above is the router's removal seen.
     key = {"Authorization": f"Bearer {engine_api_key(served)}"}
-    prefill_url = served.pod_url(f"{NAME}-prefill-0") + "/v1/completions"
+    prefill_url = served.pod_url(served.engine_pod("prefill")) + "/v1/completions"
     status, answer = post_json(prefill_url, one_token_body, timeout=600, headers=key)
     assert status == 400, answer
     assert "vllm_xargs.kv_transfer_params" in json.dumps(answer), answer
@@ -250,7 +250,7 @@ def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(serve
     assert status == 200, answer
 
     def prefill_log() -> str:
-        return str(served.cluster.run("logs", "-n", NAMESPACE, f"{NAME}-prefill-0").stdout)
+        return str(served.cluster.run("logs", "-n", NAMESPACE, served.engine_pod("prefill")).stdout)
 
     seen = wait_until(
         lambda: (log := prefill_log()) and "KV send control-1 failed" in log and log,
@@ -258,7 +258,7 @@ def test_a_clients_kv_transfer_params_steer_no_transfer_and_stop_no_engine(serve
         "the control's log line",
     )
     for role in ("prefill", "decode"):
-        pod = served.get("pod", f"{NAME}-{role}-0")
+        pod = served.get("pod", served.engine_pod(role))
         assert pod["status"]["containerStatuses"][0]["restartCount"] == restarts[role], role
         log = (
             seen
@@ -289,7 +289,7 @@ def test_a_pod_of_another_namespace_reaches_no_engine_port_while_the_router_serv
     start_probe_servers(cluster, served.layout, [("stranger", other_namespace, {})])
     kv_listening: dict[str, list[int]] = {}
     for role, peer in (("prefill", "decode"), ("decode", "prefill")):
-        pod = served.get("pod", f"{NAME}-{role}-0")
+        pod = served.get("pod", served.engine_pod(role))
         declared, transfer = engine_ports(pod)
         listening = listening_ports(cluster, pod["metadata"]["name"], ns)
         assert declared[0] == 8000, (role, declared)
@@ -298,7 +298,7 @@ def test_a_pod_of_another_namespace_reaches_no_engine_port_while_the_router_serv
         kv_listening[role] = sorted(listening & kv_ports)
         ip = pod["status"]["podIP"]
         # The other engine of this CR reaches every port that listens: they are reachable at all.
-        peer_pod = f"{NAME}-{peer}-0"
+        peer_pod = served.engine_pod(peer)
         from_peer = connect_from_engine(cluster, peer_pod, ns, [f"{ip}:{p}" for p in sorted(listening)])
         assert set(from_peer.values()) == {"open"}, (role, from_peer)
         # A pod of another namespace reaches none of them, nor any port the CR declares: HTTP, the side
@@ -359,7 +359,7 @@ def test_inside_the_namespace_only_the_engine_key_opens_an_engine(served: Served
     router_pod = served.get("pod", "-l", f"{SAMPLE_PODS},app.kubernetes.io/component=router")["items"][0]
     decode_labels = {
         k: v
-        for k, v in served.get("pod", f"{NAME}-decode-0")["metadata"]["labels"].items()
+        for k, v in served.get("pod", served.engine_pod("decode"))["metadata"]["labels"].items()
         if k.startswith("app.kubernetes")
     }
     image = router_pod["spec"]["containers"][0]["image"]  # it has Python
@@ -377,7 +377,7 @@ def test_inside_the_namespace_only_the_engine_key_opens_an_engine(served: Served
         askers = {"impostor": "impostor", "the router pod": router_pod["metadata"]["name"]}
         items = [f"{method} {path}" for method, path in ENGINE_PATHS]
         for role in ("prefill", "decode"):
-            pod = served.get("pod", f"{NAME}-{role}-0")
+            pod = served.get("pod", served.engine_pod(role))
             ip = pod["status"]["podIP"]
             declared, transfer = engine_ports(pod)
             ports = sorted(set(declared) | set(transfer))
@@ -392,7 +392,7 @@ def test_inside_the_namespace_only_the_engine_key_opens_an_engine(served: Served
                 )
                 assert set(probes.values()) == {200}, (role, who, probes)
         # Decode's side channel, where prefill pushes: a JSON offer in place of the hello.
-        decode = served.get("pod", f"{NAME}-decode-0")
+        decode = served.get("pod", served.engine_pod("decode"))
         side_channel = engine_ports(decode)[0][1]
         forged = run_python(
             cluster, "impostor", FORGED_OFFER_SCRIPT, decode["status"]["podIP"], str(side_channel)
@@ -400,7 +400,7 @@ def test_inside_the_namespace_only_the_engine_key_opens_an_engine(served: Served
         assert forged["closed"], forged
         assert "accept" not in forged["answer"], forged
         impostor_ip = cluster.get_json("pod", "impostor", "-n", ns)["status"]["podIP"]
-        log = cluster.run("logs", "-n", ns, f"{NAME}-decode-0").stdout
+        log = cluster.run("logs", "-n", ns, served.engine_pod("decode")).stdout
         assert f"refused a connection from {impostor_ip}" in log
         status, answer = completion(served.router, PROMPTS[0])
         assert status == 200, answer
@@ -594,8 +594,9 @@ def test_autoscaling_recommends_then_adds_a_prefill_pod_under_long_prompts_and_t
                 600,
                 "a second prefill pod, ready",
             )
+            second = served.engine_pod("prefill", 1)
             wait_until(
-                lambda: users_served(served, "prefill", f"{NAME}-prefill-1") > 0,
+                lambda: users_served(served, "prefill", second) > 0,
                 300,
                 "the router to send users' prompts to the new prefill pod",
                 interval=2.0,
@@ -625,7 +626,7 @@ def test_autoscaling_recommends_then_adds_a_prefill_pod_under_long_prompts_and_t
         with Trickle(served, "drain") as drain:
             trickles.append(drain)
             wait_until(
-                lambda: not served.cluster.exists("pod", f"{NAME}-prefill-1", "-n", NAMESPACE),
+                lambda: not served.cluster.exists("pod", second, "-n", NAMESPACE),
                 300,
                 "prefill-1 gone",
             )
@@ -688,7 +689,7 @@ def test_deleting_the_auth_secret_and_restarting_the_pods_rotates_every_key(serv
     status, body = completion(served.router, PROMPTS[1], timeout=600)
     assert status == 200, body
     for role in ("prefill", "decode"):
-        url = served.pod_url(f"{NAME}-{role}-0") + "/v1/completions"
+        url = served.pod_url(served.engine_pod(role)) + "/v1/completions"
         body = {"model": "tiny-llama", "prompt": "k", "max_tokens": 1}
         refused, _ = post_json(url, body, timeout=60, headers={"Authorization": f"Bearer {old_key}"})
         assert refused == 401, role
@@ -702,7 +703,7 @@ def test_a_decode_that_cannot_load_kv_fails_kv_transfer_verified_until_it_can(se
     wait_until(lambda: kv_condition(served).get("reason") == "Verified", 120, "KVTransferVerified Verified")
     pairs = served.get("dllm", NAME)["status"]["kvTransfer"]["pairs"]
     assert [(p["prefill"], p["decode"], p["reason"]) for p in pairs] == [
-        (f"{NAME}-prefill-0", f"{NAME}-decode-0", "Verified")
+        (served.engine_pod("prefill"), served.engine_pod("decode"), "Verified")
     ]
     decode_args = served.get("dllm", NAME)["spec"]["decode"]["extraArgs"]
     closed = {"routerAllowedFrom": [{"ipBlock": {"cidr": "10.250.0.1/32"}}]}
@@ -719,7 +720,8 @@ def test_a_decode_that_cannot_load_kv_fails_kv_transfer_verified_until_it_can(se
             # the roll done, the pair that is left checked, and the status saying so throughout
             said = {c["type"]: c for c in served.get("dllm", NAME).get("status", {}).get("conditions", [])}
             kv, ready, degraded = (said.get(t, {}) for t in ("KVTransferVerified", "Ready", "Degraded"))
-            pair = str(kv.get("message", "")).startswith(f"{NAME}-prefill-0 -> {NAME}-decode-0: ")
+            names = f"{served.engine_pod('prefill')} -> {served.engine_pod('decode')}: "
+            pair = str(kv.get("message", "")).startswith(names)
             done = said.get("RolloutProgressing", {}).get("reason") == "Complete"
             judged = (ready.get("reason"), degraded.get("reason")) == ("TransferFailed", "TransferFailed")
             return said if kv.get("reason") == "TransferFailed" and pair and done and judged else None
@@ -744,7 +746,8 @@ def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready
     wait_until(
         lambda: rolled(served, generation), 600, "one pod per role, no rollout under way", interval=2.0
     )
-    pid = engine_pid(served, f"{NAME}-decode-0")
+    victim = served.engine_pod("decode")
+    pid = engine_pid(served, victim)
     response, first = stream_frozen_mid_way(served, pid)
     os.kill(pid, signal.SIGKILL)  # as a crash would: no graceful delete, no drain
     assert first.startswith(b"data: ")
@@ -756,9 +759,9 @@ def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready
     def degraded_naming_decode() -> str | None:
         condition = served.condition("Degraded")
         message = str(condition.get("message", ""))
-        return message if condition.get("status") == "True" and f"{NAME}-decode-0" in message else None
+        return message if condition.get("status") == "True" and victim in message else None
 
-    print(wait_until(degraded_naming_decode, 120, f"Degraded naming {NAME}-decode-0"))
+    print(wait_until(degraded_naming_decode, 120, f"Degraded naming {victim}"))
     assert served.condition("Ready").get("status") == "False"
     wait_until(
         lambda: served.condition("Ready").get("status") == "True", 600, "Ready again after the restart"
@@ -852,7 +855,7 @@ def test_a_compression_change_rolls_both_roles_in_pairs_with_no_request_refused_
     during = _fingerprint_pairs(served.router_pod)
     assert all(p == d for p, d in during), f"the router paired two fingerprints: {during}"
     assert set(during) >= {(old, old), (new, new)}, f"both versions served: {during} (before: {before})"
-    decode = served.pod_url(f"{NAME}-decode-0")
+    decode = served.pod_url(served.engine_pod("decode"))
     moved_before = kv_moved.at(decode, served.router)
     status_code, body = completion(served.router, PROMPTS[0], timeout=300)
     assert status_code == 200, body
@@ -877,15 +880,17 @@ def test_a_decode_only_change_rolls_decode_alone_with_no_request_refused_or_fail
     router made is of the one fingerprint; the decode pod left serves with the new limit."""
     status = served.get("dllm", NAME)["status"]
     fingerprint = status["decode"]["kvFingerprint"]
-    pods = {role: served.get("pod", f"{NAME}-{role}-0")["metadata"]["uid"] for role in ("prefill", "decode")}
+    pods = {
+        role: served.get("pod", served.engine_pod(role))["metadata"]["uid"] for role in ("prefill", "decode")
+    }
     before = _fingerprint_pairs(served.router_pod)
     limit = served.get("dllm", NAME)["spec"]["decode"]["maxNumSeqs"] - 2
     roll = roll_under_load(served, {"spec": {"decode": {"maxNumSeqs": limit}}}, "seqs", _roll_clients(), True)
     _assert_every_stream_answered(roll, sample_logs, "the decode roll")
     status = served.get("dllm", NAME)["status"]
     assert (status["prefill"]["kvFingerprint"], status["decode"]["kvFingerprint"]) == (fingerprint,) * 2
-    assert served.get("pod", f"{NAME}-prefill-0")["metadata"]["uid"] == pods["prefill"]
-    decode = served.get("pod", f"{NAME}-decode-0")
+    assert served.get("pod", served.engine_pod("prefill"))["metadata"]["uid"] == pods["prefill"]
+    decode = served.get("pod", served.engine_pod("decode"))
     assert decode["metadata"]["uid"] != pods["decode"]
     args = decode["spec"]["containers"][0]["args"]
     assert args[args.index("--max-num-seqs") + 1] == str(limit), args
@@ -904,7 +909,7 @@ def test_scaling_decode_to_two_sends_requests_to_both(served: Served) -> None:
         lambda: served.get("dllm", NAME)["status"]["decode"]["ready"] == "2/2", 600, "two ready decodes"
     )
     wait_until(lambda: served.condition("Ready").get("status") == "True", 120, "Ready with two decodes")
-    urls = [served.pod_url(f"{NAME}-decode-{i}") for i in range(2)]
+    urls = [served.pod_url(served.engine_pod("decode", i)) for i in range(2)]
 
     def users_served(url: str) -> float:
         """The pod's finished requests, less the router's KV check canaries it answered."""

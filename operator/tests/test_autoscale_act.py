@@ -102,8 +102,11 @@ def test_a_step_moves_one_replica_toward_the_recommendation_when_it_may(
 
 def test_a_role_is_measured_only_when_each_of_its_pods_has_been_ready_long_enough() -> None:
     # a step down to 1 needs only ordinal 0: the pod it removes may never have become ready
-    assert kept_measured([pod("p-0", 60), pod("p-1", None)], 1, NOW, 30)
-    assert not kept_measured([pod("p-0", 10), pod("p-1", 60)], 1, NOW, 30)
+    assert kept_measured([pod("p-0", 60), pod("p-1", None)], 0, 1, NOW, 30)
+    assert not kept_measured([pod("p-0", 10), pod("p-1", 60)], 0, 1, NOW, 30)
+    # after a rollout the window starts higher: the lowest ordinal of it is the one kept
+    assert kept_measured([pod("p-4", 60), pod("p-5", None)], 4, 1, NOW, 30)
+    assert not kept_measured([pod("p-4", 10), pod("p-5", 60)], 4, 1, NOW, 30)
     assert measured([pod("p-0", 60), pod("p-1", 30)], 2, NOW, 30)
     assert not measured([pod("p-0", 60), pod("p-1", 29)], 2, NOW, 30)  # the new pod too recent
     assert not measured([pod("p-0", 60), pod("p-1", None)], 2, NOW, 30)  # not ready
@@ -129,14 +132,22 @@ def test_the_count_is_rendered_into_the_statefulset_and_read_back_from_it() -> N
     # switched to active mid-surge (no record yet): the replicas less the rollout's surge
     surging = active_cr(mode="active")
     surging_rollout = surging.spec.rollout.model_copy(update={"max_surge": 1})
-    mid = {"spec": {"replicas": 3}, "status": {"currentRevision": "a", "updateRevision": "b"}}
-    assert initial_replicas(surging.spec.autoscaling, "decode", mid, surging_rollout) == 2
+    rolling = {"currentRevision": "a", "updateRevision": "b"}
+    for replicas, partition in ((3, 2), (3, 1), (2, 0)):  # the surge pod up; one old pod left; none left
+        mid = {"spec": {"replicas": replicas, "updateStrategy": _partition(partition)}, "status": rolling}
+        assert initial_replicas(surging.spec.autoscaling, "decode", mid, surging_rollout) == 2, mid
+    paused_first = {"spec": {"replicas": 2, "updateStrategy": _partition(2)}, "status": rolling}
+    assert initial_replicas(surging.spec.autoscaling, "decode", paused_first, surging_rollout) == 2
     # the template is the same whatever the count (a step is a scale, never a rollout)
     again = statefulsets(with_applied(cr, {"prefill": 1}))
     assert (
         again["scaled-prefill"]["metadata"]["annotations"][TEMPLATE_HASH]
         == sts["metadata"]["annotations"][TEMPLATE_HASH]
     )
+
+
+def _partition(partition: int) -> dict[str, Any]:
+    return {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
 
 
 def test_advisory_mode_renders_no_count() -> None:

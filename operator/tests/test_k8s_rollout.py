@@ -1,7 +1,8 @@
 """Surge rollouts on the real control plane (the StatefulSet controller, the scheduler, kwok's nodes):
 a change of the KV fingerprint (compression none to fp8) rolls both roles with new pods first, and at
 every moment observed there is a ready prefill pod and a ready decode pod of one fingerprint; at the
-end every pod is new and each role has its replicas again. A rollback rolls back the same way; a paused
+end every pod is new, each made once (the surge pods are the ones that stay), and each role has its
+replicas again. A rollback rolls back the same way; a paused
 rollout adds and replaces nothing."""
 
 from __future__ import annotations
@@ -114,10 +115,10 @@ def events(text: str) -> Iterator[dict[str, Any]]:
 
 def roll_watching_pairs(
     cluster: Cluster, namespace: str, patch: dict[str, Any], prefill: int, decode: int
-) -> tuple[str, dict[str, int], dict[str, int]]:
+) -> tuple[str, dict[str, int], dict[str, int], dict[str, int]]:
     """Patch the resource and watch every pod event until the rollout settles; after each event, some
     ready prefill pod and some ready decode pod must share a fingerprint. The new fingerprint, the most
-    pods of each role alive at once, and the fewest ready."""
+    pods of each role alive at once, the fewest ready, and how many pods of each were made."""
     before = fingerprint_of(cluster, namespace)
     existing = {p["metadata"]["name"] for role in pods(cluster, namespace).values() for p in role}
     watch = subprocess.Popen(
@@ -143,6 +144,7 @@ def roll_watching_pairs(
         reader.join(timeout=30)
     out = "".join(printed)
     state: dict[str, dict[str, Any]] = {}
+    made: dict[str, set[str]] = {"prefill": set(), "decode": set()}
     most = {"prefill": 0, "decode": 0}
     least = {"prefill": prefill, "decode": decode}
     for number, event in enumerate(events(out)):
@@ -151,6 +153,9 @@ def roll_watching_pairs(
             state.pop(pod["metadata"]["name"], None)
         else:
             state[pod["metadata"]["name"]] = pod
+            role = pod["metadata"]["labels"].get(labels.COMPONENT, "")
+            if pod["metadata"]["name"] not in existing and role in made:
+                made[role].add(pod["metadata"]["uid"])
         if not existing <= state.keys():
             continue  # the watch's first listing is not complete yet
         by_role = {role: [p for p in state.values() if p["metadata"]["labels"].get(labels.COMPONENT) == role]
@@ -160,7 +165,7 @@ def roll_watching_pairs(
             least[role] = min(least[role], sum(1 for p in role_pods if ready_fingerprints([p])))
         shared = ready_fingerprints(by_role["prefill"]) & ready_fingerprints(by_role["decode"])
         assert shared, f"no complete pair after event {number}: {event['type']} {pod['metadata']['name']}"
-    return after, most, least
+    return after, most, least, {role: len(uids) for role, uids in made.items()}
 
 
 @pytest.mark.parametrize(("prefill", "decode"), [(1, 1), (2, 4), (4, 2)])
@@ -170,12 +175,13 @@ def test_a_fingerprint_change_rolls_both_roles_with_a_complete_pair_throughout(
     # maxSkew 25: the roles move in step; the rollout still completes (the role behind may always move)
     first = up(cluster, namespace, surge_cr(prefill, decode, maxSkew=25), prefill, decode)
     patched_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    fp8, most, least = roll_watching_pairs(
+    fp8, most, least, made = roll_watching_pairs(
         cluster, namespace, {"kvTransfer": {"compression": "fp8"}}, prefill, decode
     )
     assert fp8 != first
     assert most == {"prefill": prefill + 1, "decode": decode + 1}  # the surge pod, and no more
     assert least == {"prefill": prefill, "decode": decode}  # maxUnavailable 0: never one short
+    assert made == {"prefill": prefill, "decode": decode}  # each new pod started once: one model load
 
     def status_shows_it_done() -> bool:
         status = cluster.get_json("dllm", "surge", "-n", namespace).get("status", {})
@@ -190,11 +196,12 @@ def test_a_fingerprint_change_rolls_both_roles_with_a_complete_pair_throughout(
     wait_until(
         status_shows_it_done, 60, "status: both roles' pods at the fp8 fingerprint, the rollout's times"
     )
-    back, most, _ = roll_watching_pairs(
+    back, most, _, made = roll_watching_pairs(
         cluster, namespace, {"kvTransfer": {"compression": "none"}}, prefill, decode
     )
     assert back == first  # a rollback is the same template, so the same fingerprint
     assert most == {"prefill": prefill + 1, "decode": decode + 1}
+    assert made == {"prefill": prefill, "decode": decode}
     wait_until(lambda: rollout_condition(cluster, namespace).get("reason") == "Complete", 30, "Complete said")
 
 
@@ -229,10 +236,13 @@ def test_per_role_budgets_one_role_replacing_in_place_the_other_surging_two(
     """Prefill 2 without surge, one pod short at most; decode 4 with two surge pods: a pair throughout."""
     budgets = {"maxSurge": 0, "prefill": {"maxUnavailable": 1}, "decode": {"maxSurge": 2}}
     first = up(cluster, namespace, surge_cr(2, 4, **budgets), 2, 4)
-    fp8, most, least = roll_watching_pairs(cluster, namespace, {"kvTransfer": {"compression": "fp8"}}, 2, 4)
+    fp8, most, least, made = roll_watching_pairs(
+        cluster, namespace, {"kvTransfer": {"compression": "fp8"}}, 2, 4
+    )
     assert fp8 != first
     assert most == {"prefill": 2, "decode": 6}
     assert least == {"prefill": 1, "decode": 4}
+    assert made == {"prefill": 2, "decode": 4}
 
 
 def test_a_paused_rollout_adds_and_replaces_nothing(

@@ -1,7 +1,8 @@
 """Coordinated rollouts under per-role maxSurge and maxUnavailable (rollout.py), simulated one reconcile
 at a time: a pod the StatefulSet creates is ready at the next reconcile. At every moment each role
 keeps replicas - maxUnavailable ready pods and runs at most replicas + maxSurge, a complete pair of one
-fingerprint serves wherever one can, the roles keep within maxSkew, and the rollout ends."""
+fingerprint serves wherever one can, the roles keep within maxSkew, and the rollout ends having made
+each role's new pods once (no pod started twice, as replacing in place after a surge did)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from test_rollout_steps import NEW_FP, OLD_FP, live, pod, sts
 
 from dllm_operator import rollout
 from dllm_operator.api.rollout import EngineRole, RolloutSpec
-from dllm_operator.rollout import partition_of, progress
+from dllm_operator.rollout import partition_of, progress, start_of
 
 ROLES: tuple[EngineRole, EngineRole] = ("prefill", "decode")
 ROLE_PAIRS: tuple[tuple[EngineRole, EngineRole], ...] = (("prefill", "decode"), ("decode", "prefill"))
@@ -26,8 +27,10 @@ class Role:
     n: int
     replicas: int = 0
     partition: int = 0
+    start: int = 0
     template: str = "t1"
     pods: dict[int, tuple[str, int]] = field(default_factory=dict)
+    made: int = 0  # pods created since the template changed
 
     def __post_init__(self) -> None:
         self.replicas = self.n
@@ -36,7 +39,8 @@ class Role:
     def live(self) -> dict[str, Any]:
         old = any(revision == "r1" for revision, _ in self.pods.values())
         update = "r2" if self.template == "t2" else "r1"  # the revision of the template it holds
-        return live(self.template, self.replicas, self.partition, "r1" if old else "r2", update)
+        current = "r1" if old else "r2"
+        return live(self.template, self.replicas, self.partition, current, update, start=self.start)
 
     def pod_list(self, now: int) -> list[dict[str, Any]]:
         return [
@@ -51,13 +55,17 @@ class Role:
         return sum(1 for _, born in self.pods.values() if born < now)
 
     def apply(self, result: dict[str, Any], now: int) -> None:
-        """What the StatefulSet controller does with the step: ordinals past replicas go, ordinals from
-        the partition up that are old (or missing) are created again from the new template."""
+        """What the StatefulSet controller does with the step: ordinals outside the window go, ordinals
+        from the partition up (it counts from the window's start) that are old or missing are created
+        from the new template."""
         self.template, self.replicas, self.partition = "t2", result["spec"]["replicas"], partition_of(result)
-        self.pods = {o: p for o, p in self.pods.items() if o < self.replicas}
-        for ordinal in range(self.replicas):
-            if ordinal >= self.partition and self.pods.get(ordinal, ("r1",))[0] == "r1":
+        self.start = start_of(result)
+        window = range(self.start, self.start + self.replicas)
+        self.pods = {o: p for o, p in self.pods.items() if o in window}
+        for ordinal in window:
+            if ordinal >= self.start + self.partition and self.pods.get(ordinal, ("r1",))[0] == "r1":
                 self.pods[ordinal] = ("r2", now)
+                self.made += 1
 
 
 def roll(prefill: int, decode: int, spec: RolloutSpec) -> list[dict[str, Any]]:
@@ -79,6 +87,7 @@ def roll(prefill: int, decode: int, spec: RolloutSpec) -> list[dict[str, Any]]:
                 "pods": {r: len(roles[r].pods) for r in ROLES},
                 "pairs": roles["prefill"].ready(now) & roles["decode"].ready(now),
                 "done": {r: (roles[r].n - min(roles[r].partition, roles[r].n)) / roles[r].n for r in ROLES},
+                "made": {r: roles[r].made for r in ROLES},
             }
         )
         settled = all(
@@ -118,6 +127,7 @@ def test_each_role_stays_within_its_budget_and_a_pair_serves_where_one_can(
     keeps_a_pair = all(n[r] > budget[r].unavailable for r in ROLES)
     if keeps_a_pair:
         assert all(moment["pairs"] for moment in seen), (case, seen)
+    assert seen[-1]["made"] == n, (case, seen[-1])  # each new pod made once: one model load per pod
     skew = spec.max_skew / 100
     step_share = max(budget[r].surge + budget[r].unavailable for r in ROLES) / min(prefill, decode)
     assert all(abs(m["done"]["prefill"] - m["done"]["decode"]) <= max(skew, step_share) + 1e-9 for m in seen)

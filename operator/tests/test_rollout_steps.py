@@ -1,7 +1,8 @@
 """The surge rollout's steps (rollout.py), one reconcile at a time, from what the cluster shows: the new
-pods first, an old pod replaced only once everything above the partition is new and ready and the
-other role has a ready pod of the new fingerprint, the surge taken away at the end; pause, an
-autoscaled role and maxSurge 0 leave the StatefulSet's own rolling update alone."""
+pods first, above the old; an old pod goes (the window of ordinals moves up past it) only once
+everything above the partition is new and ready and the other role has a ready pod of the new
+fingerprint; the new pods are the ones that stay. Pause, an autoscaled role and maxSurge 0 leave the
+StatefulSet's own rolling update alone, and nothing moves the window back."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from dllm_operator.api import parse
 from dllm_operator.api.rollout import EngineRole, RolloutSpec
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
-from dllm_operator.rollout import STEP_AT, partition_of, progress
+from dllm_operator.rollout import STEP_AT, partition_of, progress, start_of
 from dllm_operator.status import Observed, conditions, rollout_condition
 
 SURGE = RolloutSpec(max_surge=1)
@@ -51,9 +52,12 @@ def live(
     update: str,
     observed: int = 3,
     stepped: float = NOW - 60,
+    start: int = 0,
 ) -> dict[str, Any]:
-    """The StatefulSet as the API server shows it, its last step `stepped`."""
+    """The StatefulSet as the API server shows it, its window from `start`, its last step `stepped`."""
     obj = sts(replicas, template)
+    if start:
+        obj["spec"]["ordinals"] = {"start": start}
     obj["metadata"]["annotations"][STEP_AT] = f"{stepped:.0f}"
     obj["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
     obj["status"] = {"observedGeneration": observed, "currentRevision": current, "updateRevision": update}
@@ -74,48 +78,70 @@ PARTNER_NEW = [pod(0, "d-old", fingerprint=OLD_FP), pod(1, "d-new")]  # decode: 
 PARTNER_OLD = [pod(0, "d-old", fingerprint=OLD_FP)]
 
 
-def at(result: dict[str, Any]) -> tuple[int, int]:
-    return result["spec"]["replicas"], partition_of(result)
+def at(result: dict[str, Any]) -> tuple[int, int, int]:
+    """Where the step leaves the StatefulSet: its window's start, its replicas, its partition."""
+    return start_of(result), result["spec"]["replicas"], partition_of(result)
 
 
 def test_a_template_change_starts_with_the_surge_pods_only() -> None:
     result = step(
         sts(2, "t2"), live("t1", 2, 0, "r1", "r1"), [pod(0, "r1"), pod(1, "r1")], PARTNER_OLD, SURGE, NOW
     )
-    assert at(result) == (3, 2)
+    assert at(result) == (0, 3, 2)
 
 
 def test_an_old_pod_goes_only_when_all_above_the_partition_is_new_and_ready_and_the_partner_paired() -> None:
     actual = live("t2", 3, 2, "r1", "r2")
     ready_surge = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2")]
-    assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_NEW, SURGE, NOW)) == (3, 1)
+    # ordinal 0 goes; once it is going, a new pod is added above the surge one (2 + maxSurge 1 pods)
+    assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_NEW, SURGE, NOW)) == (1, 2, 1)
+    going = live("t2", 2, 1, "r1", "r2", start=1)
+    assert at(step(sts(2, "t2"), going, ready_surge, PARTNER_NEW, SURGE, NOW)) == (1, 3, 1)
     # the surge pod not ready yet: hold
     starting = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2", ready=False)]
-    assert at(step(sts(2, "t2"), actual, starting, PARTNER_NEW, SURGE, NOW)) == (3, 2)
+    assert at(step(sts(2, "t2"), actual, starting, PARTNER_NEW, SURGE, NOW)) == (0, 3, 2)
     # the other role has no ready pod of the new fingerprint: hold, old pairs keep serving
-    assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_OLD, SURGE, NOW)) == (3, 2)
+    assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_OLD, SURGE, NOW)) == (0, 3, 2)
 
 
-def test_the_partition_walks_down_to_zero_then_the_surge_goes() -> None:
-    actual = live("t2", 3, 1, "r1", "r2")
-    pods = [pod(0, "r1"), pod(1, "r2"), pod(2, "r2")]
-    assert at(step(sts(2, "t2"), actual, pods, PARTNER_NEW, SURGE, NOW)) == (3, 0)
-    done = live("t2", 3, 0, "r2", "r2")  # every pod new and ready: the controller says so
-    assert at(step(sts(2, "t2"), done, [pod(i, "r2") for i in range(3)], PARTNER_NEW, SURGE, NOW)) == (2, 0)
+def test_the_window_moves_up_past_the_old_pods_and_ends_at_the_replicas() -> None:
+    actual = live("t2", 3, 1, "r1", "r2", start=1)
+    pods = [pod(1, "r1"), pod(2, "r2"), pod(3, "r2")]
+    assert at(step(sts(2, "t2"), actual, pods, PARTNER_NEW, SURGE, NOW)) == (2, 2, 0)  # 2 and 3 stay
+    done = live("t2", 2, 0, "r2", "r2", start=2)  # every pod new and ready: the controller says so
+    pods = [pod(2, "r2"), pod(3, "r2")]
+    assert at(step(sts(2, "t2"), done, pods, PARTNER_NEW, SURGE, NOW)) == (2, 2, 0)
+
+
+def test_a_role_of_one_starts_one_new_pod_and_it_stays() -> None:
+    """One replica, maxSurge 1: the new pod comes up beside the old one, then the old one goes; the new
+    pod is never replaced again (the surge pod is the one that stays: one model load, not two)."""
+    first = step(sts(1, "t2"), live("t1", 1, 0, "r1", "r1"), [pod(0, "r1")], PARTNER_OLD, SURGE, NOW)
+    assert at(first) == (0, 2, 1)
+    both = [pod(0, "r1"), pod(1, "r2")]
+    assert at(step(sts(1, "t2"), live("t2", 2, 1, "r1", "r2"), both, PARTNER_NEW, SURGE, NOW)) == (1, 1, 0)
+    done = live("t2", 1, 0, "r2", "r2", start=1)
+    assert at(step(sts(1, "t2"), done, [pod(1, "r2")], PARTNER_NEW, SURGE, NOW)) == (1, 1, 0)
+
+
+def test_a_surge_larger_than_the_role_adds_no_more_new_pods_than_its_replicas() -> None:
+    wide = RolloutSpec(max_surge=3)
+    first = step(sts(1, "t2"), live("t1", 1, 0, "r1", "r1"), [pod(0, "r1")], PARTNER_OLD, wide, NOW)
+    assert at(first) == (0, 2, 1)
 
 
 def test_a_step_the_controller_has_not_seen_is_held() -> None:
     actual = live("t2", 3, 2, "r1", "r2", observed=2)
-    assert at(step(sts(2, "t2"), actual, [pod(2, "r2")], PARTNER_NEW, SURGE, NOW)) == (3, 2)
+    assert at(step(sts(2, "t2"), actual, [pod(2, "r2")], PARTNER_NEW, SURGE, NOW)) == (0, 3, 2)
 
 
 def test_pause_holds_every_step() -> None:
     paused = RolloutSpec(max_surge=1, paused=True)
     before = live("t1", 2, 0, "r1", "r1")
-    assert at(step(sts(2, "t2"), before, [], PARTNER_OLD, paused, NOW)) == (2, 2)  # no pod takes the template
+    assert at(step(sts(2, "t2"), before, [], PARTNER_OLD, paused, NOW)) == (0, 2, 2)  # no pod takes it
     mid = live("t2", 3, 2, "r1", "r2")
     pods = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2")]
-    assert at(step(sts(2, "t2"), mid, pods, PARTNER_NEW, paused, NOW)) == (3, 2)
+    assert at(step(sts(2, "t2"), mid, pods, PARTNER_NEW, paused, NOW)) == (0, 3, 2)
 
 
 def test_no_surge_an_autoscaled_role_or_a_new_statefulset_is_rendered_as_is() -> None:
@@ -127,11 +153,26 @@ def test_no_surge_an_autoscaled_role_or_a_new_statefulset_is_rendered_as_is() ->
     assert step(desired, None, [], PARTNER_OLD, SURGE, NOW) is desired
 
 
+def test_no_rendering_moves_the_window_back() -> None:
+    """A role rolled before starts at a higher ordinal; rendered as is, the StatefulSet would start at
+    0 again and replace every pod at once. Without coordination, for an autoscaled role, for one made by
+    hand, and for one made again after an immutable field orphaned its pods, the window stays."""
+    moved_up = live("t2", 2, 0, "r2", "r2", start=4)
+    pods = [pod(4, "r2"), pod(5, "r2")]
+    assert start_of(step(sts(2, "t3"), moved_up, pods, PARTNER_OLD, RolloutSpec(), NOW)) == 4
+    assert start_of(step(sts(None, "t3"), moved_up, pods, PARTNER_OLD, SURGE, NOW)) == 4
+    by_hand = copy.deepcopy(moved_up)
+    del by_hand["metadata"]["annotations"][TEMPLATE_HASH]
+    assert start_of(step(sts(2, "t3"), by_hand, pods, PARTNER_OLD, SURGE, NOW)) == 4
+    assert start_of(step(sts(2, "t3"), None, pods, PARTNER_OLD, SURGE, NOW)) == 4  # orphaned pods
+    assert at(step(sts(3, "t2"), moved_up, pods, PARTNER_OLD, SURGE, NOW)) == (4, 3, 0)  # scaled up
+
+
 def test_a_settled_role_sets_partition_zero_and_its_replicas() -> None:
     actual = live("t2", 2, 0, "r2", "r2")
-    assert at(step(sts(2, "t2"), actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE, NOW)) == (2, 0)
+    assert at(step(sts(2, "t2"), actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE, NOW)) == (0, 2, 0)
     scaled = copy.deepcopy(sts(4, "t2"))
-    assert at(step(scaled, actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE, NOW)) == (4, 0)
+    assert at(step(scaled, actual, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE, NOW)) == (0, 4, 0)
 
 
 def role_workload(name: str, replicas: int, current: str, update: str, updated: int) -> dict[str, Any]:
@@ -175,13 +216,13 @@ def test_rollout_progressing_says_which_role_moves_and_where() -> None:
 def test_a_step_is_stamped_and_a_rollout_without_one_past_its_deadline_stops() -> None:
     pods = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2")]
     moved = step(sts(2, "t2"), live("t2", 3, 2, "r1", "r2"), pods, PARTNER_NEW, SURGE, NOW)
-    assert at(moved) == (3, 1)
+    assert at(moved) == (1, 2, 1)
     assert moved["metadata"]["annotations"][STEP_AT] == f"{NOW:.0f}"
     starting = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2", ready=False)]
     held = step(sts(2, "t2"), live("t2", 3, 2, "r1", "r2"), starting, PARTNER_NEW, SURGE, NOW)
     assert held["metadata"]["annotations"][STEP_AT] == f"{NOW - 60:.0f}"  # no step: the clock runs on
     stale = live("t2", 3, 2, "r1", "r2", stepped=NOW - SURGE.progress_deadline_seconds - 1)
-    assert at(step(sts(2, "t2"), stale, pods, PARTNER_NEW, SURGE, NOW)) == (3, 2)  # failed: stopped
+    assert at(step(sts(2, "t2"), stale, pods, PARTNER_NEW, SURGE, NOW)) == (0, 3, 2)  # failed: stopped
 
 
 def test_a_paused_rollout_runs_no_clock() -> None:
@@ -197,7 +238,7 @@ def test_a_paused_rollout_runs_no_clock() -> None:
         SURGE,
         NOW,
     )
-    assert at(resumed) == (3, 1)  # not overdue: the pause stopped its clock
+    assert at(resumed) == (1, 2, 1)  # not overdue: the pause stopped its clock
 
 
 def test_a_rollout_past_its_deadline_says_so_and_degrades_the_resource() -> None:
@@ -215,13 +256,18 @@ def _roll_both(prefill: int, decode: int, spec: RolloutSpec) -> list[tuple[float
     fastest case for the skew): each role's progress after each reconcile, until both are done."""
     n: dict[EngineRole, int] = {"prefill": prefill, "decode": decode}
     partition = dict(n)
+    start = {role: 0 for role in n}
+    replicas = {role: n[role] + 1 for role in n}
     seen: list[tuple[float, float]] = []
     pairs: tuple[tuple[EngineRole, EngineRole], ...] = (("prefill", "decode"), ("decode", "prefill"))
     for _ in range(4 * (prefill + decode)):
-        actual = {role: live("t2", n[role] + 1, partition[role], "r1", "r2") for role in n}
+        actual = {
+            role: live("t2", replicas[role], partition[role], "r1", "r2", start=start[role]) for role in n
+        }
         progress_now = {role: progress(sts(n[role], "t2"), actual[role]) for role in n}
         for role, partner in pairs:
-            pods = [pod(i, "r2" if i >= partition[role] else "r1") for i in range(n[role] + 1)]
+            first, old_end = start[role], start[role] + partition[role]
+            pods = [pod(i, "r2" if i >= old_end else "r1") for i in range(first, first + replicas[role])]
             moved = step(
                 sts(n[role], "t2"),
                 actual[role],
@@ -232,7 +278,7 @@ def _roll_both(prefill: int, decode: int, spec: RolloutSpec) -> list[tuple[float
                 progress_now[partner],
                 role=role,
             )
-            partition[role] = partition_of(moved)
+            start[role], replicas[role], partition[role] = at(moved)
         done = {role: (n[role] - partition[role]) / n[role] for role in n}
         seen.append((done["prefill"], done["decode"]))
         if partition == {"prefill": 0, "decode": 0}:
@@ -248,12 +294,12 @@ def test_max_skew_keeps_the_roles_in_step_and_never_deadlocks() -> None:
             worst = max(abs(p - d) for p, d in seen)
             assert worst <= bound + 1e-9, (prefill, decode, skew, seen)
     # the bound binds: unbounded, prefill of 2 is done in two steps while decode of 8 has taken two;
-    # at 25% prefill waits after each step (one pod's share of 2) until decode is level again: the two
-    # step together from level, so the skew is 1/2 - 1/8
+    # at 25% prefill waits after each step (one pod's share of 2) until decode is level again, then
+    # steps while decode adds the new pods of its last step (a step of its own), so the skew is 1/2
     unbounded = _roll_both(2, 8, RolloutSpec(max_surge=1))
     bounded = _roll_both(2, 8, RolloutSpec(max_surge=1, max_skew=25))
     assert max(abs(p - d) for p, d in unbounded) == 1 - 2 / 8
-    assert max(abs(p - d) for p, d in bounded) == 1 / 2 - 1 / 8
+    assert max(abs(p - d) for p, d in bounded) == 1 / 2
     assert len(bounded) == len(unbounded)  # holding the faster role back costs no time: decode sets the pace
 
 
@@ -265,25 +311,22 @@ def test_progress_is_the_share_of_old_pods_replaced() -> None:
 
 
 def test_a_change_while_a_rollout_runs_waits_for_it_then_rolls() -> None:
-    """1/1 with one surge pod, mid-way: the surge pod ready at the new template, ordinal 0 restarting.
-    A further change (or an undo) does not take the ready surge pod down with the other restarting:
-    the rollout under way finishes at its template first, then the next starts. A failed (overdue)
-    one is not waited for."""
-    mid = live("t2", 2, 0, "r1", "r2")
+    """1/1 with one surge pod, mid-way: the old pod going (the window moved past it), the new one above
+    it starting. A further change (or an undo) does not take the starting pod down: the rollout under
+    way finishes at its template first, then the next starts. A failed (overdue) one is not waited for."""
+    mid = live("t2", 1, 0, "r1", "r2", start=1)
     mid["spec"]["template"]["metadata"]["labels"]["revision-of"] = "t2"
-    restarting = [pod(0, "r2", ready=False), pod(1, "r2")]
-    held = step(sts(1, "t3"), mid, restarting, PARTNER_NEW, SURGE, NOW)
+    starting = [pod(0, "r1"), pod(1, "r2", ready=False)]
+    held = step(sts(1, "t3"), mid, starting, PARTNER_NEW, SURGE, NOW)
     assert held["metadata"]["annotations"][TEMPLATE_HASH] == "t2"
     assert held["spec"]["template"]["metadata"]["labels"]["revision-of"] == "t2"
-    assert at(held) == (2, 0)
-    settled = live("t2", 2, 0, "r2", "r2")
-    assert at(step(sts(1, "t3"), settled, [pod(0, "r2"), pod(1, "r2")], PARTNER_NEW, SURGE, NOW)) == (1, 0)
-    done = live("t2", 1, 0, "r2", "r2")
-    started = step(sts(1, "t3"), done, [pod(0, "r2")], PARTNER_NEW, SURGE, NOW)
-    assert (started["metadata"]["annotations"][TEMPLATE_HASH], at(started)) == ("t3", (2, 1))
+    assert at(held) == (1, 1, 0)
+    done = live("t2", 1, 0, "r2", "r2", start=1)
+    started = step(sts(1, "t3"), done, [pod(1, "r2")], PARTNER_NEW, SURGE, NOW)
+    assert (started["metadata"]["annotations"][TEMPLATE_HASH], at(started)) == ("t3", (1, 2, 1))
     failed = live("t2", 2, 1, "r1", "r2", stepped=NOW - SURGE.progress_deadline_seconds - 1)
     undone = step(sts(1, "t1"), failed, [pod(0, "r1"), pod(1, "r2", ready=False)], PARTNER_OLD, SURGE, NOW)
-    assert (undone["metadata"]["annotations"][TEMPLATE_HASH], at(undone)) == ("t1", (2, 1))
+    assert (undone["metadata"]["annotations"][TEMPLATE_HASH], at(undone)) == ("t1", (0, 2, 1))
 
 
 def test_a_statefulset_without_the_operators_template_hash_is_not_taken_for_a_rollout() -> None:
@@ -304,17 +347,17 @@ def ready_at(ordinal: int, revision: str, since: float, fingerprint: str = NEW_F
 
 def test_a_new_pod_serves_only_once_it_has_been_ready_long_enough_for_the_router_to_find_it() -> None:
     """The router finds pods by DNS and health checks every few seconds: a surge pod ready 5 s ago
-    does not yet let an old pod go, nor does the partner's; after the settle time both do; and the
-    surge goes only once the replaced pods have settled too."""
+    does not yet let an old pod go, nor does the partner's; after the settle time both do; and a pod
+    past the replicas (scaled down) goes only once the pods that stay have settled too."""
     actual = live("t2", 3, 2, "r1", "r2")
     fresh = [pod(0, "r1"), pod(1, "r1"), ready_at(2, "r2", NOW - 5)]
     settled = [pod(0, "r1"), pod(1, "r1"), ready_at(2, "r2", NOW - 20)]
     partner_fresh = [pod(0, "d-old", fingerprint=OLD_FP), ready_at(1, "d-new", NOW - 5)]
-    assert at(step(sts(2, "t2"), actual, fresh, PARTNER_NEW, SURGE, NOW, settle=15)) == (3, 2)
-    assert at(step(sts(2, "t2"), actual, settled, partner_fresh, SURGE, NOW, settle=15)) == (3, 2)
-    assert at(step(sts(2, "t2"), actual, settled, PARTNER_NEW, SURGE, NOW, settle=15)) == (3, 1)
+    assert at(step(sts(2, "t2"), actual, fresh, PARTNER_NEW, SURGE, NOW, settle=15)) == (0, 3, 2)
+    assert at(step(sts(2, "t2"), actual, settled, partner_fresh, SURGE, NOW, settle=15)) == (0, 3, 2)
+    assert at(step(sts(2, "t2"), actual, settled, PARTNER_NEW, SURGE, NOW, settle=15)) == (1, 2, 1)
     done = live("t2", 3, 0, "r2", "r2")
     just_replaced = [ready_at(0, "r2", NOW - 20), ready_at(1, "r2", NOW - 3), ready_at(2, "r2", NOW - 60)]
-    assert at(step(sts(2, "t2"), done, just_replaced, PARTNER_NEW, SURGE, NOW, settle=15)) == (3, 0)
+    assert at(step(sts(2, "t2"), done, just_replaced, PARTNER_NEW, SURGE, NOW, settle=15)) == (0, 3, 0)
     later = [ready_at(0, "r2", NOW - 20), ready_at(1, "r2", NOW - 16), ready_at(2, "r2", NOW - 60)]
-    assert at(step(sts(2, "t2"), done, later, PARTNER_NEW, SURGE, NOW, settle=15)) == (2, 0)
+    assert at(step(sts(2, "t2"), done, later, PARTNER_NEW, SURGE, NOW, settle=15)) == (0, 2, 0)

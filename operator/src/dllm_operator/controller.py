@@ -337,9 +337,8 @@ class Controller:
         desired: list[dict[str, Any]],
         actual: dict[Key, dict[str, Any]],
     ) -> list[dict[str, Any]]:
-        """The engine StatefulSets at their surge rollout's step (rollout.py); the rest as rendered."""
-        if not cr.spec.rollout.coordinated:
-            return desired
+        """The engine StatefulSets at their surge rollout's step (rollout.py), their window of ordinals
+        kept where it is with no rollout too; the rest as rendered."""
         pods = pods_by_component(self.store.pods[key].values())
         engines = {role: obj for obj in desired if (role := _engine_role(obj)) is not None}
         progress = {role: rollout.progress(obj, actual.get(key_of(obj))) for role, obj in engines.items()}

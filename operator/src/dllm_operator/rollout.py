@@ -2,20 +2,27 @@
 
 A StatefulSet cannot surge by itself: its rolling update takes a pod down before its replacement is up,
 and a role with one replica has no pod meanwhile. With a role's maxSurge S and maxUnavailable U, the
-operator rolls a role of N replicas through its StatefulSet's replicas and partition instead, one step
-per reconcile, each step read from what the cluster shows (so a restarted operator goes on where it was):
+operator rolls a role of N replicas through its StatefulSet's window of ordinals instead (spec.ordinals
+.start, spec.replicas) and its partition, one step per reconcile, each step read from what the cluster
+shows (so a restarted operator goes on where it was). The old pods are the lowest ordinals of the
+window, as many as the partition (which counts from ordinals.start); the new ones are above them.
 
-1. the pod template changed: replicas N+S, partition N. The S new ordinals start from the new template;
-   the N old pods keep serving.
-2. while pods remain at the old revision: when every ordinal from the partition up is at the new revision
-   and ready, and the other role has a ready pod of the new KV fingerprint, the partition goes down by
-   as many pods as keep N-U of the role's pods ready (S+U when every pod is ready; an old pod that is
-   not ready costs nothing), so the StatefulSet replaces them (its preStop drains each). A complete
+1. the pod template changed: replicas N + min(S, N), partition N. The new ordinals above the old pods
+   start from the new template; the old pods keep serving.
+2. while old pods remain: when every pod above the partition is at the new revision and ready, and the
+   other role has a ready pod of the new KV fingerprint, ordinals.start moves up past as many old pods
+   costs nothing), so the StatefulSet deletes them (its preStop drains each) and the partition goes
+   down as far; at the next step, new ordinals are added at the top, up to N new pods and N+S pods in
+   all (not at once: the StatefulSet would create them before it deletes the old). A complete
    pair of the new fingerprint serves before either role's old pods go, and the router pairs only equal
    fingerprints, so no request meets a pod that cannot read its KV. With neither role surging no such
    pair can come first: prefill takes the first step alone while the old pairs serve (a role of one
    replica, or one that may lose all its pods at once, has none meanwhile).
-3. every pod at the new revision: replicas N, partition 0; the surge ordinals go (drained the same way).
+3. no old pod left: replicas N, partition 0, the window N ordinals above where it began.
+
+Each new pod is made once: the pods a surge brings up are the ones that stay (replacing old pods in
+place, then taking the surge pods away, started most of them twice). Pod names move up by N each
+rollout, as a Deployment's pods are named anew.
 
 The roles move in step (spec.rollout.maxSkew): a role replaces old pods only while its share of old
 pods replaced, after the step, is no more than maxSkew percent ahead of the other role's, or one pod
@@ -27,6 +34,8 @@ that rollout failed its deadline. `paused` holds the current step.
 Replicas left to an autoscaler are never surged (the count is not the operator's to raise). Each step
 stamps the StatefulSet (STEP_AT, seconds since the epoch); a rollout whose last step is older than its
 progressDeadlineSeconds is failed and held there, the old pods serving, until the template changes.
+Whatever the step, the window's start is kept (never rendered back to 0, which would replace every pod
+at once); a StatefulSet made again (an immutable field changed) starts where its orphaned pods are.
 """
 
 from __future__ import annotations
@@ -60,15 +69,41 @@ def ordinal_of(pod: dict[str, Any]) -> int | None:
     return int(suffix) if suffix.isdigit() else None
 
 
+def start_of(sts: dict[str, Any] | None) -> int:
+    """The StatefulSet's first ordinal (spec.ordinals.start; 0 when unset)."""
+    ordinals = (sts or {}).get("spec", {}).get("ordinals") or {}
+    return int(ordinals.get("start") or 0)
+
+
+def window_start(actual: dict[str, Any] | None, pods: Iterable[dict[str, Any]]) -> int:
+    """Where the role's window of ordinals begins now: the live StatefulSet's start, or, with none (it
+    was deleted, orphaning its pods, for an immutable field), its lowest pod's ordinal, so the one made
+    again adopts the pods instead of replacing them all at once."""
+    if actual is not None:
+        return start_of(actual)
+    return min((o for pod in pods if (o := ordinal_of(pod)) is not None), default=0)
+
+
+def with_start(desired: dict[str, Any], start: int) -> dict[str, Any]:
+    """`desired` with its window starting at `start` (`desired` itself when that is 0, the default)."""
+    if start == start_of(desired):
+        return desired
+    out = copy.deepcopy(desired)
+    out["spec"]["ordinals"] = {"start": start}
+    return out
+
+
 def ready_fingerprints(pods: Iterable[dict[str, Any]], now: float = 0.0, settle: float = 0.0) -> set[str]:
     """The KV fingerprints of the pods among `pods` ready for `settle` seconds by `now`."""
     return {fingerprint for pod in pods if settled(pod, now, settle) and (fingerprint := kv_fingerprint(pod))}
 
 
-def with_steps(desired: dict[str, Any], replicas: int, partition: int, at: float | None) -> dict[str, Any]:
-    """`desired` at this step: its replicas, its rolling update's partition, and when it was taken
-    (None: paused, so no deadline runs; the first step after the pause starts it again)."""
-    out = copy.deepcopy(desired)
+def with_steps(
+    desired: dict[str, Any], start: int, replicas: int, partition: int, at: float | None
+) -> dict[str, Any]:
+    """`desired` at this step: its window's start and replicas, its rolling update's partition, and when
+    it was taken (None: paused, so no deadline runs; the first step after the pause starts it again)."""
+    out = copy.deepcopy(with_start(desired, start))
     out["spec"]["replicas"] = replicas
     out["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
     stamp = PAUSED if at is None else f"{at:.0f}"
@@ -153,22 +188,24 @@ def step(
     `pods` are the role's, `partner_pods` the other role's, `partner_progress` the other role's
     `progress`; `now` in seconds since the epoch. A new pod counts as serving once it has been ready
     `settle` seconds (the router finds pods on its own schedule): only then may an old one go."""
+    start = window_start(actual, pods)
     n = desired["spec"].get("replicas")
     if not rollout.coordinated or n is None or n == 0 or actual is None:
-        return desired
+        return with_start(desired, start)
     if _annotation(actual, TEMPLATE_HASH) is None:
-        return desired  # not rendered by us (made by hand, or from before the hash): no step to read
+        # not rendered by us (made by hand, or from before the hash): no step to read
+        return with_start(desired, start)
     own, partner = rollout.budget(role), rollout.budget("decode" if role == "prefill" else "prefill")
     replicas, last = int(actual.get("spec", {}).get("replicas") or n), step_at(actual) or now
-    held = with_steps(desired, replicas, partition_of(actual), last)
+    held = with_steps(desired, start, replicas, partition_of(actual), last)
 
-    def moved(to_replicas: int, to_partition: int) -> dict[str, Any]:
-        same = (to_replicas, to_partition) == (replicas, partition_of(actual))
-        return held if same else with_steps(desired, to_replicas, to_partition, now)
+    def moved(to_start: int, to_replicas: int, to_partition: int) -> dict[str, Any]:
+        same = (to_start, to_replicas, to_partition) == (start, replicas, partition_of(actual))
+        return held if same else with_steps(desired, to_start, to_replicas, to_partition, now)
 
     if _annotation(actual, TEMPLATE_HASH) != _annotation(desired, TEMPLATE_HASH):
         if rollout.paused:  # the template is kept, and no pod takes it yet
-            return with_steps(desired, replicas, max(partition_of(actual), replicas), None)
+            return with_steps(desired, start, replicas, max(partition_of(actual), replicas), None)
         if (under_way(actual, n) or partition_of(actual) > 0) and not overdue(actual, rollout, now):
             # A change while a rollout runs waits for it: restarting from the mixed pods would take
             # the newest ready ones down at once. A failed rollout is not waited for.
@@ -184,60 +221,84 @@ def step(
                 role=role,
                 settle=settle,
             )
-        return with_steps(desired, n + own.surge, n, now)  # a new rollout: its clock starts now
+        return with_steps(desired, start, _window(n, n, own), n, now)  # a new rollout: its clock starts now
     status = actual.get("status", {})
     if not observed(actual):
         return held  # its controller has not acted on the last step yet
     moving, update = rolling(actual), status.get("updateRevision")
     if rollout.paused and (moving or partition_of(actual) > 0 or replicas > n):
-        return with_steps(desired, replicas, partition_of(actual), None)
-    if not moving:  # every pod is at the template: any surge ordinals go, once the others serve
-        serving = {o for pod in pods if settled(pod, now, settle) and (o := ordinal_of(pod)) is not None}
-        return moved(n, 0) if replicas <= n or all(o in serving for o in range(n)) else held
+        return with_steps(desired, start, replicas, partition_of(actual), None)
+    # Where each pod sits in the window (pods outside it are going).
+    ready = {place for pod in pods if settled(pod, now, settle) and (place := _place(pod, start)) is not None}
+    if not moving:  # every pod is at the template: any pods past the replicas go, once the others serve
+        return moved(start, n, 0) if replicas <= n or all(p in ready for p in range(n)) else held
     if overdue(actual, rollout, now):
         return held  # failed: stopped where it is until the template changes
-    # Scaled down mid-rollout: ordinals past the new count are surge now, rolled as such.
-    total, partition = n + own.surge, min(partition_of(actual), n)
-    ready = {
-        ordinal for pod in pods if settled(pod, now, settle) and (ordinal := ordinal_of(pod)) is not None
-    }
+    # Scaled down mid-rollout: old pods past the new count are rolled as new ones.
+    old = min(partition_of(actual), n)
+    total = _window(n, old, own)
     fresh = {
-        ordinal
+        place
         for pod in pods
         if pod.get("metadata", {}).get("labels", {}).get(REVISION_LABEL) == update
-        and (ordinal := ordinal_of(pod)) in ready
+        and (place := _place(pod, start)) in ready
     }
-    if partition == 0 or not all(o in fresh for o in range(partition, total)):
-        return moved(total, partition)  # the last step's pods are not all up yet
+    if old == 0 or not all(p in fresh for p in range(old, total)):
+        return moved(start, total, old)  # the last step's pods are not all up yet
     fingerprint = desired["spec"]["template"]["metadata"]["labels"].get(labels.KV_FINGERPRINT)
     # With neither role surging, no pair of the new fingerprint can come first: prefill takes its first
     # step alone, then waits like decode.
-    leads = role == "prefill" and own.surge == 0 and partner.surge == 0 and partition >= n
+    leads = role == "prefill" and own.surge == 0 and partner.surge == 0 and old >= n
     if not (fingerprint is None or leads or fingerprint in ready_fingerprints(partner_pods, now, settle)):
-        return moved(total, partition)  # old pods go only once a new pair can serve
-    return moved(total, partition - _replaceable(n, partition, total, ready, own, partner_progress, rollout))
+        return moved(start, total, old)  # old pods go only once a new pair can serve
+    old_ready = [p in ready for p in range(old)]  # the lowest first: the order they go in
+    taken = _replaceable(n, old_ready, total - old, own, partner_progress, rollout)
+    # The top of the window stays: the StatefulSet creates a new ordinal before it deletes one left
+    # below the window, so the new pods that take the old ones' places come at the next step, once
+    # the old ones are going.
+    return moved(start + taken, replicas - taken, old - taken)
+
+
+def _place(pod: dict[str, Any], start: int) -> int | None:
+    """The pod's place in its StatefulSet's window (0 for its first ordinal)."""
+    ordinal = ordinal_of(pod)
+    return None if ordinal is None or ordinal < start else ordinal - start
+
+
+def _window(n: int, old: int, own: RoleBudget) -> int:
+    """The replicas while `old` old pods remain: as many new ones as the surge allows, up to n."""
+    return old + min(n, n + own.surge - old)
 
 
 def _replaceable(
     n: int,
-    partition: int,
-    total: int,
-    ready: set[int],
+    old_ready: list[bool],
+    new: int,
     own: RoleBudget,
     partner_progress: float,
     rollout: RolloutSpec,
 ) -> int:
-    """How many old pods, from the partition down, may be replaced at once: the role keeps at least
-    n - maxUnavailable ready pods (an old pod not ready costs nothing to replace), and its share of old
-    pods replaced stays within maxSkew of the other role's, unless it is not ahead now (then one)."""
-    available = (total - partition) + sum(1 for o in range(partition) if o in ready)
-    level = _replaced(n, partition) <= partner_progress
+    """How many old pods, the lowest first, may go at once (each new pod above them ready): the role
+    keeps at least n - maxUnavailable ready pods (an old pod not ready costs nothing to replace), and
+    its share of old pods replaced stays within maxSkew of the other role's, unless it is not ahead
+    now (then one)."""
+    old = len(old_ready)
+    available = new + sum(old_ready)
+    level = _replaced(n, old) <= partner_progress
     taken = 0
-    for ordinal in range(partition - 1, -1, -1):
-        cost = 1 if ordinal in ready else 0
-        in_step = _replaced(n, ordinal) - partner_progress <= rollout.max_skew / 100 or (level and not taken)
+    for is_ready in old_ready:
+        cost = 1 if is_ready else 0
+        left = old - taken - 1
+        in_step = _replaced(n, left) - partner_progress <= rollout.max_skew / 100 or (level and not taken)
         if available - cost < n - own.unavailable or not in_step:
             break
         available -= cost
         taken += 1
     return taken
+
+
+def replicas_without_surge(sts: dict[str, Any], surge: int) -> int:
+    """The role's own replicas, read from a StatefulSet mid-rollout: its window less the new pods a
+    surge added while old ones remain (none before the first step, where replicas equals the partition)."""
+    replicas, old = int(sts.get("spec", {}).get("replicas") or 0), partition_of(sts)
+    return replicas - min(surge, old) if replicas > old else replicas

@@ -57,7 +57,7 @@ def initial_replicas(
         return within(int(recorded), low, high)
     count = int(sts.get("spec", {}).get("replicas") or low)
     if rollout.rolling(sts) and rollout_spec.coordinated:
-        count -= rollout_spec.budget(role).surge
+        count = rollout.replicas_without_surge(sts, rollout_spec.budget(role).surge)
     return within(count, low, high)
 
 
@@ -67,9 +67,11 @@ def measured(pods: Iterable[dict[str, Any]], replicas: int, now: float, seconds:
     return len(pods) == replicas and all(settled(pod, now, seconds) for pod in pods)
 
 
-def kept_measured(pods: Iterable[dict[str, Any]], keep: int, now: float, seconds: float) -> bool:
-    """The `keep` lowest ordinals (what a step down to `keep` leaves) exist and are measured."""
-    kept = [pod for pod in pods if (ordinal := rollout.ordinal_of(pod)) is not None and ordinal < keep]
+def kept_measured(pods: Iterable[dict[str, Any]], start: int, keep: int, now: float, seconds: float) -> bool:
+    """The `keep` lowest ordinals from the StatefulSet's `start` (what a step down to `keep` leaves)
+    exist and are measured."""
+    window = range(start, start + keep)
+    kept = [pod for pod in pods if (ordinal := rollout.ordinal_of(pod)) is not None and ordinal in window]
     return measured(kept, keep, now, seconds)
 
 

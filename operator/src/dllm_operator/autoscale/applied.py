@@ -81,7 +81,9 @@ class AppliedReplicas:
                 *act.bounds(spec, role),
                 measured=act.measured(role_pods, applied, now, measure_seconds),
                 rolling=rolling,
-                kept_measured=act.kept_measured(role_pods, applied - 1, now, measure_seconds),
+                kept_measured=act.kept_measured(
+                    role_pods, rollout.start_of(workloads.get(role)), applied - 1, now, measure_seconds
+                ),
             )
             actions[role] = done.reason
             if done.replicas != applied:
