@@ -221,14 +221,14 @@ class MooncakeTransport(Transport):
                 on_callers_device(self._write_batches), session, src, dst, stop, deadline
             )
         except RuntimeError:  # shut down: close() ran
-            raise TransportError(f"Mooncake write to {session} not made: the transport closed") from None
+            raise _closed(session) from None
         try:
             done.result(timeout=timeout)
             return
         except TimeoutError:
             stop.set()  # no further batch starts
-        except CancelledError:
-            raise TransportError(f"Mooncake write to {session} not made: the transport closed") from None
+        except CancelledError:  # close() cancelled it before a thread took it
+            raise _closed(session) from None
         if done.cancel():  # still waiting for a thread: it never touches the memory now
             raise TransferTimeout(f"Mooncake write to {session} waited past {timeout:.1f}s for a thread")
         # The batch in flight still reads our memory and writes the peer's until Mooncake gives up:
@@ -294,3 +294,7 @@ class MooncakeTransport(Transport):
             for addr in list(self._registered):
                 self._engine.unregister_memory(addr)
             self._registered.clear()
+
+
+def _closed(session: str) -> TransportError:
+    return TransportError(f"Mooncake write to {session} not made: the transport closed")
