@@ -89,7 +89,9 @@ def test_completion_through_the_router_and_transport_used(cluster: Cluster, depl
         assert body["choices"][0]["text"].strip()
     finally:
         forward.terminate()
-    logs = cluster.run("logs", "-n", NAMESPACE, f"{deployed}-decode-0", "--tail=5000", check=False).stdout
+    # the StatefulSet's first pod (after a rollout of a kept deployment, not `-0`)
+    decode = f"statefulset/{deployed}-decode"
+    logs = cluster.run("logs", "-n", NAMESPACE, decode, "--tail=5000", check=False).stdout
     used = sorted({m.group(1) or m.group(2) for m in TRANSPORT_LINE.finditer(logs)})
     print(f"KV transfer transport reported by decode: {used or ['(not logged)']}")
     assert used, "decode's log names no Mooncake transport"

@@ -740,8 +740,8 @@ def test_a_decode_that_cannot_load_kv_fails_kv_transfer_verified_until_it_can(se
 
 
 def test_a_decode_killed_mid_stream_gives_a_clean_error_then_degraded_then_ready(served: Served) -> None:
-    # One decode pod to kill: an earlier test's rollout may still have its surge pod serving (the stream
-    # then went to it, and killing decode-0 cut nothing: a failed run).
+    # One decode pod to kill: an earlier test's rollout may still have its old pod draining (the stream
+    # then went to it, and killing the new one cut nothing: a failed run).
     generation = served.get("dllm", NAME)["metadata"]["generation"]
     wait_until(
         lambda: rolled(served, generation), 600, "one pod per role, no rollout under way", interval=2.0

@@ -30,6 +30,7 @@ class Role:
     start: int = 0
     template: str = "t1"
     pods: dict[int, tuple[str, int]] = field(default_factory=dict)
+    going: dict[int, tuple[str, int]] = field(default_factory=dict)  # revision, round it left the window
     made: int = 0  # pods created since the template changed
 
     def __post_init__(self) -> None:
@@ -43,10 +44,15 @@ class Role:
         return live(self.template, self.replicas, self.partition, current, update, start=self.start)
 
     def pod_list(self, now: int) -> list[dict[str, Any]]:
-        return [
+        listed = [
             pod(o, revision, ready=born < now, fingerprint=NEW_FP if revision == "r2" else OLD_FP)
             for o, (revision, born) in sorted(self.pods.items())
         ]
+        for o, (revision, _) in sorted(self.going.items()):
+            draining = pod(o, revision, ready=False, fingerprint=NEW_FP if revision == "r2" else OLD_FP)
+            draining["metadata"]["deletionTimestamp"] = "now"
+            listed.append(draining)
+        return listed
 
     def ready(self, now: int) -> set[str]:
         return {"new" if revision == "r2" else "old" for revision, born in self.pods.values() if born < now}
@@ -61,6 +67,9 @@ class Role:
         self.template, self.replicas, self.partition = "t2", result["spec"]["replicas"], partition_of(result)
         self.start = start_of(result)
         window = range(self.start, self.start + self.replicas)
+        # A pod that left the window drains for the next round too, then is gone.
+        self.going = {o: (revision, left) for o, (revision, left) in self.going.items() if left >= now - 1}
+        self.going |= {o: (revision, now) for o, (revision, _) in self.pods.items() if o not in window}
         self.pods = {o: p for o, p in self.pods.items() if o in window}
         for ordinal in window:
             if ordinal >= self.start + self.partition and self.pods.get(ordinal, ("r1",))[0] == "r1":
@@ -84,7 +93,7 @@ def roll(prefill: int, decode: int, spec: RolloutSpec) -> list[dict[str, Any]]:
         seen.append(
             {
                 "ready": {r: roles[r].ready_count(now) for r in ROLES},
-                "pods": {r: len(roles[r].pods) for r in ROLES},
+                "pods": {r: len(roles[r].pods) + len(roles[r].going) for r in ROLES},  # draining too
                 "pairs": roles["prefill"].ready(now) & roles["decode"].ready(now),
                 "done": {r: (roles[r].n - min(roles[r].partition, roles[r].n)) / roles[r].n for r in ROLES},
                 "made": {r: roles[r].made for r in ROLES},

@@ -93,10 +93,12 @@ def test_a_template_change_starts_with_the_surge_pods_only() -> None:
 def test_an_old_pod_goes_only_when_all_above_the_partition_is_new_and_ready_and_the_partner_paired() -> None:
     actual = live("t2", 3, 2, "r1", "r2")
     ready_surge = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2")]
-    # ordinal 0 goes; once it is going, a new pod is added above the surge one (2 + maxSurge 1 pods)
+    # ordinal 0 goes; once it has drained, a new pod is added above the surge one (2 + maxSurge 1 pods)
     assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_NEW, SURGE, NOW)) == (1, 2, 1)
     going = live("t2", 2, 1, "r1", "r2", start=1)
-    assert at(step(sts(2, "t2"), going, ready_surge, PARTNER_NEW, SURGE, NOW)) == (1, 3, 1)
+    draining = [{**ready_surge[0], "metadata": {**ready_surge[0]["metadata"], "deletionTimestamp": "t"}}]
+    assert at(step(sts(2, "t2"), going, draining + ready_surge[1:], PARTNER_NEW, SURGE, NOW)) == (1, 2, 1)
+    assert at(step(sts(2, "t2"), going, ready_surge[1:], PARTNER_NEW, SURGE, NOW)) == (1, 3, 1)  # gone
     # the surge pod not ready yet: hold
     starting = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2", ready=False)]
     assert at(step(sts(2, "t2"), actual, starting, PARTNER_NEW, SURGE, NOW)) == (0, 3, 2)
@@ -361,3 +363,45 @@ def test_a_new_pod_serves_only_once_it_has_been_ready_long_enough_for_the_router
     assert at(step(sts(2, "t2"), done, just_replaced, PARTNER_NEW, SURGE, NOW, settle=15)) == (0, 3, 0)
     later = [ready_at(0, "r2", NOW - 20), ready_at(1, "r2", NOW - 16), ready_at(2, "r2", NOW - 60)]
     assert at(step(sts(2, "t2"), done, later, PARTNER_NEW, SURGE, NOW, settle=15)) == (0, 2, 0)
+
+
+def test_a_rollout_an_earlier_operator_began_keeps_its_surge_until_the_pods_made_again_serve() -> None:
+    """An operator from before the window moved re-created ordinals 0..N-1 in place and took the surge
+    away at the end: met mid-way (partition 0, the surge pod serving, ordinal 0 loading), the surge
+    stays until ordinal 0 serves, as before."""
+    legacy = live("t2", 2, 0, "r1", "r2")
+    loading = [pod(0, "r2", ready=False), pod(1, "r2")]
+    assert at(step(sts(1, "t2"), legacy, loading, PARTNER_NEW, SURGE, NOW)) == (0, 2, 0)
+    serving = [pod(0, "r2"), pod(1, "r2")]
+    assert at(step(sts(1, "t2"), legacy, serving, PARTNER_NEW, SURGE, NOW)) == (0, 1, 0)
+
+
+def test_the_new_pods_of_a_step_are_added_even_past_the_deadline() -> None:
+    """The old pods went and the operator was away longer than progressDeadlineSeconds (a leader
+    handover): adding their replacements is the rest of the step already taken, not a new one the
+    deadline may stop."""
+    stale = live("t2", 2, 1, "r1", "r2", start=1, stepped=NOW - SURGE.progress_deadline_seconds - 1)
+    pods = [pod(1, "r1"), pod(2, "r2")]
+    assert at(step(sts(2, "t2"), stale, pods, PARTNER_NEW, SURGE, NOW)) == (1, 3, 1)
+
+
+def test_the_roles_own_replicas_are_read_back_from_the_step_not_the_window() -> None:
+    """After a step that let old pods go and before their replacements come, the window holds fewer
+    pods than the role's replicas: the stamp says what the role has."""
+    pods = [pod(o, "r1") for o in range(4)] + [pod(4, "r2")]
+    moved = step(sts(4, "t2"), live("t2", 5, 4, "r1", "r2"), pods, PARTNER_NEW, SURGE, NOW)
+    assert at(moved) == (1, 4, 3)
+    assert rollout.replicas_without_surge(moved, SURGE.max_surge) == 4
+    unstamped = live("t2", 5, 4, "r1", "r2")  # an earlier operator's step: read from the window
+    assert rollout.replicas_without_surge(unstamped, SURGE.max_surge) == 4
+
+
+def test_a_statefulset_made_again_starts_at_its_lowest_pod_that_is_not_going() -> None:
+    """Deleted for an immutable field, its pods orphaned, right after a rollout: the pods below the
+    window still drain. The one made again starts at the pods that serve, not at the draining ones
+    (it would delete the serving ones as out of its window)."""
+    draining = [
+        {**pod(o, "r1"), "metadata": {**pod(o, "r1")["metadata"], "deletionTimestamp": "t"}} for o in (0, 1)
+    ]
+    serving = [pod(2, "r2"), pod(3, "r2")]
+    assert start_of(step(sts(2, "t3"), None, draining + serving, PARTNER_NEW, SURGE, NOW)) == 2

@@ -51,6 +51,8 @@ from dllm_operator.render.engine import TEMPLATE_HASH
 
 REVISION_LABEL = "controller-revision-hash"
 STEP_AT = "disagg.dev/rollout-step-at"
+# The role's own replicas, stamped at each step: mid-rollout the StatefulSet's replicas are not it.
+ROLE_REPLICAS = "disagg.dev/rollout-replicas"
 PAUSED = "paused"
 
 
@@ -77,11 +79,13 @@ def start_of(sts: dict[str, Any] | None) -> int:
 
 def window_start(actual: dict[str, Any] | None, pods: Iterable[dict[str, Any]]) -> int:
     """Where the role's window of ordinals begins now: the live StatefulSet's start, or, with none (it
-    was deleted, orphaning its pods, for an immutable field), its lowest pod's ordinal, so the one made
-    again adopts the pods instead of replacing them all at once."""
+    was deleted, orphaning its pods, for an immutable field), its lowest pod's ordinal but those going
+    (left below the window by a rollout, still draining), so the one made again adopts the pods
+    instead of replacing them all at once."""
     if actual is not None:
         return start_of(actual)
-    return min((o for pod in pods if (o := ordinal_of(pod)) is not None), default=0)
+    staying = (pod for pod in pods if not pod.get("metadata", {}).get("deletionTimestamp"))
+    return min((o for pod in staying if (o := ordinal_of(pod)) is not None), default=0)
 
 
 def with_start(desired: dict[str, Any], start: int) -> dict[str, Any]:
@@ -107,7 +111,12 @@ def with_steps(
     out["spec"]["replicas"] = replicas
     out["spec"]["updateStrategy"] = {"type": "RollingUpdate", "rollingUpdate": {"partition": partition}}
     stamp = PAUSED if at is None else f"{at:.0f}"
-    out["metadata"]["annotations"] = {**out["metadata"].get("annotations", {}), STEP_AT: stamp}
+    own = str(desired["spec"].get("replicas"))
+    out["metadata"]["annotations"] = {
+        **out["metadata"].get("annotations", {}),
+        STEP_AT: stamp,
+        ROLE_REPLICAS: own,
+    }
     return out
 
 
@@ -196,7 +205,8 @@ def step(
         # not rendered by us (made by hand, or from before the hash): no step to read
         return with_start(desired, start)
     own, partner = rollout.budget(role), rollout.budget("decode" if role == "prefill" else "prefill")
-    replicas, last = int(actual.get("spec", {}).get("replicas") or n), step_at(actual) or now
+    live_replicas = actual.get("spec", {}).get("replicas")  # 0 while a role of one slides past its pod
+    replicas, last = int(n if live_replicas is None else live_replicas), step_at(actual) or now
     held = with_steps(desired, start, replicas, partition_of(actual), last)
 
     def moved(to_start: int, to_replicas: int, to_partition: int) -> dict[str, Any]:
@@ -230,20 +240,32 @@ def step(
         return with_steps(desired, start, replicas, partition_of(actual), None)
     # Where each pod sits in the window (pods outside it are going).
     ready = {place for pod in pods if settled(pod, now, settle) and (place := _place(pod, start)) is not None}
+    # Pods that left the window hold what they ran on (a GPU) until they have drained: the window
+    # grows into their places only as they go, so the role never holds more than n + maxSurge pods.
+    going = sum(1 for pod in pods if (o := ordinal_of(pod)) is not None and not start <= o < start + replicas)
+
+    def grown(to: int) -> int:
+        return to if to <= replicas else max(replicas, min(to, n + own.surge - going))
+
     if not moving:  # every pod is at the template: any pods past the replicas go, once the others serve
-        return moved(start, n, 0) if replicas <= n or all(p in ready for p in range(n)) else held
-    if overdue(actual, rollout, now):
-        return held  # failed: stopped where it is until the template changes
+        return moved(start, grown(n), 0) if replicas <= n or all(p in ready for p in range(n)) else held
     # Scaled down mid-rollout: old pods past the new count are rolled as new ones.
     old = min(partition_of(actual), n)
-    total = _window(n, old, own)
+    total = grown(_window(n, old, own))
+    if total > replicas:
+        return moved(start, total, old)  # the last step's second half: no wait to fail a deadline on
+    if overdue(actual, rollout, now):
+        return held  # failed: stopped where it is until the template changes
     fresh = {
         place
         for pod in pods
         if pod.get("metadata", {}).get("labels", {}).get(REVISION_LABEL) == update
         and (place := _place(pod, start)) in ready
     }
-    if old == 0 or not all(p in fresh for p in range(old, total)):
+    if old == 0:  # no old pod left; pods past the replicas (a rollout made before the window moved) go
+        serving = all(p in fresh for p in range(n))  # once the ones that stay serve
+        return moved(start, total, 0) if replicas <= n or serving else held
+    if not all(p in fresh for p in range(old, total)):
         return moved(start, total, old)  # the last step's pods are not all up yet
     fingerprint = desired["spec"]["template"]["metadata"]["labels"].get(labels.KV_FINGERPRINT)
     # With neither role surging, no pair of the new fingerprint can come first: prefill takes its first
@@ -298,7 +320,11 @@ def _replaceable(
 
 
 def replicas_without_surge(sts: dict[str, Any], surge: int) -> int:
-    """The role's own replicas, read from a StatefulSet mid-rollout: its window less the new pods a
-    surge added while old ones remain (none before the first step, where replicas equals the partition)."""
+    """The role's own replicas, read from a StatefulSet mid-rollout: the count its last step stamped,
+    else (stamped by an operator from before the stamp) its replicas less the surge while old pods
+    remain (none before the first step, where replicas equals the partition)."""
+    stamped = _annotation(sts, ROLE_REPLICAS)
+    if stamped is not None and stamped.isdigit():
+        return int(stamped)
     replicas, old = int(sts.get("spec", {}).get("replicas") or 0), partition_of(sts)
     return replicas - min(surge, old) if replicas > old else replicas
