@@ -10,7 +10,7 @@ from status_cases import pod, sample_status
 
 from dllm_operator.api import parse
 from dllm_operator.render import render_all
-from dllm_operator.status import pod_problem, workloads_by_component
+from dllm_operator.status import missing_pods, pod_problem, workloads_by_component
 
 
 def test_a_pod_loading_its_model_is_not_a_problem() -> None:
@@ -69,3 +69,12 @@ def test_workloads_are_found_by_their_component_label_not_by_their_name() -> Non
     }
     services = [c for c in children if c["kind"] == "Service"]
     assert workloads_by_component(services) == {}
+
+
+def test_pods_going_do_not_stand_in_for_a_pod_the_statefulset_could_not_make() -> None:
+    """After a rollout moved the window, an old pod drains while the new one above it fails to be
+    created (say, a quota): the draining pod does not hide the failure."""
+    sts = {"spec": {"replicas": 2}}
+    draining = {"metadata": {"name": "x-decode-1", "deletionTimestamp": "2026-12-07T00:00:00Z"}}
+    assert missing_pods(sts, [{"metadata": {"name": "x-decode-2"}}, draining])
+    assert not missing_pods(sts, [{"metadata": {"name": "x-decode-2"}}, {"metadata": {"name": "x-decode-3"}}])

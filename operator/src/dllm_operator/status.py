@@ -58,10 +58,13 @@ class Observed:
 
 
 def missing_pods(workload: dict[str, Any] | None, pods: list[dict[str, Any]]) -> bool:
-    """The workload wants more pods than exist: its controller may be failing to create them."""
+    """The workload wants more pods than exist: its controller may be failing to create them. Pods
+    going (a rollout moved its window past them, a scale-down) are not counted: they do not stand in
+    for one the controller failed to make."""
     if workload is None:
         return False
-    return int(workload.get("spec", {}).get("replicas") or 0) > len(pods)
+    staying = [pod for pod in pods if not pod.get("metadata", {}).get("deletionTimestamp")]
+    return int(workload.get("spec", {}).get("replicas") or 0) > len(staying)
 
 
 def replica_failure(deployment: dict[str, Any] | None) -> str | None:
