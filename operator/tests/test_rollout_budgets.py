@@ -50,7 +50,7 @@ class Role:
         ]
         for o, (revision, _) in sorted(self.going.items()):
             draining = pod(o, revision, ready=False, fingerprint=NEW_FP if revision == "r2" else OLD_FP)
-            draining["metadata"]["deletionTimestamp"] = "now"
+            draining["metadata"]["deletionTimestamp"] = "2100-01-01T00:00:00Z"  # in its grace period
             listed.append(draining)
         return listed
 

@@ -96,8 +96,16 @@ def test_an_old_pod_goes_only_when_all_above_the_partition_is_new_and_ready_and_
     # ordinal 0 goes; once it has drained, a new pod is added above the surge one (2 + maxSurge 1 pods)
     assert at(step(sts(2, "t2"), actual, ready_surge, PARTNER_NEW, SURGE, NOW)) == (1, 2, 1)
     going = live("t2", 2, 1, "r1", "r2", start=1)
-    draining = [{**ready_surge[0], "metadata": {**ready_surge[0]["metadata"], "deletionTimestamp": "t"}}]
+    draining = [
+        {**ready_surge[0], "metadata": {**ready_surge[0]["metadata"], "deletionTimestamp": _at(NOW + 30)}}
+    ]
     assert at(step(sts(2, "t2"), going, draining + ready_surge[1:], PARTNER_NEW, SURGE, NOW)) == (1, 2, 1)
+    # past its grace period and still there: its node is gone, and it is not waited for
+    assert at(step(sts(2, "t2"), going, draining + ready_surge[1:], PARTNER_NEW, SURGE, NOW + 31)) == (
+        1,
+        3,
+        1,
+    )
     assert at(step(sts(2, "t2"), going, ready_surge[1:], PARTNER_NEW, SURGE, NOW)) == (1, 3, 1)  # gone
     # the surge pod not ready yet: hold
     starting = [pod(0, "r1"), pod(1, "r1"), pod(2, "r2", ready=False)]
@@ -340,10 +348,13 @@ def test_a_statefulset_without_the_operators_template_hash_is_not_taken_for_a_ro
     assert step(desired, foreign, [pod(0, "r1"), pod(1, "r1")], PARTNER_OLD, SURGE, NOW) is desired
 
 
+def _at(epoch: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(epoch))
+
+
 def ready_at(ordinal: int, revision: str, since: float, fingerprint: str = NEW_FP) -> dict[str, Any]:
     made = pod(ordinal, revision, fingerprint=fingerprint)
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))
-    made["status"]["conditions"][0]["lastTransitionTime"] = stamp
+    made["status"]["conditions"][0]["lastTransitionTime"] = _at(since)
     return made
 
 

@@ -16,6 +16,18 @@ def is_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
+def holds_resources(pod: dict[str, Any], now: float) -> bool:
+    """The pod still holds what it runs on (a GPU): not deleted, or deleted and within its grace period
+    (its deletionTimestamp, the time by which the kubelet kills it, not past yet). A pod past it whose
+    object remains stands on a node that is gone or unreachable: it is not waited for."""
+    deleted = pod.get("metadata", {}).get("deletionTimestamp")
+    return not deleted or _epoch(str(deleted)) > now
+
+
+def _epoch(stamp: str) -> float:
+    return datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
+
+
 def settled(pod: dict[str, Any], now: float, seconds: float) -> bool:
     """Ready for at least `seconds` by `now` (seconds since the epoch), so that a router looking for
     pods every few seconds has found it. A Ready condition without a time counts as long ago."""
@@ -25,8 +37,7 @@ def settled(pod: dict[str, Any], now: float, seconds: float) -> bool:
     since = ready.get("lastTransitionTime")
     if not since:
         return True
-    at = datetime.strptime(str(since), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
-    return now - at >= seconds
+    return now - _epoch(str(since)) >= seconds
 
 
 def kv_fingerprint(pod: dict[str, Any]) -> str:

@@ -45,7 +45,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dllm_operator.api.rollout import EngineRole, RoleBudget, RolloutSpec
-from dllm_operator.pods import kv_fingerprint, settled
+from dllm_operator.pods import holds_resources, kv_fingerprint, settled
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
 
@@ -241,8 +241,15 @@ def step(
     # Where each pod sits in the window (pods outside it are going).
     ready = {place for pod in pods if settled(pod, now, settle) and (place := _place(pod, start)) is not None}
     # Pods that left the window hold what they ran on (a GPU) until they have drained: the window
-    # grows into their places only as they go, so the role never holds more than n + maxSurge pods.
-    going = sum(1 for pod in pods if (o := ordinal_of(pod)) is not None and not start <= o < start + replicas)
+    # grows into their places only as they go, so the role never holds more than n + maxSurge pods
+    # (one stuck past its grace period, on a lost node, is not waited for).
+    going = sum(
+        1
+        for pod in pods
+        if (o := ordinal_of(pod)) is not None
+        and not start <= o < start + replicas
+        and holds_resources(pod, now)
+    )
 
     def grown(to: int) -> int:
         return to if to <= replicas else max(replicas, min(to, n + own.surge - going))
