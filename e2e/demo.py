@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dllm_operator import rollout
 from e2e import models_volume, node_images
 from e2e.cluster import controlplane as cp
 from e2e.dataplane import kv_moved
@@ -169,7 +170,7 @@ def engine_pod_name(layout: cp.Layout, namespace: str, role: str, place: int = 0
     """The name of the role's pod at `place` in its StatefulSet's window of ordinals: a rollout moves
     the window up (each new pod gets a new name), so the first pod is not always `-0`."""
     sts = kubectl_json(layout, "statefulset", f"{NAME}-{role}", "-n", namespace)
-    return f"{NAME}-{role}-{int((sts['spec'].get('ordinals') or {}).get('start') or 0) + place}"
+    return f"{NAME}-{role}-{rollout.start_of(sts) + place}"
 
 
 def engine_logs(layout: cp.Layout, namespace: str, lines: int = 25) -> str:

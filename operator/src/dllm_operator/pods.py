@@ -8,9 +8,14 @@ from typing import Any
 from dllm_operator.render import labels
 
 
+def going(pod: dict[str, Any]) -> bool:
+    """Deleted, on its way out (draining through its preStop, or on a node that is gone)."""
+    return bool(pod.get("metadata", {}).get("deletionTimestamp"))
+
+
 def is_ready(pod: dict[str, Any]) -> bool:
     """Ready, and not on its way out (a terminating pod takes no new work)."""
-    if pod.get("metadata", {}).get("deletionTimestamp"):
+    if going(pod):
         return False
     conditions = pod.get("status", {}).get("conditions", [])
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
@@ -20,8 +25,7 @@ def holds_resources(pod: dict[str, Any], now: float) -> bool:
     """The pod still holds what it runs on (a GPU): not deleted, or deleted and within its grace period
     (its deletionTimestamp, the time by which the kubelet kills it, not past yet). A pod past it whose
     object remains stands on a node that is gone or unreachable: it is not waited for."""
-    deleted = pod.get("metadata", {}).get("deletionTimestamp")
-    return not deleted or _epoch(str(deleted)) > now
+    return not going(pod) or _epoch(str(pod["metadata"]["deletionTimestamp"])) > now
 
 
 def _epoch(stamp: str) -> float:

@@ -11,6 +11,7 @@ window, as many as the partition (which counts from ordinals.start); the new one
    start from the new template; the old pods keep serving.
 2. while old pods remain: when every pod above the partition is at the new revision and ready, and the
    other role has a ready pod of the new KV fingerprint, ordinals.start moves up past as many old pods
+   as keep N-U of the role's pods ready (S+U when every pod is ready; an old pod that is not ready
    costs nothing), so the StatefulSet deletes them (its preStop drains each) and the partition goes
    down as far; at the next step, new ordinals are added at the top, up to N new pods and N+S pods in
    all (not at once: the StatefulSet would create them before it deletes the old). A complete
@@ -45,7 +46,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from dllm_operator.api.rollout import EngineRole, RoleBudget, RolloutSpec
-from dllm_operator.pods import holds_resources, kv_fingerprint, settled
+from dllm_operator.pods import going, holds_resources, kv_fingerprint, settled
 from dllm_operator.render import labels
 from dllm_operator.render.engine import TEMPLATE_HASH
 
@@ -84,7 +85,7 @@ def window_start(actual: dict[str, Any] | None, pods: Iterable[dict[str, Any]]) 
     instead of replacing them all at once."""
     if actual is not None:
         return start_of(actual)
-    staying = (pod for pod in pods if not pod.get("metadata", {}).get("deletionTimestamp"))
+    staying = (pod for pod in pods if not going(pod))
     return min((o for pod in staying if (o := ordinal_of(pod)) is not None), default=0)
 
 
@@ -243,7 +244,7 @@ def step(
     # Pods that left the window hold what they ran on (a GPU) until they have drained: the window
     # grows into their places only as they go, so the role never holds more than n + maxSurge pods
     # (one stuck past its grace period, on a lost node, is not waited for).
-    going = sum(
+    draining = sum(
         1
         for pod in pods
         if (o := ordinal_of(pod)) is not None
@@ -252,7 +253,7 @@ def step(
     )
 
     def grown(to: int) -> int:
-        return to if to <= replicas else max(replicas, min(to, n + own.surge - going))
+        return to if to <= replicas else max(replicas, min(to, n + own.surge - draining))
 
     if not moving:  # every pod is at the template: any pods past the replicas go, once the others serve
         return moved(start, grown(n), 0) if replicas <= n or all(p in ready for p in range(n)) else held

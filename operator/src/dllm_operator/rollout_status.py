@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from dllm_operator.pods import is_ready, kv_fingerprint
+from dllm_operator.pods import going, is_ready, kv_fingerprint
 from dllm_operator.render import labels
 
 COMPLETE = "Complete"  # RolloutProgressing's reason when every pod is at its role's template
@@ -28,7 +28,7 @@ def fingerprints(workload: Mapping[str, Any] | None, pods: list[dict[str, Any]])
     found: Counter[str] = Counter()
     ready: Counter[str] = Counter()
     for pod in pods:
-        if pod.get("metadata", {}).get("deletionTimestamp"):
+        if going(pod):
             continue  # going: counted no more
         found[kv_fingerprint(pod)] += 1
         ready[kv_fingerprint(pod)] += is_ready(pod)

@@ -13,6 +13,7 @@ from typing import Any
 from dllm_operator import kv_transfer, rollout, rollout_status
 from dllm_operator.api import DisaggregatedLLM
 from dllm_operator.kv_transfer import KVCheckView, KVFinding
+from dllm_operator.pods import going
 from dllm_operator.render import labels
 from dllm_operator.render.router import endpoint
 
@@ -63,7 +64,7 @@ def missing_pods(workload: dict[str, Any] | None, pods: list[dict[str, Any]]) ->
     for one the controller failed to make."""
     if workload is None:
         return False
-    staying = [pod for pod in pods if not pod.get("metadata", {}).get("deletionTimestamp")]
+    staying = [pod for pod in pods if not going(pod)]
     return int(workload.get("spec", {}).get("replicas") or 0) > len(staying)
 
 
