@@ -12,6 +12,7 @@ device path forced over TCP on this one GPU (DLLM_KV_TCP_DEVICE=1, gpu-review it
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,54 @@ def test_every_gpu_layout_moves_on_both_data_paths_with_each_codec(monkeypatch: 
         assert row.get("ok") is True, row
         zero_copy = row["path"] == "device" and row["codec"] == "none"
         assert row["taken"] == f"{row['path']} ({'zero-copy for codec none' if zero_copy else 'staged'})"
+
+
+def test_concurrent_transfers_work_on_streams_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpu-review item 13: three fp8 sends and their loads at once, sides on this GPU: every connector
+    thread marks its work on a stream of its own, never the legacy default stream (on which they
+    would queue behind one another and behind vLLM's kernels), and every load lands within fp8's bound."""
+    streams: list[tuple[str, int]] = []
+    real_mark = Copies.mark
+
+    def stream_spy(self: Copies) -> object:
+        streams.append((threading.current_thread().name, torch.cuda.current_stream().cuda_stream))
+        return real_mark(self)
+
+    monkeypatch.setattr(Copies, "mark", stream_spy)
+    config = pipe_config(
+        compression=Compression.FP8,
+        buffer_size_gb=gb(64 << 20),
+        transfer_timeout_ms=20_000,
+        prefill_wait_ms=60_000,
+    )
+    source = PagedKV({name: cache.to(CUDA) for name, cache in make_caches(7).items()}, NUM_BLOCKS, GEOMETRY)
+    target = PagedKV(
+        {name: cache.to(CUDA) for name, cache in make_caches(None).items()}, NUM_BLOCKS, GEOMETRY
+    )
+    decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
+    receiver = KVReceiver(decode_transport, target, config, HOST, 0)
+    sender = KVSender(prefill_transport, source, config)
+    jobs = {f"s-{n}": (SRC_BLOCKS[n * 60 : n * 60 + 60], DST_BLOCKS[n * 60 : n * 60 + 60]) for n in range(3)}
+    try:
+        for transfer, (src, dst) in jobs.items():
+            receiver.expect(transfer, dst)
+            sender.submit(SendJob(transfer, tuple(src), HOST, receiver.port))
+        assert [receiver.wait_for(transfer, 60) for transfer in jobs] == ["", "", ""]
+        assert sender.wait_idle(30)
+        assert set(sender.finished().values()) == {None}
+        default = torch.cuda.default_stream().cuda_stream
+        assert streams, "no connector thread marked its work"
+        assert default not in {stream for _, stream in streams}, streams
+        assert len({stream for _, stream in streams}) >= 2, streams
+        want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY)
+        for src, dst in jobs.values():
+            got, expected = target.gather(dst).cpu().float(), want.gather(src).float()
+            assert float((got - expected).norm() / expected.norm()) <= RELATIVE_ERROR[Compression.FP8]
+    finally:
+        sender.close(timeout=10)
+        receiver.close()
+        prefill_transport.close()
+        decode_transport.close()
 
 
 @pytest.mark.parametrize("compression", [Compression.FP8, Compression.INT8])

@@ -1,10 +1,15 @@
 """The device work of a side off the host path, sender and receiver in this process over Mooncake
 (TCP), CPU tensors: the pinned-host scratch (a send it cannot be had for fails and frees its
-staging; concurrent transfers share one, bounded by the staging) and the zero-copy device
-checksum, taken a layer at a time.
+staging; concurrent transfers share one, bounded by the staging), the zero-copy device
+checksum, taken a layer at a time, and the fences of each thread's own stream (a send's work has
+run before its outcome is told; decode reads what landed after the stream Mooncake's TCP build
+copies on).
 """
 
 from __future__ import annotations
+
+import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -15,8 +20,11 @@ from dllm_connector.codec.device_checksum import RunningTensorChecksum
 from dllm_connector.layout import PagedKV
 from dllm_connector.pipe import chunk_encoder as encoder_module
 from dllm_connector.pipe import chunk_reader as reader_module
+from dllm_connector.pipe import sender as sender_module
+from dllm_connector.pipe import span_checksum
 from dllm_connector.pipe.common import chunk_ranges, gb
 from dllm_connector.pipe.device_copy import Copies, HostMirror
+from dllm_connector.pipe.layer_stream import LayerStream
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.scheduler import prompt_hash
@@ -159,3 +167,78 @@ def test_concurrent_pinned_host_transfers_share_one_scratch_bounded_by_the_stagi
 def within(view: torch.Tensor, buffer: torch.Tensor) -> bool:
     start = view.data_ptr() - buffer.data_ptr()
     return start >= 0 and start + view.numel() <= buffer.numel()
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["delivered", "failed"])
+def test_a_send_is_told_ended_only_after_its_threads_work_ran(
+    monkeypatch: pytest.MonkeyPatch, fails: bool
+) -> None:
+    """gpu-review item 13: a send's kernels run on its thread's own stream, which vLLM's does not wait
+    for, and vLLM frees (and reuses) the request's blocks once the send is told ended. So the send
+    settles its stream first, delivered or failed: here `settle` is spied on (a no-op on the CPU) and
+    sees the transfer still in flight."""
+    settled: list[set[str]] = []
+    config = receiver_config(compression=Compression.FP8)
+    decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
+    receiver = KVReceiver(decode_transport, PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config, HOST, 0)
+    sender = KVSender(prefill_transport, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config)
+    monkeypatch.setattr(sender_module, "settle", lambda device: settled.append(sender.in_flight))
+    try:
+        if fails:
+            receiver.expect("t", tuple(range(100, 104)), prompt_hash=prompt_hash([1]))  # another prompt
+        else:
+            receiver.expect("t", tuple(range(100, 104)))
+        hashed = prompt_hash([2]) if fails else ""
+        sender.submit(SendJob("t", tuple(range(10, 14)), HOST, receiver.port, hashed))
+        assert sender.wait_idle(30)
+        reason = sender.finished()["t"]
+        assert (reason is not None) == fails, reason
+        assert settled == [{"t"}]  # once, before the outcome
+    finally:
+        sender.close(timeout=10)
+        receiver.close()
+        prefill_transport.close()
+        decode_transport.close()
+
+
+@pytest.mark.parametrize("path", [PathSetting.DEVICE, PathSetting.PINNED_HOST])
+def test_decode_reads_what_landed_only_after_waiting_for_the_stream_mooncake_copies_on(
+    monkeypatch: pytest.MonkeyPatch, path: PathSetting
+) -> None:
+    """Every piece and chunk message decode reads is followed by `Copies.landed` before the layers it
+    names are placed or hashed (on CUDA: a wait of the thread's stream for the legacy default one,
+    where Mooncake's TCP build copies into device memory). Spied on here, zero-copy and staged."""
+    events: list[str] = []
+    monkeypatch.setattr(Copies, "landed", lambda self: events.append("landed"))
+    real_checksum, real_finish = span_checksum.chunk_checksum, LayerStream.finish
+
+    def checksum_spy(*args: Any) -> Any:
+        events.append("read")
+        return real_checksum(*args)
+
+    def finish_spy(self: Any, header: Any) -> None:
+        events.append("read")
+        real_finish(self, header)
+
+    monkeypatch.setattr(reader_module, "chunk_checksum", checksum_spy)
+    monkeypatch.setattr(LayerStream, "finish", finish_spy)
+    config = receiver_config(data_path=path, async_transfer=False)
+    decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
+    receiver, kv = decode(decode_transport, path, async_transfer=False)
+    sender = KVSender(prefill_transport, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config)
+    try:
+        receiver.expect("t", DST_BLOCKS)
+        sender.submit(SendJob("t", tuple(SRC_BLOCKS), HOST, receiver.port))
+        assert receiver.wait_for("t", 30) == ""
+        assert sender.finished()["t"] is None
+        chunks = chunk_ranges(len(SRC_BLOCKS), sender._chunk_blocks(len(SRC_BLOCKS)))
+        assert events.count("read") == len(chunks)
+        assert all(before == "landed" for before, after in itertools.pairwise(events) if after == "read")
+        assert events[0] == "landed"
+        want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
+        assert torch.equal(kv.gather(DST_BLOCKS), want)
+    finally:
+        sender.close(timeout=10)
+        receiver.close()
+        prefill_transport.close()
+        decode_transport.close()

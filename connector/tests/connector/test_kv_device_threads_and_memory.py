@@ -1,41 +1,189 @@
-"""The connector on a GPU's terms, checked on the CPU (issue 35, gpu-review items 2 and 4): each
-connector thread makes a CUDA device current before its work, and staging that does not fit on the
-device is an error that says what to lower. CUDA's own calls are stood in for here, named so."""
+"""The connector on a GPU's terms, checked on the CPU (issue 35, gpu-review items 2, 4 and 13): each
+connector thread makes a CUDA device current and works on a stream of its own, drained before the
+thread ends, and staging that does not fit on the device is an error that says what to lower. CUDA's
+own calls are stood in for here, named so."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 
 from dllm_connector.codec import device_checksum
-from dllm_connector.thread_device import on_callers_device, on_device
+from dllm_connector.pipe.device_copy import Copies
+from dllm_connector.thread_device import on_callers_device, on_device, settle
 from dllm_connector.transport.base import TransportError
 from dllm_connector.transport.staging import StagingBuffer
 
 pytestmark = pytest.mark.timeout(60)
 
 
+@dataclass(eq=False)
+class StreamDouble:
+    """Stands in for a CUDA stream: a name, and what was asked of it."""
+
+    name: str
+    log: list[tuple[str, ...]]
+    waits_for: list[str] = field(default_factory=list)
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.name))
+
+    def wait_stream(self, other: StreamDouble) -> None:
+        self.waits_for.append(other.name)
+        self.log.append(("wait", self.name, other.name))
+
+
+class CudaStreamsDouble:
+    """Stands in for torch.cuda's streams and events in this process: the legacy default stream
+    (`default`), new ones from the pool, a current stream per thread (the default at first, as on a
+    GPU), and events that remember the stream they were recorded on."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.default = StreamDouble("default", self.log)
+        self._numbers = itertools.count(1)
+        self._current = threading.local()
+        double = self
+
+        class EventDouble:
+            def record(self, stream: StreamDouble) -> None:
+                self.stream = stream
+
+            def synchronize(self) -> None:
+                double.log.append(("event synchronize", self.stream.name))
+
+        monkeypatch.setattr(torch.cuda, "set_device", lambda device: self.log.append(("set", str(device))))
+        monkeypatch.setattr(torch.cuda, "Stream", self.new_stream)
+        monkeypatch.setattr(torch.cuda, "stream", self.entered)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: self.default)
+        monkeypatch.setattr(torch.cuda, "Event", EventDouble)
+
+    def new_stream(self, device: torch.device | None = None) -> StreamDouble:
+        return StreamDouble(f"pool-{next(self._numbers)}", self.log)
+
+    @property
+    def current(self) -> StreamDouble:
+        stream: StreamDouble = getattr(self._current, "stream", self.default)
+        return stream
+
+    @contextlib.contextmanager
+    def entered(self, stream: StreamDouble) -> Iterator[None]:
+        before = self.current
+        self._current.stream = stream
+        try:
+            yield
+        finally:
+            self._current.stream = before
+
+
+@pytest.fixture
+def cuda_streams(monkeypatch: pytest.MonkeyPatch) -> CudaStreamsDouble:
+    return CudaStreamsDouble(monkeypatch)
+
+
 def test_a_connector_thread_makes_the_kv_device_current_before_its_work(
-    monkeypatch: pytest.MonkeyPatch,
+    cuda_streams: CudaStreamsDouble, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """gpu-review item 2: threads start on cuda:0; the writer and send threads set the KV's device
-    first (recorded here through a stand-in for torch.cuda.set_device; nothing is set off CUDA)."""
-    calls: list[object] = []
-    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set", device)))
-    on_device(torch.device("cuda", 1), lambda *args: calls.append(("work", args)))("job")
-    assert calls == [("set", torch.device("cuda", 1)), ("work", ("job",))]
+    first (nothing is set off CUDA)."""
+    calls = cuda_streams.log
+    on_device(torch.device("cuda", 1), lambda *args: calls.append(("work", *args)))("job")
+    assert calls[:2] == [("set", "cuda:1"), ("work", "job")]
     work = lambda: None  # noqa: E731
     assert on_device(torch.device("cpu"), work) is work
     # a thread made where CUDA runs takes its maker's device (Mooncake's writes, the side channel)
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     calls.clear()
-    on_callers_device(lambda: calls.append("work"))()
-    assert calls == [("set", torch.device("cuda", 3)), "work"]
+    on_callers_device(lambda: calls.append(("work",)))()
+    assert calls[:2] == [("set", "cuda:3"), ("work",)]
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert on_callers_device(work) is work
+
+
+def test_a_connector_thread_works_on_a_stream_of_its_own_drained_before_it_ends(
+    cuda_streams: CudaStreamsDouble,
+) -> None:
+    """gpu-review item 13: a connector thread's work runs on a stream of its own from torch's pool,
+    not the legacy default stream every transfer would queue behind, and what it queued has run by
+    the time the thread ends, even when the work fails."""
+    seen: list[str] = []
+    on_device(torch.device("cuda", 0), lambda: seen.append(cuda_streams.current.name))()
+
+    def failing() -> None:
+        seen.append(cuda_streams.current.name)
+        raise RuntimeError("the transfer failed")
+
+    with pytest.raises(RuntimeError):
+        on_device(torch.device("cuda", 0), failing)()
+    assert seen == ["pool-1", "pool-2"]
+    assert [entry for entry in cuda_streams.log if entry[0] == "synchronize"] == [
+        ("synchronize", "pool-1"),
+        ("synchronize", "pool-2"),
+    ]
+    assert cuda_streams.current is cuda_streams.default  # the caller's stream, as before
+
+
+def test_settle_waits_for_the_calling_threads_stream_on_cuda_alone(cuda_streams: CudaStreamsDouble) -> None:
+    on_device(torch.device("cuda", 0), lambda: settle(torch.device("cuda", 0)))()
+    assert ("synchronize", "pool-1") in cuda_streams.log
+    cuda_streams.log.clear()
+    settle(torch.device("cpu"))
+    assert cuda_streams.log == []
+
+
+def test_each_thread_copies_on_a_side_stream_of_its_own(cuda_streams: CudaStreamsDouble) -> None:
+    """gpu-review item 13: one side stream shared by every transfer ordered each transfer's copies
+    after every other's. Each thread now has its own, ordered after that thread's own stream; the
+    copy's mark is recorded on it, and a join makes the thread's stream wait for it."""
+    copies = Copies(torch.device("cuda", 0))
+    sides: dict[str, list[str]] = {}
+
+    def transfer(name: str) -> None:
+        src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+        ready = copies.copy(dst, src)
+        ready()
+        copies.copy(dst, src)
+        copies.join()
+        assert torch.equal(dst, src)
+        sides[name] = [own for own, other in _waits(cuda_streams.log) if other == cuda_streams.current.name]
+
+    threads = [threading.Thread(target=on_device(torch.device("cuda", 0), transfer), args=(n,)) for n in "ab"]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert set(sides) == {"a", "b"}
+    side_a, side_b = (set(sides[name]) for name in "ab")
+    assert len(side_a) == len(side_b) == 1  # the same side stream for both copies of a thread
+    assert side_a != side_b  # and another in the other thread
+    # each copy's readiness is waited for on the host on that thread's side stream
+    assert {entry[1] for entry in cuda_streams.log if entry[0] == "event synchronize"} == side_a | side_b
+
+
+def test_what_a_transport_wrote_is_read_after_the_legacy_default_stream(
+    cuda_streams: CudaStreamsDouble,
+) -> None:
+    """Mooncake's TCP build copies into device memory on the legacy default stream, which a connector
+    thread's own stream does not wait for by itself: `landed` queues that wait (no host sync)."""
+    copies = Copies(torch.device("cuda", 0))
+    on_device(torch.device("cuda", 0), copies.landed)()
+    assert ("wait", "pool-1", "default") in cuda_streams.log
+    assert not [entry for entry in cuda_streams.log if "synchronize" in entry[0] and entry[1] == "default"]
+    Copies(torch.device("cpu")).landed()  # nothing to wait for off CUDA
+
+
+def _waits(log: list[tuple[str, ...]]) -> list[tuple[str, str]]:
+    """(waiting stream, stream waited for) of each wait in the log."""
+    return [(entry[1], entry[2]) for entry in log if entry[0] == "wait"]
 
 
 def test_staging_that_does_not_fit_on_the_device_says_what_to_lower(monkeypatch: pytest.MonkeyPatch) -> None:

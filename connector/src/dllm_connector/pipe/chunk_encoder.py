@@ -117,6 +117,8 @@ class ChunkEncoder:
         except BaseException:
             with contextlib.suppress(Exception):
                 ready[0]()  # no copy still writes into the staging once it is handed on
+            with contextlib.suppress(Exception):
+                side.copies.mark()()  # nor an encode this thread queued after the last copy
             if pieces is not None and pieces.sent:  # the writer may still be reading it
                 with contextlib.suppress(Exception):
                     writer.put(StagingRelease(staged))

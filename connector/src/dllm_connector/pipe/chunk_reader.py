@@ -102,6 +102,7 @@ class ChunkReader:
             message = self._channel.next_message()
             if message["type"] not in ("piece", "chunk"):
                 raise sidechannel.unexpected(quoted(message), "chunk")
+            self._side.copies.landed()  # what the message says was written is read after it
             if message["type"] == "chunk":
                 chunk = parse(Chunk, message)
                 if chunk.index != index:

@@ -3,7 +3,8 @@
 The pinned-host path (transport.placement) encodes a batch on the KV's device into a scratch
 payload and copies it into page-locked host staging range by range as each layer is encoded, so
 that the copy of piece k+1 runs while piece k is on the wire; decode copies each piece back as it
-arrives. On CUDA the copies are non_blocking on a side stream, and the writer waits for a piece's
+arrives. On CUDA the copies are non_blocking on a side stream of the calling thread's own (each
+connector thread works on a stream of its own, thread_device), and the writer waits for a piece's
 event before the transport reads it. On the CPU the same calls copy synchronously and every mark is
 ready at once: the code paths are those the tests run here. The CUDA lines are `_CudaCopies`,
 behind the one check in `Copies`.
@@ -11,6 +12,7 @@ behind the one check in `Copies`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import torch
@@ -26,18 +28,27 @@ def ready_now() -> None:
 
 
 class _CudaCopies:
-    """CUDA only: copies on a side stream, ordered after the current stream's kernels."""
+    """CUDA only: copies on a side stream, ordered after the current stream's kernels. Each thread has
+    a side stream of its own: one shared by every transfer would order each one's copies after the
+    others' (gpu-review item 13)."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self._threads = threading.local()
+
+    def _side(self) -> torch.cuda.Stream:
+        stream: torch.cuda.Stream | None = getattr(self._threads, "stream", None)
+        if stream is None:
+            stream = self._threads.stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
+        return stream
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ready:
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))  # after what wrote src
-        with torch.cuda.stream(self._stream):
+        side = self._side()
+        side.wait_stream(torch.cuda.current_stream(self._device))  # after what wrote src
+        with torch.cuda.stream(side):
             dst.copy_(src, non_blocking=True)
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record(self._stream)
+        done.record(side)
         return done.synchronize
 
     def mark(self) -> Ready:
@@ -46,7 +57,10 @@ class _CudaCopies:
         return event.synchronize
 
     def join(self) -> None:
-        torch.cuda.current_stream(self._device).wait_stream(self._stream)
+        torch.cuda.current_stream(self._device).wait_stream(self._side())
+
+    def after_default_stream(self) -> None:
+        torch.cuda.current_stream(self._device).wait_stream(torch.cuda.default_stream(self._device))
 
 
 class Copies:
@@ -71,6 +85,14 @@ class Copies:
         runs after every copy issued so far."""
         if self._cuda is not None:
             self._cuda.join()
+
+    def landed(self) -> None:
+        """Work queued from here on reads what a transport wrote into device memory after the transport
+        said so: on CUDA it waits for the legacy default stream, where Mooncake's TCP build copies
+        into device memory (such a copy may still run when the peer's message arrives, and a
+        connector thread's own stream does not wait for that stream by itself). Queued, no host wait."""
+        if self._cuda is not None:
+            self._cuda.after_default_stream()
 
 
 class HostMirror:

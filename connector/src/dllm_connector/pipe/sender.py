@@ -21,7 +21,7 @@ from dllm_connector.pipe.common import EXPECTED_ERRORS, PipeConfig, PipeSide, Tr
 from dllm_connector.pipe.messages import Offer, TPPart, bounded
 from dllm_connector.pipe.rank_send import RankSend
 from dllm_connector.pipe.side_request import connect_when_free
-from dllm_connector.thread_device import on_device
+from dllm_connector.thread_device import on_device, settle
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import Source, TransferTimeout, Transport
 from dllm_connector.transport.torchdist import TorchDistTransport
@@ -103,7 +103,7 @@ class KVSender(PipeSide):
             self._record(job, "the KV sender is closing")
             return
         if not self.config.async_transfer:
-            self._run(job)
+            on_device(self.kv.device, self._run)(job)  # its own stream, even on vLLM's thread
             return
         thread = threading.Thread(
             target=on_device(self.kv.device, self._run),
@@ -133,7 +133,10 @@ class KVSender(PipeSide):
         """One job, whatever happens: it ends with a recorded outcome (H6), never a dead thread."""
         reason: str | None = None
         try:
-            self.send(job)
+            try:
+                self.send(job)
+            finally:  # vLLM may free the job's blocks once its outcome is recorded
+                settle(self.kv.device)
         except Exception as error:  # noqa: BLE001 - every failure ends the transfer with a reason
             reason = bounded(str(error) or type(error).__name__)
             self.stats.failed_sends += 1
