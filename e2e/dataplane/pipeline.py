@@ -246,13 +246,18 @@ class Pipeline:
 
 def start_single_engine(model: Path, logs: Path, extra: tuple[str, ...] = ()) -> Process:
     """The reference: one plain vLLM engine, no KV transfer, the decode role's engine args (and
-    `extra` vLLM flags, as a pipeline's engine_extra)."""
+    `extra` vLLM flags, as a pipeline's engine_extra), its model run in its engine core as the
+    sample's engines run theirs."""
     _, args = rendered_engine("decode")
     port = free_port()
     args = replace_flag(replace_flag(args, "--model", str(model)), "--host", "127.0.0.1")
     args = replace_flag(args, "--port", str(port))
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *args, *extra]
-    env = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     return wait_healthy(spawn("single", argv, env, logs / "single.log", port))
 
 
