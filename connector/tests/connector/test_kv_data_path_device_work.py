@@ -8,7 +8,7 @@ copies on).
 
 from __future__ import annotations
 
-import itertools
+import threading
 from typing import Any
 
 import pytest
@@ -25,6 +25,7 @@ from dllm_connector.pipe import span_checksum
 from dllm_connector.pipe.common import chunk_ranges, gb
 from dllm_connector.pipe.device_copy import Copies, HostMirror
 from dllm_connector.pipe.layer_stream import LayerStream
+from dllm_connector.pipe.part_channel import PartChannel
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.scheduler import prompt_hash
@@ -176,13 +177,17 @@ def test_a_send_is_told_ended_only_after_its_threads_work_ran(
     """gpu-review item 13: a send's kernels run on its thread's own stream, which vLLM's does not wait
     for, and vLLM frees (and reuses) the request's blocks once the send is told ended. So the send
     settles its stream first, delivered or failed: here `settle` is spied on (a no-op on the CPU) and
-    sees the transfer still in flight."""
-    settled: list[set[str]] = []
+    sees the transfer still in flight, on the send's own thread."""
+    settled: list[tuple[str, set[str]]] = []
     config = receiver_config(compression=Compression.FP8)
     decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
     receiver = KVReceiver(decode_transport, PagedKV(make_caches(None), NUM_BLOCKS, GEOMETRY), config, HOST, 0)
     sender = KVSender(prefill_transport, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config)
-    monkeypatch.setattr(sender_module, "settle", lambda device: settled.append(sender.in_flight))
+
+    def settle_spy(device: torch.device) -> None:
+        settled.append((threading.current_thread().name, sender.in_flight))
+
+    monkeypatch.setattr(sender_module, "settle", settle_spy)
     try:
         if fails:
             receiver.expect("t", tuple(range(100, 104)), prompt_hash=prompt_hash([1]))  # another prompt
@@ -193,7 +198,7 @@ def test_a_send_is_told_ended_only_after_its_threads_work_ran(
         assert sender.wait_idle(30)
         reason = sender.finished()["t"]
         assert (reason is not None) == fails, reason
-        assert settled == [{"t"}]  # once, before the outcome
+        assert settled == [("kv-send-t", {"t"})]  # once, where the send ran, before the outcome
     finally:
         sender.close(timeout=10)
         receiver.close()
@@ -207,10 +212,12 @@ def test_decode_reads_what_landed_only_after_waiting_for_the_stream_mooncake_cop
 ) -> None:
     """Every piece and chunk message decode reads is followed by `Copies.landed` before the layers it
     names are placed or hashed (on CUDA: a wait of the thread's stream for the legacy default one,
-    where Mooncake's TCP build copies into device memory). Spied on here, zero-copy and staged."""
+    where Mooncake's TCP build copies into device memory). Spied on here, zero-copy and staged a
+    piece per layer."""
     events: list[str] = []
     monkeypatch.setattr(Copies, "landed", lambda self: events.append("landed"))
     real_checksum, real_finish = span_checksum.chunk_checksum, LayerStream.finish
+    real_place = LayerStream.place_until
 
     def checksum_spy(*args: Any) -> Any:
         events.append("read")
@@ -220,21 +227,39 @@ def test_decode_reads_what_landed_only_after_waiting_for_the_stream_mooncake_cop
         events.append("read")
         real_finish(self, header)
 
+    def place_spy(self: Any, parts: int) -> None:
+        events.append("read")
+        real_place(self, parts)
+
+    real_next = PartChannel.next_message
+
+    def message_spy(self: PartChannel) -> Any:
+        events.append("message")
+        return real_next(self)
+
     monkeypatch.setattr(reader_module, "chunk_checksum", checksum_spy)
+    monkeypatch.setattr(LayerStream, "place_until", place_spy)
+    monkeypatch.setattr(PartChannel, "next_message", message_spy)
     monkeypatch.setattr(LayerStream, "finish", finish_spy)
     config = receiver_config(data_path=path, async_transfer=False)
     decode_transport, prefill_transport = MooncakeTransport(HOST), MooncakeTransport(HOST)
     receiver, kv = decode(decode_transport, path, async_transfer=False)
     sender = KVSender(prefill_transport, PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY), config)
+    sender.piece_bytes = 1  # staged: a piece per layer, each placed as its message arrives
     try:
         receiver.expect("t", DST_BLOCKS)
         sender.submit(SendJob("t", tuple(SRC_BLOCKS), HOST, receiver.port))
         assert receiver.wait_for("t", 30) == ""
         assert sender.finished()["t"] is None
         chunks = chunk_ranges(len(SRC_BLOCKS), sender._chunk_blocks(len(SRC_BLOCKS)))
-        assert events.count("read") == len(chunks)
-        assert all(before == "landed" for before, after in itertools.pairwise(events) if after == "read")
-        assert events[0] == "landed"
+        assert events.count("read") >= len(chunks)  # a chunk's end, and each piece placed before it
+        # between each message and a read of what it announced, the wait
+        last = ""
+        for event in events:
+            if event in ("message", "landed"):
+                last = event
+            elif event == "read":
+                assert last == "landed", events
         want = PagedKV(make_caches(7), NUM_BLOCKS, GEOMETRY).gather(SRC_BLOCKS)
         assert torch.equal(kv.gather(DST_BLOCKS), want)
     finally:

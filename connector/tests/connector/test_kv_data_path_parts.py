@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from kv_peer import rank_kv
+from peer_doubles import wait_until
 
 from dllm_connector import codec
 from dllm_connector.codec.device_checksum import tensor_checksum
@@ -25,6 +26,8 @@ from dllm_connector.pipe.span_checksum import chunk_checksum
 from dllm_connector.transport.base import Source, Span, Transport, TransportError
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_contract.kvconfig import Compression
+
+CPU = torch.device("cpu")
 
 
 def test_pinned_staging_without_an_accelerator_is_plain_host_memory_and_says_so() -> None:
@@ -170,4 +173,48 @@ def test_the_writer_reads_a_piece_only_once_its_copy_or_encode_is_done() -> None
         "ready chunk",
         "write 200",
     ]
+    assert staging.in_use == 0
+
+
+class FailingTransportDouble(RecordingTransportDouble):
+    """Test double: a one-sided transport whose every write fails (recorded first)."""
+
+    def send(
+        self, peer: Mapping[str, Any], src: Sequence[Source], dst: Sequence[Span], tag: int, timeout: float
+    ) -> None:
+        super().send(peer, src, dst, tag, timeout)
+        raise TransportError("the peer went away")
+
+
+def test_a_chunk_left_unwritten_after_a_failed_write_frees_its_staging_only_once_it_is_ready() -> None:
+    """gpu-review item 13: after a failed write the writer frees the staging of the chunks queued behind
+    it unwritten. Their copies into that staging ran on the encoding thread's streams; another transfer
+    may reserve it at once, so the writer waits for the chunk's ready mark before it frees it."""
+    events: list[str] = []
+    ours, theirs = socket.socketpair()
+    staging = StagingBuffer(1 << 12)
+    real_release = staging.release
+
+    def release_spy(view: torch.Tensor) -> None:
+        events.append(f"release {view.data_ptr() - staging.tensor.data_ptr()}")
+        real_release(view)
+
+    staging.release = release_spy  # type: ignore[method-assign]
+    writer = ChunkWriter(FailingTransportDouble(events), 5.0, staging, ours, Plan(0, 2, 1, None, 1, {}), CPU)
+    header = codec.KVHeader(Compression.NONE, "bfloat16", (1, 4), 1, 0)
+    try:
+        chunks = [
+            PreparedChunk(n, header, [Span(1, 8)], [Span(200 + n, 8)], staging.reserve(8, 1.0), ready)
+            for n, ready in enumerate(functools.partial(events.append, f"ready {n}") for n in range(2))
+        ]
+        writer.put(chunks[0])
+        assert wait_until(lambda: "release 0" in events, 10)  # the first write failed, its staging freed
+        with pytest.raises(TransportError, match="went away"):
+            writer.put(chunks[1])  # queued behind the failure: never written
+        with pytest.raises(TransportError, match="went away"):
+            writer.finish()
+    finally:
+        ours.close()
+        theirs.close()
+    assert events == ["ready 0", "write 200", "release 0", "ready 1", "release 64"]  # 64-byte aligned
     assert staging.in_use == 0

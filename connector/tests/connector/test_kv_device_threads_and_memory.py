@@ -1,20 +1,22 @@
 """The connector on a GPU's terms, checked on the CPU (issue 35, gpu-review items 2, 4 and 13): each
-connector thread makes a CUDA device current and works on a stream of its own, drained before the
-thread ends, and staging that does not fit on the device is an error that says what to lower. CUDA's
-own calls are stood in for here, named so."""
+connector thread makes a CUDA device current and works on streams of its own (made outside torch's
+pool, which vLLM's forward stream comes from), drained before it gives them back, and staging that
+does not fit on the device is an error that says what to lower. CUDA's own calls are stood in for
+here, named so."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 
+from dllm_connector import thread_device
 from dllm_connector.codec import device_checksum
 from dllm_connector.pipe.device_copy import Copies
 from dllm_connector.thread_device import on_callers_device, on_device, settle
@@ -22,6 +24,7 @@ from dllm_connector.transport.base import TransportError
 from dllm_connector.transport.staging import StagingBuffer
 
 pytestmark = pytest.mark.timeout(60)
+CUDA0 = torch.device("cuda", 0)
 
 
 @dataclass(eq=False)
@@ -42,8 +45,9 @@ class StreamDouble:
 
 class CudaStreamsDouble:
     """Stands in for torch.cuda's streams and events in this process: the legacy default stream
-    (`default`), new ones from the pool, a current stream per thread (the default at first, as on a
-    GPU), and events that remember the stream they were recorded on."""
+    (`default`), the connector's own streams (thread_device.new_stream, numbered as made), a current
+    stream per thread (the default at first, as on a GPU), and events that remember their stream.
+    torch's pool (torch.cuda.Stream) refuses: vLLM's forward stream is one of its streams."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.log: list[tuple[str, ...]] = []
@@ -59,15 +63,20 @@ class CudaStreamsDouble:
             def synchronize(self) -> None:
                 double.log.append(("event synchronize", self.stream.name))
 
+        def pool_stream(*args: object, **kwargs: object) -> None:
+            raise AssertionError("a connector stream taken from torch's pool")
+
         monkeypatch.setattr(torch.cuda, "set_device", lambda device: self.log.append(("set", str(device))))
-        monkeypatch.setattr(torch.cuda, "Stream", self.new_stream)
+        monkeypatch.setattr(torch.cuda, "Stream", pool_stream)
         monkeypatch.setattr(torch.cuda, "stream", self.entered)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
         monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: self.default)
         monkeypatch.setattr(torch.cuda, "Event", EventDouble)
+        monkeypatch.setattr(thread_device, "new_stream", self.new_stream)
+        monkeypatch.setattr(thread_device, "_kept", thread_device._Kept())  # none kept from other tests
 
-    def new_stream(self, device: torch.device | None = None) -> StreamDouble:
-        return StreamDouble(f"pool-{next(self._numbers)}", self.log)
+    def new_stream(self, device: torch.device) -> StreamDouble:
+        return StreamDouble(f"own-{next(self._numbers)}", self.log)
 
     @property
     def current(self) -> StreamDouble:
@@ -83,10 +92,38 @@ class CudaStreamsDouble:
         finally:
             self._current.stream = before
 
+    def synchronized(self) -> list[str]:
+        return [entry[1] for entry in self.log if entry[0] == "synchronize"]
+
+
+def name_of(stream: object) -> str:
+    """The name of a StreamDouble that thread_device hands out as a stream."""
+    assert isinstance(stream, StreamDouble)
+    return stream.name
+
 
 @pytest.fixture
 def cuda_streams(monkeypatch: pytest.MonkeyPatch) -> CudaStreamsDouble:
     return CudaStreamsDouble(monkeypatch)
+
+
+def at_once(works: list[Callable[[], None]]) -> None:
+    """Run each work on a thread of its own, all of them inside their work at the same time."""
+    inside = threading.Barrier(len(works))
+
+    def run(work: Callable[[], None]) -> Callable[[], None]:
+        def both() -> None:
+            inside.wait(10)
+            work()
+            inside.wait(10)
+
+        return both
+
+    threads = [threading.Thread(target=on_device(CUDA0, run(work))) for work in works]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
 
 
 def test_a_connector_thread_makes_the_kv_device_current_before_its_work(
@@ -99,91 +136,94 @@ def test_a_connector_thread_makes_the_kv_device_current_before_its_work(
     assert calls[:2] == [("set", "cuda:1"), ("work", "job")]
     work = lambda: None  # noqa: E731
     assert on_device(torch.device("cpu"), work) is work
-    # a thread made where CUDA runs takes its maker's device (Mooncake's writes, the side channel)
+    # a thread made where CUDA runs takes its maker's device (Mooncake's writes, the side channel's
+    # connections), and no streams: Mooncake's write threads queue no device work
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     calls.clear()
     on_callers_device(lambda: calls.append(("work",)))()
-    assert calls[:2] == [("set", "cuda:3"), ("work",)]
+    assert calls == [("set", "cuda:3"), ("work",)]
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     assert on_callers_device(work) is work
 
 
-def test_a_connector_thread_works_on_a_stream_of_its_own_drained_before_it_ends(
+def test_connector_threads_work_on_streams_of_their_own_drained_before_they_are_given_back(
     cuda_streams: CudaStreamsDouble,
 ) -> None:
-    """gpu-review item 13: a connector thread's work runs on a stream of its own from torch's pool,
-    not the legacy default stream every transfer would queue behind, and what it queued has run by
-    the time the thread ends, even when the work fails."""
-    seen: list[str] = []
-    on_device(torch.device("cuda", 0), lambda: seen.append(cuda_streams.current.name))()
+    """gpu-review item 13: a connector thread's work runs on a stream the connector made (not the
+    legacy default stream every transfer would queue behind, nor one of torch's pool, where vLLM's
+    forward stream is), which no other thread holds meanwhile; both its streams have run what it
+    queued before they are given back, even when the work fails; and a later thread reuses them."""
+    seen: list[tuple[str, str]] = []
+
+    def work() -> None:
+        seen.append((cuda_streams.current.name, name_of(thread_device.side_stream(CUDA0))))
+
+    at_once([work, work])
+    assert sorted(seen) == [("own-1", "own-2"), ("own-3", "own-4")]
+    assert sorted(cuda_streams.synchronized()) == ["own-1", "own-2", "own-3", "own-4"]
 
     def failing() -> None:
-        seen.append(cuda_streams.current.name)
+        work()
         raise RuntimeError("the transfer failed")
 
+    cuda_streams.log.clear()
+    seen.clear()
     with pytest.raises(RuntimeError):
-        on_device(torch.device("cuda", 0), failing)()
-    assert seen == ["pool-1", "pool-2"]
-    assert [entry for entry in cuda_streams.log if entry[0] == "synchronize"] == [
-        ("synchronize", "pool-1"),
-        ("synchronize", "pool-2"),
-    ]
+        on_device(CUDA0, failing)()
+    assert len(seen) == 1
+    assert seen[0] in {("own-1", "own-2"), ("own-3", "own-4")}  # kept, not made again
+    assert sorted(cuda_streams.synchronized()) == sorted(seen[0])
     assert cuda_streams.current is cuda_streams.default  # the caller's stream, as before
 
 
-def test_settle_waits_for_the_calling_threads_stream_on_cuda_alone(cuda_streams: CudaStreamsDouble) -> None:
-    on_device(torch.device("cuda", 0), lambda: settle(torch.device("cuda", 0)))()
-    assert ("synchronize", "pool-1") in cuda_streams.log
+def test_settle_waits_for_the_calling_threads_streams_on_cuda_alone(cuda_streams: CudaStreamsDouble) -> None:
+    def settled() -> None:
+        settle(CUDA0)
+        assert sorted(cuda_streams.synchronized()) == ["own-1", "own-2"]  # main and side, before the end
+
+    on_device(CUDA0, settled)()
     cuda_streams.log.clear()
     settle(torch.device("cpu"))
     assert cuda_streams.log == []
 
 
-def test_each_thread_copies_on_a_side_stream_of_its_own(cuda_streams: CudaStreamsDouble) -> None:
+def test_each_thread_copies_on_its_own_side_stream_after_its_own_work(
+    cuda_streams: CudaStreamsDouble,
+) -> None:
     """gpu-review item 13: one side stream shared by every transfer ordered each transfer's copies
-    after every other's. Each thread now has its own, ordered after that thread's own stream; the
-    copy's mark is recorded on it, and a join makes the thread's stream wait for it."""
-    copies = Copies(torch.device("cuda", 0))
-    sides: dict[str, list[str]] = {}
+    after every other's. A thread's copies now go on its own side stream, ordered after that thread's
+    main stream; each copy's readiness is waited for on it, and a join makes the main stream wait."""
+    copies = Copies(CUDA0)
+    waits: dict[str, list[tuple[str, str]]] = {}
 
-    def transfer(name: str) -> None:
-        src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
-        ready = copies.copy(dst, src)
-        ready()
-        copies.copy(dst, src)
-        copies.join()
-        assert torch.equal(dst, src)
-        sides[name] = [own for own, other in _waits(cuda_streams.log) if other == cuda_streams.current.name]
+    def transfer(name: str) -> Callable[[], None]:
+        def run() -> None:
+            src, dst = torch.arange(8, dtype=torch.uint8), torch.zeros(8, dtype=torch.uint8)
+            copies.copy(dst, src)()
+            copies.join()
+            assert torch.equal(dst, src)
+            main, side = cuda_streams.current.name, name_of(thread_device.side_stream(CUDA0))
+            waits[name] = [(entry[1], entry[2]) for entry in cuda_streams.log if entry[0] == "wait"]
+            assert (side, main) in waits[name]  # the copy after the thread's own work
+            assert (main, side) in waits[name]  # the join
 
-    threads = [threading.Thread(target=on_device(torch.device("cuda", 0), transfer), args=(n,)) for n in "ab"]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert set(sides) == {"a", "b"}
-    side_a, side_b = (set(sides[name]) for name in "ab")
-    assert len(side_a) == len(side_b) == 1  # the same side stream for both copies of a thread
-    assert side_a != side_b  # and another in the other thread
-    # each copy's readiness is waited for on the host on that thread's side stream
-    assert {entry[1] for entry in cuda_streams.log if entry[0] == "event synchronize"} == side_a | side_b
+        return run
+
+    at_once([transfer("a"), transfer("b")])
+    sides = {entry[1] for entry in cuda_streams.log if entry[0] == "event synchronize"}
+    assert len(sides) == 2  # each thread's copies on its own side stream
 
 
 def test_what_a_transport_wrote_is_read_after_the_legacy_default_stream(
     cuda_streams: CudaStreamsDouble,
 ) -> None:
-    """Mooncake's TCP build copies into device memory on the legacy default stream, which a connector
-    thread's own stream does not wait for by itself: `landed` queues that wait (no host sync)."""
-    copies = Copies(torch.device("cuda", 0))
-    on_device(torch.device("cuda", 0), copies.landed)()
-    assert ("wait", "pool-1", "default") in cuda_streams.log
-    assert not [entry for entry in cuda_streams.log if "synchronize" in entry[0] and entry[1] == "default"]
+    """Mooncake's TCP build copies into device memory on the legacy default stream: `landed` queues
+    a wait of the thread's stream for it (no host sync)."""
+    on_device(CUDA0, Copies(CUDA0).landed)()
+    assert ("wait", "own-1", "default") in cuda_streams.log
+    assert "default" not in cuda_streams.synchronized()
     Copies(torch.device("cpu")).landed()  # nothing to wait for off CUDA
-
-
-def _waits(log: list[tuple[str, ...]]) -> list[tuple[str, str]]:
-    """(waiting stream, stream waited for) of each wait in the log."""
-    return [(entry[1], entry[2]) for entry in log if entry[0] == "wait"]
 
 
 def test_staging_that_does_not_fit_on_the_device_says_what_to_lower(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -92,14 +92,22 @@ def fmix64(value: int) -> int:
 
 
 _keys_by_device: dict[torch.device, torch.Tensor] = {}
+_keys_lock = threading.Lock()
 
 
 def _keys(device: torch.device) -> torch.Tensor:
-    """The position keys, computed on the device itself (integer ops: the same bits everywhere)."""
+    """The position keys, computed on the device itself (integer ops: the same bits everywhere), once,
+    and complete before any thread reads them: each connector thread works on its own stream."""
     keys = _keys_by_device.get(device)
     if keys is None:
-        positions = torch.arange(ROW_WORDS, dtype=torch.int64, device=device) + _signed(_GOLDEN)
-        keys = _keys_by_device[device] = _splitmix64(positions)
+        with _keys_lock:
+            keys = _keys_by_device.get(device)
+            if keys is None:
+                positions = torch.arange(ROW_WORDS, dtype=torch.int64, device=device) + _signed(_GOLDEN)
+                keys = _splitmix64(positions)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+                _keys_by_device[device] = keys
     return keys
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import socket
 import threading
@@ -62,8 +63,8 @@ class PreparedPiece:
     the receiver is told so it can decode them while the rest is on the wire.
     """
 
-    src: list[Source]
-    dst: list[Span]
+    src: Sequence[Source]
+    dst: Sequence[Span]
     index: int
     parts: int | None = None
     ready: Ready | None = None
@@ -135,6 +136,8 @@ class ChunkWriter:
             send(self._sock, announce)
         if item.ready is not None:  # the device's encode, or its copy to host, done
             item.ready()
+            if isinstance(item, PreparedChunk):
+                item.ready = None  # waited for: nothing left to wait for at its release
         if item.src:
             try:
                 transport.send(self._plan.peer, item.src, item.dst, self._plan.tag, self._timeout)
@@ -148,6 +151,11 @@ class ChunkWriter:
 
     def _release(self, item: _Item) -> None:
         if not isinstance(item, PreparedPiece) and item.staged is not None:
+            if isinstance(item, PreparedChunk) and item.ready is not None:
+                # not written (an error came first): its copies into the staging, on the encoding
+                # thread's streams, are done before another transfer reserves it
+                with contextlib.suppress(Exception):
+                    item.ready()
             self._staging.release(item.staged)
 
     def finish(self) -> None:

@@ -3,20 +3,20 @@
 The pinned-host path (transport.placement) encodes a batch on the KV's device into a scratch
 payload and copies it into page-locked host staging range by range as each layer is encoded, so
 that the copy of piece k+1 runs while piece k is on the wire; decode copies each piece back as it
-arrives. On CUDA the copies are non_blocking on a side stream of the calling thread's own (each
-connector thread works on a stream of its own, thread_device), and the writer waits for a piece's
-event before the transport reads it. On the CPU the same calls copy synchronously and every mark is
+arrives. On CUDA the copies are non_blocking on the calling thread's side stream (each connector
+thread works on streams of its own, thread_device), and the writer waits for a piece's event before
+the transport reads it. On the CPU the same calls copy synchronously and every mark is
 ready at once: the code paths are those the tests run here. The CUDA lines are `_CudaCopies`,
 behind the one check in `Copies`.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 
+from dllm_connector.thread_device import side_stream
 from dllm_connector.transport.staging import StagingBuffer, device_bytes
 
 # Called before the transport reads bytes written on the device: returns once they are written.
@@ -28,19 +28,15 @@ def ready_now() -> None:
 
 
 class _CudaCopies:
-    """CUDA only: copies on a side stream, ordered after the current stream's kernels. Each thread has
-    a side stream of its own: one shared by every transfer would order each one's copies after the
+    """CUDA only: copies on the calling thread's side stream (thread_device), ordered after the current
+    stream's kernels. One side stream shared by every transfer would order each one's copies after the
     others' (gpu-review item 13)."""
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
-        self._threads = threading.local()
 
     def _side(self) -> torch.cuda.Stream:
-        stream: torch.cuda.Stream | None = getattr(self._threads, "stream", None)
-        if stream is None:
-            stream = self._threads.stream = torch.cuda.Stream(self._device)  # type: ignore[no-untyped-call]
-        return stream
+        return side_stream(self._device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Ready:
         side = self._side()

@@ -6,6 +6,7 @@ told to stop when the load fails (part_channel); the loads awaited are expectati
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import time
@@ -42,6 +43,7 @@ from dllm_connector.pipe.offer_check import check_caches, check_claim
 from dllm_connector.pipe.part_channel import PartChannel, nack_on_error, send_nack
 from dllm_connector.pipe.records import TransferRecords
 from dllm_connector.pipe.staging_window import StagingWindow
+from dllm_connector.thread_device import on_device
 from dllm_connector.transport import sidechannel
 from dllm_connector.transport.base import TransferTimeout, Transport, TransportError
 from dllm_connector.transport.sidechannel import PeerRefused
@@ -74,8 +76,9 @@ class KVReceiver(PipeSide):
         # A peer's hello waits as long as a quiet peer may mid-transfer (kvTransfer.timeoutMs), never less
         # than the side channel's own bound: a host that stalls as a whole delays hellos as much as parts.
         handshake = max(sidechannel.HANDSHAKE_TIMEOUT_S, config.transfer_timeout_s)
+        serve = on_device(kv.device, self._serve)  # each connection's device work on streams of its own
         self._server = sidechannel.Server(
-            host, port, self._serve, auth=auth, max_connections=max_connections, handshake_timeout=handshake
+            host, port, serve, auth=auth, max_connections=max_connections, handshake_timeout=handshake
         )
 
     @property
@@ -272,6 +275,9 @@ class KVReceiver(PipeSide):
             if failure is not None:
                 channel.refuse_and_drain(f"KV load failed: {failure}", drain=False)
                 raise failure
+        except BaseException:
+            self._fence_drained()
+            raise
         finally:
             if window is not None:
                 window.release()
@@ -285,6 +291,15 @@ class KVReceiver(PipeSide):
         )
         self._expectations.end(expectation.transfer_id, part, "")
         send(sock, Ack(type="ack"))
+
+    def _fence_drained(self) -> None:
+        """After a failed part, whose last pieces were drained unread: what they said landed (Mooncake's
+        TCP build copies on the legacy default stream) and this thread's kernels are done before its
+        blocks or staging are handed on."""
+        with contextlib.suppress(Exception):
+            self.copies.landed()
+        with contextlib.suppress(Exception):
+            self.copies.mark()()
 
     def _settle_chunk(self, own: torch.Tensor | None) -> None:
         """After each chunk, loaded or not, before the load may be reported and before its staging
