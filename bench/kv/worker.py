@@ -184,8 +184,8 @@ class Worker:
         KV is larger)."""
         import torch
 
-        from dllm_connector.layout import coalesce
-        from dllm_connector.transport.base import Span
+        from dllm_connector.layout.span_table import merged
+        from dllm_connector.transport.base import Span, SpanList
 
         transport = self.transports["mooncake"]
         self.kv.register_with(transport.register)
@@ -196,12 +196,19 @@ class Worker:
                 transport.register(self._contiguous)
             size = self._contiguous.numel()
             lengths = [min(size, nbytes - start) for start in range(0, nbytes, size)]
-            src = [(self._contiguous.data_ptr(), length) for length in lengths]
-            targets = [(target_addr, length) for length in lengths]
+            src: list[Span] | SpanList = [Span(self._contiguous.data_ptr(), length) for length in lengths]
+            targets: list[Span] | SpanList = [Span(target_addr, length) for length in lengths]
         else:
-            src, targets = coalesce(self.kv.spans(blocks), [(addr, nbytes) for addr, nbytes in dst])
+            ours = self.kv.spans(blocks)
+            runs = merged(
+                torch.tensor([addr for addr, _ in ours]),
+                torch.tensor([addr for addr, _ in dst]),
+                torch.tensor([nbytes for _, nbytes in ours]),
+            )
+            sizes = runs[2].tolist()
+            src, targets = SpanList(runs[0].tolist(), sizes), SpanList(runs[1].tolist(), sizes)
         started = time.perf_counter()
-        transport.send({"session": session}, [Span(*s) for s in src], [Span(*d) for d in targets], 0, 60)
+        transport.send({"session": session}, src, targets, 0, 60)
         return {"seconds": time.perf_counter() - started, "writes": len(src)}
 
     def cmd_send(

@@ -77,6 +77,48 @@ def test_a_malformed_accept_fails_the_send_within_the_transfer_timeout(
     assert sender.stats.failed_sends == 1
 
 
+def zero_copy_accept(sender: KVSender, **changes: Any) -> dict[str, Any]:
+    """A well-formed zero-copy accept of 2 blocks naming the sender's own cache's layout, then `changes`."""
+    where = sender.kv.addresses()
+    dst = {
+        "layers": [[a.base, a.block_stride, a.segment_stride] for a in where.layers],
+        "segments": where.segments,
+        "runs": [list(run) for run in where.runs],
+        "blocks": [3, 4],
+    }
+    return {"type": "accept", "skip": 0, "count": 2, "dst": dst | changes, "zero_copy": True}
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"runs": [[n, 1] for n in range(1 << 16)]}, "runs of other lengths"),  # a 10 GB span table
+        ({"layers": [[(1 << 63) - 64, 1 << 20, 0]] * 2}, "past the 64-bit address space"),
+        ({"layers": [[1 << 40, 1 << 40, 0]] * 2, "blocks": [3, 1 << 24]}, "past the 64-bit address space"),
+    ],
+    ids=["65536-tiny-runs", "base-near-2^63", "a-far-block"],
+)
+def test_a_zero_copy_accept_whose_addresses_cannot_be_this_caches_fails_before_any_span_is_made(
+    sender: KVSender, changes: dict[str, Any], reason: str
+) -> None:
+    """gpu-review item 14: the sender works decode's spans out as arrays of layers x blocks x segments x
+    runs, so the runs a decode names are checked first (their lengths must be this cache's own, which
+    bounds the table by this side's), and so are addresses that would pass 2^63 in int64."""
+    assert sender.zero_copy
+    if "layers" in changes:
+        changes["layers"] = changes["layers"][:1] * sender.kv.num_layers
+    decode = answering(zero_copy_accept(sender, **changes))
+    try:
+        outcome, took = send_and_wait(sender, SendJob("h6-dst", (1, 2), HOST, decode.port, HASH), HOLD)
+    finally:
+        decode.close()
+    assert outcome is not None
+    assert reason in outcome, outcome
+    assert took < 3 * TIMEOUT
+    assert sender.in_flight == set()
+    assert sender.stats.sent == 0
+
+
 def test_a_malformed_slot_message_fails_the_send(sender: KVSender) -> None:
     """fp8 goes through decode's staging: a slot naming a list for an address ends the send."""
     sender.config = config(compression=Compression.FP8)

@@ -13,7 +13,8 @@ from kv_peer import HOST, pipe_config
 from pydantic import ValidationError
 
 from dllm_connector.codec.checksum import spans_checksum
-from dllm_connector.layout import Geometry, LayoutError, PagedKV, coalesce, layer_layout
+from dllm_connector.layout import Geometry, LayoutError, PagedKV, layer_layout
+from dllm_connector.layout.span_table import merged
 from dllm_connector.pipe.common import PipeConfig, chunk_ranges, gb
 from dllm_connector.pipe.sender import KVSender
 from dllm_connector.pipe.staging_window import StagingWindow
@@ -108,12 +109,11 @@ def _memory(addr: int, length: int) -> bytearray:
     return bytearray((ctypes.c_ubyte * length).from_address(addr))
 
 
-def test_coalesce_merges_spans_contiguous_on_both_sides() -> None:
-    src = [(100, 10), (110, 10), (200, 10), (210, 10)]
-    dst = [(500, 10), (510, 10), (520, 10), (900, 10)]
-    assert coalesce(src, dst) == ([(100, 20), (200, 10), (210, 10)], [(500, 20), (520, 10), (900, 10)])
-    with pytest.raises(LayoutError, match="span of 10 bytes paired with one of 12"):
-        coalesce([(0, 10)], [(0, 12)])
+def test_spans_contiguous_on_both_sides_merge() -> None:
+    src = torch.tensor([100, 110, 200, 210])
+    dst = torch.tensor([500, 510, 520, 900])
+    runs = merged(src, dst, torch.full((4,), 10))
+    assert [part.tolist() for part in runs] == [[100, 200, 210], [500, 520, 900], [20, 10, 10]]
 
 
 def test_non_contiguous_blocks_are_refused() -> None:

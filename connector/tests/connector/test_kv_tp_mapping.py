@@ -20,7 +20,7 @@ from dllm_connector.layout import (
     PagedKV,
     TPMappingError,
     TPRank,
-    coalesce,
+    coalesce_runs,
     layer_layout,
     plan_tp_mapping,
     rank_heads,
@@ -155,7 +155,7 @@ def test_nhd_head_ranges_are_strided_per_token_and_whole_heads_coalesce() -> Non
     whole = kv.spans([5], heads=(0, 8))
     per_segment = kv.spans([5])
     assert len(per_segment) == 3 * 2
-    assert coalesce(whole, whole) == coalesce(per_segment, per_segment)  # all heads: one run per segment
+    assert coalesce_runs(whole) == coalesce_runs(per_segment)  # all heads: one run per segment
     cpu = rank_kv(7, "cpu", TPRank(0, 1))
     assert len(cpu.spans([5], heads=(2, 4))) == 3  # CPU: a head range is one run per block
     assert cpu.spans([5], heads=(0, 8)) == cpu.spans([5])

@@ -12,16 +12,16 @@ one run of memory on the CPU and HND layouts, one run per token on NHD.
 
 The modules: `tp_mapping` (pure: the geometry, TP ranks, the head mapping), `spans` and `signature`
 (pure: merging contiguous spans; comparing handshake signatures), `block_addresses` (pure: the
-stride arithmetic behind the spans, which decode hands prefill instead of a span list),
-`layer_layout` (a layer tensor's shape and strides read) and `paged_kv` (torch: the caches' block
-access).
+stride arithmetic behind the spans, which decode hands prefill instead of a span list), `span_table`
+(torch on the host: a zero-copy chunk's spans and their merge as arrays), `layer_layout` (a layer
+tensor's shape and strides read) and `paged_kv` (torch: the caches' block access).
 """
 
 from dllm_connector.layout.block_addresses import BlockAddresses, LayerAddress
 from dllm_connector.layout.layer_layout import LayerLayout, layer_layout
 from dllm_connector.layout.paged_kv import PagedKV
 from dllm_connector.layout.signature import signature_mismatches
-from dllm_connector.layout.spans import coalesce, coalesce_runs
+from dllm_connector.layout.spans import coalesce_runs
 from dllm_connector.layout.tp_mapping import (
     Geometry,
     HeadRange,
@@ -45,7 +45,6 @@ __all__ = [
     "TPMapping",
     "TPMappingError",
     "TPRank",
-    "coalesce",
     "coalesce_runs",
     "head_split_problem",
     "layer_layout",

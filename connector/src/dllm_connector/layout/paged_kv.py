@@ -10,6 +10,7 @@ import torch
 
 from dllm_connector.layout.block_addresses import BlockAddresses, LayerAddress
 from dllm_connector.layout.layer_layout import layer_layout, segment_groups
+from dllm_connector.layout.span_table import SpanTable, span_table
 from dllm_connector.layout.tp_mapping import (
     Geometry,
     HeadRange,
@@ -325,6 +326,11 @@ class PagedKV:
         """
         self.check_ids(block_ids)
         return self.addresses(heads).spans(block_ids, layers)
+
+    def span_table(self, block_ids: Sequence[int], heads: HeadRange | None = None) -> SpanTable:
+        """The spans `spans` lists, as a table (a zero-copy chunk's writes, gpu-review item 14)."""
+        self.check_ids(block_ids)
+        return span_table(self.addresses(heads), block_ids)
 
     def addresses(self, heads: HeadRange | None = None) -> BlockAddresses:
         """The arithmetic `spans` does, for a peer to do it (decode's accept, gpu-review item 5)."""

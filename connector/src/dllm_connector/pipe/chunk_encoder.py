@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from dllm_connector import codec
-from dllm_connector.layout import coalesce
+from dllm_connector.layout.span_table import merged, span_table
 from dllm_connector.pipe.chunk_writer import (
     ChunkWriter,
     PieceStream,
@@ -23,7 +23,7 @@ from dllm_connector.pipe.common import PipeSide, TransferFailed
 from dllm_connector.pipe.device_copy import HostMirror, Ready, ready_now
 from dllm_connector.pipe.host_parts import encodes_on_host
 from dllm_connector.pipe.span_checksum import chunk_checksum
-from dllm_connector.transport.base import Source, Span
+from dllm_connector.transport.base import Source, Span, SpanList
 from dllm_contract.kvconfig import Compression
 
 
@@ -143,25 +143,25 @@ class ChunkEncoder:
     def _prepare_in_place(self, index: int, blocks: Sequence[int], first: int) -> PreparedChunk:
         """Codec none, zero-copy: hash and write the blocks' spans a few layers at a time."""
         kv, plan, algo = self._side.kv, self._plan, self._side.checksum_algo
-        src = kv.spans(blocks, plan.heads)
+        src = kv.span_table(blocks, plan.heads)
         if plan.dst is None:
             raise TransferFailed(f"decode named no blocks for zero-copy chunk {index}")
-        dst = plan.dst.addresses.spans(plan.dst.blocks[first : first + len(blocks)])
-        sizes_differ = any(theirs != n for (_, theirs), (_, n) in zip(dst, src, strict=False))
-        if len(dst) != len(src) or sizes_differ:
+        dst = span_table(plan.dst.addresses, plan.dst.blocks[first : first + len(blocks)])
+        if not src.matches(dst):
             raise TransferFailed(f"decode's block spans for chunk {index} do not match this cache's")
         running = chunk_checksum(kv, algo, blocks, plan.heads)
-        # Spans are in layer order, the same bytes for every layer: a piece is whole layers, as
-        # few as make zero_copy_piece_bytes (the last piece takes what is left).
-        per_layer = len(src) // kv.num_layers
-        layer_bytes = sum(nbytes for _, nbytes in src[:per_layer])
-        step = per_layer * max(1, -(-self._encoding.zero_copy_piece_bytes // layer_bytes))
-        for start in range(0, len(src), step):
+        # The same spans in every layer: a piece is whole layers, as few as make
+        # zero_copy_piece_bytes (the last piece takes what is left).
+        step = max(1, -(-self._encoding.zero_copy_piece_bytes // max(1, src.layer_bytes)))
+        for start in range(0, kv.num_layers, step):
             self._poll()
-            stop = min(start + step, len(src))
-            merged_src, merged_dst = coalesce(src[start:stop], dst[start:stop])
-            running.add_layers(range(start // per_layer, stop // per_layer), merged_src)
-            piece = PreparedPiece([Span(*s) for s in merged_src], [Span(*d) for d in merged_dst], index)
+            stop = min(start + step, kv.num_layers)
+            lengths = src.lengths.repeat(stop - start)
+            runs = merged(src.addrs[start:stop].reshape(-1), dst.addrs[start:stop].reshape(-1), lengths)
+            sizes = runs[2].tolist()
+            piece_src, piece_dst = SpanList(runs[0].tolist(), sizes), SpanList(runs[1].tolist(), sizes)
+            running.add_layers(range(start, stop), piece_src)
+            piece = PreparedPiece(piece_src, piece_dst, index)
             self._encoding.before_write(index, piece.src)
             self._writer.put(piece)
         shape = kv.batch_shape(len(blocks), plan.heads)

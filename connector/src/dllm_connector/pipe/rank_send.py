@@ -99,7 +99,7 @@ class RankSend:
             reply.skip,
             reply.count,
             offer.chunk_blocks,
-            self._destination(reply) if zero_copy else None,
+            self._destination(reply, heads) if zero_copy else None,
             offer.tag,
             peer,
             heads,
@@ -107,9 +107,10 @@ class RankSend:
             dict(reply.slots),
         )
 
-    def _destination(self, reply: Accept) -> ZeroCopyTarget:
-        """Decode's block addresses for a zero-copy part, checked against this cache: one layer each,
-        the same segments, one block per accepted block (the runs are compared chunk by chunk)."""
+    def _destination(self, reply: Accept, heads: HeadRange | None) -> ZeroCopyTarget:
+        """Decode's block addresses for a zero-copy part, checked against this cache before any span is
+        worked out from them: one layer each, the same segments, runs of the same lengths (so decode's
+        span table is the size of this side's), one block per accepted block, addresses in int64."""
         dst, kv = reply.dst, self._side.kv
         if dst is None:
             raise TransferFailed("decode accepted a zero-copy part without naming its blocks' addresses")
@@ -118,8 +119,18 @@ class RankSend:
                 f"decode's cache has {len(dst.layers)} layers of {dst.segments} segments per block, "
                 f"this one {kv.num_layers} of {kv.layout.segments}"
             )
+        own_runs = [length for _, length in kv.addresses(heads).runs]
+        if [length for _, length in dst.runs] != own_runs:
+            raise TransferFailed(
+                f"decode's segments hold {len(dst.runs)} runs of other lengths than this cache's "
+                f"{len(own_runs)} of {own_runs[0]} bytes"
+            )
         if len(dst.blocks) != reply.count:
             raise TransferFailed(f"decode named {len(dst.blocks)} blocks for the {reply.count} it accepted")
+        reach = max(dst.blocks, default=0), max(offset + length for offset, length in dst.runs)
+        for base, block_stride, segment_stride in dst.layers:
+            if base + reach[0] * block_stride + (dst.segments - 1) * segment_stride + reach[1] >= 1 << 63:
+                raise TransferFailed("decode named block addresses past the 64-bit address space")
         layers = tuple(LayerAddress(*layer) for layer in dst.layers)
         return ZeroCopyTarget(BlockAddresses(layers, dst.segments, tuple(dst.runs)), tuple(dst.blocks))
 

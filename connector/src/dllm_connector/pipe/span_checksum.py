@@ -16,21 +16,20 @@ receiver its own blocks once the last write landed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from dllm_connector.codec import ChecksumAlgo
 from dllm_connector.codec.checksum import RunningChecksum
 from dllm_connector.codec.device_checksum import GATHER_BYTES, RunningTensorChecksum
 from dllm_connector.layout import HeadRange, PagedKV, coalesce_runs
-
-Spans = Sequence[tuple[int, int]]
+from dllm_connector.transport.base import SpanList
 
 
 class ChunkChecksum(Protocol):
-    def add_layers(self, layers: range, spans: Spans | None = None) -> None:
-        """The chunk's blocks in `layers`, after those added before. `spans`: their bytes as
-        (address, length) runs in order, where the caller has them (the sender's writes)."""
+    def add_layers(self, layers: range, spans: SpanList | None = None) -> None:
+        """The chunk's blocks in `layers`, after those added before. `spans`: their bytes as runs in
+        order, where the caller has them (the sender's writes)."""
 
     @property
     def value(self) -> int: ...
@@ -43,10 +42,13 @@ class HostChunkChecksum:
         self._kv, self._blocks, self._heads = kv, blocks, heads
         self._running = RunningChecksum()
 
-    def add_layers(self, layers: range, spans: Spans | None = None) -> None:
+    def add_layers(self, layers: range, spans: SpanList | None = None) -> None:
+        runs: Iterable[tuple[int, int]]
         if spans is None:
-            spans = coalesce_runs(self._kv.spans(self._blocks, self._heads, layers))
-        for addr, nbytes in spans:
+            runs = coalesce_runs(self._kv.spans(self._blocks, self._heads, layers))
+        else:
+            runs = zip(spans.addrs, spans.lengths, strict=True)
+        for addr, nbytes in runs:
             self._running.add(addr, nbytes)
 
     @property
@@ -61,7 +63,7 @@ class DeviceChunkChecksum:
         self._kv, self._blocks, self._heads = kv, blocks, heads
         self._running = RunningTensorChecksum()
 
-    def add_layers(self, layers: range, spans: Spans | None = None) -> None:
+    def add_layers(self, layers: range, spans: SpanList | None = None) -> None:
         for run in self._kv.gathered_bytes(self._blocks, self._heads, layers, GATHER_BYTES):
             self._running.add(run)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 
@@ -31,8 +31,43 @@ class Span:
         return [self.addr, self.nbytes]
 
 
+class SpanList(Sequence[Span]):
+    """Spans as two columns, addresses and lengths, made without an object per span (a zero-copy
+    piece's block writes, layout.span_table): one-sided transports read the columns; anything else
+    sees Span objects, made on access."""
+
+    __slots__ = ("addrs", "lengths")
+
+    def __init__(self, addrs: list[int], lengths: list[int]) -> None:
+        if len(addrs) != len(lengths):
+            raise ValueError(f"{len(addrs)} span addresses with {len(lengths)} lengths")
+        self.addrs, self.lengths = addrs, lengths
+
+    def __len__(self) -> int:
+        return len(self.addrs)
+
+    @overload
+    def __getitem__(self, index: int) -> Span: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> SpanList: ...
+
+    def __getitem__(self, index: int | slice) -> Span | SpanList:
+        if isinstance(index, slice):
+            return SpanList(self.addrs[index], self.lengths[index])
+        return Span(self.addrs[index], self.lengths[index])
+
+
 # Local sources: tensors (any transport) or spans of registered memory (one-sided transports).
 Source = torch.Tensor | Span
+
+
+def columns(regions: Sequence[Source]) -> tuple[list[int], list[int]]:
+    """(addresses, lengths) of some regions: a SpanList's own columns, else one region at a time."""
+    if isinstance(regions, SpanList):
+        return regions.addrs, regions.lengths
+    spans = [span_of(region) for region in regions]
+    return [span.addr for span in spans], [span.nbytes for span in spans]
 
 
 def span_of(source: Source) -> Span:
@@ -102,7 +137,8 @@ class Transport(ABC):
 def check_sizes(src: Sequence[Source], dst: Sequence[Span]) -> None:
     if len(src) != len(dst):
         raise TransportError(f"{len(src)} source regions for {len(dst)} destination regions")
-    for index, (source, region) in enumerate(zip(src, dst, strict=True)):
-        nbytes = span_of(source).nbytes
-        if nbytes != region.nbytes:
-            raise TransportError(f"region {index}: {nbytes} bytes to send, peer expects {region.nbytes}")
+    sizes, wanted = columns(src)[1], columns(dst)[1]
+    if sizes == wanted:
+        return
+    index = next(i for i, (nbytes, peers) in enumerate(zip(sizes, wanted, strict=True)) if nbytes != peers)
+    raise TransportError(f"region {index}: {sizes[index]} bytes to send, peer expects {wanted[index]}")

@@ -47,7 +47,7 @@ from dllm_connector.transport.base import (
     Transport,
     TransportError,
     check_sizes,
-    span_of,
+    columns,
 )
 from dllm_connector.transport.entry_budget import EntryBudget
 from dllm_connector.transport.placement import TransportTraits
@@ -245,8 +245,9 @@ class MooncakeTransport(Transport):
 
     def call_bound_s(self, dst: Sequence[Span]) -> float:
         """How long one batch call of these destinations can run before Mooncake ends it itself."""
-        batches = range(0, len(dst), _BATCH)
-        largest = max((sum(span.nbytes for span in dst[i : i + _BATCH]) for i in batches), default=0)
+        lengths = columns(dst)[1]
+        batches = range(0, len(lengths), _BATCH)
+        largest = max((sum(lengths[i : i + _BATCH]) for i in batches), default=0)
         return self._call_timeout_s + largest / _BYTES_PER_S + _SLACK_S
 
     def _write_batches(
@@ -258,12 +259,13 @@ class MooncakeTransport(Transport):
         deadline: float,
     ) -> None:
         """The batches of one send, one after another (raises into the caller's future)."""
-        for start in range(0, len(src), _BATCH):
+        sources, (targets, sizes) = columns(src)[0], columns(dst)
+        for start in range(0, len(sources), _BATCH):
             if stop.is_set():  # also a send that waited for a thread past its caller's wait
                 raise TransferTimeout(f"Mooncake write to {session} stopped at its deadline")
-            local = [span_of(source).addr for source in src[start : start + _BATCH]]
-            remote = [region.addr for region in dst[start : start + _BATCH]]
-            lengths = [region.nbytes for region in dst[start : start + _BATCH]]
+            local = sources[start : start + _BATCH]
+            remote = targets[start : start + _BATCH]
+            lengths = sizes[start : start + _BATCH]
             if not self.entries.acquire(len(lengths), deadline):
                 raise TransferTimeout(f"Mooncake write to {session} found no room in flight by its deadline")
             try:
