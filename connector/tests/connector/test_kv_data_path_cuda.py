@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from data_path_cases import deliver_all
 from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, Prefill, make_caches, pipe_config
 
 from dllm_connector import codec
@@ -170,12 +171,7 @@ def test_concurrent_transfers_work_on_streams_of_their_own(monkeypatch: pytest.M
     jobs = {f"s-{n}": (SRC_BLOCKS[n * 60 : n * 60 + 60], DST_BLOCKS[n * 60 : n * 60 + 60]) for n in range(3)}
     try:
         with torch.cuda.stream(vllm_stream):
-            for transfer, (src, dst) in jobs.items():
-                receiver.expect(transfer, dst)
-                sender.submit(SendJob(transfer, tuple(src), HOST, receiver.port))
-        assert [receiver.wait_for(transfer, 60) for transfer in jobs] == ["", "", ""]
-        assert sender.wait_idle(30)
-        assert set(sender.finished().values()) == {None}
+            deliver_all(sender, receiver, jobs)
         assert sorted(name.split("-")[1] for name, _ in seen) == ["send"] * 3 + ["side"] * 3, seen
         streams = {stream for _, stream in seen}
         assert torch.cuda.default_stream().cuda_stream not in streams, seen

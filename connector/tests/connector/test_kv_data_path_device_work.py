@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from data_path_cases import DST_BLOCKS, SRC_BLOCKS, decode
+from data_path_cases import DST_BLOCKS, SRC_BLOCKS, decode, deliver_all
 from kv_peer import GEOMETRY, HOST, LAYERS, NUM_BLOCKS, CorruptingSender, make_caches, receiver_config
 
 from dllm_connector.codec.device_checksum import RunningTensorChecksum
@@ -141,12 +141,7 @@ def test_concurrent_pinned_host_transfers_share_one_scratch_bounded_by_the_stagi
     sender.piece_bytes = 1  # a piece per layer: copies per piece on both sides
     jobs = {f"t-{n}": (SRC_BLOCKS[n * 40 : n * 40 + 40], DST_BLOCKS[n * 40 : n * 40 + 40]) for n in range(3)}
     try:
-        for transfer, (src, dst) in jobs.items():
-            receiver.expect(transfer, dst)
-            sender.submit(SendJob(transfer, tuple(src), HOST, receiver.port))
-        assert [receiver.wait_for(transfer, 60) for transfer in jobs] == ["", "", ""]
-        assert sender.wait_idle(30)
-        assert set(sender.finished().values()) == {None}
+        deliver_all(sender, receiver, jobs)
         assert len(mirrors) == 6  # a chunk per transfer, on each side
         for mirror in mirrors:
             (side,) = [side for side in (sender, receiver) if within(mirror.host, side.staging.tensor)]
