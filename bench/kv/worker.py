@@ -199,11 +199,11 @@ class Worker:
             src: list[Span] | SpanList = [Span(self._contiguous.data_ptr(), length) for length in lengths]
             targets: list[Span] | SpanList = [Span(target_addr, length) for length in lengths]
         else:
-            ours = self.kv.spans(blocks)
+            ours = self.kv.span_table(blocks)
             runs = merged(
-                torch.tensor([addr for addr, _ in ours]),
+                ours.addrs.reshape(-1),
                 torch.tensor([addr for addr, _ in dst]),
-                torch.tensor([nbytes for _, nbytes in ours]),
+                ours.lengths.repeat(ours.addrs.shape[0]),
             )
             sizes = runs[2].tolist()
             src, targets = SpanList(runs[0].tolist(), sizes), SpanList(runs[1].tolist(), sizes)

@@ -3,7 +3,7 @@ answers; and a pipeline started for the length of a `for` (test_pipeline*.py).""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,8 +75,12 @@ def worst_logprob_gap(url: str, reference: Answers) -> float:
     return worst
 
 
-def run_pipeline(model: Path, logs: Path, compression: str) -> Iterator[Pipeline]:
-    pipeline = Pipeline(model=model, logs=logs, compression=compression)
+def run_pipeline(
+    model: Path, logs: Path, compression: str, engine_env: Mapping[str, str] | None = None
+) -> Iterator[Pipeline]:
+    """The sample's pipeline, started, stopped when the caller is done (`engine_env`: more environment
+    for both engines)."""
+    pipeline = Pipeline(model=model, logs=logs, compression=compression, engine_env=engine_env or {})
     try:
         yield pipeline.start()
     finally:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from e2e.dataplane.pipeline import Pipeline, counter, metrics_text, rendered_engine, wait_healthy
-from e2e.dataplane.prompts import PIPELINE_MARKS, PROMPTS, completion
+from e2e.dataplane.prompts import PIPELINE_MARKS, PROMPTS, completion, run_pipeline
 from e2e.fixtures import wait_until
 from e2e.processes import descendants
 
@@ -36,12 +36,9 @@ def pipeline(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     """The sample's pipeline, but each engine's model in a worker process apart from its engine core
     (vLLM's CPU default, which the sample turns off): the last test holds a step by stopping the
     worker while the engine core still takes requests and signals."""
-    logs = tmp_path_factory.mktemp("stop-logs")
-    pipeline = Pipeline(model=model, logs=logs, engine_env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
-    try:
-        yield pipeline.start()
-    finally:
-        pipeline.stop()
+    yield from run_pipeline(
+        model, tmp_path_factory.mktemp("stop-logs"), "none", {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    )
 
 
 def test_the_rendered_engines_drain_rather_than_abort_at_sigterm() -> None:
