@@ -13,7 +13,9 @@ def passes(device: Any, quick: bool, compiled: bool) -> list[tuple[str, str]]:
     return plain if not compiled or (quick and device.type == "cpu") else [*plain, ("compiled", "compiled")]
 
 
-def label(used: str, device: Any) -> str:
-    """The set that ran: the native set runs plain torch ops on a device (where compiled was asked
-    for and is unavailable, the next set serves, and says so in a warning)."""
-    return "plain" if used == "native" and device.type != "cpu" else used
+def label(kv_dtype: Any, device: Any) -> str:
+    """The set that runs on `device` after `codec.use_kernels`: on a device, torch.compile's unless
+    plain ops were asked for or the compiled ones write other bytes there (a warning says so)."""
+    from dllm_connector import codec
+
+    return codec.device_kernels(device, kv_dtype).name

@@ -220,3 +220,28 @@ def test_the_host_override_on_a_gpu_cache_sends_the_host_kernels_bytes(compressi
         receiver.close()
         prefill_transport.close()
         decode_transport.close()
+
+
+@pytest.mark.parametrize("compression", [Compression.FP8, Compression.INT8])
+def test_a_gpu_encodes_and_decodes_with_the_compiled_kernels_and_the_hosts_bytes(
+    compression: Compression,
+) -> None:
+    """gpu-review item 14: payloads on the GPU take torch.compile's kernels (Triton), not plain ops'
+    twenty launches a call, and they still write the host's C kernels' bytes."""
+    assert codec.device_kernels(CUDA, torch.bfloat16).name == "compiled"
+    source = PagedKV({name: cache.to(CUDA) for name, cache in make_caches(7).items()}, NUM_BLOCKS, GEOMETRY)
+    batch = source.gather(SRC_BLOCKS)
+    groups = source.layout.groups
+    host_header, host_payload = codec.encode(batch.cpu(), compression, groups)
+    out = torch.empty(host_payload.numel(), dtype=torch.uint8, device=CUDA)
+    header, payload = codec.encode_parts(
+        [batch],
+        tuple(batch.shape),
+        batch.dtype,
+        compression,
+        groups,
+        out,
+        checksum_algo=codec.ChecksumAlgo.NH64,
+    )
+    assert torch.equal(payload.cpu(), host_payload)
+    assert torch.equal(codec.decode(header, payload).cpu(), codec.decode(host_header, host_payload))

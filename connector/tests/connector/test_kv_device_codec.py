@@ -1,12 +1,14 @@
-"""The device codec's kernels (plain torch ops, what a device runs), here with the CPU as the device:
-they write the C kernels' bytes bit for bit, warm-up refuses a set that does not, bench/gpu_check.py
-finds them equal, and no kernel set decodes a forged NaN code to NaN."""
+"""The device codec's kernels, here with the CPU as the device: plain torch ops write the C kernels'
+bytes bit for bit, a device runs torch.compile's where they write the host's bytes there (plain ops
+where not), warm-up refuses a set that does not, bench/gpu_check.py finds them equal, and no kernel
+set decodes a forged NaN code to NaN."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -60,11 +62,8 @@ def test_warm_up_for_device_staging_checks_the_kernels_there(compression: Compre
     codec.warm_up(blocks(), compression, GROUPS, staging=torch.device("cpu"))
 
 
-def test_kernels_that_write_other_bytes_where_staging_is_are_refused_at_warm_up(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """fake_off_by_one: a kernel set whose int8 codes differ from the host's (no real set does on a
-    CPU; a GPU compiler's division could), refused before any payload is written with it."""
+def _off_by_one_int8_set() -> kernel_sets._Kernels:
+    """fake_off_by_one: int8 codes one above the host's (a GPU compiler's division could do that)."""
     plain = plain_kernels.PLAIN
 
     def fake_off_by_one(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
@@ -72,10 +71,17 @@ def test_kernels_that_write_other_bytes_where_staging_is_are_refused_at_warm_up(
         codes.add_(1)
 
     int8 = plain_kernels.CodecKernels(fake_off_by_one, plain[Compression.INT8].decode_into)
-    fake = kernel_sets._Kernels(
+    return kernel_sets._Kernels(
         {Compression.FP8: plain[Compression.FP8], Compression.INT8: int8}, "fake", 1 << 18
     )
-    monkeypatch.setattr(kernel_sets, "_kernels", fake)
+
+
+def test_kernels_that_write_other_bytes_where_staging_is_are_refused_at_warm_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel set whose int8 codes differ from the host's (no real set does on a CPU; a GPU
+    compiler's division could), refused before any payload is written with it."""
+    monkeypatch.setattr(kernel_sets, "_kernels", _off_by_one_int8_set())
     codec.warm_up(blocks(), Compression.FP8, GROUPS, staging=torch.device("cpu"))
     with pytest.raises(
         codec.CodecError, match="fake int8 KV kernels on cpu write other bytes than the host's"
@@ -110,6 +116,48 @@ def test_scales_divided_as_cuda_divides_by_a_python_float_are_refused_at_warm_up
     monkeypatch.setattr(kernel_sets, "_kernels", fake)
     with pytest.raises(codec.CodecError, match="fake int8 KV kernels on cpu write other bytes"):
         codec.warm_up(blocks(), Compression.INT8, GROUPS, staging=torch.device("cpu"))
+
+
+def test_a_device_set_that_writes_other_bytes_gives_way_to_plain_ops(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The compiled set is what a device runs only where it writes the host's bytes; else plain ops
+    (which warm-up then checks there), with a warning naming the set, the codec and the device."""
+    cpu = torch.device("cpu")
+    assert kernel_sets.same_on_device_or_plain(_off_by_one_int8_set(), cpu, torch.bfloat16).name == "plain"
+    assert "fake int8 KV kernels on cpu write other bytes than the host's for torch.bfloat16" in caplog.text
+    fine = kernel_sets._Kernels(plain_kernels.PLAIN, "fine", 1 << 18)
+    assert kernel_sets.same_on_device_or_plain(fine, cpu, torch.float16) is fine
+
+
+def test_plain_ops_asked_for_are_what_a_device_runs() -> None:
+    assert kernel_sets._device_set(torch.device("cpu"), torch.bfloat16, "plain").name == "plain"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a_device_runs_the_compiled_kernels_by_default() -> None:
+    """gpu-review item 14: on a device the default (native) set's C kernels cannot serve; torch.compile's
+    do, checked there against the host's bytes (here with the CPU standing for the device). An encode
+    of a layer is then two compiled calls: no eager torch op computes in it, where plain ops run a
+    dozen kinds (about twenty launches on a GPU)."""
+    chosen = kernel_sets._device_set(torch.device("cpu"), torch.bfloat16, "native")
+    assert chosen.name == "compiled"
+    rows = blocks().to(torch.bfloat16).reshape(-1, 64)
+    codes = torch.empty(rows.shape, dtype=torch.int8)
+    scales = torch.empty(rows.shape[0], dtype=torch.float32)
+    plain_ops = aten_ops(lambda: plain_kernels.PLAIN[Compression.INT8].encode_into(rows, codes, scales))
+    compiled_ops = aten_ops(lambda: chosen.by_codec[Compression.INT8].encode_into(rows, codes, scales))
+    assert len(plain_ops) >= 10, plain_ops
+    # the compiled calls allocate, alias their arguments (no views: codec.views) and copy the scales out
+    assert compiled_ops <= {"aten::empty", "aten::empty_strided", "aten::set_", "aten::copy_"}, compiled_ops
+
+
+def aten_ops(run: Callable[[], None]) -> set[str]:
+    """The torch ops `run` dispatches as such (a compiled kernel's own loops are not among them)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiled:
+        run()
+    return {event.key for event in profiled.key_averages() if event.key.startswith("aten::")}
 
 
 # ---- the GPU check, run here on the CPU ------------------------------------------------------------

@@ -48,7 +48,14 @@ from dllm_connector.codec.header import (
     effective_codec,
     payload_nbytes,
 )
-from dllm_connector.codec.kernel_sets import KernelRequest, configure, kernels, use_kernels, warm_up
+from dllm_connector.codec.kernel_sets import (
+    KernelRequest,
+    configure,
+    device_kernels,
+    kernels,
+    use_kernels,
+    warm_up,
+)
 from dllm_connector.codec.quant import DecodeFn
 from dllm_connector.codec.stream import StreamingDecode, decode, decode_parts, encode, encode_parts, verify
 
@@ -72,6 +79,7 @@ __all__ = [
     "decode",
     "decode_parts",
     "default_checksum_algo",
+    "device_kernels",
     "effective_codec",
     "encode",
     "encode_parts",

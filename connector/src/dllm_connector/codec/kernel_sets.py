@@ -204,6 +204,7 @@ def _same_round_trip(probe: torch.Tensor, codec: Compression, plain: _Kernels, o
 
 
 _kernels_lock = threading.Lock()
+_device_kernels: dict[str, _Kernels] = {}  # by device type, for payloads off the host
 
 
 def kernels() -> _Kernels:
@@ -214,12 +215,56 @@ def kernels() -> _Kernels:
         return _kernels
 
 
+def device_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> _Kernels:
+    """The set for payloads on `device`: the host's (`kernels()`) on the CPU. On another device,
+    chosen at its first use there (warm-up, with the KV's `dtype`): torch.compile's, Triton on a GPU,
+    where each call is a fused pass or two instead of plain ops' twenty launches with float32
+    temporaries (gpu-review item 14); plain ops where the compiled set does not build there or
+    writes other bytes than the host's plain ops (a division rounded otherwise), or where `plain`
+    was asked for (DLLM_KV_CODEC_KERNELS)."""
+    if device.type == "cpu":
+        return kernels()
+    with _kernels_lock:
+        chosen = _device_kernels.get(device.type)
+        if chosen is None:
+            chosen = _device_kernels[device.type] = _device_set(device, dtype, _request.name)
+        return chosen
+
+
+def _device_set(device: torch.device, dtype: torch.dtype, requested: str) -> _Kernels:
+    if requested == "plain":
+        return _PLAIN_KERNELS
+    try:
+        compiled = _Kernels(_compiled_kernels(), "compiled", _COMPILED_CHUNK_ELEMENTS)
+        return same_on_device_or_plain(compiled, device, dtype)
+    except Exception as error:  # noqa: BLE001 - any compiler failure means plain ops
+        _log.warning("torch.compile is unavailable for the KV codec on %s: %s; plain ops", device, error)
+        return _PLAIN_KERNELS
+
+
+def same_on_device_or_plain(candidate: _Kernels, device: torch.device, dtype: torch.dtype) -> _Kernels:
+    """`candidate` if, on `device`, it writes the host's plain ops' bytes for probes of `dtype`;
+    else the plain set (with a warning), which warm-up checks there in turn."""
+    for codec in PLAIN:
+        if not _writes_host_bytes(device, codec, dtype, candidate.by_codec[codec]):
+            _log.warning(
+                "%s %s KV kernels on %s write other bytes than the host's for %s; plain ops",
+                candidate.name,
+                codec,
+                device,
+                dtype,
+            )
+            return _PLAIN_KERNELS
+    return candidate
+
+
 def configure(request: KernelRequest) -> None:
     """What the next first use chooses; a set chosen for another request is dropped."""
     global _request, _kernels
     with _kernels_lock:
         if request != _request:
             _request, _kernels = request, None
+            _device_kernels.clear()
 
 
 def warm_up(
@@ -241,22 +286,28 @@ def warm_up(
     if codec is Compression.NONE:
         return
     rows = sample.contiguous().reshape(sample.shape[0] * groups, -1)
-    functions = kernels().by_codec[codec]
+    chosen = kernels() if staging is None else device_kernels(staging, sample.dtype)
+    functions = chosen.by_codec[codec]
     for some in _row_shapes(rows):
         _round_trip_rows(some, functions, CODE_DTYPE[codec], staging)
-    if staging is not None:
-        _check_on(staging, codec, sample.dtype, functions)
+    if staging is not None and not _writes_host_bytes(staging, codec, sample.dtype, functions):
+        raise CodecError(
+            f"the {chosen.name} {codec} KV kernels on {staging} write other bytes than the host's "
+            f"for {sample.dtype}; stage this KV on the host"
+        )
 
 
-def _check_on(staging: torch.device, codec: Compression, dtype: torch.dtype, functions: CodecKernels) -> None:
+def _writes_host_bytes(
+    device: torch.device, codec: Compression, dtype: torch.dtype, functions: CodecKernels
+) -> bool:
+    """Whether `functions` on `device` write the host's plain ops' codes, scales and decoded values
+    for probes of `dtype`, bit for bit."""
     for probe in _row_shapes(_probe_rows(dtype)):
         expected = _round_trip_rows(probe, PLAIN[codec], CODE_DTYPE[codec])
-        got = _round_trip_rows(probe.to(staging), functions, CODE_DTYPE[codec], staging)
+        got = _round_trip_rows(probe.to(device), functions, CODE_DTYPE[codec], device)
         if not all(torch.equal(as_bytes(a), as_bytes(b.cpu())) for a, b in zip(expected, got, strict=True)):
-            raise CodecError(
-                f"the {kernels().name} {codec} KV kernels on {staging} write other bytes than the host's "
-                f"for {dtype}; stage this KV on the host"
-            )
+            return False
+    return True
 
 
 def use_kernels(name: str) -> str:
@@ -265,4 +316,5 @@ def use_kernels(name: str) -> str:
     global _request, _kernels
     _request = replace(_request, name=name)
     _kernels = _choose_kernels(_request)
+    _device_kernels.clear()
     return _kernels.name

@@ -23,12 +23,12 @@ from dllm_connector.codec.header import (
     dtype_name,
     effective_codec,
 )
-from dllm_connector.codec.kernel_sets import DECODE_CHUNK_ELEMENTS, kernels
+from dllm_connector.codec.kernel_sets import DECODE_CHUNK_ELEMENTS, device_kernels
 from dllm_contract.kvconfig import Compression
 
-# Elements per kernel call on a device (not the CPU): each call is a dozen launches of torch ops, so
-# calls take whole parts (a layer of a long prompt is 64M elements); this only bounds the float32
-# temporaries (256 MiB each).
+# Elements per kernel call on a device (not the CPU): each call has a fixed cost in launches, so calls
+# take whole parts (a layer of a long prompt is 64M elements); this only bounds the temporaries of
+# plain torch ops (float32, 256 MiB each) where the compiled kernels do not serve.
 DEVICE_CHUNK_ELEMENTS = 1 << 26
 
 
@@ -170,7 +170,7 @@ def _row_chunks(rows: int, row_len: int, chunk_elements: int) -> range:
 def _quantize_rows(
     rows: torch.Tensor, codec: Compression, codes: torch.Tensor, scales: torch.Tensor, *, on_device: bool
 ) -> None:
-    chosen = kernels()
+    chosen = device_kernels(codes.device, rows.dtype)
     functions = chosen.by_codec[codec]
     chunk = DEVICE_CHUNK_ELEMENTS if on_device else chosen.chunk_elements
     chunks = _row_chunks(rows.shape[0], rows.shape[1], chunk)
@@ -316,7 +316,7 @@ class _PartReader(_PayloadViews):
             return
         rows = slice(first * header.groups, (first + count) * header.groups)
         target = out.view(count * header.groups, -1)
-        decode_into = kernels().by_codec[header.codec].decode_into
+        decode_into = device_kernels(out.device, out.dtype).by_codec[header.codec].decode_into
         limit = float(torch.finfo(header.torch_dtype).max)
         codes, scales = self._codes[rows], self._scales[rows]
         if self._all_checked:
