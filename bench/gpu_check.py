@@ -7,7 +7,9 @@ reports, as one JSON document on stdout and a short table on stderr:
                     kernel set (plain torch ops; torch.compile, i.e. Triton on a GPU), checksum
                     included, called as the pipe calls them (one layer per part) and whole (one
                     call per batch); goal: 500 GB/s each on an H200
-    checksum        the nh64 device checksum's GB/s (eager torch ops and compiled)
+    checksum        the nh64 device checksum's GB/s (eager torch ops and compiled); a zero-copy
+                    chunk's blocks in scattered order, gathered then hashed, and read in place by the
+                    Triton kernel taking block ids (gpu-review item 14), with the two values compared
     equality        device kernels against the host's native C kernels on the same KV, copied to the
                     host: codes and scales, decoded values, and nh64 on both sides, bit for bit
     host syncs      how many times one batch's encode and one streamed decode wait for the device
@@ -19,9 +21,10 @@ reports, as one JSON document on stdout and a short table on stderr:
                     (forced over TCP, DLLM_KV_TCP_DEVICE=1) and pinned-host, codecs none, fp8, int8;
                     each row checks decode's blocks against prefill's (gpu-review item 17)
 
-It exits 1 when any equality or pipe row fails, 2 when the environment cannot run it. Nothing is downloaded:
-torch (and Triton) must be there; the project's pure dependencies (pydantic, xxhash) come from
-`--wheels DIR` if not installed (pip installs them from that directory only).
+It exits 1 when any equality or pipe row fails (or the in-place checksum's value differs), 2 when the
+environment cannot run it. Nothing is downloaded: torch (and Triton) must be there; the project's pure
+dependencies (pydantic, xxhash) come from `--wheels DIR` if not installed (pip installs them from that
+directory only).
 
     python bench/gpu_check.py                              # on a GPU: 2k and 32k tokens
     python bench/gpu_check.py --device cpu --quick         # here: small sizes, the same code paths
@@ -106,8 +109,13 @@ def main() -> int:
         """The report so far, where --json says (a run cut short keeps what it measured)."""
         report["seconds"] = round(time.perf_counter() - started, 1)
         rows = [row for size in report["sizes"] for row in size["equality"]]
-        report["all_equal"] = bool(rows) and all(
-            row["payload_equal"] and row["decoded_equal"] and row["checksum_equal"] for row in rows
+        in_place = [
+            row for size in report["sizes"] for row in size["checksum"] if "blocks_in_place_equal" in row
+        ]
+        report["all_equal"] = (
+            bool(rows)
+            and all(row["payload_equal"] and row["decoded_equal"] and row["checksum_equal"] for row in rows)
+            and all(row["blocks_in_place_equal"] for row in in_place)
         )
         report["pipe_ok"] = all(row.get("ok", True) for row in report["pipe"])
         print(f"[{report['seconds']:7.1f} s] {step}", file=sys.stderr, flush=True)

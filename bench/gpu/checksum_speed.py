@@ -44,5 +44,38 @@ def checksum_rows(kv: Any, device: Any, name: str, repeats: int) -> list[dict[st
         ),
         "value": f"{value:#018x}",
     }
+    row |= blocks_fields(data, device, repeats)
     device_checksum.use_kernel("auto")
     return [row]
+
+
+def blocks_fields(data: Any, device: Any, repeats: int) -> dict[str, Any]:
+    """A zero-copy checksum of the KV's blocks in scattered order: gathered (a bounded buffer at a
+    time, then hashed) and read in place by the kernel taking block ids, where it serves (gpu-review
+    item 14), with whether the two values agree."""
+    import torch
+
+    from dllm_connector.codec import device_checksum
+
+    words = data.view(torch.int64).view(-1, 1, 1, SPAN_BYTES // 8)
+    ids = torch.arange(words.shape[0] - 1, -1, -1, device=device)
+    step = max(1, device_checksum.GATHER_BYTES // SPAN_BYTES)
+
+    def gathered() -> int:
+        running = device_checksum.RunningTensorChecksum()
+        for start in range(0, ids.numel(), step):
+            running.add(words.index_select(0, ids[start : start + step]).view(-1).view(torch.uint8))
+        return running.value
+
+    def in_place() -> int:
+        running = device_checksum.RunningTensorChecksum()
+        running.add_blocks(words, ids)
+        return running.value
+
+    fields: dict[str, Any] = {"blocks_gathered_gbps": gbps(data.numel(), seconds(gathered, device, repeats))}
+    if not device_checksum.blocks_in_place(device):
+        return fields | {"blocks_in_place": "skipped: the kernel does not serve on this device"}
+    return fields | {
+        "blocks_in_place_gbps": gbps(data.numel(), seconds(in_place, device, repeats)),
+        "blocks_in_place_equal": in_place() == gathered(),
+    }

@@ -24,6 +24,10 @@ def table(report: dict[str, Any]) -> str:
         for row in size["checksum"]:
             spans = f"spans: add_all {row['spans_add_all_gbps']:.2f}, each {row['spans_each_gbps']:.2f}"
             lines.append(f"   checksum {row['kernel']:8s} {row['gbps']:.2f} GB/s; {spans}")
+            in_place = row.get("blocks_in_place") or (
+                f"{row['blocks_in_place_gbps']:.2f}, equal: {row['blocks_in_place_equal']}"
+            )
+            lines.append(f"   blocks: gathered {row['blocks_gathered_gbps']:.2f} GB/s, in place {in_place}")
         for row in size["equality"]:
             same = row["payload_equal"] and row["decoded_equal"] and row["checksum_equal"]
             lines.append(f"   equal to {row['reference']}: {row['kernels']} {row['codec']}: {same}")

@@ -245,3 +245,23 @@ def test_a_gpu_encodes_and_decodes_with_the_compiled_kernels_and_the_hosts_bytes
     )
     assert torch.equal(payload.cpu(), host_payload)
     assert torch.equal(codec.decode(header, payload).cpu(), codec.decode(host_header, host_payload))
+
+
+@pytest.mark.parametrize("heads", [None, (1, 2)])
+def test_the_zero_copy_checksum_reads_the_gpus_blocks_in_place_and_gets_the_gathers_value(
+    heads: tuple[int, int] | None,
+) -> None:
+    """gpu-review item 14: the Triton kernel taking block ids serves on a GPU, and the zero-copy
+    checksum it makes equals the one the gather makes (the value a peer on the gather computes)."""
+    from dllm_connector.codec.device_checksum import RunningTensorChecksum, blocks_in_place
+    from dllm_connector.pipe.span_checksum import DeviceChunkChecksum
+
+    assert blocks_in_place(CUDA)
+    kv = PagedKV({name: cache.to(CUDA) for name, cache in make_caches(7).items()}, NUM_BLOCKS, GEOMETRY)
+    in_place = DeviceChunkChecksum(kv, SRC_BLOCKS, heads)
+    for layer in range(kv.num_layers):
+        in_place.add_layers(range(layer, layer + 1))
+    gathered = RunningTensorChecksum()
+    for run in kv.gathered_bytes(SRC_BLOCKS, heads, range(kv.num_layers), 1 << 20):
+        gathered.add(run)
+    assert in_place.value == gathered.value

@@ -184,6 +184,9 @@ def test_the_gpu_check_runs_on_the_cpu_and_finds_the_kernels_equal(tmp_path: Pat
         for key in ("encode_layers_gbps", "encode_whole_gbps", "decode_layers_gbps", "decode_whole_gbps"):
             assert row[key] > 0
     assert [row["kernel"] for row in size["checksum"]] == ["eager"]
+    (checksum,) = size["checksum"]
+    assert checksum["blocks_gathered_gbps"] > 0
+    assert checksum["blocks_in_place"].startswith("skipped")  # the Triton kernel: compiled on a GPU only
     assert len(size["equality"]) == 2
     for row in size["equality"]:
         assert row["payload_equal"] is row["decoded_equal"] is row["checksum_equal"] is True

@@ -18,7 +18,8 @@ fp8 scales are powers of two (exact scaling, integer rounding to e4m3). Three se
 the same payload bytes (tests compare them), chosen by DLLM_KV_CODEC_KERNELS (dllm_connector.tuning;
 the engine passes it to `configure` at start):
 - native (the default): C loops (`native`, kvcodec.c) on host tensors, built for this CPU at first
-  use, plain torch ops on other devices; where they cannot be built, compiled, else plain;
+  use; where they cannot be built, compiled, else plain. Payloads on a device take the compiled set
+  there (`device_kernels`: Triton on a GPU), checked there against the host's bytes, else plain;
 - compiled: fused by torch.compile (which also needs a C++ compiler);
 - plain: torch ops, no compiler.
 
@@ -26,7 +27,8 @@ The package, one idea per module: `header` (the wire header, errors, dtype table
 (the fp8/int8 maths in torch), `plain_kernels` (what a kernel set is; the plain torch one),
 `native_kernels` (the C kernels as a set, split by rows over threads), `kernel_sets` (the compiled set,
 the checks and the choice among them), `stream` (encode and decode, whole or in parts), `checksum`
-(XXH3-64 over host memory) and `device_checksum` (nh64 in torch ops, where the payload is), and `native`
+(XXH3-64 over host memory), `device_checksum` (nh64 in torch ops, where the payload is),
+`block_checksum` (nh64 of KV blocks read in place by a Triton kernel taking block ids), and `native`
 (the C kernels' build and load: stdlib only, so that the images build the library with it in a stage
 without torch). Callers use the names below.
 """

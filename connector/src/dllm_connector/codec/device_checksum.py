@@ -26,6 +26,7 @@ no other host sync. Pieces may be any size: `RunningTensorChecksum` carries a pa
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
@@ -174,6 +175,44 @@ def _checked_compiled(device: torch.device) -> TermsFn:
         return terms_sum
 
 
+_in_place: dict[str, bool] = {}  # by device type
+_in_place_lock = threading.Lock()  # apart from _choice_lock, which the probe's `add` takes
+
+
+def blocks_in_place(device: torch.device) -> bool:
+    """Whether `RunningTensorChecksum.add_blocks` serves on `device`: on a GPU (and on the CPU in
+    Triton's interpreter, for tests) where Triton imports and the kernel gave the gather's value on
+    a probe at first use (else a warning, and callers gather)."""
+    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if device.type != "cuda" and not interpreted:
+        return False
+    with _in_place_lock:
+        if device.type not in _in_place:
+            _in_place[device.type] = _in_place_checked(device)
+        return _in_place[device.type]
+
+
+def _in_place_checked(device: torch.device) -> bool:
+    try:
+        generator = torch.Generator().manual_seed(7)
+        cache = torch.randint(-(2**62), 2**62, (5, 2, 3, 40), generator=generator, dtype=torch.int64)
+        cache = cache.to(device)
+        ids = torch.tensor([3, 0, 4], dtype=torch.int64, device=device)
+        # the blocks start 50 words before a row ends, so they run into the next row
+        prefix = torch.zeros((ROW_WORDS - 50) * 8, dtype=torch.uint8, device=device)
+        in_place, gathered = RunningTensorChecksum(), RunningTensorChecksum()
+        for running in (in_place, gathered):
+            running.add(prefix)
+        in_place.add_blocks(cache, ids)
+        gathered.add(cache.index_select(0, ids).view(-1).view(torch.uint8))
+        if in_place.value == gathered.value:
+            return True
+        _log.warning("the KV checksum kernel reading blocks in place differs from the gather on %s", device)
+    except Exception as error:  # noqa: BLE001 - no Triton, or it fails here: the gather serves
+        _log.warning("the KV checksum cannot read blocks in place on %s: %s", device, error)
+    return False
+
+
 def _as_words(data: torch.Tensor) -> torch.Tensor:
     """A uint8 run whose length is a multiple of 8 as int64 words, copied once if misaligned."""
     if data.storage_offset() % 8:
@@ -252,6 +291,24 @@ class RunningTensorChecksum:
                 self._add_gathered(pending)
                 pending, size = [], 0
         self._add_gathered(pending)
+
+    def add_blocks(self, words: torch.Tensor, ids: torch.Tensor) -> None:
+        """`add` of the bytes of `words[ids]`, the blocks in order, read where they lie by
+        block_checksum's kernel (no gathered copy; only where `blocks_in_place` says it serves).
+        `words`: a layer's blocks as layout.block_words gives them; `ids`: checked, on their device."""
+        if self._carry is not None:
+            raise ValueError("blocks are added at whole words: the bytes before them end mid-word")
+        if self._device is None:
+            self._device = words.device
+        elif words.device != self._device:
+            raise ValueError(f"checksum pieces on {words.device} and {self._device}: one device only")
+        from dllm_connector.codec import block_checksum
+
+        first, count = self._nbytes // 8, ids.numel() * words[0].numel()
+        self._reserve((first + count) // ROW_WORDS + 2)  # a tile that ends a row may name the next
+        assert self._rows is not None
+        block_checksum.add_block_terms(self._rows, words, ids, first, _keys(words.device))
+        self._nbytes += count * 8
 
     def _add_gathered(self, pieces: list[torch.Tensor]) -> None:
         if len(pieces) > 1:

@@ -283,6 +283,7 @@ def warm_up(
     codec = effective_codec(requested, sample.dtype)
     if staging is not None and staging.type != "cpu":
         device_checksum.kernel(staging)
+        device_checksum.blocks_in_place(staging)  # the zero-copy checksum's kernel, built and probed
     if codec is Compression.NONE:
         return
     rows = sample.contiguous().reshape(sample.shape[0] * groups, -1)

@@ -13,7 +13,8 @@ one run of memory on the CPU and HND layouts, one run per token on NHD.
 The modules: `tp_mapping` (pure: the geometry, TP ranks, the head mapping), `spans` and `signature`
 (pure: merging contiguous spans; comparing handshake signatures), `block_addresses` (pure: the
 stride arithmetic behind the spans, which decode hands prefill instead of a span list), `span_table`
-(torch on the host: a zero-copy chunk's spans and their merge as arrays), `layer_layout` (a layer
+(torch on the host: a zero-copy chunk's spans and their merge as arrays), `block_words` (a layer's
+blocks as strided runs of words, for a kernel that reads them in place), `layer_layout` (a layer
 tensor's shape and strides read) and `paged_kv` (torch: the caches' block access).
 """
 

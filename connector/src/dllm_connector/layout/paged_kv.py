@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from dllm_connector.layout.block_addresses import BlockAddresses, LayerAddress
+from dllm_connector.layout.block_words import block_words
 from dllm_connector.layout.layer_layout import layer_layout, segment_groups
 from dllm_connector.layout.span_table import SpanTable, span_table
 from dllm_connector.layout.tp_mapping import (
@@ -284,6 +285,13 @@ class PagedKV:
                 out = buffer[: selected.numel() * _product(block)].view(selected.numel(), *block)
                 torch.index_select(view, 0, selected, out=out)
                 yield out.view(-1).view(torch.uint8)
+
+    def block_words(self, heads: HeadRange | None) -> list[torch.Tensor] | None:
+        """Every layer's blocks (of `heads`) as int64 words [blocks, A, B, C] over the cache's memory,
+        in the order `gathered_bytes` gives their bytes (layout.block_words); None where a layer's
+        blocks are not whole words."""
+        words = [block_words(view) for view in self._head_views(heads, gathered=False)]
+        return None if any(layer is None for layer in words) else cast(list[torch.Tensor], words)
 
     def scatter(self, block_ids: Sequence[int], batch: torch.Tensor, heads: HeadRange | None = None) -> None:
         layers = batch.view(self._layered_shape(len(block_ids), heads))

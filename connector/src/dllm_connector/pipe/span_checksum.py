@@ -4,10 +4,12 @@ A zero-copy chunk's value is that of the codec-none payload its blocks would gat
 bytes in the same order), under the algorithm of the side's data path:
 
 - host path: XXH3-64 over the blocks' spans read in place by host cores (checksum.RunningChecksum);
-- device path: nh64 (device_checksum.RunningTensorChecksum) over the blocks gathered a layer at a
-  time on the cache's device into a bounded buffer: a few launches per layer, where hashing spans
-  one by one costs a dozen launches per span (about 330k spans per rank for a 32k-token Llama-70B
-  transfer); no block crosses to the host to be checked.
+- device path: nh64 (device_checksum.RunningTensorChecksum) over the blocks where they lie, one
+  kernel launch per layer taking the block ids (codec.block_checksum, on a GPU); where that kernel
+  does not serve, over the blocks gathered a layer at a time into a bounded buffer on the cache's
+  device. Either way a few launches per layer, where hashing spans one by one costs a dozen launches
+  per span (about 330k spans per rank for a 32k-token Llama-70B transfer); no block crosses to the
+  host to be checked.
 
 Each side picks the algorithm from its own data path and the header names it, so a peer on the
 other path is refused by name. The sender hashes its source blocks before writing them, the
@@ -19,9 +21,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+import torch
+
 from dllm_connector.codec import ChecksumAlgo
 from dllm_connector.codec.checksum import RunningChecksum
-from dllm_connector.codec.device_checksum import GATHER_BYTES, RunningTensorChecksum
+from dllm_connector.codec.device_checksum import GATHER_BYTES, RunningTensorChecksum, blocks_in_place
 from dllm_connector.layout import HeadRange, PagedKV, coalesce_runs
 from dllm_connector.transport.base import SpanList
 
@@ -57,15 +61,24 @@ class HostChunkChecksum:
 
 
 class DeviceChunkChecksum:
-    """nh64 over the blocks gathered a layer at a time (the spans' bytes, so `spans` is not read)."""
+    """nh64 over the blocks (the spans' bytes, so `spans` is not read): read where they lie by one
+    kernel taking the block ids where it serves (a GPU), else gathered a layer at a time."""
 
     def __init__(self, kv: PagedKV, blocks: Sequence[int], heads: HeadRange | None) -> None:
         self._kv, self._blocks, self._heads = kv, blocks, heads
         self._running = RunningTensorChecksum()
+        self._words = kv.block_words(heads) if blocks_in_place(kv.device) else None
+        self._ids: torch.Tensor | None = None  # on the device, made on the stream that reads them
 
     def add_layers(self, layers: range, spans: SpanList | None = None) -> None:
-        for run in self._kv.gathered_bytes(self._blocks, self._heads, layers, GATHER_BYTES):
-            self._running.add(run)
+        if self._words is None:
+            for run in self._kv.gathered_bytes(self._blocks, self._heads, layers, GATHER_BYTES):
+                self._running.add(run)
+            return
+        if self._ids is None:
+            self._ids = self._kv.device_ids(self._blocks)
+        for words in self._words[layers.start : layers.stop]:
+            self._running.add_blocks(words, self._ids)
 
     @property
     def value(self) -> int:
