@@ -6,6 +6,8 @@ in the same run, side by side:
 
     raw socket      Python sendall/recv_into of the same number of bytes: the link's limit
     <transport> <codec>   end to end: offer, gather + encode, write, decode + scatter, ack
+    mooncake <codec>, 1 write at once   (--one-write-rows) the same with one write on the wire at a
+                    time, as before gpu-review item 12 (WRITES_IN_FLIGHT writes otherwise)
     mooncake spans  the transfer engine alone writing the KV's block spans to decode's (no pipe)
     mooncake 1 write  the same bytes as one write from one buffer: the engine's own best (for a
                     KV larger than decode's 1 GiB staging, writes of that size)
@@ -71,6 +73,12 @@ def main() -> None:
         help="decode's block ids in prefill's order (a fresh engine's allocation), so that block spans "
         "merge; default: reversed, so that none merge",
     )
+    parser.add_argument(
+        "--one-write-rows",
+        action="store_true",
+        help="each Mooncake pipe row again with one write on the wire at a time (before gpu-review "
+        "item 12's writes in flight)",
+    )
     parser.add_argument("--serve", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, default=0, help=argparse.SUPPRESS)
@@ -82,7 +90,9 @@ def main() -> None:
     if args.quick:
         args.tokens, args.repeats = [2048], 1  # plus the discarded warm-up run of every row
     started = time.perf_counter()
-    settings = Settings(args.batch_tokens, args.checksum, args.threads, args.consecutive_ids)
+    settings = Settings(
+        args.batch_tokens, args.checksum, args.threads, args.consecutive_ids, args.one_write_rows
+    )
     shape = f"{LAYERS} layers, block {BLOCK}, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16"
     codec_tokens = 1024 if args.quick else 2048
     # torch.compile's kernels side by side with the C ones (compiling them costs --quick 10-20 s)

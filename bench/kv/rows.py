@@ -78,6 +78,10 @@ def measure_link(
                 runs[f"{transport} {codec}"] = _pipe_run(
                     prefill, decode, transport, codec, (src, dst), hosts[1], ports[transport]
                 )
+                if transport == "mooncake" and settings.one_write_rows:
+                    runs[f"{transport} {codec}, 1 write at once"] = _pipe_run(
+                        prefill, decode, transport, codec, (src, dst), hosts[1], ports[transport], 1
+                    )
         if "mooncake" in transports:
             runs |= _mooncake_alone_runs(prefill, decode, src, dst, kv_bytes)
         if namespaces == (None, None):  # over a rate-limited link they would only repeat the raw row
@@ -111,11 +115,13 @@ def _pipe_run(
     blocks: tuple[list[int], list[int]],
     host: str,
     port: int,
+    writes_in_flight: int | None = None,
 ) -> Run:
-    """One request's KV through our pipe: decode expects it, prefill sends it."""
+    """One request's KV through our pipe: decode expects it, prefill sends it (with at most
+    `writes_in_flight` writes on the wire at once, where given; else the connector's own)."""
 
     def run(tag: str) -> tuple[float, int]:
-        transfer_id = f"{transport}-{codec}-{tag}"
+        transfer_id = f"{transport}-{codec}-{writes_in_flight}-{tag}"
         decode.call("expect", transport=transport, transfer_id=transfer_id, blocks=blocks[1])
         sent = prefill.call(
             "send",
@@ -125,6 +131,7 @@ def _pipe_run(
             blocks=blocks[0],
             host=host,
             port=port,
+            writes_in_flight=writes_in_flight,
         )
         outcome = decode.call("wait", transport=transport, transfer_id=transfer_id)["outcome"]
         if outcome != "":

@@ -212,8 +212,16 @@ class Worker:
         return {"seconds": time.perf_counter() - started, "writes": len(src)}
 
     def cmd_send(
-        self, transport: str, codec: str, transfer_id: str, blocks: list[int], host: str, port: int
+        self,
+        transport: str,
+        codec: str,
+        transfer_id: str,
+        blocks: list[int],
+        host: str,
+        port: int,
+        writes_in_flight: int | None = None,
     ) -> dict[str, Any]:
+        from dllm_connector.pipe import chunk_writer
         from dllm_connector.pipe.sender import SendJob
         from dllm_contract.kvconfig import Compression
 
@@ -223,9 +231,14 @@ class Worker:
             self.senders[key] = self._sender_class(self.transports[transport], self.kv, config)
         sender = self.senders[key]
         wire_before = sender.stats.bytes_on_wire
-        started = time.perf_counter()
-        sender.send(SendJob(transfer_id, tuple(blocks), host, port))
-        seconds = time.perf_counter() - started
+        own = chunk_writer.WRITES_IN_FLIGHT  # read as each transfer's writer starts
+        chunk_writer.WRITES_IN_FLIGHT = writes_in_flight or own
+        try:
+            started = time.perf_counter()
+            sender.send(SendJob(transfer_id, tuple(blocks), host, port))
+            seconds = time.perf_counter() - started
+        finally:
+            chunk_writer.WRITES_IN_FLIGHT = own
         return {"seconds": seconds, "wire": sender.stats.bytes_on_wire - wire_before}
 
 

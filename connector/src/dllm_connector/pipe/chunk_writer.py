@@ -80,12 +80,21 @@ class StagingRelease:
 _Item = PreparedChunk | PreparedPiece | StagingRelease
 
 
+# Writes a transfer keeps on the wire at once on a one-sided transport: each write has a fixed cost
+# (a call into Mooncake, its completion), which the next ones' bytes then cover (gpu-review item 12;
+# docs/kv-connector.md, Pieces). Two-sided transports write one at a time, announced first.
+WRITES_IN_FLIGHT = 4
+
+
 class ChunkWriter:
-    """Writes prepared chunks in order on its own thread, so chunk k+1 encodes while k is on the wire.
+    """Writes prepared chunks in order on threads of its own, so chunk k+1 encodes while k is on the
+    wire.
 
     One-sided transports write first and then announce the chunk (its header, with the checksum);
-    a chunk's pieces go ahead of it as they are encoded. Two-sided ones announce first so the
-    receiver can post its receive.
+    a chunk's pieces go ahead of it as they are encoded, up to WRITES_IN_FLIGHT writes at once. One
+    thread starts the writes in order (after each one's ready mark); another waits for them in the
+    same order, then announces what landed and releases staging. Two-sided ones announce first so
+    the receiver can post its receive, and write one at a time.
     """
 
     def __init__(
@@ -101,10 +110,16 @@ class ChunkWriter:
         self._transport, self._timeout, self._staging = transport, timeout, staging
         self._sock, self._plan = sock, plan
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=4)
+        self._started: queue.Queue[_Started | None] = queue.Queue()  # in the order they began
+        self._in_flight = threading.Semaphore(WRITES_IN_FLIGHT if transport.one_sided else 1)
         self._error: BaseException | None = None
-        loop = on_device(device, self._loop)
-        self._thread = threading.Thread(target=loop, name="kv-chunk-writer", daemon=True)
-        self._thread.start()
+        self._error_lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=on_device(device, self._start_loop), name="kv-chunk-writer", daemon=True),
+            threading.Thread(target=on_device(device, self._end_loop), name="kv-chunk-written", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def put(self, item: _Item) -> None:
         """Hand `item` over (the writer releases its staging, in order, after any write under way)."""
@@ -112,42 +127,73 @@ class ChunkWriter:
         if self._error is not None:
             raise self._error
 
-    def _loop(self) -> None:
-        while (item := self._queue.get()) is not None:
-            try:
-                if self._error is None and not isinstance(item, StagingRelease):
-                    self._write(item)
-            except Exception as error:  # noqa: BLE001 - raised again by put/finish in the sender
-                self._error = error
-            finally:
-                self._release(item)
-
     def stop(self, error: BaseException) -> None:
-        """Write nothing more: what is queued is released unwritten (a write under way completes)."""
-        if self._error is None:
-            self._error = error
+        """Write nothing more: what is queued is released unwritten (writes under way complete)."""
+        self._fail(error)
 
-    def _write(self, item: PreparedChunk | PreparedPiece) -> None:
+    def _fail(self, error: BaseException) -> None:
+        with self._error_lock:
+            if self._error is None:
+                self._error = error
+
+    def _start_loop(self) -> None:
+        try:
+            while (item := self._queue.get()) is not None:
+                self._in_flight.acquire()  # given back once the write ended
+                self._started.put(_Started(item, self._start(item)))
+        finally:
+            self._started.put(None)
+
+    def _end_loop(self) -> None:
+        while (started := self._started.get()) is not None:
+            self._end(started)
+
+    def _start(self, item: _Item) -> Callable[[], None] | None:
+        """Begin item's write once it is ready; what waits for it, or None where none began."""
+        if self._error is not None or isinstance(item, StagingRelease):
+            return None
         transport = self._transport
-        announce = None
-        if isinstance(item, PreparedChunk):
-            announce = Chunk(type="chunk", index=item.index, header=item.header.to_dict())
-        if announce is not None and not transport.one_sided:
-            send(self._sock, announce)
-        if item.ready is not None:  # the device's encode, or its copy to host, done
-            item.ready()
-            if isinstance(item, PreparedChunk):
-                item.ready = None  # waited for: nothing left to wait for at its release
-        if item.src:
-            try:
-                transport.send(self._plan.peer, item.src, item.dst, self._plan.tag, self._timeout)
-            except TransportError:
-                transport.forget_peer(self._plan.peer)
-                raise
-        if isinstance(item, PreparedPiece) and item.parts is not None and transport.one_sided:
+        try:
+            if isinstance(item, PreparedChunk) and not transport.one_sided:
+                send(self._sock, _announcement(item))
+            if item.ready is not None:  # the device's encode, or its copy to host, done
+                item.ready()
+                if isinstance(item, PreparedChunk):
+                    item.ready = None  # waited for: nothing left to wait for at its release
+            if not item.src:
+                return _nothing_written
+            return transport.begin_send(self._plan.peer, item.src, item.dst, self._plan.tag, self._timeout)
+        except Exception as error:  # noqa: BLE001 - raised again by put/finish in the sender
+            self._failed_write(error)
+            return None
+
+    def _end(self, started: _Started) -> None:
+        """Wait for a started write (every one, even after an error: its memory is in use until it
+        ends), then announce what it wrote and release the item's staging."""
+        item = started.item
+        try:
+            if started.finish is not None:
+                started.finish()
+                if self._error is None:
+                    self._announce(item)
+        except Exception as error:  # noqa: BLE001 - raised again by put/finish in the sender
+            self._failed_write(error)
+        finally:
+            self._in_flight.release()
+            self._release(item)
+
+    def _failed_write(self, error: Exception) -> None:
+        if isinstance(error, TransportError):
+            self._transport.forget_peer(self._plan.peer)
+        self._fail(error)
+
+    def _announce(self, item: _Item) -> None:
+        if not self._transport.one_sided:
+            return
+        if isinstance(item, PreparedPiece) and item.parts is not None:
             send(self._sock, Piece(type="piece", index=item.index, parts=item.parts))
-        if announce is not None and transport.one_sided:
-            send(self._sock, announce)
+        if isinstance(item, PreparedChunk):
+            send(self._sock, _announcement(item))
 
     def _release(self, item: _Item) -> None:
         if not isinstance(item, PreparedPiece) and item.staged is not None:
@@ -161,9 +207,24 @@ class ChunkWriter:
     def finish(self) -> None:
         """Wait for every queued chunk; raises the first write error."""
         self._queue.put(None)
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
         if self._error is not None:
             raise self._error
+
+
+@dataclass(frozen=True)
+class _Started:
+    item: _Item
+    finish: Callable[[], None] | None  # waits for its write; None: none began
+
+
+def _nothing_written() -> None:
+    return None
+
+
+def _announcement(chunk: PreparedChunk) -> Chunk:
+    return Chunk(type="chunk", index=chunk.index, header=chunk.header.to_dict())
 
 
 class PieceStream:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, overload
 
@@ -118,6 +118,20 @@ class Transport(ABC):
     ) -> None:
         """Deliver each src tensor's bytes to the matching dst region, or raise TransportError."""
 
+    def begin_send(
+        self,
+        peer: Mapping[str, Any],
+        src: Sequence[Source],
+        dst: Sequence[Span],
+        tag: int,
+        timeout: float,
+    ) -> Callable[[], None]:
+        """Start `send` and return what waits for it to end (raising what `send` would), so that a
+        caller can start the next one meanwhile. The caller always waits before it reuses or frees
+        the memory. By default the whole send runs here."""
+        self.send(peer, src, dst, tag, timeout)
+        return _sent
+
     @abstractmethod
     def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
         """Two-sided transports: receive into dst; one-sided ones return at once."""
@@ -132,6 +146,10 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release registrations and connections."""
+
+
+def _sent() -> None:
+    return None
 
 
 def check_sizes(src: Sequence[Source], dst: Sequence[Span]) -> None:

@@ -27,14 +27,16 @@ for 30 s during a roll, past Mooncake's bound, and the transfer then failed with
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import logging
 import os
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import CancelledError, ThreadPoolExecutor
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -211,6 +213,18 @@ class MooncakeTransport(Transport):
         tag: int,
         timeout: float,
     ) -> None:
+        self.begin_send(peer, src, dst, tag, timeout)()
+
+    def begin_send(
+        self,
+        peer: Mapping[str, Any],
+        src: Sequence[Source],
+        dst: Sequence[Span],
+        tag: int,
+        timeout: float,
+    ) -> Callable[[], None]:
+        """The write goes to one of the transport's threads; what this returns waits for it, up to
+        `timeout` from now."""
         check_sizes(src, dst)
         session = str(peer["session"])
         stop = threading.Event()
@@ -222,26 +236,31 @@ class MooncakeTransport(Transport):
             )
         except RuntimeError:  # shut down: close() ran
             raise _closed(session) from None
+        return functools.partial(self._finish, done, _Write(session, stop, deadline, timeout, dst))
+
+    def _finish(self, done: Future[None], write: _Write) -> None:
+        session = write.session
         try:
-            done.result(timeout=timeout)
+            done.result(timeout=max(0.0, write.deadline - time.monotonic()))
             return
         except TimeoutError:
-            stop.set()  # no further batch starts
+            write.stop.set()  # no further batch starts
         except CancelledError:  # close() cancelled it before a thread took it
             raise _closed(session) from None
         if done.cancel():  # still waiting for a thread: it never touches the memory now
-            raise TransferTimeout(f"Mooncake write to {session} waited past {timeout:.1f}s for a thread")
+            waited = f"waited past {write.timeout:.1f}s for a thread"
+            raise TransferTimeout(f"Mooncake write to {session} {waited}")
         # The batch in flight still reads our memory and writes the peer's until Mooncake gives up:
         # return only after it did, so no caller frees or reuses that memory under it (H5).
         try:
-            done.result(timeout=self.call_bound_s(dst))
+            done.result(timeout=self.call_bound_s(write.dst))
         except TimeoutError:
             _log.error("Mooncake write to %s still runs past Mooncake's own timeout", session)
         except (TransportError, CancelledError):
             pass
         else:
             return  # it finished after all, late
-        raise TransferTimeout(f"Mooncake write to {session} ran past {timeout:.1f}s")
+        raise TransferTimeout(f"Mooncake write to {session} ran past {write.timeout:.1f}s")
 
     def call_bound_s(self, dst: Sequence[Span]) -> float:
         """How long one batch call of these destinations can run before Mooncake ends it itself."""
@@ -296,6 +315,17 @@ class MooncakeTransport(Transport):
             for addr in list(self._registered):
                 self._engine.unregister_memory(addr)
             self._registered.clear()
+
+
+@dataclass(frozen=True)
+class _Write:
+    """A write under way, as its waiter needs it."""
+
+    session: str
+    stop: threading.Event
+    deadline: float  # monotonic
+    timeout: float
+    dst: Sequence[Span]
 
 
 def _closed(session: str) -> TransportError:
