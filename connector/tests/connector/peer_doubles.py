@@ -193,3 +193,30 @@ class GatedTransportDouble(Transport):
 
     def close(self) -> None:
         self.open()
+
+
+class OneSidedTransportDouble(Transport):
+    """Test double base: a one-sided transport that registers nothing and names no endpoint; each
+    subclass says what its writes do (no real transport reports when it reads a source or lets a
+    test end a write)."""
+
+    name = "one-sided double"
+    one_sided = True
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def register(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        return None
+
+    def endpoint(self) -> dict[str, Any]:
+        return {}
+
+    def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
+        return None
+
+    def close(self) -> None:
+        return None

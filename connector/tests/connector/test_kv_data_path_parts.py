@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from kv_peer import rank_kv
-from peer_doubles import wait_until
+from peer_doubles import OneSidedTransportDouble, wait_until
 
 from dllm_connector import codec
 from dllm_connector.codec.device_checksum import tensor_checksum
@@ -23,7 +23,7 @@ from dllm_connector.layout import TPRank
 from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan, PreparedChunk, PreparedPiece
 from dllm_connector.pipe.device_copy import Copies, HostMirror, Scratch
 from dllm_connector.pipe.span_checksum import chunk_checksum
-from dllm_connector.transport.base import Source, Span, Transport, TransportError
+from dllm_connector.transport.base import Source, Span, TransportError
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_contract.kvconfig import Compression
 
@@ -112,35 +112,14 @@ def test_gathered_layers_are_the_spans_bytes_in_the_same_order(
         assert running.value == codec.checksum(header, payload)
 
 
-class RecordingTransportDouble(Transport):
+class RecordingTransportDouble(OneSidedTransportDouble):
     """Test double: a one-sided transport that only records when it was asked to read a source,
     which no real transport reports (the order against the ready marks is what is tested)."""
-
-    name = "recording"
-    one_sided = True
-
-    def __init__(self, events: list[str]) -> None:
-        self.events = events
-
-    def register(self, tensor: torch.Tensor) -> None:
-        return None
-
-    def unregister(self, tensor: torch.Tensor) -> None:
-        return None
-
-    def endpoint(self) -> dict[str, Any]:
-        return {}
 
     def send(
         self, peer: Mapping[str, Any], src: Sequence[Source], dst: Sequence[Span], tag: int, timeout: float
     ) -> None:
         self.events.append(f"write {dst[0].addr}")
-
-    def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 def test_the_writer_reads_a_piece_only_once_its_copy_or_encode_is_done() -> None:

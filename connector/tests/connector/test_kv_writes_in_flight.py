@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 from kv_peer import GEOMETRY, HOST, NUM_BLOCKS, make_caches, pipe_config
-from peer_doubles import wait_until
+from peer_doubles import OneSidedTransportDouble, wait_until
 
 from dllm_connector import codec
 from dllm_connector.layout import PagedKV
@@ -26,7 +26,7 @@ from dllm_connector.pipe.chunk_writer import WRITES_IN_FLIGHT, ChunkWriter, Plan
 from dllm_connector.pipe.common import gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
-from dllm_connector.transport.base import Source, Span, Transport, TransportError
+from dllm_connector.transport.base import Source, Span, TransportError
 from dllm_connector.transport.mooncake import MooncakeTransport
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_contract.kvconfig import Compression
@@ -95,15 +95,12 @@ def test_a_transfers_pieces_are_on_the_wire_together_and_land_whole(
     assert sender.staging.in_use == 0
 
 
-class ManualTransportDouble(Transport):
+class ManualTransportDouble(OneSidedTransportDouble):
     """Test double: a one-sided transport whose writes begin at once and end when the test calls
     `end(k)` (the k-th write, by its destination address), raising TransportError where told."""
 
-    name = "manual"
-    one_sided = True
-
     def __init__(self, events: list[str]) -> None:
-        self.events = events
+        super().__init__(events)
         self._ends: dict[int, threading.Event] = {}
         self._fails: set[int] = set()
         self._lock = threading.Lock()
@@ -134,21 +131,6 @@ class ManualTransportDouble(Transport):
         self, peer: Mapping[str, Any], src: Sequence[Source], dst: Sequence[Span], tag: int, timeout: float
     ) -> None:
         self.begin_send(peer, src, dst, tag, timeout)()
-
-    def register(self, tensor: torch.Tensor) -> None:
-        return None
-
-    def unregister(self, tensor: torch.Tensor) -> None:
-        return None
-
-    def endpoint(self) -> dict[str, Any]:
-        return {}
-
-    def recv(self, peer: Mapping[str, Any], dst: Sequence[torch.Tensor], tag: int, timeout: float) -> None:
-        return None
-
-    def close(self) -> None:
-        return None
 
 
 @pytest.fixture
