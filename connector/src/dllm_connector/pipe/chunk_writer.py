@@ -1,4 +1,4 @@
-"""Prefill's write path: chunks (and their pieces) go on the wire in order on their own thread."""
+"""Prefill's write path: chunks and their pieces go on the wire in order, several at once."""
 
 from __future__ import annotations
 
