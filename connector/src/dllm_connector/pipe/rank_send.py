@@ -67,7 +67,7 @@ class RankSend:
                 wire, raw = wire + chunk.header.payload_nbytes, raw + chunk.header.raw_nbytes
             writer.finish()
         except Exception as error:
-            # Nothing more is written; once the write under way returned, decode is told we
+            # Nothing more is written; once the writes under way returned, decode is told we
             # stopped, so it may hand the blocks on (H5).
             writer.stop(error)
             with contextlib.suppress(Exception):
