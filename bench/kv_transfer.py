@@ -6,8 +6,8 @@ in the same run, side by side:
 
     raw socket      Python sendall/recv_into of the same number of bytes: the link's limit
     <transport> <codec>   end to end: offer, gather + encode, write, decode + scatter, ack
-    mooncake <codec>, 1 write at once   (--one-write-rows) the same with one write on the wire at a
-                    time, as before gpu-review item 12 (WRITES_IN_FLIGHT writes otherwise)
+    mooncake <codec>, 4 writes at once   (--in-flight-rows) the same with four writes of a transfer
+                    on the wire at once, as over RDMA (gpu-review item 12; one at a time over TCP)
     mooncake spans  the transfer engine alone writing the KV's block spans to decode's (no pipe)
     mooncake 1 write  the same bytes as one write from one buffer: the engine's own best (for a
                     KV larger than decode's 1 GiB staging, writes of that size)
@@ -74,10 +74,10 @@ def main() -> None:
         "merge; default: reversed, so that none merge",
     )
     parser.add_argument(
-        "--one-write-rows",
+        "--in-flight-rows",
         action="store_true",
-        help="each Mooncake pipe row again with one write on the wire at a time (before gpu-review "
-        "item 12's writes in flight)",
+        help="each Mooncake pipe row again with four writes on the wire at once, as over RDMA "
+        "(gpu-review item 12)",
     )
     parser.add_argument("--serve", choices=["prefill", "decode"], help=argparse.SUPPRESS)
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -91,7 +91,7 @@ def main() -> None:
         args.tokens, args.repeats = [2048], 1  # plus the discarded warm-up run of every row
     started = time.perf_counter()
     settings = Settings(
-        args.batch_tokens, args.checksum, args.threads, args.consecutive_ids, args.one_write_rows
+        args.batch_tokens, args.checksum, args.threads, args.consecutive_ids, args.in_flight_rows
     )
     shape = f"{LAYERS} layers, block {BLOCK}, {KV_HEADS} KV heads, head_dim {HEAD_DIM}, bf16"
     codec_tokens = 1024 if args.quick else 2048

@@ -22,7 +22,7 @@ class Settings:
     checksum: str
     threads: int
     consecutive_ids: bool = False  # decode's blocks in prefill's order: spans merge into runs
-    one_write_rows: bool = False  # Mooncake's pipe rows again, one write on the wire at a time
+    in_flight_rows: bool = False  # Mooncake's pipe rows again, with RDMA's writes in flight
 
 
 class Peer:

@@ -14,6 +14,7 @@ from kv.shape import BLOCK, HEAD_DIM, KV_HEADS, LAYERS
 
 CODECS = ("none", "fp8", "int8")
 MAX_STAGING = 1 << 30  # each engine's staging buffer (bufferSizeGB); the pipe waits when it is full
+IN_FLIGHT = 4  # --in-flight-rows: Mooncake's writes on the wire at once over RDMA
 
 
 @dataclass
@@ -78,9 +79,9 @@ def measure_link(
                 runs[f"{transport} {codec}"] = _pipe_run(
                     prefill, decode, transport, codec, (src, dst), hosts[1], ports[transport]
                 )
-                if transport == "mooncake" and settings.one_write_rows:
-                    runs[f"{transport} {codec}, 1 write at once"] = _pipe_run(
-                        prefill, decode, transport, codec, (src, dst), hosts[1], ports[transport], 1
+                if transport == "mooncake" and settings.in_flight_rows:
+                    runs[f"{transport} {codec}, {IN_FLIGHT} writes at once"] = _pipe_run(
+                        prefill, decode, transport, codec, (src, dst), hosts[1], ports[transport], IN_FLIGHT
                     )
         if "mooncake" in transports:
             runs |= _mooncake_alone_runs(prefill, decode, src, dst, kv_bytes)

@@ -221,7 +221,6 @@ class Worker:
         port: int,
         writes_in_flight: int | None = None,
     ) -> dict[str, Any]:
-        from dllm_connector.pipe import chunk_writer
         from dllm_connector.pipe.sender import SendJob
         from dllm_contract.kvconfig import Compression
 
@@ -231,14 +230,15 @@ class Worker:
             self.senders[key] = self._sender_class(self.transports[transport], self.kv, config)
         sender = self.senders[key]
         wire_before = sender.stats.bytes_on_wire
-        own = chunk_writer.WRITES_IN_FLIGHT  # read as each transfer's writer starts
-        chunk_writer.WRITES_IN_FLIGHT = writes_in_flight or own
+        used = self.transports[transport]
+        own = used.writes_in_flight  # read as each transfer's writer starts
+        used.writes_in_flight = writes_in_flight or own
         try:
             started = time.perf_counter()
             sender.send(SendJob(transfer_id, tuple(blocks), host, port))
             seconds = time.perf_counter() - started
         finally:
-            chunk_writer.WRITES_IN_FLIGHT = own
+            used.writes_in_flight = own
         return {"seconds": seconds, "wire": sender.stats.bytes_on_wire - wire_before}
 
 

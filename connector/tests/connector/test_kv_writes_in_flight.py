@@ -1,10 +1,12 @@
 """Several writes of one transfer on the wire at once (gpu-review item 12): the writer starts a
-chunk's pieces without waiting for the one before, up to WRITES_IN_FLIGHT, and still announces them,
-and frees staging, in order and only once every write started before has ended.
+chunk's pieces without waiting for the one before, up to the transport's `writes_in_flight` (four for
+Mooncake over RDMA; over TCP one, which measured faster here), and still announces them, and frees
+staging, in order and only once every write started before has ended.
 
-The first test is real KVSender and KVReceiver over real Mooncake transports on 127.0.0.1, with a
-watch on the Mooncake transport's batch write (what its writer threads run). The others drive the
-writer alone with ManualTransportDouble, whose writes end when the test says.
+The first test is real KVSender and KVReceiver over real Mooncake transports on 127.0.0.1 (TCP, given
+RDMA's four writes at once), with a watch on the transport's batch write (what its writer threads
+run). The others drive the writer alone with ManualTransportDouble, whose writes end when the test
+says.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from peer_doubles import OneSidedTransportDouble, wait_until
 
 from dllm_connector import codec
 from dllm_connector.layout import PagedKV
-from dllm_connector.pipe.chunk_writer import WRITES_IN_FLIGHT, ChunkWriter, Plan, PreparedChunk, PreparedPiece
+from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan, PreparedChunk, PreparedPiece
 from dllm_connector.pipe.common import gb
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
 from dllm_connector.transport.base import Source, Span, TransportError
-from dllm_connector.transport.mooncake import MooncakeTransport
+from dllm_connector.transport.mooncake import RDMA_WRITES_IN_FLIGHT, MooncakeTransport
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_contract.kvconfig import Compression
 
@@ -70,6 +72,8 @@ def test_a_transfers_pieces_are_on_the_wire_together_and_land_whole(
     transports: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     decode, prefill = transports
+    assert decode.writes_in_flight == prefill.writes_in_flight == 1  # over TCP
+    monkeypatch.setattr(prefill, "writes_in_flight", RDMA_WRITES_IN_FLIGHT)
     watch = WriteWatch(prefill)
     monkeypatch.setattr(prefill, "_write", watch)
     config = pipe_config(
@@ -91,13 +95,15 @@ def test_a_transfers_pieces_are_on_the_wire_together_and_land_whole(
         receiver.close()
     assert torch.equal(target.gather(DST), source.gather(SRC))
     assert watch.started >= source.num_layers
-    assert 2 <= watch.most <= WRITES_IN_FLIGHT
+    assert 2 <= watch.most <= RDMA_WRITES_IN_FLIGHT
     assert sender.staging.in_use == 0
 
 
 class ManualTransportDouble(OneSidedTransportDouble):
     """Test double: a one-sided transport whose writes begin at once and end when the test calls
     `end(k)` (the k-th write, by its destination address), raising TransportError where told."""
+
+    writes_in_flight = 4
 
     def __init__(self, events: list[str]) -> None:
         super().__init__(events)
@@ -169,7 +175,7 @@ def test_the_writer_starts_a_chunks_writes_together_and_frees_its_staging_after_
     for index in range(3):
         writer.put(PreparedPiece([Span(1, 8)], [Span(100 + index, 8)], 0, index + 1))
     writer.put(a_chunk(staging, 200))
-    # all four began before any ended: WRITES_IN_FLIGHT of them at once
+    # all four began before any ended: writes_in_flight of them at once
     assert wait_until(lambda: events.count("begin 200") == 1, 10), events
     assert events == ["begin 100", "begin 101", "begin 102", "begin 200"]
     for address in (101, 100, 200, 102):  # the wire may finish them in any order

@@ -80,18 +80,13 @@ class StagingRelease:
 _Item = PreparedChunk | PreparedPiece | StagingRelease
 
 
-# Writes a transfer keeps on the wire at once on a one-sided transport: each write has a fixed cost
-# (a call into Mooncake, its completion), which the next ones' bytes then cover (gpu-review item 12;
-# docs/kv-connector.md, Pieces). Two-sided transports write one at a time, announced first.
-WRITES_IN_FLIGHT = 4
-
-
 class ChunkWriter:
     """Writes prepared chunks in order on threads of its own, so chunk k+1 encodes while k is on the
     wire.
 
     One-sided transports write first and then announce the chunk (its header, with the checksum);
-    a chunk's pieces go ahead of it as they are encoded, up to WRITES_IN_FLIGHT writes at once. One
+    a chunk's pieces go ahead of it as they are encoded, up to the transport's `writes_in_flight` at
+    once (gpu-review item 12: over RDMA each call's fixed cost is covered by the others' bytes). One
     thread starts the writes in order (after each one's ready mark); another waits for them in the
     same order, then announces what landed and releases staging. Two-sided ones announce first so
     the receiver can post its receive, and write one at a time.
@@ -111,7 +106,7 @@ class ChunkWriter:
         self._sock, self._plan = sock, plan
         self._queue: queue.Queue[_Item | None] = queue.Queue(maxsize=4)
         self._started: queue.Queue[_Started | None] = queue.Queue()  # in the order they began
-        self._in_flight = threading.Semaphore(WRITES_IN_FLIGHT if transport.one_sided else 1)
+        self._in_flight = threading.Semaphore(transport.writes_in_flight if transport.one_sided else 1)
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
         self._threads = [

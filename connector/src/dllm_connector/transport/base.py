@@ -94,6 +94,8 @@ class Transport(ABC):
 
     name: ClassVar[str]
     one_sided: ClassVar[bool]
+    # Writes of one transfer a caller may keep under way at once (`begin_send`).
+    writes_in_flight: int = 1
 
     @abstractmethod
     def register(self, tensor: torch.Tensor) -> None:
