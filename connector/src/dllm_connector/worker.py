@@ -20,6 +20,7 @@ import torch
 from dllm_connector import codec, tuning
 from dllm_connector.layout import Geometry, LayoutError, PagedKV, TPRank
 from dllm_connector.peers import DecodePeers
+from dllm_connector.pipe import span_checksum
 from dllm_connector.pipe.common import PipeConfig, TransferFailed
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
@@ -148,6 +149,8 @@ class ConnectorWorker:
         off_host = side is not None and side.placement.path is not DataPath.HOST
         staging = self.kv.device if off_host and self.kv.device.type != "cpu" else None
         codec.warm_up(self.kv.gather([0]), self.config.compression, self.kv.layout.groups, staging=staging)
+        if staging is not None:
+            span_checksum.warm_up(self.kv)  # the zero-copy checksum, where the data path may take it
         if side is not None:
             self.data_path = side.placement.path.value
             self.data_path_reason = side.data_path

@@ -67,3 +67,19 @@ def test_the_zero_copy_checksum_reads_in_place_where_the_kernel_serves_and_gets_
     for layer in range(kv.num_layers):
         in_place.add_layers(range(layer, layer + 1))
     assert in_place.value == gathered_value(kv, (0, 2), torch.empty(0, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("run_words", [40, 4101])
+def test_runs_short_and_long_after_bytes_ending_mid_row(run_words: int) -> None:
+    """The kernel's two variants (64-word tiles, 1024-word tiles over runs of several tiles and a
+    partial one), on blocks that start 333 words before a row ends."""
+    generator = torch.Generator().manual_seed(run_words)
+    cache = torch.randint(-(2**62), 2**62, (16, 2, 3, run_words), generator=generator, dtype=torch.int64)
+    ids = torch.randperm(16, generator=generator)[:10]
+    prefix = torch.arange((ROW_WORDS - 333) * 8, dtype=torch.int64).to(torch.uint8)
+    in_place, gathered = RunningTensorChecksum(), RunningTensorChecksum()
+    for running in (in_place, gathered):
+        running.add(prefix)
+    in_place.add_blocks(cache, ids)
+    gathered.add(cache.index_select(0, ids).view(-1).view(torch.uint8))
+    assert in_place.value == gathered.value

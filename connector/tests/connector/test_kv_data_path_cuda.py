@@ -247,21 +247,44 @@ def test_a_gpu_encodes_and_decodes_with_the_compiled_kernels_and_the_hosts_bytes
     assert torch.equal(codec.decode(header, payload).cpu(), codec.decode(host_header, host_payload))
 
 
-@pytest.mark.parametrize("heads", [None, (1, 2)])
+@pytest.mark.parametrize("heads", [None, (1, 3)])
 def test_the_zero_copy_checksum_reads_the_gpus_blocks_in_place_and_gets_the_gathers_value(
     heads: tuple[int, int] | None,
 ) -> None:
     """gpu-review item 14: the Triton kernel taking block ids serves on a GPU, and the zero-copy
-    checksum it makes equals the one the gather makes (the value a peer on the gather computes)."""
+    checksum it makes of a FlashAttention cache ([2, N, 16, 8, 128]: runs of 4096 words, or of 64 for
+    a head range) equals the one the gather makes (the value a peer on the gather computes)."""
     from dllm_connector.codec.device_checksum import RunningTensorChecksum, blocks_in_place
+    from dllm_connector.layout import Geometry
     from dllm_connector.pipe.span_checksum import DeviceChunkChecksum
 
     assert blocks_in_place(CUDA)
-    kv = PagedKV({name: cache.to(CUDA) for name, cache in make_caches(7).items()}, NUM_BLOCKS, GEOMETRY)
-    in_place = DeviceChunkChecksum(kv, SRC_BLOCKS, heads)
+    geometry = Geometry(block_size=16, num_kv_heads=8, head_dim=128)
+    caches = {f"l{i}": torch.randn(2, 256, 16, 8, 128, device=CUDA).to(torch.bfloat16) for i in range(3)}
+    kv = PagedKV(caches, 256, geometry)
+    blocks = [int(b) for b in torch.randperm(256, generator=torch.Generator().manual_seed(9))[:100]]
+    in_place = DeviceChunkChecksum(kv, blocks, heads)
     for layer in range(kv.num_layers):
         in_place.add_layers(range(layer, layer + 1))
     gathered = RunningTensorChecksum()
-    for run in kv.gathered_bytes(SRC_BLOCKS, heads, range(kv.num_layers), 1 << 20):
+    for run in kv.gathered_bytes(blocks, heads, range(kv.num_layers), 1 << 20):
         gathered.add(run)
+    assert in_place.value == gathered.value
+
+
+@pytest.mark.parametrize("run_words", [40, 4101])
+def test_the_in_place_kernel_gives_the_gathers_value_after_bytes_ending_mid_row(run_words: int) -> None:
+    """Both compiled variants (short and long runs), blocks that start 333 words before a row ends."""
+    from dllm_connector.codec.device_checksum import ROW_WORDS, RunningTensorChecksum
+
+    generator = torch.Generator().manual_seed(run_words)
+    cache = torch.randint(-(2**62), 2**62, (64, 2, 3, run_words), generator=generator, dtype=torch.int64)
+    cache = cache.to(CUDA)
+    ids = torch.randperm(64, generator=generator)[:40].to(CUDA)
+    prefix = torch.arange((ROW_WORDS - 333) * 8, dtype=torch.int64).to(torch.uint8).to(CUDA)
+    in_place, gathered = RunningTensorChecksum(), RunningTensorChecksum()
+    for running in (in_place, gathered):
+        running.add(prefix)
+    in_place.add_blocks(cache, ids)
+    gathered.add(cache.index_select(0, ids).view(-1).view(torch.uint8))
     assert in_place.value == gathered.value

@@ -25,11 +25,12 @@ from peer_doubles import OneSidedTransportDouble, wait_until
 from dllm_connector import codec
 from dllm_connector.layout import PagedKV
 from dllm_connector.pipe.chunk_writer import ChunkWriter, Plan, PreparedChunk, PreparedPiece
-from dllm_connector.pipe.common import gb
+from dllm_connector.pipe.common import gb, readable
 from dllm_connector.pipe.receiver import KVReceiver
 from dllm_connector.pipe.sender import KVSender, SendJob
-from dllm_connector.transport.base import Source, Span, TransportError
+from dllm_connector.transport.base import Source, Span, TransferTimeout, TransportError
 from dllm_connector.transport.mooncake import RDMA_WRITES_IN_FLIGHT, MooncakeTransport
+from dllm_connector.transport.sidechannel.framing import recv_message
 from dllm_connector.transport.staging import StagingBuffer
 from dllm_contract.kvconfig import Compression
 
@@ -107,6 +108,7 @@ class ManualTransportDouble(OneSidedTransportDouble):
 
     def __init__(self, events: list[str]) -> None:
         super().__init__(events)
+        self.stops: dict[int, threading.Event | None] = {}  # what each write was told to stop on
         self._ends: dict[int, threading.Event] = {}
         self._fails: set[int] = set()
         self._lock = threading.Lock()
@@ -121,10 +123,17 @@ class ManualTransportDouble(OneSidedTransportDouble):
         self._gate(address).set()
 
     def begin_send(
-        self, peer: Mapping[str, Any], src: Sequence[Source], dst: Sequence[Span], tag: int, timeout: float
+        self,
+        peer: Mapping[str, Any],
+        src: Sequence[Source],
+        dst: Sequence[Span],
+        tag: int,
+        timeout: float,
+        stop: threading.Event | None = None,
     ) -> Callable[[], None]:
         address = dst[0].addr
         self.events.append(f"begin {address}")
+        self.stops[address] = stop
         return functools.partial(self._wait, address)
 
     def _wait(self, address: int) -> None:
@@ -162,6 +171,12 @@ def staged_writer(
     return ChunkWriter(transport, 5.0, staging, sock, Plan(0, 1, 1, None, 1, {}), CPU), transport, staging
 
 
+def announced(sock: socket.socket) -> tuple[str, int]:
+    """The next message the writer sent decode: its type and its parts (a piece) or index (a chunk)."""
+    message = recv_message(sock, 5)
+    return str(message["type"]), int(message["parts"] if message["type"] == "piece" else message["index"])
+
+
 def a_chunk(staging: StagingBuffer, address: int) -> PreparedChunk:
     header = codec.KVHeader(Compression.NONE, "bfloat16", (1, 4), 1, 0)
     return PreparedChunk(0, header, [Span(1, 8)], [Span(address, 8)], staging.reserve(8, 1.0))
@@ -181,9 +196,17 @@ def test_the_writer_starts_a_chunks_writes_together_and_frees_its_staging_after_
     for address in (101, 100, 200, 102):  # the wire may finish them in any order
         transport.end(address)
     writer.finish()
-    assert events[-1] == "release"
-    assert sorted(events[4:8]) == ["end 100", "end 101", "end 102", "end 200"]
+    # waited for in the order they began, the staging freed after the last
+    assert events[4:] == ["end 100", "end 101", "end 102", "end 200", "release"]
     assert staging.in_use == 0
+    # each piece announced once its write ended, in order, then the chunk's header
+    assert [announced(channel[1]) for _ in range(4)] == [
+        ("piece", 1),
+        ("piece", 2),
+        ("piece", 3),
+        ("chunk", 0),
+    ]
+    assert not readable(channel[1], 0)
 
 
 def test_a_failed_write_stops_the_rest_and_staging_waits_for_the_writes_still_on_the_wire(
@@ -207,3 +230,36 @@ def test_a_failed_write_stops_the_rest_and_staging_waits_for_the_writes_still_on
         writer.finish()
     assert events == ["begin 100", "begin 101", "begin 200", "end 100", "end 101", "end 200", "release"]
     assert staging.in_use == 0
+    # the writes still on the wire were told to stop starting batches at the failure (a deadline of
+    # their own still ends them), and nothing was announced: decode learns of the failure instead
+    assert all(stop is not None and stop.is_set() for stop in transport.stops.values())
+    assert not readable(channel[1], 0)
+
+
+def test_a_mooncake_write_told_to_stop_writes_nothing(
+    transports: tuple[MooncakeTransport, MooncakeTransport],
+) -> None:
+    """A write among several under way whose writer met a failure elsewhere starts no batch."""
+    decode, prefill = transports
+    sent, landed = torch.full((4096,), 7, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)
+    prefill.register(sent)
+    decode.register(landed)
+    halt = threading.Event()
+    halt.set()
+    finish = prefill.begin_send(
+        {"session": decode.session_id},
+        [Span(sent.data_ptr(), 4096)],
+        [Span(landed.data_ptr(), 4096)],
+        0,
+        10,
+        halt,
+    )
+    with pytest.raises(TransferTimeout, match="stopped"):
+        finish()
+    assert not bool(landed.any())
+    prefill.send(
+        {"session": decode.session_id}, [Span(sent.data_ptr(), 4096)], [Span(landed.data_ptr(), 4096)], 0, 10
+    )
+    assert torch.equal(landed, sent)  # the same write, not told to stop, lands
+    prefill.unregister(sent)
+    decode.unregister(landed)

@@ -204,7 +204,7 @@ def _same_round_trip(probe: torch.Tensor, codec: Compression, plain: _Kernels, o
 
 
 _kernels_lock = threading.Lock()
-_device_kernels: dict[str, _Kernels] = {}  # by device type, for payloads off the host
+_device_kernels: dict[tuple[str, torch.dtype], _Kernels] = {}  # by device type and KV dtype, off the host
 
 
 def kernels() -> _Kernels:
@@ -216,8 +216,8 @@ def kernels() -> _Kernels:
 
 
 def device_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> _Kernels:
-    """The set for payloads on `device`: the host's (`kernels()`) on the CPU. On another device,
-    chosen at its first use there (warm-up, with the KV's `dtype`): torch.compile's, Triton on a GPU,
+    """The set for payloads of `dtype` KV on `device`: the host's (`kernels()`) on the CPU. On another
+    device, chosen at its first use there (the engine's warm-up): torch.compile's, Triton on a GPU,
     where each call is a fused pass or two instead of plain ops' twenty launches with float32
     temporaries (gpu-review item 14); plain ops where the compiled set does not build there or
     writes other bytes than the host's plain ops (a division rounded otherwise), or where `plain`
@@ -225,9 +225,9 @@ def device_kernels(device: torch.device, dtype: torch.dtype = torch.bfloat16) ->
     if device.type == "cpu":
         return kernels()
     with _kernels_lock:
-        chosen = _device_kernels.get(device.type)
+        chosen = _device_kernels.get((device.type, dtype))
         if chosen is None:
-            chosen = _device_kernels[device.type] = _device_set(device, dtype, _request.name)
+            chosen = _device_kernels[device.type, dtype] = _device_set(device, dtype, _request.name)
         return chosen
 
 

@@ -109,6 +109,7 @@ class ChunkWriter:
         self._in_flight = threading.Semaphore(transport.writes_in_flight if transport.one_sided else 1)
         self._error: BaseException | None = None
         self._error_lock = threading.Lock()
+        self._halt = threading.Event()  # set at the first error: writes under way start no more batches
         self._threads = [
             threading.Thread(target=on_device(device, self._start_loop), name="kv-chunk-writer", daemon=True),
             threading.Thread(target=on_device(device, self._end_loop), name="kv-chunk-written", daemon=True),
@@ -130,6 +131,7 @@ class ChunkWriter:
         with self._error_lock:
             if self._error is None:
                 self._error = error
+        self._halt.set()
 
     def _start_loop(self) -> None:
         try:
@@ -157,7 +159,8 @@ class ChunkWriter:
                     item.ready = None  # waited for: nothing left to wait for at its release
             if not item.src:
                 return _nothing_written
-            return transport.begin_send(self._plan.peer, item.src, item.dst, self._plan.tag, self._timeout)
+            plan = self._plan
+            return transport.begin_send(plan.peer, item.src, item.dst, plan.tag, self._timeout, self._halt)
         except Exception as error:  # noqa: BLE001 - raised again by put/finish in the sender
             self._failed_write(error)
             return None
@@ -175,7 +178,10 @@ class ChunkWriter:
             self._failed_write(error)
         finally:
             self._in_flight.release()
-            self._release(item)
+            try:
+                self._release(item)
+            except Exception as error:  # noqa: BLE001 - this thread must go on to the next one
+                self._fail(error)
 
     def _failed_write(self, error: Exception) -> None:
         if isinstance(error, TransportError):

@@ -85,6 +85,15 @@ class DeviceChunkChecksum:
         return self._running.value
 
 
+def warm_up(kv: PagedKV) -> None:
+    """The device checksum once over one block of every layer: on a GPU this builds the in-place
+    kernel for the cache's own strides (Triton types integer arguments by their size) at the
+    engine's start, not on a transfer's path."""
+    running = DeviceChunkChecksum(kv, [0], None)
+    running.add_layers(range(kv.num_layers))
+    _ = running.value
+
+
 def chunk_checksum(
     kv: PagedKV, algo: ChecksumAlgo, blocks: Sequence[int], heads: HeadRange | None
 ) -> ChunkChecksum:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -127,10 +128,12 @@ class Transport(ABC):
         dst: Sequence[Span],
         tag: int,
         timeout: float,
+        stop: threading.Event | None = None,
     ) -> Callable[[], None]:
         """Start `send` and return what waits for it to end (raising what `send` would), so that a
         caller can start the next one meanwhile. The caller always waits before it reuses or frees
-        the memory. By default the whole send runs here."""
+        the memory. Once `stop` is set the write starts nothing more (its caller gave up: another
+        write failed). By default the whole send runs here."""
         self.send(peer, src, dst, tag, timeout)
         return _sent
 

@@ -182,7 +182,10 @@ class MooncakeTransport(Transport):
         self._lock = threading.Lock()
         self.entries = EntryBudget()  # shared by every write through this engine
         self.writes_in_flight = RDMA_WRITES_IN_FLIGHT if protocol == "rdma" else 1
-        self._writers = ThreadPoolExecutor(_WRITERS, thread_name_prefix="mooncake-write")
+        # as many transfers at once whatever each keeps in flight
+        self._writers = ThreadPoolExecutor(
+            _WRITERS * self.writes_in_flight, thread_name_prefix="mooncake-write"
+        )
 
     @property
     def session_id(self) -> str:
@@ -227,12 +230,14 @@ class MooncakeTransport(Transport):
         dst: Sequence[Span],
         tag: int,
         timeout: float,
+        stop: threading.Event | None = None,
     ) -> Callable[[], None]:
         """The write goes to one of the transport's threads; what this returns waits for it, up to
-        `timeout` from now."""
+        `timeout` from now. No batch starts, and none is written again, past that deadline or once
+        `stop` is set, whoever waits for it."""
         check_sizes(src, dst)
         session = str(peer["session"])
-        stop = threading.Event()
+        stop = threading.Event() if stop is None else stop
         deadline = time.monotonic() + timeout
         # Mooncake may read device memory: the write runs on the caller's device.
         try:
@@ -285,7 +290,9 @@ class MooncakeTransport(Transport):
         """The batches of one send, one after another (raises into the caller's future)."""
         sources, (targets, sizes) = columns(src)[0], columns(dst)
         for start in range(0, len(sources), _BATCH):
-            if stop.is_set():  # also a send that waited for a thread past its caller's wait
+            # also a send that waited for a thread past its caller's wait, or one among several
+            # under way whose caller stopped at another's failure
+            if stop.is_set() or time.monotonic() >= deadline:
                 raise TransferTimeout(f"Mooncake write to {session} stopped at its deadline")
             local = sources[start : start + _BATCH]
             remote = targets[start : start + _BATCH]
@@ -293,17 +300,23 @@ class MooncakeTransport(Transport):
             if not self.entries.acquire(len(lengths), deadline):
                 raise TransferTimeout(f"Mooncake write to {session} found no room in flight by its deadline")
             try:
-                status = self._write(session, local, remote, lengths, stop)
+                status = self._write(session, local, remote, lengths, stop, deadline)
             finally:
                 self.entries.release(len(lengths))
             if status != 0:
                 raise TransportError(f"Mooncake batch write to {session} failed (status {status})")
 
     def _write(
-        self, session: str, local: list[int], remote: list[int], lengths: list[int], stop: threading.Event
+        self,
+        session: str,
+        local: list[int],
+        remote: list[int],
+        lengths: list[int],
+        stop: threading.Event,
+        deadline: float,
     ) -> int:
         status = int(self._engine.batch_transfer_sync_write(session, local, remote, lengths))
-        if status != 0 and not stop.is_set():
+        if status != 0 and not stop.is_set() and time.monotonic() < deadline:
             # Once more while the caller's deadline allows: a peer (or a whole node) that stood still
             # past Mooncake's own bound, then resumed, takes the same bytes now; writing them again to
             # the same place changes nothing if the first write did land.
