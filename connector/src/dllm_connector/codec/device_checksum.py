@@ -309,7 +309,7 @@ class RunningTensorChecksum:
         from dllm_connector.codec import block_checksum
 
         first, count = self._nbytes // 8, ids.numel() * words[0].numel()
-        self._reserve((first + count) // ROW_WORDS + 2)  # a tile that ends a row may name the next
+        self._reserve((first + count + ROW_WORDS - 1) // ROW_WORDS)  # the rows the words reach
         assert self._rows is not None
         block_checksum.add_block_terms(self._rows, words, ids, first, _keys(words.device))
         self._nbytes += count * 8

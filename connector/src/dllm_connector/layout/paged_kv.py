@@ -77,6 +77,7 @@ class PagedKV:
         # through the second set, whose segments may swap tokens and heads (layer_layout).
         self._views = [self._block_major(tensor) for tensor in self.caches]
         self._gathered_views = [self._gathered_order(view) for view in self._views]
+        self._block_words: dict[HeadRange | None, list[torch.Tensor] | None] = {}  # by head range
 
     def _check_rank_heads(self) -> None:
         total = self.geometry.total_kv_heads
@@ -289,9 +290,12 @@ class PagedKV:
     def block_words(self, heads: HeadRange | None) -> list[torch.Tensor] | None:
         """Every layer's blocks (of `heads`) as int64 words [blocks, A, B, C] over the cache's memory,
         in the order `gathered_bytes` gives their bytes (layout.block_words); None where a layer's
-        blocks are not whole words."""
-        words = [block_words(view) for view in self._head_views(heads, gathered=False)]
-        return None if any(layer is None for layer in words) else cast(list[torch.Tensor], words)
+        blocks are not whole words. Made once per head range: every chunk's checksum asks again."""
+        if heads not in self._block_words:
+            words = [block_words(view) for view in self._head_views(heads, gathered=False)]
+            whole = None if any(layer is None for layer in words) else cast(list[torch.Tensor], words)
+            self._block_words[heads] = whole
+        return self._block_words[heads]
 
     def scatter(self, block_ids: Sequence[int], batch: torch.Tensor, heads: HeadRange | None = None) -> None:
         layers = batch.view(self._layered_shape(len(block_ids), heads))
