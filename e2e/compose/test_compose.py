@@ -25,7 +25,7 @@ import yaml
 from e2e.dataplane import kv_moved
 from e2e.dataplane.pipeline import DEMO_ANSWER, DEMO_CHAT, http_status, post_json
 from e2e.dataplane.tiny_model import build
-from e2e.fixtures import wait_until
+from e2e.fixtures import WaitTimeout, wait_until
 from e2e.ports import free_port
 
 pytestmark = [pytest.mark.dataplane, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -54,6 +54,32 @@ class Compose:
 
     def url(self, role: str) -> str:
         return f"http://127.0.0.1:{self.ports[role]}"
+
+    def container(self, role: str) -> str:
+        return f"{self.project}_{role}-server_1"
+
+    def state(self, role: str) -> str:
+        return podman("inspect", "--format", "{{.State.Status}}", self.container(role)).strip()
+
+    def logs(self, role: str) -> str:
+        logs = subprocess.run(
+            ["podman", "logs", "--tail", "60", self.container(role)],
+            capture_output=True, text=True, check=False, env=ENV,
+        )  # fmt: skip
+        return f"{self.container(role)} ({self.state(role)}):\n{logs.stdout}{logs.stderr}"
+
+    def wait_healthy(self, role: str, timeout: float) -> None:
+        """Until the engine answers /health; fails at once if its container stopped, with its log."""
+
+        def healthy() -> bool:
+            if self.state(role) != "running":  # podman-compose up -d ignores a start that failed
+                raise AssertionError(f"the {role} engine is not running:\n{self.logs(role)}")
+            return http_status(f"{self.url(role)}/health") == 200
+
+        try:
+            wait_until(healthy, timeout, f"{role} engine /health", interval=1.0)
+        except WaitTimeout as timeout_error:
+            raise AssertionError(f"{timeout_error}\n{self.logs(role)}") from timeout_error
 
     def leftovers(self) -> list[str]:
         label = f"label=io.podman.compose.project={self.project}"
@@ -105,15 +131,7 @@ def compose() -> Iterator[Compose]:
         started = stack.run("up", "-d")
         assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
         for role in ("prefill", "decode"):
-
-            def healthy(url: str = stack.url(role) + "/health") -> bool:
-                return http_status(url) == 200
-
-            wait_until(
-                healthy,
-                300,
-                f"{role} engine /health",
-            )
+            stack.wait_healthy(role, 300)
         # /ready is 503 until the router's own checks have seen both engines ready.
         wait_until(lambda: http_status(stack.url("router") + "/ready") == 200, 60, "the router's /ready")
         yield stack

@@ -136,7 +136,8 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log: Path, port: int)
         "DO_NOT_TRACK": "1",
     }  # nothing leaves the host
     sockets = Path(tempfile.mkdtemp(prefix="dllm-rpc-"))
-    base["VLLM_RPC_BASE_PATH"] = str(sockets)
+    # vLLM's FileStore rendezvous (vllm_dist_*) goes to TMPDIR and is never removed: here it goes too.
+    base |= {"VLLM_RPC_BASE_PATH": str(sockets), "TMPDIR": str(sockets)}
     with log.open("ab") as out:
         process = subprocess.Popen(
             argv, env={**base, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT

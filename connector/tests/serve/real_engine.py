@@ -45,12 +45,13 @@ def engine_args(model: Path, port: int) -> list[str]:
 def dllm_serve(env: Mapping[str, str], args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """`python -m dllm_connector.serve -- args` in its own session, logging to `log`; stopped at the
     end with SIGTERM (SIGKILL past a minute) unless it already ended."""
-    # vLLM's processes meet on Unix sockets in VLLM_RPC_BASE_PATH (default /tmp), never removed on exit.
+    # vLLM's processes meet on Unix sockets in VLLM_RPC_BASE_PATH (default /tmp) and its FileStore
+    # rendezvous (vllm_dist_*) goes to TMPDIR, neither removed on exit: both go to a directory removed here.
     sockets = Path(tempfile.mkdtemp(prefix="dllm-rpc-"))
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dllm_connector.serve", "--", *args],
-            env={"VLLM_RPC_BASE_PATH": str(sockets), **env},
+            env={"VLLM_RPC_BASE_PATH": str(sockets), "TMPDIR": str(sockets), **env},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
