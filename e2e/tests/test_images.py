@@ -71,3 +71,27 @@ def test_a_warm_rebuild_builds_nothing() -> None:
     for name in IMAGES:
         assert f"{PREFIX}/{name}:dev: cached" in result.stderr, result.stderr
     assert "building" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("user", ["10001", "54321:0"])  # the image's user; another uid of group 0
+def test_the_engine_image_knows_the_samples_model_classes_without_a_second_vllm_process(user: str) -> None:
+    """The image carries vLLM's model-class cache (dllm_connector/model_info_cache.py): an engine start
+    reads it instead of importing vLLM again in a child process to inspect the class."""
+    script = (
+        "from vllm.model_executor.models import registry\n"
+        "def no_child(fn):\n"
+        "    raise AssertionError('vLLM started a process to inspect the model class')\n"
+        "registry._run_in_subprocess = no_child\n"
+        "for arch in ('LlamaForCausalLM', 'DeepseekV2ForCausalLM', 'DeepseekV3ForCausalLM'):\n"
+        "    print(arch, registry.ModelRegistry.models[arch].inspect_model_cls().is_text_generation_model)\n"
+    )
+    argv = ["podman", "run", "--rm", "--network", "none", "--user", user, "--entrypoint", "python3"]
+    result = subprocess.run(
+        [*argv, f"{PREFIX}/vllm-cpu:dev", "-c", script],
+        check=False, capture_output=True, text=True, env=ENV, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == [
+        "LlamaForCausalLM", "True", "DeepseekV2ForCausalLM", "True", "DeepseekV3ForCausalLM", "True"
+    ]  # fmt: skip
