@@ -20,10 +20,13 @@ import pytest
 
 def base_env(home: Path) -> dict[str, str]:
     """What every engine here runs with: offline, one OpenMP thread, a small CPU KV cache, and the
-    caller's PYTHONPATH and codec kernel choice when set."""
+    caller's PYTHONPATH and codec kernel choice when set. vLLM's cache stays the runner's, as the
+    engine image carries its own: in a new HOME each start would import vLLM a second time to learn
+    the model's class (dllm_connector/model_info_cache.py)."""
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": str(home),
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(Path.home() / ".cache" / "vllm")),
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "VLLM_CPU_KVCACHE_SPACE": "1",
