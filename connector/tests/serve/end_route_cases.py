@@ -142,9 +142,15 @@ async def send_outcome(sender: KVSender, tid: str, within: float) -> str | None:
     return outcomes[tid]
 
 
-async def waiting_send(sender: KVSender, receiver: KVReceiver, tid: str) -> float:
-    """Submit prefill's send of `tid` and return when it waits for decode (its start time)."""
+def submit_send(sender: KVSender, receiver: KVReceiver, tid: str) -> float:
+    """Submit prefill's send of `tid` to the receiver; returns when it was submitted."""
     started = time.monotonic()
     sender.submit(SendJob(tid, (1, 2), HOST, receiver.port, HASH))
+    return started
+
+
+async def waiting_send(sender: KVSender, receiver: KVReceiver, tid: str) -> float:
+    """Submit prefill's send of `tid` and return when it waits for decode (its start time)."""
+    started = submit_send(sender, receiver, tid)
     await wait_until_async(lambda: tid in sender.in_flight, f"the send of {tid} to wait for decode", 5)
     return started
