@@ -128,6 +128,13 @@ class Process:
             shutil.rmtree(self.sockets, ignore_errors=True)
 
 
+def scratch_env(directory: Path) -> dict[str, str]:
+    """Environment sending what vLLM leaves behind on exit to `directory`, which the caller removes with
+    the process: its processes' Unix sockets (VLLM_RPC_BASE_PATH, default /tmp) and its FileStore
+    rendezvous files (vllm_dist_*, in TMPDIR)."""
+    return {"VLLM_RPC_BASE_PATH": str(directory), "TMPDIR": str(directory)}
+
+
 def spawn(name: str, argv: list[str], env: dict[str, str], log: Path, port: int) -> Process:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "MOONCAKE_", "MC_", "DLLM_"))}
     base |= {
@@ -136,8 +143,7 @@ def spawn(name: str, argv: list[str], env: dict[str, str], log: Path, port: int)
         "DO_NOT_TRACK": "1",
     }  # nothing leaves the host
     sockets = Path(tempfile.mkdtemp(prefix="dllm-rpc-"))
-    # vLLM's FileStore rendezvous (vllm_dist_*) goes to TMPDIR and is never removed: here it goes too.
-    base |= {"VLLM_RPC_BASE_PATH": str(sockets), "TMPDIR": str(sockets)}
+    base |= scratch_env(sockets)
     with log.open("ab") as out:
         process = subprocess.Popen(
             argv, env={**base, **env}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
@@ -210,6 +216,7 @@ class Pipeline:
         for flag, value in (changes or {}).items():
             args = replace_flag(args, flag, value)
         argv = [sys.executable, "-m", "dllm_connector.serve", "--", *args]
+        self._retire(role)
         process = spawn(role, argv, env, self.logs / f"{role}.log", self.ports[role])
         self.processes[role] = process
         return process
@@ -229,9 +236,16 @@ class Pipeline:
         container = router_deployment(cr, OperatorConfig())["spec"]["template"]["spec"]["containers"][0]
         env = container_env(cr, container, self.secret)
         assert set(env) >= {auth.ROUTER_API_KEY_ENV}, "the router takes the engine key from the Secret"
+        self._retire(name)
         process = spawn(name, argv, env, self.logs / f"{name}.log", port)
         self.processes[name] = process
         return process
+
+    def _retire(self, name: str) -> None:
+        """Stop the process `name` names before another takes its place: one a test already ended
+        still has its scratch directory to remove."""
+        if (before := self.processes.pop(name, None)) is not None:
+            before.stop()
 
     def start(self) -> Pipeline:
         engines = [self.start_engine("prefill"), self.start_engine("decode")]

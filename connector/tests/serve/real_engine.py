@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from e2e.dataplane.pipeline import scratch_env
 
 
 def base_env(home: Path) -> dict[str, str]:
@@ -48,13 +49,11 @@ def engine_args(model: Path, port: int) -> list[str]:
 def dllm_serve(env: Mapping[str, str], args: list[str], log: Path) -> Iterator[subprocess.Popen[bytes]]:
     """`python -m dllm_connector.serve -- args` in its own session, logging to `log`; stopped at the
     end with SIGTERM (SIGKILL past a minute) unless it already ended."""
-    # vLLM's processes meet on Unix sockets in VLLM_RPC_BASE_PATH (default /tmp) and its FileStore
-    # rendezvous (vllm_dist_*) goes to TMPDIR, neither removed on exit: both go to a directory removed here.
-    sockets = Path(tempfile.mkdtemp(prefix="dllm-rpc-"))
+    sockets = Path(tempfile.mkdtemp(prefix="dllm-rpc-"))  # what vLLM leaves behind: removed below
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dllm_connector.serve", "--", *args],
-            env={"VLLM_RPC_BASE_PATH": str(sockets), "TMPDIR": str(sockets), **env},
+            env={**scratch_env(sockets), **env},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
